@@ -1,0 +1,157 @@
+"""ServerArgs: every knob of the engine in one dataclass, under SGLang's flag names."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+SchedulePolicyName = Literal["fcfs", "lpm", "dfs-weight", "lof", "random"]
+SCHEDULE_POLICIES: tuple[str, ...] = ("fcfs", "lpm", "dfs-weight", "lof", "random")
+DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16")
+
+
+class InvalidArgumentError(ValueError):
+    """A server argument has a value the engine cannot work with."""
+
+
+@dataclass
+class ServerArgs:
+    # Model
+    model_path: str | None = None
+    tokenizer_path: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    context_length: int | None = None
+    random_seed: int = 0
+
+    # Memory
+    max_total_tokens: int | None = None
+    mem_fraction_static: float = 0.85
+    max_running_requests: int | None = None
+    page_size: int = 1
+
+    # Scheduling
+    schedule_policy: str = "fcfs"
+    schedule_conservativeness: float = 1.0
+    max_prefill_tokens: int = 16384
+    chunked_prefill_size: int | None = 2048
+    enable_mixed_chunk: bool = False
+    disable_radix_cache: bool = False
+    stream_interval: int = 1
+
+    # Logging and self-checks
+    log_level: str = "info"
+    decode_log_interval: int = 40
+    skip_idle_check: bool = False
+
+    # Server (used by `radixserve serve`)
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+
+    # Parallelism: written tensor-parallel-ready, only 1 supported for now.
+    tp_size: int = 1
+
+    extra: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if self.dtype not in DTYPES:
+            raise InvalidArgumentError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            choices = ", ".join(SCHEDULE_POLICIES)
+            policy = self.schedule_policy
+            raise InvalidArgumentError(f"--schedule-policy must be one of {choices}, got {policy!r}")
+        if self.page_size < 1:
+            raise InvalidArgumentError(f"--page-size must be >= 1, got {self.page_size}")
+        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
+            raise InvalidArgumentError("--max-total-tokens must hold at least one page")
+        if not 0.0 < self.mem_fraction_static <= 1.0:
+            raise InvalidArgumentError("--mem-fraction-static must be in (0, 1]")
+        if self.max_running_requests is not None and self.max_running_requests < 1:
+            raise InvalidArgumentError("--max-running-requests must be >= 1")
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size <= 0:
+            # SGLang uses -1 to switch chunking off.
+            self.chunked_prefill_size = None
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size < self.page_size:
+            raise InvalidArgumentError("--chunked-prefill-size must be at least --page-size")
+        if self.max_prefill_tokens < 1:
+            raise InvalidArgumentError("--max-prefill-tokens must be >= 1")
+        if self.schedule_conservativeness <= 0:
+            raise InvalidArgumentError("--schedule-conservativeness must be > 0")
+        if self.stream_interval < 1:
+            raise InvalidArgumentError("--stream-interval must be >= 1")
+        if self.tp_size != 1:
+            raise InvalidArgumentError("--tp-size > 1 is not supported yet; tensor parallelism is planned")
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        model = parser.add_argument_group("model")
+        model.add_argument(
+            "--model-path",
+            "--model",
+            dest="model_path",
+            default=None,
+            help="HF folder, .gguf file or hub id (default: the packaged SmolLM2-135M-Instruct GGUF)",
+        )
+        model.add_argument("--tokenizer-path", default=None, help="tokenizer folder (default: the model's)")
+        model.add_argument("--served-model-name", default=None)
+        model.add_argument(
+            "--dtype",
+            default="auto",
+            choices=DTYPES,
+            help="auto: bfloat16 where the device has a fast path, else float32",
+        )
+        model.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+        model.add_argument("--context-length", type=int, default=None)
+        model.add_argument("--random-seed", type=int, default=0)
+
+        memory = parser.add_argument_group("memory")
+        memory.add_argument(
+            "--max-total-tokens",
+            type=int,
+            default=None,
+            help="KV cache capacity in tokens (default: from --mem-fraction-static)",
+        )
+        memory.add_argument(
+            "--mem-fraction-static",
+            type=float,
+            default=0.85,
+            help="fraction of free memory after weights given to the KV cache",
+        )
+        memory.add_argument("--max-running-requests", type=int, default=None)
+        memory.add_argument("--page-size", type=int, default=1)
+
+        sched = parser.add_argument_group("scheduling")
+        sched.add_argument("--schedule-policy", default="fcfs", choices=SCHEDULE_POLICIES)
+        sched.add_argument(
+            "--schedule-conservativeness",
+            type=float,
+            default=1.0,
+            help="higher reserves more KV for running requests (fewer retractions)",
+        )
+        sched.add_argument("--max-prefill-tokens", type=int, default=16384)
+        sched.add_argument("--chunked-prefill-size", type=int, default=2048, help="-1 disables chunking")
+        sched.add_argument("--enable-mixed-chunk", action="store_true")
+        sched.add_argument("--disable-radix-cache", action="store_true")
+        sched.add_argument("--stream-interval", type=int, default=1)
+
+        logs = parser.add_argument_group("logging")
+        logs.add_argument("--log-level", default="info")
+        logs.add_argument("--decode-log-interval", type=int, default=40)
+
+        parallel = parser.add_argument_group("parallelism")
+        parallel.add_argument("--tp-size", type=int, default=1)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}

@@ -1,0 +1,76 @@
+"""Command line: `radixserve generate | bench`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from radixserve.args import ServerArgs
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from radixserve.engine import Engine
+
+    server_args = ServerArgs.from_cli_args(args)
+    params = {
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+    }
+    if args.seed is not None:
+        params["seed"] = args.seed
+    engine = Engine(**{k: v for k, v in server_args.to_dict().items()})
+    try:
+        prompt = args.prompt
+        if args.chat:
+            prompt = engine.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+            )
+        result = engine.generate(prompt, params)
+        assert isinstance(result, dict)
+        if args.json:
+            print(json.dumps(result, indent=2))
+        else:
+            print(result["text"])
+        engine.check_kv_invariant()
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="radixserve", description="LLM serving engine with a radix prefix cache"
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete one prompt with the offline engine and print the text")
+    gen.add_argument("prompt")
+    sampling = gen.add_argument_group("sampling")
+    sampling.add_argument("--max-new-tokens", type=int, default=64)
+    sampling.add_argument("--temperature", type=float, default=0.0)
+    sampling.add_argument("--top-p", type=float, default=1.0)
+    sampling.add_argument("--top-k", type=int, default=-1)
+    sampling.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--json", action="store_true", help="print the whole result with meta_info")
+    ServerArgs.add_cli_args(gen)
+    gen.set_defaults(func=_generate)
+
+    from radixserve.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    result: int = args.func(args)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())

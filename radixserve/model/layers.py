@@ -1,0 +1,197 @@
+"""Building blocks of decoder models, written tensor-parallel-ready.
+
+Each parallel layer holds only its own shard of the weight and knows how to cut that shard out of
+a full checkpoint tensor (`load`). With tp_size == 1 the shard is the whole tensor; the collective
+that a row-parallel layer or the vocab-parallel embedding would need is marked where it belongs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    tp_rank: int = 0
+    tp_size: int = 1
+
+
+SINGLE = ParallelContext()
+
+
+def _divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{what} ({numerator}) is not divisible by tp_size ({denominator})")
+    return numerator // denominator
+
+
+def _all_reduce(x: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
+    if ctx.tp_size == 1:
+        return x
+    raise NotImplementedError("tensor parallelism > 1 needs torch.distributed; it is not wired up yet")
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W split by output rows across ranks.
+
+    `output_sizes` lists the logical sub-matrices stacked in this layer (q, k, v or gate, up),
+    so that each is sharded separately and loaded by shard id.
+    """
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool, ctx: ParallelContext = SINGLE):
+        super().__init__()
+        self.ctx = ctx
+        self.local_sizes = [_divide(size, ctx.tp_size, "output size") for size in output_sizes]
+        self.offsets = [sum(self.local_sizes[:i]) for i in range(len(self.local_sizes))]
+        out = sum(self.local_sizes)
+        self.weight = nn.Parameter(torch.empty(out, input_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
+
+    def load(self, name: str, tensor: torch.Tensor, shard: int = 0) -> None:
+        target = self.weight if name == "weight" else self.bias
+        assert target is not None, f"checkpoint has a {name} this layer does not"
+        size = self.local_sizes[shard]
+        piece = tensor.narrow(0, self.ctx.tp_rank * size, size)
+        target.data.narrow(0, self.offsets[shard], size).copy_(piece)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T with W split by input columns; the partial sums are all-reduced across ranks."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, ctx: ParallelContext = SINGLE):
+        super().__init__()
+        self.ctx = ctx
+        self.local_input = _divide(input_size, ctx.tp_size, "input size")
+        self.weight = nn.Parameter(torch.empty(output_size, self.local_input), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
+
+    def load(self, name: str, tensor: torch.Tensor, shard: int = 0) -> None:
+        if name == "bias":
+            assert self.bias is not None
+            self.bias.data.copy_(tensor)
+            return
+        self.weight.data.copy_(tensor.narrow(1, self.ctx.tp_rank * self.local_input, self.local_input))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The bias is added once, after the reduction, so that it is not counted tp_size times.
+        y = _all_reduce(F.linear(x, self.weight), self.ctx)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split by vocabulary rows; each rank looks up the ids it owns."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, ctx: ParallelContext = SINGLE):
+        super().__init__()
+        self.ctx = ctx
+        self.vocab_per_rank = math.ceil(vocab_size / ctx.tp_size)
+        self.start = ctx.tp_rank * self.vocab_per_rank
+        self.end = min(vocab_size, self.start + self.vocab_per_rank)
+        self.weight = nn.Parameter(torch.empty(self.end - self.start, hidden_size), requires_grad=False)
+
+    def load(self, name: str, tensor: torch.Tensor, shard: int = 0) -> None:
+        self.weight.data.copy_(tensor[self.start : self.end])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.ctx.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        owned = (ids >= self.start) & (ids < self.end)
+        local = torch.where(owned, ids - self.start, torch.zeros_like(ids))
+        out = F.embedding(local, self.weight) * owned.unsqueeze(-1)
+        return _all_reduce(out, self.ctx)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Output projection sharing the vocab split of the embedding (and its weight when tied)."""
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = F.linear(hidden, self.weight)
+        if self.ctx.tp_size > 1:
+            raise NotImplementedError("gathering vocab-parallel logits needs torch.distributed")
+        return out
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+
+    def load(self, name: str, tensor: torch.Tensor, shard: int = 0) -> None:
+        self.weight.data.copy_(tensor)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in fp32 like the reference implementation, so fp32/bf16 outputs agree with it.
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (half-split "neox" layout, as in HF Llama/Qwen checkpoints)."""
+
+    def __init__(self, head_dim: int, max_positions: int, base: float, scaling: dict[str, Any] | None):
+        super().__init__()
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        inv_freq = _apply_rope_scaling(inv_freq, scaling)
+        # The tables stay fp32 whatever the model dtype: far positions need the precision.
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.cos: torch.Tensor
+        self.sin: torch.Tensor
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, heads, head_dim], k: [T, kv_heads, head_dim]; positions: [T]."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.to(x.dtype)
+
+
+def _apply_rope_scaling(inv_freq: torch.Tensor, scaling: dict[str, Any] | None) -> torch.Tensor:
+    if not scaling:
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        original = float(scaling["original_max_position_embeddings"])
+        low_wavelen = original / low
+        high_wavelen = original / high
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths are slowed by `factor`, short ones kept, and the band between interpolated.
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (original / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        in_band = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(in_band, blended, scaled)
+    raise ValueError(f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3)")

@@ -1,0 +1,178 @@
+"""Decoder-only transformer of the Llama family: Llama (incl. llama3 rope), Mistral, Qwen2, Qwen3.
+
+The variants differ only in switches read from ModelConfig: q/k/v bias (Qwen2), per-head q/k
+RMSNorm (Qwen3), tied embeddings and rope scaling.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from radixserve.cache.pools import KVCachePool
+from radixserve.model.attention import decode_attention, extend_attention
+from radixserve.model.config import ModelConfig
+from radixserve.model.forward_batch import ForwardBatch, ForwardMode
+from radixserve.model.layers import (
+    SINGLE,
+    ColumnParallelLinear,
+    ParallelContext,
+    ParallelLMHead,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    silu_and_mul,
+)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding, ctx: ParallelContext):
+        super().__init__()
+        self.layer_id = layer_id
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads // ctx.tp_size
+        # With more ranks than KV heads each rank keeps one (replicated) KV head.
+        self.num_kv_heads = max(1, config.num_key_value_heads // ctx.tp_size)
+        self.scale = self.head_dim**-0.5
+        q_size = config.num_attention_heads * self.head_dim
+        kv_size = config.num_key_value_heads * self.head_dim
+        self.qkv_proj = ColumnParallelLinear(
+            config.hidden_size, [q_size, kv_size, kv_size], bias=config.attention_bias, ctx=ctx
+        )
+        self.o_proj = RowParallelLinear(q_size, config.hidden_size, bias=False, ctx=ctx)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.rotary = rotary
+
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch, kv_pool: KVCachePool) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(batch.positions, q, k)
+
+        kv_pool.write(self.layer_id, batch.out_cache_loc, k, v)
+        k_cache, v_cache = kv_pool.k_buffers[self.layer_id], kv_pool.v_buffers[self.layer_id]
+        if batch.mode is ForwardMode.DECODE:
+            assert batch.decode is not None
+            out = decode_attention(q, k_cache, v_cache, batch.decode, self.scale)
+        else:
+            assert batch.extend is not None
+            out = extend_attention(q, k, v, k_cache, v_cache, batch.extend, self.scale)
+        return self.o_proj(out.reshape(tokens, q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig, ctx: ParallelContext):
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [size, size], bias=False, ctx=ctx)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=False, ctx=ctx)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding, ctx: ParallelContext):
+        super().__init__()
+        self.self_attn = Attention(config, layer_id, rotary, ctx)
+        self.mlp = MLP(config, ctx)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch, kv_pool: KVCachePool) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), batch, kv_pool)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+# checkpoint name → (our module path, shard index within a stacked layer)
+_STACKED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+_STACKED_NAME = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.")
+
+
+class CausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, max_positions: int, ctx: ParallelContext = SINGLE):
+        super().__init__()
+        self.config = config
+        rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, rotary, ctx) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, ctx)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_pool: KVCachePool) -> torch.Tensor:
+        """Returns float32 logits for `batch.sample_rows`: [num_sampled, vocab]."""
+        hidden = self.embed_tokens(batch.input_ids)
+        for layer in self.layers:
+            hidden = layer(hidden, batch, kv_pool)
+        # Only the rows that sample need the final norm and the (large) vocabulary projection.
+        last = self.norm(hidden[batch.sample_rows])
+        return self.lm_head.logits(last).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        modules = dict(self.named_modules())
+        seen: set[str] = set()
+        for name, tensor in weights:
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            if "rotary_emb.inv_freq" in name:
+                continue
+            path = name.removeprefix("model.")
+            shard = 0
+            match = _STACKED_NAME.search(path)
+            if match:
+                stacked, shard = _STACKED[match.group(1)]
+                path = path.replace(match.group(1), stacked)
+            module_path, _, param = path.rpartition(".")
+            module = modules.get(module_path)
+            if module is None or not hasattr(module, "load"):
+                raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+            module.load(param, tensor, shard)
+            seen.add(f"{module_path}.{param}#{shard}")
+        expected = self._expected_tensors()
+        missing = expected - seen
+        if missing:
+            raise KeyError(f"checkpoint is missing tensors: {sorted(missing)[:8]}")
+
+    def _expected_tensors(self) -> set[str]:
+        names = set()
+        for module_path, module in self.named_modules():
+            if module is self.lm_head and self.config.tie_word_embeddings:
+                continue
+            if isinstance(module, ColumnParallelLinear):
+                shards = range(len(module.local_sizes))
+                names |= {f"{module_path}.weight#{s}" for s in shards}
+                if module.bias is not None:
+                    names |= {f"{module_path}.bias#{s}" for s in shards}
+            elif isinstance(module, (RowParallelLinear, VocabParallelEmbedding, RMSNorm)):
+                names.add(f"{module_path}.weight#0")
+        return names
+
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": CausalLM,
+    "MistralForCausalLM": CausalLM,
+    "Qwen2ForCausalLM": CausalLM,
+    "Qwen3ForCausalLM": CausalLM,
+}

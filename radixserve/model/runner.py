@@ -1,0 +1,161 @@
+"""ModelRunner: loads the model on its device, owns the KV pool, and runs one forward per batch."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from radixserve.args import InvalidArgumentError, ServerArgs
+from radixserve.cache.pools import KVCachePool
+from radixserve.model.config import ModelConfig
+from radixserve.model.forward_batch import ForwardBatch
+from radixserve.model.llama import ARCHITECTURES, CausalLM
+from radixserve.model.loader import ModelSource, iter_weights, load_model_config, resolve_model_source
+from radixserve.model.sampler import SamplingBatch, sample
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidArgumentError("--device cuda was asked for, but this torch build sees no CUDA device")
+    return device
+
+
+def cpu_has_fast_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    # bf16 matmul is ~2x faster than fp32 on CPUs with native bf16; elsewhere it is emulated and slow.
+    # fp16 is never chosen on a CPU: it has no fast path there.
+    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    with open("/proc/meminfo", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    pages = os.sysconf("SC_AVPHYS_PAGES")
+    return int(pages * os.sysconf("SC_PAGE_SIZE"))
+
+
+@dataclass
+class RunnerInfo:
+    max_total_tokens: int
+    context_len: int
+    dtype: torch.dtype
+    device: torch.device
+
+
+class ModelRunner:
+    def __init__(self, args: ServerArgs, source: ModelSource | None = None):
+        self.args = args
+        self.device = pick_device(args.device)
+        self.dtype = pick_dtype(args.dtype, self.device)
+        self.source = source or resolve_model_source(args.model_path)
+        self.config: ModelConfig = load_model_config(self.source)
+        self.context_len = self._context_len(self.config, args)
+        torch.manual_seed(args.random_seed)
+
+        started = time.perf_counter()
+        self.model = self._load_model()
+        logger.info(
+            "loaded %s (%s) in %.1fs: dtype=%s device=%s",
+            self.config.architecture,
+            self.source.path,
+            time.perf_counter() - started,
+            self.dtype,
+            self.device,
+        )
+        self.max_total_tokens = self._kv_capacity()
+        self.kv_pool = KVCachePool(
+            num_slots=self.max_total_tokens,
+            num_layers=self.config.num_hidden_layers,
+            num_kv_heads=max(1, self.config.num_key_value_heads // args.tp_size),
+            head_dim=self.config.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+
+    @staticmethod
+    def _context_len(config: ModelConfig, args: ServerArgs) -> int:
+        limit = config.max_position_embeddings
+        if config.sliding_window is not None:
+            # Attention here is full; past the window the model would see more than it was trained on.
+            limit = min(limit, config.sliding_window)
+        if args.context_length is not None:
+            if args.context_length > limit:
+                raise InvalidArgumentError(
+                    f"--context-length {args.context_length} exceeds the model's limit of {limit} tokens"
+                )
+            return args.context_length
+        return limit
+
+    def _load_model(self) -> CausalLM:
+        model_cls = ARCHITECTURES[self.config.architecture]
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                model = model_cls(self.config, max_positions=self.context_len)
+        finally:
+            torch.set_default_dtype(previous)
+        model.load_weights(iter_weights(self.source, self.config))
+        return model.eval()
+
+    def _kv_capacity(self) -> int:
+        per_slot = KVCachePool.bytes_per_slot(
+            self.config.num_hidden_layers,
+            max(1, self.config.num_key_value_heads // self.args.tp_size),
+            self.config.head_dim,
+            self.dtype,
+        )
+        page = self.args.page_size
+        if self.args.max_total_tokens is not None:
+            tokens = self.args.max_total_tokens
+        else:
+            budget = free_memory_bytes(self.device) * self.args.mem_fraction_static
+            tokens = int(budget // per_slot)
+            # More slots than every running request at full context can never be used.
+            max_running = self.args.max_running_requests or 256
+            tokens = min(tokens, max_running * self.context_len)
+        tokens = tokens // page * page
+        if tokens < page:
+            raise InvalidArgumentError(
+                f"no memory left for the KV cache ({per_slot} bytes per token); "
+                "lower the model size or raise --mem-fraction-static"
+            )
+        logger.info("KV cache: %d tokens, %.1f MiB", tokens, tokens * per_slot / 2**20)
+        return tokens
+
+    def info(self) -> RunnerInfo:
+        return RunnerInfo(self.max_total_tokens, self.context_len, self.dtype, self.device)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.model(batch, self.kv_pool)
+
+    def sample(self, logits: torch.Tensor, sampling: SamplingBatch) -> torch.Tensor:
+        return sample(logits, sampling)

@@ -1,0 +1,59 @@
+"""SamplingParams: how one request picks its tokens and when it stops (SGLang's field names)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+# Temperatures below this are treated as greedy: dividing logits by ~0 only overflows.
+GREEDY_TEMPERATURE = 1e-5
+
+
+class InvalidRequestError(ValueError):
+    """The request cannot be served as given; the message says which field is wrong."""
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    @classmethod
+    def from_dict(cls, params: dict[str, Any] | None) -> SamplingParams:
+        params = dict(params or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(params) - known)
+        if unknown:
+            raise InvalidRequestError(f"unsupported sampling parameter(s): {', '.join(unknown)}")
+        if params.get("stop_token_ids") is None:
+            params.pop("stop_token_ids", None)
+        sp = cls(**params)
+        sp.validate()
+        return sp
+
+    def validate(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
+            raise InvalidRequestError(
+                f"max_new_tokens must be a non-negative integer, got {self.max_new_tokens!r}"
+            )
+        if self.temperature < 0:
+            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise InvalidRequestError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise InvalidRequestError("stop_token_ids must be a list of non-negative integers")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1

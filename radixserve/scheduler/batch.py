@@ -1,0 +1,146 @@
+"""From a list of scheduled requests to a ForwardBatch: request slots, KV slots, tensors.
+
+Every request in a batch computes `extend_len` tokens on top of the `kv_len` tokens whose KV it
+already has. A new request starts from its matched prefix; a chunked request continues where its
+last chunk ended; a decoding request computes its last output token (extend_len == 1). That one
+rule covers prefill, chunked prefill, resumed requests and mixed prefill+decode batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from radixserve.cache.pools import KVSlotAllocator, ReqToTokenPool
+from radixserve.cache.radix_cache import PrefixCache
+from radixserve.model.forward_batch import (
+    ExtendSegment,
+    ForwardBatch,
+    ForwardMode,
+    build_decode_layout,
+)
+from radixserve.scheduler.request import Req
+
+
+class KVExhaustedError(RuntimeError):
+    """The scheduler asked for more KV slots than free + evictable; its budget checks are wrong."""
+
+
+@dataclass
+class KVContext:
+    req_to_token_pool: ReqToTokenPool
+    allocator: KVSlotAllocator
+    tree_cache: PrefixCache
+    device: torch.device
+
+    def available_with_eviction(self) -> int:
+        return self.allocator.available_size() + self.tree_cache.evictable_size()
+
+    def make_room(self, num_slots: int) -> None:
+        shortfall = num_slots - self.allocator.available_size()
+        if shortfall > 0:
+            self.tree_cache.evict(shortfall)
+
+    def slots_needed_for_decode(self, reqs: list[Req]) -> int:
+        page = self.allocator.page_size
+        if page == 1:
+            return len(reqs)
+        # Only a request whose last page is full needs a fresh page.
+        return sum(page for r in reqs if r.kv_len % page == 0)
+
+
+def _token_range(req: Req, start: int, end: int) -> list[int]:
+    prompt = req.origin_input_ids
+    if end <= len(prompt):
+        return prompt[start:end]
+    if start >= len(prompt):
+        return req.output_ids[start - len(prompt) : end - len(prompt)]
+    return prompt[start:] + req.output_ids[: end - len(prompt)]
+
+
+def _assign_request_slot(req: Req, kv: KVContext) -> None:
+    """First extend of a (re)admitted request: take a request slot and adopt its matched prefix."""
+    idx = kv.req_to_token_pool.alloc()
+    if idx is None:
+        raise KVExhaustedError("no free request slot; admission must respect --max-running-requests")
+    assert req.prefix_slots is not None and req.prefix_node is not None
+    prefix_len = int(req.prefix_slots.shape[0])
+    kv.req_to_token_pool.req_to_token[idx, :prefix_len] = req.prefix_slots
+    req.req_pool_idx = idx
+    req.cached_len = req.kv_len = prefix_len
+    req.last_node = req.prefix_node
+    # Count only tokens this request did not compute itself earlier (before a retraction or chunk).
+    req.cached_tokens += max(0, prefix_len - req.computed_len)
+    req.prefix_slots = None
+    req.prefix_node = None
+
+
+def build_extend_batch(reqs: list[Req], kv: KVContext) -> ForwardBatch:
+    for req in reqs:
+        if req.req_pool_idx is None:
+            _assign_request_slot(req, kv)
+    table = kv.req_to_token_pool.req_to_token
+    prefix_lens = [r.kv_len for r in reqs]
+    extend_lens = [r.extend_len for r in reqs]
+    last_locs = [int(table[r.req_pool_idx, r.kv_len - 1]) if r.kv_len else -1 for r in reqs]
+    kv.make_room(sum(extend_lens) + len(reqs) * kv.allocator.page_size)
+    out_cache_loc = kv.allocator.alloc_extend(prefix_lens, last_locs, extend_lens)
+    if out_cache_loc is None:
+        raise KVExhaustedError(
+            f"cannot allocate {sum(extend_lens)} KV slots for a prefill "
+            f"(free {kv.allocator.available_size()}, evictable {kv.tree_cache.evictable_size()})"
+        )
+
+    input_ids: list[int] = []
+    positions: list[torch.Tensor] = []
+    segments: list[ExtendSegment] = []
+    sample_rows: list[int] = []
+    offset = 0
+    for req, start, n in zip(reqs, prefix_lens, extend_lens, strict=True):
+        row = table[req.req_pool_idx]
+        row[start : start + n] = out_cache_loc[offset : offset + n]
+        input_ids.extend(_token_range(req, start, start + n))
+        positions.append(torch.arange(start, start + n))
+        segments.append(ExtendSegment(q_start=offset, q_len=n, prefix_len=start, prefix_slots=row[:start]))
+        req.kv_len = start + n
+        req.computed_len = max(req.computed_len, req.kv_len)
+        if req.kv_len == req.seq_len:
+            sample_rows.append(offset + n - 1)
+        offset += n
+
+    device = kv.device
+    return ForwardBatch(
+        mode=ForwardMode.EXTEND,
+        input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
+        positions=torch.cat(positions).to(device),
+        out_cache_loc=out_cache_loc.to(device),
+        sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=device),
+        extend=segments,
+    )
+
+
+def build_decode_batch(reqs: list[Req], kv: KVContext) -> ForwardBatch:
+    table = kv.req_to_token_pool.req_to_token
+    seq_lens = [r.kv_len for r in reqs]
+    pool_indices = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=table.device)
+    lens = torch.tensor(seq_lens, dtype=torch.int64, device=table.device)
+    last_locs = table[pool_indices, (lens - 1).clamp(min=0)].tolist()
+    kv.make_room(kv.slots_needed_for_decode(reqs))
+    out_cache_loc = kv.allocator.alloc_decode(seq_lens, last_locs)
+    if out_cache_loc is None:
+        raise KVExhaustedError("cannot allocate KV slots for a decode step; retraction should have made room")
+    table[pool_indices, lens] = out_cache_loc
+    for req in reqs:
+        req.kv_len += 1
+        req.computed_len = max(req.computed_len, req.kv_len)
+
+    device = kv.device
+    return ForwardBatch(
+        mode=ForwardMode.DECODE,
+        input_ids=torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64, device=device),
+        positions=lens.to(device),
+        out_cache_loc=out_cache_loc.to(device),
+        sample_rows=torch.arange(len(reqs), device=device),
+        decode=build_decode_layout(table, pool_indices, lens + 1),
+    )

@@ -1,0 +1,443 @@
+"""The scheduler: one event loop that decides, step by step, what the model runs next.
+
+Each step: take new messages → pick the next batch (a prefill of waiting requests if any can be
+admitted, else one decode step of the running batch) → run it → append tokens, finish requests,
+stream outputs. It owns the waiting queue, the running batch, the radix cache and the KV pools.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from radixserve.args import ServerArgs
+from radixserve.cache.pools import KVSlotAllocator, ReqToTokenPool
+from radixserve.cache.radix_cache import ChunkCache, PrefixCache, RadixCache
+from radixserve.messages import (
+    AbortRequest,
+    ControlRequest,
+    ControlResult,
+    FinishReason,
+    GenerateRequest,
+    ReqOutput,
+    SchedulerInput,
+    SchedulerOutput,
+    ShutdownRequest,
+)
+from radixserve.model.forward_batch import ForwardBatch
+from radixserve.model.runner import ModelRunner
+from radixserve.model.sampler import SamplingBatch
+from radixserve.sampling_params import InvalidRequestError, SamplingParams
+from radixserve.scheduler.batch import KVContext, KVExhaustedError, build_decode_batch, build_extend_batch
+from radixserve.scheduler.policy import CLIP_MAX_NEW_TOKENS_ESTIMATE, AddResult, PrefillAdder, SchedulePolicy
+from radixserve.scheduler.request import Req
+from radixserve.scheduler.stats import SchedulerStats
+
+logger = logging.getLogger("radixserve.scheduler")
+
+DEFAULT_MAX_RUNNING_REQUESTS = 256
+# new_token_ratio: the fraction of a running request's remaining max_new_tokens the prefill budget
+# reserves for it. It starts cautious, decays while decoding goes well, and jumps on retraction.
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
+NEW_TOKEN_RATIO_DECAY_STEPS = 600
+# After a retraction, keep this many decode steps of headroom so the next step does not retract again.
+RETRACT_HEADROOM_STEPS = 20
+
+
+@dataclass
+class ScheduledBatch:
+    reqs: list[Req]
+    forward: ForwardBatch
+    is_prefill: bool
+
+
+class Scheduler:
+    def __init__(self, args: ServerArgs, runner: ModelRunner | None = None):
+        self.args = args
+        self.runner = runner or ModelRunner(args)
+        self.config = self.runner.config
+        self.context_len = self.runner.context_len
+        self.max_total_tokens = self.runner.max_total_tokens
+        self.max_running = args.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
+        device = self.runner.device
+        # One spare request slot: a request being prefilled in chunks is not counted as running.
+        self.req_to_token_pool = ReqToTokenPool(
+            self.max_running + 1, self.context_len + args.page_size, device
+        )
+        self.allocator = KVSlotAllocator(self.max_total_tokens, args.page_size, device)
+        self.tree_cache: PrefixCache = (
+            ChunkCache(self.req_to_token_pool, self.allocator, args.page_size)
+            if args.disable_radix_cache
+            else RadixCache(self.req_to_token_pool, self.allocator, args.page_size)
+        )
+        self.kv = KVContext(self.req_to_token_pool, self.allocator, self.tree_cache, device)
+        self.policy = SchedulePolicy(args.schedule_policy, self.tree_cache, args.random_seed)
+        self.eos_token_ids = frozenset(self.config.eos_token_ids)
+
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked_req: Req | None = None
+        self.reqs: dict[str, Req] = {}
+        self._emitted: dict[str, int] = {}
+
+        self.init_new_token_ratio = min(1.0, INIT_NEW_TOKEN_RATIO * args.schedule_conservativeness)
+        self.min_new_token_ratio = self.init_new_token_ratio * MIN_NEW_TOKEN_RATIO_FACTOR
+        self.new_token_ratio_decay = (
+            self.init_new_token_ratio - self.min_new_token_ratio
+        ) / NEW_TOKEN_RATIO_DECAY_STEPS
+        self.new_token_ratio = self.init_new_token_ratio
+        self.stats = SchedulerStats()
+        self._idle_checked = True
+
+    # ------------------------------------------------------------------ requests in
+
+    def handle(self, msg: SchedulerInput) -> list[SchedulerOutput]:
+        if isinstance(msg, GenerateRequest):
+            return list(self.add_request(msg))
+        if isinstance(msg, AbortRequest):
+            return list(self.abort(msg.rid, abort_all=msg.abort_all))
+        if isinstance(msg, ControlRequest):
+            return [self.control(msg)]
+        raise TypeError(f"unexpected scheduler message {type(msg).__name__}")
+
+    def control(self, msg: ControlRequest) -> ControlResult:
+        try:
+            if msg.command == "check_kv_invariant":
+                if not self.is_idle:
+                    return ControlResult(msg.rid, False, error="the scheduler is not idle")
+                self.check_kv_invariant()
+                return ControlResult(msg.rid, True)
+            if msg.command == "flush_cache":
+                ok = self.flush_cache()
+                return ControlResult(msg.rid, ok, error=None if ok else "requests are still running")
+            if msg.command == "get_stats":
+                return ControlResult(msg.rid, True, payload=self.get_stats())
+        except Exception as exc:  # reported to the caller, who decides whether it is fatal
+            return ControlResult(msg.rid, False, error=f"{type(exc).__name__}: {exc}")
+        return ControlResult(msg.rid, False, error=f"unknown control command {msg.command!r}")
+
+    def get_stats(self) -> dict[str, object]:
+        return {
+            "max_total_tokens": self.max_total_tokens,
+            "context_len": self.context_len,
+            "available_tokens": self.allocator.available_size(),
+            "evictable_tokens": self.tree_cache.evictable_size(),
+            "token_usage": self._token_usage(),
+            "num_running_reqs": len(self.running),
+            "num_waiting_reqs": len(self.waiting),
+            "new_token_ratio": self.new_token_ratio,
+            "forward_steps": self.stats.forward_steps,
+            "prefill_batches": self.stats.prefill_batches,
+            "decode_steps": self.stats.decode_steps,
+            "retracted_reqs": self.stats.retracted_reqs,
+            "cached_tokens": self.stats.cached_tokens,
+            "generated_tokens": self.stats.generated_tokens,
+        }
+
+    def add_request(self, msg: GenerateRequest) -> list[ReqOutput]:
+        try:
+            params = SamplingParams.from_dict(msg.sampling_params)
+            self._validate_input(msg)
+        except InvalidRequestError as exc:
+            return [self._error_output(msg.rid, len(msg.input_ids), str(exc))]
+        prompt_len = len(msg.input_ids)
+        # Clip to what the context and the whole KV pool can hold, so a lone request always fits.
+        params.max_new_tokens = min(
+            params.max_new_tokens, self.context_len - prompt_len, self.max_total_tokens - prompt_len
+        )
+        req = Req(
+            msg.rid,
+            list(msg.input_ids),
+            params,
+            eos_token_ids=self.eos_token_ids,
+            last_node=self.tree_cache.root,
+        )
+        if params.seed is not None:
+            req.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
+        if params.max_new_tokens == 0:
+            req.finished_reason = FinishReason("length")
+            return [self._output(req)]
+        self.reqs[req.rid] = req
+        self.waiting.append(req)
+        self._idle_checked = False
+        return []
+
+    def _validate_input(self, msg: GenerateRequest) -> None:
+        if msg.rid in self.reqs:
+            raise InvalidRequestError(f"request id {msg.rid!r} is already in use")
+        ids = msg.input_ids
+        if not ids:
+            raise InvalidRequestError("the prompt is empty")
+        vocab = self.config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+        if len(ids) >= self.context_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(ids)} tokens, but the context length is {self.context_len}; "
+                "shorten the prompt"
+            )
+        if len(ids) + 1 > self.max_total_tokens:
+            raise InvalidRequestError(
+                f"the prompt has {len(ids)} tokens, more than the KV cache can ever hold "
+                f"({self.max_total_tokens} tokens); shorten it or raise --max-total-tokens"
+            )
+
+    def abort(self, rid: str | None, abort_all: bool = False) -> list[ReqOutput]:
+        targets = list(self.reqs.values()) if abort_all else [self.reqs[rid]] if rid in self.reqs else []
+        outputs = []
+        for req in targets:
+            req.abort("aborted by request")
+            if req in self.waiting:
+                self.waiting.remove(req)
+            else:
+                # Between steps no forward is in flight, so the KV can be released right away.
+                self._release_kv(req)
+                if req is self.chunked_req:
+                    self.chunked_req = None
+                if req in self.running:
+                    self.running.remove(req)
+            outputs.append(self._finish(req))
+        return outputs
+
+    # ------------------------------------------------------------------ one step
+
+    def step(self) -> list[ReqOutput]:
+        batch = self._next_batch()
+        if batch is None:
+            self._check_idle()
+            return []
+        self.stats.forward_steps += 1
+        logits = self.runner.forward(batch.forward)
+        sampling_reqs = [r for r in batch.reqs if r.kv_len == r.seq_len]
+        next_ids: list[int] = []
+        if sampling_reqs:
+            sampling = SamplingBatch.build(
+                [r.sampling_params for r in sampling_reqs],
+                [r.generator for r in sampling_reqs],
+                self.config.vocab_size,
+                logits.device,
+            )
+            next_ids = self.runner.sample(logits, sampling).tolist()
+        return self._process_result(batch, dict(zip(map(id, sampling_reqs), next_ids, strict=True)))
+
+    @property
+    def is_idle(self) -> bool:
+        return not (self.waiting or self.running or self.chunked_req)
+
+    def _next_batch(self) -> ScheduledBatch | None:
+        prefill = self._prefill_batch()
+        if prefill is not None:
+            return prefill
+        if self.running:
+            return self._decode_batch()
+        return None
+
+    def _prefill_batch(self) -> ScheduledBatch | None:
+        if not self.waiting and self.chunked_req is None:
+            return None
+        running = len(self.running)
+        if running >= self.max_running and self.chunked_req is None:
+            return None
+        mix = bool(self.args.enable_mixed_chunk and self.running)
+        decode_tokens = running if mix else 0
+        chunk = self.args.chunked_prefill_size
+        adder = PrefillAdder(
+            tree_cache=self.tree_cache,
+            available_slots=self.allocator.available_size(),
+            running_reserved=self._running_reserve() + decode_tokens,
+            max_prefill_tokens=self.args.max_prefill_tokens - decode_tokens,
+            chunk_budget=None if chunk is None else max(self.args.page_size, chunk - decode_tokens),
+            page_size=self.args.page_size,
+        )
+        if self.chunked_req is not None:
+            adder.add_chunked_req(self.chunked_req)
+        for req in self.policy.order(self.waiting):
+            if running + len(adder.can_run) >= self.max_running:
+                break
+            if adder.add_one_req(req, has_chunked_req=self.chunked_req is not None) is not AddResult.CONTINUE:
+                break
+        if not adder.can_run:
+            return None
+
+        admitted = {id(r) for r in adder.can_run}
+        self.waiting = [r for r in self.waiting if id(r) not in admitted]
+        reqs = list(adder.can_run)
+        if mix:
+            for req in self.running:
+                req.extend_len = 1
+            reqs += self.running
+        forward = build_extend_batch(reqs, self.kv)
+        in_progress = [r for r in adder.can_run if r.kv_len < r.seq_len]
+        self.chunked_req = in_progress[0] if in_progress else None
+        self.stats.log_prefill(
+            len(adder.can_run),
+            adder.prefill_tokens,
+            adder.cached_tokens,
+            self._token_usage(),
+            len(self.running),
+            len(self.waiting),
+        )
+        return ScheduledBatch(reqs, forward, is_prefill=True)
+
+    def _running_reserve(self) -> float:
+        return (
+            sum(min(r.remaining_new_tokens, CLIP_MAX_NEW_TOKENS_ESTIMATE) for r in self.running)
+            * self.new_token_ratio
+        )
+
+    def _decode_batch(self) -> ScheduledBatch:
+        if self.kv.available_with_eviction() < self.kv.slots_needed_for_decode(self.running):
+            self._retract()
+        else:
+            self.new_token_ratio = max(
+                self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio
+            )
+        forward = build_decode_batch(self.running, self.kv)
+        self.stats.record_decode(len(self.running))
+        if self.stats.decode_steps % self.args.decode_log_interval == 0:
+            used = self.max_total_tokens - self.kv.available_with_eviction()
+            self.stats.log_decode(len(self.running), used, self._token_usage(), len(self.waiting))
+        return ScheduledBatch(list(self.running), forward, is_prefill=False)
+
+    def _retract(self) -> None:
+        """Free KV for the decode step by sending requests back to the queue, fewest outputs first."""
+        # Most progressed first, so that popping from the end retracts the cheapest to redo.
+        keep = sorted(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)), reverse=True)
+        retracted: list[Req] = []
+        while len(keep) > 1 and self.kv.available_with_eviction() < (
+            self.kv.slots_needed_for_decode(keep) + RETRACT_HEADROOM_STEPS * len(keep)
+        ):
+            victim = keep.pop()
+            self._release_kv(victim)
+            victim.retractions += 1
+            retracted.append(victim)
+        if (
+            self.chunked_req is not None
+            and self.kv.available_with_eviction() < self.kv.slots_needed_for_decode(keep)
+        ):
+            victim = self.chunked_req
+            self._release_kv(victim)
+            victim.retractions += 1
+            retracted.append(victim)
+            self.chunked_req = None
+        if self.kv.available_with_eviction() < self.kv.slots_needed_for_decode(keep):
+            raise KVExhaustedError("a single running request does not fit in the KV cache; this is a bug")
+
+        kept = {id(r) for r in keep}
+        self.running = [r for r in self.running if id(r) in kept]
+        self.waiting.extend(retracted)
+        self.stats.retracted_reqs += len(retracted)
+        decoded = sum(len(r.output_ids) for r in self.running)
+        budget = sum(r.sampling_params.max_new_tokens for r in self.running)
+        estimate = (decoded + RETRACT_HEADROOM_STEPS * len(self.running)) / max(budget, 1)
+        old = self.new_token_ratio
+        self.new_token_ratio = min(1.0, max(estimate, old + 0.1))
+        logger.info(
+            "KV cache pool is full. Retract requests. #retracted_reqs: %d, #new_token_ratio: %.4f -> %.4f",
+            len(retracted),
+            old,
+            self.new_token_ratio,
+        )
+
+    # ------------------------------------------------------------------ results out
+
+    def _process_result(self, batch: ScheduledBatch, next_ids: dict[int, int]) -> list[ReqOutput]:
+        outputs: list[ReqOutput] = []
+        for req in batch.reqs:
+            if req.kv_len < req.seq_len:
+                # A chunk of a long prompt: publish the computed part so later requests can share it.
+                self.tree_cache.cache_unfinished_req(req, req.fill_ids)
+                continue
+            req.output_ids.append(next_ids[id(req)])
+            req.check_finished(self.context_len)
+            if req.finished:
+                self._release_kv(req)
+                if req in self.running:
+                    self.running.remove(req)
+                outputs.append(self._finish(req))
+                continue
+            if batch.is_prefill and req not in self.running:
+                self.tree_cache.cache_unfinished_req(req, req.fill_ids)
+                self.running.append(req)
+            if len(req.output_ids) - self._emitted.get(req.rid, 0) >= self.args.stream_interval:
+                outputs.append(self._output(req))
+        self.stats.generated_tokens += len(next_ids)
+        return outputs
+
+    def _release_kv(self, req: Req) -> None:
+        if req.req_pool_idx is None:
+            return
+        self.tree_cache.cache_finished_req(req, req.fill_ids)
+
+    def _finish(self, req: Req) -> ReqOutput:
+        self.reqs.pop(req.rid, None)
+        out = self._output(req)
+        self._emitted.pop(req.rid, None)
+        return out
+
+    def _output(self, req: Req) -> ReqOutput:
+        start = self._emitted.get(req.rid, 0)
+        self._emitted[req.rid] = len(req.output_ids)
+        return ReqOutput(
+            rid=req.rid,
+            new_token_ids=req.output_ids[start:],
+            finished_reason=req.finished_reason,
+            prompt_tokens=len(req.origin_input_ids),
+            completion_tokens=len(req.output_ids),
+            cached_tokens=req.cached_tokens,
+        )
+
+    def _error_output(self, rid: str, prompt_tokens: int, message: str) -> ReqOutput:
+        return ReqOutput(rid, [], FinishReason("abort", message=message), prompt_tokens, 0, 0)
+
+    # ------------------------------------------------------------------ accounting
+
+    def _token_usage(self) -> float:
+        return 1.0 - self.kv.available_with_eviction() / self.max_total_tokens
+
+    def _check_idle(self) -> None:
+        if self._idle_checked or self.args.skip_idle_check:
+            return
+        self.check_kv_invariant()
+        self._idle_checked = True
+
+    def check_kv_invariant(self) -> None:
+        """Raises KVLeakError unless every KV slot is free or evictable and every request slot is free."""
+        self.tree_cache.check_invariant()
+
+    def flush_cache(self) -> bool:
+        if not self.is_idle:
+            return False
+        self.tree_cache.reset()
+        self.allocator.clear()
+        self.req_to_token_pool.clear()
+        return True
+
+    # ------------------------------------------------------------------ event loop
+
+    def event_loop(
+        self, inbox: queue.Queue[SchedulerInput], emit: Callable[[list[SchedulerOutput]], None]
+    ) -> None:
+        """receive → process → next batch → run → process result, until a ShutdownRequest."""
+        while True:
+            messages: list[SchedulerInput] = []
+            if self.is_idle:
+                messages.append(inbox.get())
+            while True:
+                try:
+                    messages.append(inbox.get_nowait())
+                except queue.Empty:
+                    break
+            outputs: list[SchedulerOutput] = []
+            for msg in messages:
+                if isinstance(msg, ShutdownRequest):
+                    return
+                outputs += self.handle(msg)
+            outputs += self.step()
+            if outputs:
+                emit(outputs)

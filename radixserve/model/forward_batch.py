@@ -27,11 +27,19 @@ class ExtendSegment:
 
 
 @dataclass
-class DecodeLayout:
-    """All requests' contexts flattened into one index, so decode attention needs no padding."""
+class DecodeBucket:
+    """Requests of similar context length, padded only to the longest among them."""
 
-    kv_slots: torch.Tensor  # [total_context] KV slots, request after request
-    segment_ids: torch.Tensor  # [total_context] which request each slot belongs to
+    rows: torch.Tensor | None  # which batch rows (None: all rows, in order)
+    kv_slots: torch.Tensor  # [size * max_len] KV slots, request after request, padded with a valid slot
+    mask: torch.Tensor | None  # [size, 1, 1, max_len] True where a slot is real; None when nothing is padded
+    size: int
+    max_len: int
+
+
+@dataclass
+class DecodeLayout:
+    buckets: list[DecodeBucket]
     batch_size: int
 
 
@@ -51,13 +59,49 @@ class ForwardBatch:
         return int(self.input_ids.shape[0])
 
 
+# A request joins the current bucket while its context is at least this fraction of the bucket's
+# longest one, so padding wastes at most 1 - BUCKET_MIN_FILL of a bucket's work.
+BUCKET_MIN_FILL = 0.75
+
+
 def build_decode_layout(
     req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor
 ) -> DecodeLayout:
-    """Gather every request's KV slots [0, seq_len) into one flat index, without a Python loop."""
+    """Groups requests by context length; each group becomes one batched attention call per layer.
+
+    Padding every request to the longest context would make one 4k-token request cost every
+    short request 4k tokens of attention; buckets keep the waste bounded with a handful of calls.
+    """
     batch_size = int(req_pool_indices.shape[0])
-    max_len = int(seq_lens.max())
-    rows = req_to_token[req_pool_indices, :max_len]
-    valid = torch.arange(max_len, device=rows.device).unsqueeze(0) < seq_lens.unsqueeze(1)
-    segment_ids = torch.arange(batch_size, device=rows.device).unsqueeze(1).expand(-1, max_len)
-    return DecodeLayout(kv_slots=rows[valid], segment_ids=segment_ids[valid], batch_size=batch_size)
+    lens = seq_lens.tolist()
+    order = sorted(range(batch_size), key=lambda i: -lens[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and lens[i] >= BUCKET_MIN_FILL * lens[groups[-1][0]]:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    buckets = []
+    device = req_to_token.device
+    for group in groups:
+        max_len = lens[group[0]]
+        rows = torch.tensor(group, dtype=torch.int64, device=device)
+        slots = req_to_token[req_pool_indices[rows], :max_len]
+        group_lens = seq_lens[rows]
+        mask: torch.Tensor | None = None
+        if lens[group[-1]] != max_len:
+            valid = torch.arange(max_len, device=device).unsqueeze(0) < group_lens.unsqueeze(1)
+            # Padding points at the request's own first slot: real data, so no NaN can leak in.
+            slots = torch.where(valid, slots, slots[:, :1])
+            mask = valid.view(len(group), 1, 1, max_len)
+        in_order = len(groups) == 1 and group == list(range(batch_size))
+        buckets.append(
+            DecodeBucket(
+                rows=None if in_order else rows,
+                kv_slots=slots.reshape(-1),
+                mask=mask,
+                size=len(group),
+                max_len=max_len,
+            )
+        )
+    return DecodeLayout(buckets=buckets, batch_size=batch_size)

@@ -28,9 +28,11 @@ from radixserve.model.layers import (
     silu_and_mul,
 )
 
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin for the batch's positions
+
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding, ctx: ParallelContext):
+    def __init__(self, config: ModelConfig, layer_id: int, ctx: ParallelContext):
         super().__init__()
         self.layer_id = layer_id
         self.head_dim = config.head_dim
@@ -46,9 +48,10 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(q_size, config.hidden_size, bias=False, ctx=ctx)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.rotary = rotary
 
-    def forward(self, hidden: torch.Tensor, batch: ForwardBatch, kv_pool: KVCachePool) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, batch: ForwardBatch, kv_pool: KVCachePool, rope: Rope
+    ) -> torch.Tensor:
         tokens = hidden.shape[0]
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
@@ -58,7 +61,7 @@ class Attention(nn.Module):
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(batch.positions, q, k)
+        q, k = RotaryEmbedding.rotate(rope, q, k)
 
         kv_pool.write(self.layer_id, batch.out_cache_loc, k, v)
         k_cache, v_cache = kv_pool.k_buffers[self.layer_id], kv_pool.v_buffers[self.layer_id]
@@ -83,15 +86,17 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding, ctx: ParallelContext):
+    def __init__(self, config: ModelConfig, layer_id: int, ctx: ParallelContext):
         super().__init__()
-        self.self_attn = Attention(config, layer_id, rotary, ctx)
+        self.self_attn = Attention(config, layer_id, ctx)
         self.mlp = MLP(config, ctx)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden: torch.Tensor, batch: ForwardBatch, kv_pool: KVCachePool) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), batch, kv_pool)
+    def forward(
+        self, hidden: torch.Tensor, batch: ForwardBatch, kv_pool: KVCachePool, rope: Rope
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), batch, kv_pool, rope)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -110,11 +115,9 @@ class CausalLM(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int, ctx: ParallelContext = SINGLE):
         super().__init__()
         self.config = config
-        rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
+        self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, i, rotary, ctx) for i in range(config.num_hidden_layers)
-        )
+        self.layers = nn.ModuleList(DecoderLayer(config, i, ctx) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, ctx)
         if config.tie_word_embeddings:
@@ -124,8 +127,9 @@ class CausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, kv_pool: KVCachePool) -> torch.Tensor:
         """Returns float32 logits for `batch.sample_rows`: [num_sampled, vocab]."""
         hidden = self.embed_tokens(batch.input_ids)
+        rope = self.rotary.lookup(batch.positions)
         for layer in self.layers:
-            hidden = layer(hidden, batch, kv_pool)
+            hidden = layer(hidden, batch, kv_pool, rope)
         # Only the rows that sample need the final norm and the (large) vocabulary projection.
         last = self.norm(hidden[batch.sample_rows])
         return self.lm_head.logits(last).float()

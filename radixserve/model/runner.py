@@ -13,6 +13,7 @@ from radixserve.args import InvalidArgumentError, ServerArgs
 from radixserve.cache.pools import KVCachePool
 from radixserve.model.config import ModelConfig
 from radixserve.model.forward_batch import ForwardBatch
+from radixserve.model.layers import _Linear, cpu_packing_supported
 from radixserve.model.llama import ARCHITECTURES, CausalLM
 from radixserve.model.loader import ModelSource, iter_weights, load_model_config, resolve_model_source
 from radixserve.model.sampler import SamplingBatch, sample
@@ -124,6 +125,10 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(previous)
         model.load_weights(iter_weights(self.source, self.config))
+        if cpu_packing_supported(self.dtype, self.device):
+            for module in model.modules():
+                if isinstance(module, _Linear):
+                    module.pack_for_cpu()
         return model.eval()
 
     def _kv_capacity(self) -> int:

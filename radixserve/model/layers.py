@@ -139,8 +139,17 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Output projection sharing the vocab split of the embedding (and its weight when tied)."""
 
+    packed: torch.Tensor | None = None
+
+    def pack_for_cpu(self) -> None:
+        # A separate packed copy: with tied embeddings the plain weight still serves the lookups.
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, None)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        out = F.linear(hidden, self.weight)
+        if self.packed is not None:
+            out = torch.ops.mkldnn._linear_pointwise(hidden, self.packed, None, "none", [], "")
+        else:
+            out = F.linear(hidden, self.weight)
         if self.ctx.tp_size > 1:
             raise NotImplementedError("gathering vocab-parallel logits needs torch.distributed")
         return out
@@ -180,23 +189,21 @@ class RotaryEmbedding(nn.Module):
         self.cos: torch.Tensor
         self.sin: torch.Tensor
 
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin rows for these positions, shaped to broadcast over heads; done once per forward."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin rows for these positions, shaped to broadcast over heads; done once per forward.
+
+        The rotation then runs in the model's dtype, as in the reference implementation.
+        """
+        cos = self.cos[positions].unsqueeze(1).to(dtype)
+        sin = self.sin[positions].unsqueeze(1).to(dtype)
+        return cos, sin
 
     @staticmethod
-    def rotate(
-        rope: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, heads, head_dim], k: [T, kv_heads, head_dim]."""
+    def rotate(rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, head_dim] (query heads, key heads, or both stacked)."""
         cos, sin = rope
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 def _apply_rope_scaling(inv_freq: torch.Tensor, scaling: dict[str, Any] | None) -> torch.Tensor:

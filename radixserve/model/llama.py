@@ -55,13 +55,17 @@ class Attention(nn.Module):
         tokens = hidden.shape[0]
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(tokens, self.num_heads, self.head_dim)
-        k = k.view(tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(hidden)
+        v = qkv[:, q_size + kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = RotaryEmbedding.rotate(rope, q, k)
+            q = self.q_norm(qkv[:, :q_size].view(tokens, self.num_heads, self.head_dim))
+            k = self.k_norm(qkv[:, q_size : q_size + kv_size].view(tokens, self.num_kv_heads, self.head_dim))
+            q, k = RotaryEmbedding.rotate(rope, q), RotaryEmbedding.rotate(rope, k)
+        else:
+            # Query and key heads are adjacent columns: rotate them together in one pass.
+            qk = qkv[:, : q_size + kv_size].view(tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+            qk = RotaryEmbedding.rotate(rope, qk)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
 
         kv_pool.write(self.layer_id, batch.out_cache_loc, k, v)
         k_cache, v_cache = kv_pool.k_buffers[self.layer_id], kv_pool.v_buffers[self.layer_id]
@@ -127,7 +131,7 @@ class CausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, kv_pool: KVCachePool) -> torch.Tensor:
         """Returns float32 logits for `batch.sample_rows`: [num_sampled, vocab]."""
         hidden = self.embed_tokens(batch.input_ids)
-        rope = self.rotary.lookup(batch.positions)
+        rope = self.rotary.lookup(batch.positions, hidden.dtype)
         for layer in self.layers:
             hidden = layer(hidden, batch, kv_pool, rope)
         # Only the rows that sample need the final norm and the (large) vocabulary projection.

@@ -13,7 +13,7 @@ from radixserve.args import InvalidArgumentError, ServerArgs
 from radixserve.cache.pools import KVCachePool
 from radixserve.model.config import ModelConfig
 from radixserve.model.forward_batch import ForwardBatch
-from radixserve.model.layers import _Linear, cpu_packing_supported
+from radixserve.model.layers import ParallelLMHead, _Linear, cpu_packing_supported
 from radixserve.model.llama import ARCHITECTURES, CausalLM
 from radixserve.model.loader import ModelSource, iter_weights, load_model_config, resolve_model_source
 from radixserve.model.sampler import SamplingBatch, sample
@@ -127,7 +127,7 @@ class ModelRunner:
         model.load_weights(iter_weights(self.source, self.config))
         if cpu_packing_supported(self.dtype, self.device):
             for module in model.modules():
-                if isinstance(module, _Linear):
+                if isinstance(module, (_Linear, ParallelLMHead)):
                     module.pack_for_cpu()
         return model.eval()
 

@@ -1,13 +1,21 @@
-"""Engine: the offline Python API. The scheduler runs its event loop in a background thread; callers
-submit requests from any thread (generate) or from asyncio (async_generate), and results come back
-through per-request queues."""
+"""Engine: the offline Python API.
+
+The scheduler runs in its own process (see scheduler/process.py) and talks to the engine over ZMQ
+IPC sockets with typed messages. Callers submit requests from any thread (generate) or from asyncio
+(async_stream); a reader thread routes the scheduler's outputs to per-request queues.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import json
 import logging
+import os
 import queue
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -15,22 +23,26 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import zmq
+
 from radixserve.args import ServerArgs
 from radixserve.detokenize import IncrementalDetokenizer
+from radixserve.ipc import Channel, IpcDir
+from radixserve.log import configure_logging
 from radixserve.messages import (
     AbortRequest,
     ControlRequest,
     ControlResult,
     GenerateRequest,
     ReqOutput,
+    SchedulerFailed,
     SchedulerInput,
     SchedulerOutput,
+    SchedulerReady,
     ShutdownRequest,
 )
 from radixserve.model.loader import ModelSource, load_tokenizer, resolve_model_source
-from radixserve.model.runner import ModelRunner
 from radixserve.sampling_params import InvalidRequestError
-from radixserve.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger("radixserve")
 
@@ -42,15 +54,6 @@ class EngineDeadError(RuntimeError):
     """The scheduler thread stopped with an error; the engine cannot serve more requests."""
 
 
-def configure_logging(level: str) -> None:
-    root = logging.getLogger("radixserve")
-    if not root.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("[%(asctime)s] %(message)s", "%H:%M:%S"))
-        root.addHandler(handler)
-    root.setLevel(level.upper())
-
-
 @dataclass
 class _Pending:
     """Where one request's outputs go: a thread-safe callback set by the waiting caller."""
@@ -59,38 +62,91 @@ class _Pending:
     started: float = field(default_factory=time.perf_counter)
 
 
+# How long the scheduler process may take to load the model and report ready.
+STARTUP_TIMEOUT_S = 600
+# How often the output reader wakes up to check that the scheduler process is alive.
+READER_POLL_MS = 200
+
+
 class Engine:
     def __init__(self, model_path: str | None = None, **server_args: Any):
         self.args = ServerArgs(model_path=model_path, **server_args)
         configure_logging(self.args.log_level)
         self.source: ModelSource = resolve_model_source(self.args.model_path)
+        # The scheduler process loads exactly what was resolved here (no second hub lookup).
+        self.args.model_path = str(self.source.path)
         tokenizer_source = (
             resolve_model_source(self.args.tokenizer_path) if self.args.tokenizer_path else self.source
         )
         self.tokenizer = load_tokenizer(tokenizer_source)
-        self.scheduler = Scheduler(self.args, ModelRunner(self.args, self.source))
-        self.max_total_tokens = self.scheduler.max_total_tokens
-        self._inbox: queue.Queue[SchedulerInput] = queue.Queue()
         self._pending: dict[str, _Pending] = {}
         self._lock = threading.Lock()
-        self._error: BaseException | None = None
+        self._send_lock = threading.Lock()
+        self._error: str | None = None
+        self._closing = False
         self._ids = itertools.count()
-        self._thread = threading.Thread(target=self._run_scheduler, name="radixserve-scheduler", daemon=True)
-        self._thread.start()
 
-    # ------------------------------------------------------------------ scheduler thread
-
-    def _run_scheduler(self) -> None:
+        self._ipc = IpcDir()
+        self._zmq: zmq.Context[Any] = zmq.Context()
+        inbox, outbox = self._ipc.address("scheduler-in"), self._ipc.address("scheduler-out")
+        self._to_scheduler = Channel(self._zmq, inbox, send=True, bind=True)
+        self._from_scheduler = Channel(self._zmq, outbox, send=False, bind=True)
+        # A fresh interpreter rather than multiprocessing: nothing is pickled, and the caller's
+        # __main__ module is never re-imported (no `if __name__ == "__main__"` guard needed).
+        self._process = subprocess.Popen(
+            [
+                sys.executable, "-m", "radixserve.scheduler.process",
+                "--server-args-json", json.dumps(self.args.to_dict()),
+                "--inbox", inbox, "--outbox", outbox, "--parent-pid", str(os.getpid()),
+            ]
+        )  # fmt: skip
         try:
-            self.scheduler.event_loop(self._inbox, self._dispatch)
-        except BaseException as exc:
-            logger.exception("scheduler stopped with an error")
-            self._error = exc
-            with self._lock:
-                pending = list(self._pending.values())
-                self._pending.clear()
-            for p in pending:
-                p.deliver(ControlResult("", False, error=f"engine died: {exc!r}"))
+            ready = self._wait_ready()
+        except BaseException:
+            self._close_process()
+            raise
+        self.max_total_tokens = ready.max_total_tokens
+        self.context_len = ready.context_len
+        logger.info("scheduler ready: KV cache holds %d tokens", ready.max_total_tokens)
+        self._reader = threading.Thread(target=self._read_outputs, name="radixserve-outputs", daemon=True)
+        self._reader.start()
+
+    # ------------------------------------------------------------------ scheduler process
+
+    def _wait_ready(self) -> SchedulerReady:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            msg = self._from_scheduler.recv(READER_POLL_MS)
+            if isinstance(msg, SchedulerReady):
+                return msg
+            if isinstance(msg, SchedulerFailed):
+                raise EngineDeadError(f"the scheduler failed to start:\n{msg.error}")
+            if self._process.poll() is not None:
+                raise EngineDeadError(
+                    f"the scheduler process exited with code {self._process.returncode} at start"
+                )
+        raise EngineDeadError(f"the scheduler did not become ready within {STARTUP_TIMEOUT_S}s")
+
+    def _read_outputs(self) -> None:
+        while not self._closing:
+            msg = self._from_scheduler.recv(READER_POLL_MS)
+            if isinstance(msg, (ReqOutput, ControlResult)):
+                self._dispatch([msg])
+            elif isinstance(msg, SchedulerFailed):
+                self._fail(f"the scheduler stopped with an error:\n{msg.error}")
+                return
+            elif msg is None and self._process.poll() is not None and not self._closing:
+                self._fail(f"the scheduler process died (exit code {self._process.returncode})")
+                return
+
+    def _fail(self, error: str) -> None:
+        logger.error("%s", error)
+        with self._lock:
+            self._error = error
+            pending = list(self._pending.values())
+            self._pending.clear()
+        for p in pending:
+            p.deliver(ControlResult("", False, error=f"engine died: {error}"))
 
     def _dispatch(self, outputs: list[SchedulerOutput]) -> None:
         for out in outputs:
@@ -104,17 +160,32 @@ class Engine:
                 try:
                     pending.deliver(out)
                 except Exception:
-                    # A caller that went away (closed event loop) must not take the scheduler down.
+                    # A caller that went away (closed event loop) must not take the reader down.
                     logger.warning("dropped an output for %s: its receiver is gone", out.rid)
 
+    def _send(self, msg: SchedulerInput) -> None:
+        # A PUSH socket blocks while its peer is away: wait in slices and give up if it died.
+        with self._send_lock:
+            while not self._to_scheduler.send(msg, timeout_ms=READER_POLL_MS):
+                if self._process.poll() is not None:
+                    raise EngineDeadError(
+                        f"the scheduler process died (exit code {self._process.returncode})"
+                    )
+
     def _submit(self, msg: SchedulerInput, deliver: Callable[[SchedulerOutput], None]) -> None:
-        if self._error is not None or not self._thread.is_alive():
-            raise EngineDeadError(f"the engine is not running: {self._error!r}")
         rid = msg.rid if isinstance(msg, (GenerateRequest, ControlRequest)) else None
-        if rid is not None:
-            with self._lock:
+        # Checked under the lock _fail takes, so a request is either refused here or failed there.
+        with self._lock:
+            if self._error is not None or self._closing:
+                raise EngineDeadError(f"the engine is not running: {self._error or 'shut down'}")
+            if rid is not None:
                 self._pending[rid] = _Pending(deliver)
-        self._inbox.put(msg)
+        try:
+            self._send(msg)
+        except EngineDeadError:
+            with self._lock:
+                self._pending.pop(rid or "", None)
+            raise
 
     # ------------------------------------------------------------------ requests
 
@@ -244,7 +315,7 @@ class Engine:
                 self.abort(req.rid)
 
     def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
-        self._inbox.put(AbortRequest(rid=rid, abort_all=abort_all))
+        self._send(AbortRequest(rid=rid, abort_all=abort_all))
 
     def control(self, command: str, timeout: float = 60.0) -> ControlResult:
         box: queue.Queue[SchedulerOutput] = queue.Queue()
@@ -271,9 +342,30 @@ class Engine:
         return self.control("flush_cache").ok
 
     def shutdown(self) -> None:
-        if self._thread.is_alive():
-            self._inbox.put(ShutdownRequest())
-            self._thread.join(timeout=30)
+        if self._closing:
+            return
+        if self._process.poll() is None and self._error is None:
+            with contextlib.suppress(EngineDeadError):
+                self._send(ShutdownRequest())
+        self._closing = True
+        self._reader.join(timeout=5)
+        self._close_process()
+
+    def _close_process(self) -> None:
+        self._closing = True
+        try:
+            self._process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._process.terminate()
+            try:
+                self._process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+        self._to_scheduler.close()
+        self._from_scheduler.close()
+        self._zmq.term()
+        self._ipc.close()
 
     def __enter__(self) -> Engine:
         return self

@@ -71,3 +71,19 @@ class ReqOutput:
 
 SchedulerInput = GenerateRequest | AbortRequest | ControlRequest | ShutdownRequest
 SchedulerOutput = ReqOutput | ControlResult
+
+
+@dataclass
+class SchedulerReady:
+    """The scheduler process's first message: the model is loaded and the KV cache sized."""
+
+    max_total_tokens: int
+    context_len: int
+    vocab_size: int
+
+
+@dataclass
+class SchedulerFailed:
+    """The scheduler process's last message when it dies of an error."""
+
+    error: str

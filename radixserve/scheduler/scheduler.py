@@ -8,7 +8,6 @@ stream outputs. It owns the waiting queue, the running batch, the radix cache an
 from __future__ import annotations
 
 import logging
-import queue
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -421,20 +420,18 @@ class Scheduler:
     # ------------------------------------------------------------------ event loop
 
     def event_loop(
-        self, inbox: queue.Queue[SchedulerInput], emit: Callable[[list[SchedulerOutput]], None]
+        self,
+        receive: Callable[[bool], list[SchedulerInput]],
+        emit: Callable[[list[SchedulerOutput]], None],
     ) -> None:
-        """receive → process → next batch → run → process result, until a ShutdownRequest."""
+        """receive → process → next batch → run → process result, until a ShutdownRequest.
+
+        `receive(block)` returns the messages that arrived; it may wait only when block is True,
+        which happens when the scheduler has nothing else to do.
+        """
         while True:
-            messages: list[SchedulerInput] = []
-            if self.is_idle:
-                messages.append(inbox.get())
-            while True:
-                try:
-                    messages.append(inbox.get_nowait())
-                except queue.Empty:
-                    break
             outputs: list[SchedulerOutput] = []
-            for msg in messages:
+            for msg in receive(self.is_idle):
                 if isinstance(msg, ShutdownRequest):
                     return
                 outputs += self.handle(msg)

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from radixserve.messages import FinishReason, GenerateRequest, ReqOutput
+from radixserve.scheduler.scheduler import Scheduler
 
 
 def random_prompts(
@@ -42,3 +46,25 @@ class GreedyOracle:
 
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
+
+
+@dataclass
+class Collected:
+    output_ids: list[int] = field(default_factory=list)
+    finished_reason: FinishReason | None = None
+
+
+def run_scheduler(scheduler: Scheduler, request: GenerateRequest) -> Collected:
+    """Drives an in-process scheduler step by step until the request finishes."""
+    result = Collected()
+
+    def take(outputs: list[object]) -> None:
+        for out in outputs:
+            if isinstance(out, ReqOutput) and out.rid == request.rid:
+                result.output_ids += out.new_token_ids
+                result.finished_reason = out.finished_reason
+
+    take(list(scheduler.handle(request)))
+    while result.finished_reason is None:
+        take(list(scheduler.step()))
+    return result

@@ -9,8 +9,11 @@ from typing import Any
 
 import pytest
 
+from radixserve.args import ServerArgs
+from radixserve.messages import GenerateRequest
 from radixserve.sampling_params import InvalidRequestError
-from tests.engine.oracle import GREEDY, GreedyOracle, random_prompts
+from radixserve.scheduler.scheduler import Scheduler
+from tests.engine.oracle import GREEDY, GreedyOracle, random_prompts, run_scheduler
 
 
 @pytest.fixture
@@ -56,20 +59,23 @@ def test_stop_token_ids_end_the_request(engine: Any, oracle: Callable[[str], Gre
 
 
 def test_eos_ends_the_request_unless_ignored(
-    tiny_model_dir: Callable[[str], Path],
-    make_engine: Callable[..., Any],
-    oracle: Callable[[str], GreedyOracle],
+    tiny_model_dir: Callable[[str], Path], oracle: Callable[[str], GreedyOracle]
 ) -> None:
     prompt = random_prompts(1, [15], seed=23)[0]
     reference = oracle("llama").continue_(prompt, 12)
-    engine = make_engine(tiny_model_dir("llama"))
-    # Pretend the model's EOS is a token the reference emits, to exercise the EOS path for real.
-    engine.scheduler.eos_token_ids = frozenset({reference[3]})
-    stopped = engine.generate(input_ids=prompt, sampling_params={"temperature": 0, "max_new_tokens": 12})
-    assert stopped["output_ids"] == reference[: reference.index(reference[3]) + 1]
-    assert stopped["meta_info"]["finish_reason"]["type"] == "stop"
-    ignored = engine.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 12})
-    assert ignored["output_ids"] == reference
+    # An in-process scheduler whose EOS is a token the reference emits, to exercise the EOS path for real.
+    scheduler = Scheduler(
+        ServerArgs(model_path=str(tiny_model_dir("llama")), dtype="float32", max_total_tokens=512)
+    )
+    scheduler.eos_token_ids = frozenset({reference[3]})
+    stopped = run_scheduler(
+        scheduler, GenerateRequest("stop", prompt, {"temperature": 0, "max_new_tokens": 12})
+    )
+    assert stopped.output_ids == reference[:4]
+    assert stopped.finished_reason is not None and stopped.finished_reason.type == "stop"
+    ignored = run_scheduler(scheduler, GenerateRequest("ignore", prompt, {**GREEDY, "max_new_tokens": 12}))
+    assert ignored.output_ids == reference
+    scheduler.check_kv_invariant()
 
 
 def test_max_new_tokens_zero_returns_nothing(engine: Any) -> None:

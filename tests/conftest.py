@@ -7,15 +7,15 @@ so tests never touch a model hub.
 from __future__ import annotations
 
 import os
-import sysconfig
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
+
+from radixserve.bench.model import train_tokenizer
 
 # Avoid the tokenizers fork-after-parallelism warning spam when tests spawn subprocesses.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -29,7 +29,6 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
-_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 _CORPUS_BYTES = 300_000
 _TOKENIZER_VOCAB = 512
 _FINAL_NORM_SCALE = 3.0
@@ -58,41 +57,11 @@ LLAMA3_ROPE_SCALING: dict[str, Any] = {
 }
 
 
-def _stdlib_corpus() -> Iterator[str]:
-    """A few hundred KB of stdlib source, in sorted file order so training is reproducible."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    total = 0
-    for path in sorted(stdlib.glob("*.py")):
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError):
-            continue
-        # Line-sized chunks keep the trainer's per-sequence word counting cheap.
-        yield from text.splitlines(keepends=True)
-        total += len(text)
-        if total >= _CORPUS_BYTES:
-            return
-
-
 def _train_tokenizer() -> PreTrainedTokenizerFast:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=_TOKENIZER_VOCAB,
-        special_tokens=_SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+    tokenizer: PreTrainedTokenizerFast = train_tokenizer(
+        vocab_size=_TOKENIZER_VOCAB, corpus_bytes=_CORPUS_BYTES, chat_template=CHATML_TEMPLATE
     )
-    tok.train_from_iterator(_stdlib_corpus(), trainer=trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<|endoftext|>",
-        eos_token="<|endoftext|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
-        chat_template=CHATML_TEMPLATE,
-    )
+    return tokenizer
 
 
 @pytest.fixture(scope="session")

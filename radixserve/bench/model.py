@@ -47,7 +47,8 @@ _CORPUS_BYTES = 200_000
 _DONE_MARKER = "radixserve-bench-model.json"
 
 
-def _stdlib_corpus() -> Iterator[str]:
+def _stdlib_corpus(corpus_bytes: int) -> Iterator[str]:
+    """Python stdlib sources in sorted file order, so training is reproducible."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     total = 0
     for path in sorted(stdlib.glob("*.py")):
@@ -58,12 +59,15 @@ def _stdlib_corpus() -> Iterator[str]:
         # Line-sized chunks keep the BPE trainer's word counting cheap.
         yield from text.splitlines(keepends=True)
         total += len(text)
-        if total >= _CORPUS_BYTES:
+        if total >= corpus_bytes:
             return
 
 
-def train_tokenizer() -> Any:
-    """A byte-level BPE tokenizer (1000 tokens) with `<|endoftext|>` as id 0 = bos = eos = pad."""
+def train_tokenizer(
+    vocab_size: int = _TOKENIZER_VOCAB, corpus_bytes: int = _CORPUS_BYTES, chat_template: str | None = None
+) -> Any:
+    """A locally trained byte-level BPE tokenizer with ChatML specials and `<|endoftext|>` as
+    id 0 = bos = eos = pad. Used by the benchmark model and by the test fixtures."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -71,18 +75,19 @@ def train_tokenizer() -> Any:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=_TOKENIZER_VOCAB,
+        vocab_size=vocab_size,
         special_tokens=_SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_stdlib_corpus(), trainer=trainer)
+    tok.train_from_iterator(_stdlib_corpus(corpus_bytes), trainer=trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<|endoftext|>",
         eos_token="<|endoftext|>",
-        unk_token="<|endoftext|>",
         pad_token="<|endoftext|>",
+        additional_special_tokens=_SPECIAL_TOKENS[1:],
+        chat_template=chat_template,
     )
 
 

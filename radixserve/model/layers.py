@@ -165,8 +165,10 @@ class RMSNorm(nn.Module):
         self.weight.data.copy_(tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # One fused kernel; for bf16 inputs it accumulates in fp32, like the reference implementation.
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # Normalize in fp32, round, then scale in the model dtype, as the reference implementation
+        # does. F.rms_norm straight on bf16 derailed SmolLM2's greedy chat answer from the first token.
+        normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,8 @@ from radixserve.model.sampler import SamplingBatch, sample
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# Default KV capacity cap on a CPU when --max-total-tokens is not given.
+CPU_DEFAULT_MAX_TOTAL_TOKENS = 65536
 
 
 def pick_device(name: str) -> torch.device:
@@ -147,6 +149,10 @@ class ModelRunner:
             # More slots than every running request at full context can never be used.
             max_running = self.args.max_running_requests or 256
             tokens = min(tokens, max_running * self.context_len)
+            if self.device.type == "cpu":
+                # Host memory is shared with everything else on the machine; a CPU serves far
+                # fewer concurrent tokens than this anyway. --max-total-tokens overrides it.
+                tokens = min(tokens, CPU_DEFAULT_MAX_TOTAL_TOKENS)
         tokens = tokens // page * page
         if tokens < page:
             raise InvalidArgumentError(

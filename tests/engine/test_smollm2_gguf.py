@@ -45,3 +45,16 @@ def test_first_step_logits_match_transformers(smollm2_gguf_path: Path) -> None:
 
     assert int(ours.argmax()) == int(expected.argmax())
     assert torch.allclose(ours, expected, atol=1e-3, rtol=0), float((ours - expected).abs().max())
+
+
+def test_bfloat16_chat_answer_stays_on_track(make_engine: Callable[..., Any]) -> None:
+    # bf16 rounding choices (e.g. a norm computed in bf16) can derail a small model at once;
+    # this prompt did, so it guards every bf16 kernel choice.
+    engine = make_engine(None, dtype="bfloat16", max_total_tokens=1024)
+    prompt = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    result = engine.generate(prompt, {"temperature": 0.0, "max_new_tokens": 12})
+    assert "Paris" in result["text"], result["text"]

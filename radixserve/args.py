@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 SchedulePolicyName = Literal["fcfs", "lpm", "dfs-weight", "lof", "random"]
@@ -21,7 +21,6 @@ class ServerArgs:
     # Model
     model_path: str | None = None
     tokenizer_path: str | None = None
-    served_model_name: str | None = None
     dtype: str = "auto"
     device: str = "auto"
     context_length: int | None = None
@@ -45,17 +44,9 @@ class ServerArgs:
     # Logging and self-checks
     log_level: str = "info"
     decode_log_interval: int = 40
-    skip_idle_check: bool = False
-
-    # Server (used by `radixserve serve`)
-    host: str = "127.0.0.1"
-    port: int = 30000
-    api_key: str | None = None
 
     # Parallelism: written tensor-parallel-ready, only 1 supported for now.
     tp_size: int = 1
-
-    extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -100,7 +91,6 @@ class ServerArgs:
             help="HF folder, .gguf file or hub id (default: the packaged SmolLM2-135M-Instruct GGUF)",
         )
         model.add_argument("--tokenizer-path", default=None, help="tokenizer folder (default: the model's)")
-        model.add_argument("--served-model-name", default=None)
         model.add_argument(
             "--dtype",
             default="auto",
@@ -154,4 +144,4 @@ class ServerArgs:
         return cls(**{k: v for k, v in vars(args).items() if k in names})
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

@@ -66,9 +66,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from radixserve.args import InvalidArgumentError
+    from radixserve.model.config import ModelLoadError
+    from radixserve.sampling_params import InvalidRequestError
+
     parser = build_parser()
     args = parser.parse_args(argv)
-    result: int = args.func(args)
+    try:
+        result: int = args.func(args)
+    except (InvalidArgumentError, InvalidRequestError, ModelLoadError) as exc:
+        # A usage problem, not a crash: one line the user can act on, argparse's exit code.
+        parser.exit(2, f"radixserve: error: {exc}\n")
     return result
 
 

@@ -88,9 +88,6 @@ class KVCachePool:
         self.k_buffers[layer_id].index_copy_(0, loc, k.to(self.dtype))
         self.v_buffers[layer_id].index_copy_(0, loc, v.to(self.dtype))
 
-    def get_kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k_buffers[layer_id], self.v_buffers[layer_id]
-
     @staticmethod
     def bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize

@@ -400,7 +400,7 @@ class Scheduler:
         return 1.0 - self.kv.available_with_eviction() / self.max_total_tokens
 
     def _check_idle(self) -> None:
-        if self._idle_checked or self.args.skip_idle_check:
+        if self._idle_checked:
             return
         self.check_kv_invariant()
         self._idle_checked = True

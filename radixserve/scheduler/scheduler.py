@@ -347,6 +347,9 @@ class Scheduler:
 
     def _process_result(self, batch: ScheduledBatch, next_ids: dict[int, int]) -> list[ReqOutput]:
         outputs: list[ReqOutput] = []
+        # Sets, not list scans: this runs for every request on every step.
+        running = {id(r) for r in self.running}
+        finished: set[int] = set()
         for req in batch.reqs:
             if req.kv_len < req.seq_len:
                 # A chunk of a long prompt: publish the computed part so later requests can share it.
@@ -356,15 +359,16 @@ class Scheduler:
             req.check_finished(self.context_len)
             if req.finished:
                 self._release_kv(req)
-                if req in self.running:
-                    self.running.remove(req)
+                finished.add(id(req))
                 outputs.append(self._finish(req))
                 continue
-            if batch.is_prefill and req not in self.running:
+            if batch.is_prefill and id(req) not in running:
                 self.tree_cache.cache_unfinished_req(req, req.fill_ids)
                 self.running.append(req)
             if len(req.output_ids) - self._emitted.get(req.rid, 0) >= self.args.stream_interval:
                 outputs.append(self._output(req))
+        if finished:
+            self.running = [r for r in self.running if id(r) not in finished]
         self.stats.generated_tokens += len(next_ids)
         return outputs
 

@@ -20,7 +20,6 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -54,12 +53,8 @@ class EngineDeadError(RuntimeError):
     """The scheduler thread stopped with an error; the engine cannot serve more requests."""
 
 
-@dataclass
-class _Pending:
-    """Where one request's outputs go: a thread-safe callback set by the waiting caller."""
-
-    deliver: Callable[[SchedulerOutput], None]
-    started: float = field(default_factory=time.perf_counter)
+# Where one request's outputs go: a thread-safe callback set by the waiting caller.
+Deliver = Callable[[SchedulerOutput], None]
 
 
 # How long the scheduler process may take to load the model and report ready.
@@ -79,7 +74,7 @@ class Engine:
             resolve_model_source(self.args.tokenizer_path) if self.args.tokenizer_path else self.source
         )
         self.tokenizer = load_tokenizer(tokenizer_source)
-        self._pending: dict[str, _Pending] = {}
+        self._pending: dict[str, Deliver] = {}
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._error: str | None = None
@@ -145,8 +140,9 @@ class Engine:
             self._error = error
             pending = list(self._pending.values())
             self._pending.clear()
-        for p in pending:
-            p.deliver(ControlResult("", False, error=f"engine died: {error}"))
+        for deliver in pending:
+            with contextlib.suppress(Exception):  # a receiver that is gone cannot be told
+                deliver(ControlResult("", False, error=f"engine died: {error}"))
 
     def _dispatch(self, outputs: list[SchedulerOutput]) -> None:
         for out in outputs:
@@ -158,7 +154,7 @@ class Engine:
                     del self._pending[out.rid]
             if pending is not None:
                 try:
-                    pending.deliver(out)
+                    pending(out)
                 except Exception:
                     # A caller that went away (closed event loop) must not take the reader down.
                     logger.warning("dropped an output for %s: its receiver is gone", out.rid)
@@ -179,7 +175,7 @@ class Engine:
             if self._error is not None or self._closing:
                 raise EngineDeadError(f"the engine is not running: {self._error or 'shut down'}")
             if rid is not None:
-                self._pending[rid] = _Pending(deliver)
+                self._pending[rid] = deliver
         try:
             self._send(msg)
         except EngineDeadError:

@@ -320,16 +320,11 @@ class Engine:
         assert isinstance(out, ControlResult)
         return out
 
-    def check_kv_invariant(self) -> None:
-        """Raises if KV slots leaked. Waits for the scheduler to go idle first."""
-        deadline = time.monotonic() + 30
-        while True:
-            result = self.control("check_kv_invariant")
-            if result.ok:
-                return
-            if result.error != "the scheduler is not idle" or time.monotonic() > deadline:
-                raise AssertionError(f"KV accounting invariant failed: {result.error}")
-            time.sleep(0.01)
+    def check_kv_invariant(self, timeout: float = 60.0) -> None:
+        """Raises if KV slots leaked. The scheduler answers once it is idle."""
+        result = self.control("check_kv_invariant", timeout=timeout)
+        if not result.ok:
+            raise AssertionError(f"KV accounting invariant failed: {result.error}")
 
     def get_stats(self) -> dict[str, Any]:
         return self.control("get_stats").payload

@@ -28,7 +28,6 @@ _STAT_KEYS = ("forward_steps", "prefill_batches", "decode_steps", "cached_tokens
 _WARMUP_PROMPT_TOKENS = 16
 _WARMUP_NEW_TOKENS = 4
 _KV_MARGIN_TOKENS = 1024
-_FLUSH_TIMEOUT_S = 30.0
 
 
 class BenchmarkError(RuntimeError):
@@ -127,12 +126,11 @@ def _median_result(
 
 
 def _flush(engine: Any) -> None:
-    # The last result can reach the caller a moment before the scheduler has retired the request.
-    deadline = time.monotonic() + _FLUSH_TIMEOUT_S
-    while not engine.flush_cache():
-        if time.monotonic() > deadline:
-            raise BenchmarkError("flush_cache kept failing: the engine did not go idle")
-        time.sleep(0.005)
+    # The KV check is answered only once the scheduler is idle, so the flush after it cannot race
+    # with the retiring of the last requests.
+    engine.check_kv_invariant()
+    if not engine.flush_cache():
+        raise BenchmarkError("flush_cache failed although the engine was idle")
 
 
 def _check_outputs(outputs: list[dict[str, Any]], workload: Workload, system: str) -> None:

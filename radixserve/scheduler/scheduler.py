@@ -92,6 +92,7 @@ class Scheduler:
         self.new_token_ratio = self.init_new_token_ratio
         self.stats = SchedulerStats()
         self._idle_checked = True
+        self._idle_waiters: list[ControlRequest] = []
 
     # ------------------------------------------------------------------ requests in
 
@@ -101,14 +102,18 @@ class Scheduler:
         if isinstance(msg, AbortRequest):
             return list(self.abort(msg.rid, abort_all=msg.abort_all))
         if isinstance(msg, ControlRequest):
-            return [self.control(msg)]
+            result = self.control(msg)
+            return [] if result is None else [result]
         raise TypeError(f"unexpected scheduler message {type(msg).__name__}")
 
-    def control(self, msg: ControlRequest) -> ControlResult:
+    def control(self, msg: ControlRequest) -> ControlResult | None:
+        """Answers a control request; None means the answer comes later (see below)."""
         try:
             if msg.command == "check_kv_invariant":
                 if not self.is_idle:
-                    return ControlResult(msg.rid, False, error="the scheduler is not idle")
+                    # The invariant only holds when idle: answer once the scheduler gets there.
+                    self._idle_waiters.append(msg)
+                    return None
                 self.check_kv_invariant()
                 return ControlResult(msg.rid, True)
             if msg.command == "flush_cache":
@@ -205,7 +210,14 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step
 
-    def step(self) -> list[ReqOutput]:
+    def step(self) -> list[SchedulerOutput]:
+        outputs: list[SchedulerOutput] = list(self._run_one_batch())
+        if self._idle_waiters and self.is_idle:
+            waiters, self._idle_waiters = self._idle_waiters, []
+            outputs += [result for msg in waiters if (result := self.control(msg)) is not None]
+        return outputs
+
+    def _run_one_batch(self) -> list[ReqOutput]:
         batch = self._next_batch()
         if batch is None:
             self._check_idle()

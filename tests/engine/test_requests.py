@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from radixserve.args import ServerArgs
-from radixserve.messages import GenerateRequest
+from radixserve.messages import ControlRequest, ControlResult, GenerateRequest
 from radixserve.sampling_params import InvalidRequestError
 from radixserve.scheduler.scheduler import Scheduler
 from tests.engine.oracle import GREEDY, GreedyOracle, random_prompts, run_scheduler
@@ -167,3 +167,19 @@ def test_abort_all_while_running(engine: Any) -> None:
 
     results = asyncio.run(run())
     assert all(r["meta_info"]["finish_reason"]["type"] == "abort" for r in results)
+
+
+def test_kv_check_waits_for_idle_instead_of_failing(tiny_model_dir: Callable[[str], Path]) -> None:
+    scheduler = Scheduler(
+        ServerArgs(model_path=str(tiny_model_dir("llama")), dtype="float32", max_total_tokens=512)
+    )
+    scheduler.handle(GenerateRequest("busy", [5, 6, 7], {**GREEDY, "max_new_tokens": 4}))
+    # Asked while a request runs, the check is answered only when the scheduler goes idle.
+    assert scheduler.handle(ControlRequest("check", "check_kv_invariant")) == []
+    answers = []
+    for _ in range(10):
+        answers += [out for out in scheduler.step() if isinstance(out, ControlResult)]
+        if answers:
+            break
+    assert answers == [ControlResult("check", True)]
+    assert scheduler.is_idle

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Thin wrapper around `radixserve bench`; every argument is passed through.
+# Thin wrapper around `radixserve bench offline`; every argument is passed through.
 #   benchmarks/run_offline.sh                                # full run: W1,W2,W3 x bf16,fp32, 3 repeats
 #   benchmarks/run_offline.sh --scale 0.1 --repeats 1        # smoke run, well under a minute
 #   benchmarks/run_offline.sh --out bench-work/results.json  # also keep the JSON report
@@ -18,4 +18,4 @@ for arg in "$@"; do
         work_dir=()
     fi
 done
-exec "$cli" bench "${work_dir[@]}" "$@"
+exec "$cli" bench offline "${work_dir[@]}" "$@"

@@ -41,6 +41,15 @@ class ServerArgs:
     disable_radix_cache: bool = False
     stream_interval: int = 1
 
+    # HTTP server
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    allow_auto_truncate: bool = False
+    max_queued_requests: int | None = None
+    max_request_body_mb: float = 32.0
+
     # Logging and self-checks
     log_level: str = "info"
     decode_log_interval: int = 40
@@ -77,6 +86,12 @@ class ServerArgs:
             raise InvalidArgumentError("--schedule-conservativeness must be > 0")
         if self.stream_interval < 1:
             raise InvalidArgumentError("--stream-interval must be >= 1")
+        if not 0 < self.port < 65536:
+            raise InvalidArgumentError(f"--port must be in 1..65535, got {self.port}")
+        if self.max_queued_requests is not None and self.max_queued_requests < 1:
+            raise InvalidArgumentError("--max-queued-requests must be >= 1")
+        if self.max_request_body_mb <= 0:
+            raise InvalidArgumentError("--max-request-body-mb must be > 0")
         if self.tp_size != 1:
             raise InvalidArgumentError("--tp-size > 1 is not supported yet; tensor parallelism is planned")
 
@@ -130,6 +145,26 @@ class ServerArgs:
         sched.add_argument("--enable-mixed-chunk", action="store_true")
         sched.add_argument("--disable-radix-cache", action="store_true")
         sched.add_argument("--stream-interval", type=int, default=1)
+
+        server = parser.add_argument_group("HTTP server")
+        server.add_argument("--host", default="127.0.0.1", help="address to bind (default: local only)")
+        server.add_argument("--port", type=int, default=30000)
+        server.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+        server.add_argument(
+            "--served-model-name", default=None, help="model name in the API (default: the model path)"
+        )
+        server.add_argument(
+            "--allow-auto-truncate",
+            action="store_true",
+            help="cut prompts longer than the context instead of refusing them",
+        )
+        server.add_argument(
+            "--max-queued-requests",
+            type=int,
+            default=None,
+            help="answer 503 while more requests than this wait for their first token (default: no bound)",
+        )
+        server.add_argument("--max-request-body-mb", type=float, default=32.0)
 
         logs = parser.add_argument_group("logging")
         logs.add_argument("--log-level", default="info")

@@ -1,4 +1,4 @@
-"""Command line: `radixserve generate | bench`."""
+"""Command line: `radixserve serve | generate | bench`."""
 
 from __future__ import annotations
 
@@ -40,11 +40,26 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from radixserve.server.serve import serve
+
+    return serve(ServerArgs.from_cli_args(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="radixserve", description="LLM serving engine with a radix prefix cache"
     )
     sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser(
+        "serve",
+        help="serve a model over HTTP (OpenAI-compatible and native API)",
+        description="Serve a model over HTTP: /v1/completions, /v1/chat/completions, /v1/models, "
+        "/generate and the control routes. Binds to 127.0.0.1:30000 unless told otherwise.",
+    )
+    ServerArgs.add_cli_args(serve)
+    serve.set_defaults(func=_serve)
 
     gen = sub.add_parser("generate", help="complete one prompt with the offline engine and print the text")
     gen.add_argument("prompt")

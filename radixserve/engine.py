@@ -1,8 +1,9 @@
-"""Engine: the offline Python API.
+"""Engine: the request side of radixserve, used directly (offline Python API) or behind HTTP.
 
-The scheduler runs in its own process (see scheduler/process.py) and talks to the engine over ZMQ
-IPC sockets with typed messages. Callers submit requests from any thread (generate) or from asyncio
-(async_stream); a reader thread routes the scheduler's outputs to per-request queues.
+It plays the TokenizerManager's part: it tokenizes and validates requests, sends them to the
+scheduler process, and routes the detokenizer's text outputs back to whoever waits for them. A
+reader thread receives outputs and hands each to its request's callback, so callers may wait from
+any thread (generate) or from any asyncio loop (stream, async_stream).
 """
 
 from __future__ import annotations
@@ -10,129 +11,162 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import logging
-import os
 import queue
-import subprocess
-import sys
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
-import zmq
-
 from radixserve.args import ServerArgs
-from radixserve.detokenize import IncrementalDetokenizer
-from radixserve.ipc import Channel, IpcDir
 from radixserve.log import configure_logging
 from radixserve.messages import (
     AbortRequest,
     ControlRequest,
     ControlResult,
+    FinishReason,
     GenerateRequest,
-    ReqOutput,
     SchedulerFailed,
     SchedulerInput,
-    SchedulerOutput,
-    SchedulerReady,
-    ShutdownRequest,
+    TextBatch,
+    TextOutput,
 )
 from radixserve.model.loader import ModelSource, load_tokenizer, resolve_model_source
-from radixserve.sampling_params import InvalidRequestError
+from radixserve.sampling_params import InvalidRequestError, SamplingParams
+from radixserve.server.launch import POLL_MS, EngineDeadError, Runtime
 
 logger = logging.getLogger("radixserve")
 
+__all__ = ["Engine", "EngineDeadError", "GenerateOutput", "QueueFullError"]
+
 Prompt = str | list[str] | None
 InputIds = list[int] | list[list[int]] | None
+SamplingArg = dict[str, Any] | list[dict[str, Any]] | None
+
+# Where one request's outputs go: a thread-safe callback set by the waiting caller. It receives a
+# ControlResult instead when the engine dies.
+Deliver = Callable[[TextOutput | ControlResult], None]
 
 
-class EngineDeadError(RuntimeError):
-    """The scheduler thread stopped with an error; the engine cannot serve more requests."""
+class QueueFullError(RuntimeError):
+    """More requests wait for their first token than --max-queued-requests allows."""
 
 
-# Where one request's outputs go: a thread-safe callback set by the waiting caller.
-Deliver = Callable[[SchedulerOutput], None]
+@dataclass
+class GenerateOutput:
+    """One request's state after an output: everything so far, and what is new."""
 
+    rid: str
+    text: str = ""
+    delta: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    new_token_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    e2e_latency: float = 0.0
 
-# How long the scheduler process may take to load the model and report ready.
-STARTUP_TIMEOUT_S = 600
-# How often the output reader wakes up to check that the scheduler process is alive.
-READER_POLL_MS = 200
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def update(self, out: TextOutput, started: float) -> None:
+        self.delta = out.text_delta
+        self.text += out.text_delta
+        self.new_token_ids = out.new_token_ids
+        self.output_ids = self.output_ids + out.new_token_ids
+        self.finish_reason = out.finished_reason
+        self.prompt_tokens = out.prompt_tokens
+        self.completion_tokens = out.completion_tokens
+        self.cached_tokens = out.cached_tokens
+        self.e2e_latency = time.perf_counter() - started
+
+    def meta_info(self) -> dict[str, Any]:
+        finish = self.finish_reason
+        return {
+            "id": self.rid,
+            "finish_reason": finish.to_dict() if finish else None,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "cached_tokens": self.cached_tokens,
+            "e2e_latency": self.e2e_latency,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        """The native API's result: text, output_ids and meta_info."""
+        return {"text": self.text, "output_ids": self.output_ids, "meta_info": self.meta_info()}
 
 
 class Engine:
-    def __init__(self, model_path: str | None = None, **server_args: Any):
+    def __init__(
+        self,
+        model_path: str | None = None,
+        *,
+        on_fatal: Callable[[str], None] | None = None,
+        **server_args: Any,
+    ):
+        """`on_fatal` is called (from the reader thread) when a child process dies."""
         self.args = ServerArgs(model_path=model_path, **server_args)
         configure_logging(self.args.log_level)
         self.source: ModelSource = resolve_model_source(self.args.model_path)
-        # The scheduler process loads exactly what was resolved here (no second hub lookup).
+        # The children load exactly what was resolved here (no second hub lookup).
         self.args.model_path = str(self.source.path)
         tokenizer_source = (
             resolve_model_source(self.args.tokenizer_path) if self.args.tokenizer_path else self.source
         )
         self.tokenizer = load_tokenizer(tokenizer_source)
+        self.served_model_name = self.args.served_model_name or self.args.model_path
+        self._on_fatal = on_fatal
         self._pending: dict[str, Deliver] = {}
+        # Requests that have not produced output yet: what --max-queued-requests bounds.
+        self._queued: set[str] = set()
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._error: str | None = None
         self._closing = False
         self._ids = itertools.count()
+        self.last_output_time = time.monotonic()
 
-        self._ipc = IpcDir()
-        self._zmq: zmq.Context[Any] = zmq.Context()
-        inbox, outbox = self._ipc.address("scheduler-in"), self._ipc.address("scheduler-out")
-        self._to_scheduler = Channel(self._zmq, inbox, send=True, bind=True)
-        self._from_scheduler = Channel(self._zmq, outbox, send=False, bind=True)
-        # A fresh interpreter rather than multiprocessing: nothing is pickled, and the caller's
-        # __main__ module is never re-imported (no `if __name__ == "__main__"` guard needed).
-        self._process = subprocess.Popen(
-            [
-                sys.executable, "-m", "radixserve.scheduler.process",
-                "--server-args-json", json.dumps(self.args.to_dict()),
-                "--inbox", inbox, "--outbox", outbox, "--parent-pid", str(os.getpid()),
-            ]
-        )  # fmt: skip
+        self.runtime = Runtime(self.args, self.tokenizer)
         try:
-            ready = self._wait_ready()
+            ready = self.runtime.wait_ready()
         except BaseException:
-            self._close_process()
+            self.runtime.kill()
             raise
         self.max_total_tokens = ready.max_total_tokens
         self.context_len = ready.context_len
-        logger.info("scheduler ready: KV cache holds %d tokens", ready.max_total_tokens)
+        self.vocab_size = ready.vocab_size
+        logger.info(
+            "scheduler ready: KV cache holds %d tokens, context length %d",
+            ready.max_total_tokens,
+            ready.context_len,
+        )
         self._reader = threading.Thread(target=self._read_outputs, name="radixserve-outputs", daemon=True)
         self._reader.start()
 
-    # ------------------------------------------------------------------ scheduler process
-
-    def _wait_ready(self) -> SchedulerReady:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            msg = self._from_scheduler.recv(READER_POLL_MS)
-            if isinstance(msg, SchedulerReady):
-                return msg
-            if isinstance(msg, SchedulerFailed):
-                raise EngineDeadError(f"the scheduler failed to start:\n{msg.error}")
-            if self._process.poll() is not None:
-                raise EngineDeadError(
-                    f"the scheduler process exited with code {self._process.returncode} at start"
-                )
-        raise EngineDeadError(f"the scheduler did not become ready within {STARTUP_TIMEOUT_S}s")
+    # ------------------------------------------------------------------ outputs in
 
     def _read_outputs(self) -> None:
+        next_check = 0.0
         while not self._closing:
-            msg = self._from_scheduler.recv(READER_POLL_MS)
-            if isinstance(msg, (ReqOutput, ControlResult)):
+            msg = self.runtime.recv(POLL_MS)
+            if isinstance(msg, TextBatch):
+                self.last_output_time = time.monotonic()
+                self._dispatch(msg.outputs)
+            elif isinstance(msg, ControlResult):
                 self._dispatch([msg])
             elif isinstance(msg, SchedulerFailed):
                 self._fail(f"the scheduler stopped with an error:\n{msg.error}")
                 return
-            elif msg is None and self._process.poll() is not None and not self._closing:
-                self._fail(f"the scheduler process died (exit code {self._process.returncode})")
-                return
+            # Checked between messages too, so that a busy stream cannot hide a dead child.
+            if time.monotonic() >= next_check and not self._closing:
+                next_check = time.monotonic() + POLL_MS / 1000
+                if (dead := self.runtime.dead_child()) is not None:
+                    self._fail(dead)
+                    return
 
     def _fail(self, error: str) -> None:
         logger.error("%s", error)
@@ -140,56 +174,117 @@ class Engine:
             self._error = error
             pending = list(self._pending.values())
             self._pending.clear()
+            self._queued.clear()
         for deliver in pending:
             with contextlib.suppress(Exception):  # a receiver that is gone cannot be told
                 deliver(ControlResult("", False, error=f"engine died: {error}"))
+        if self._on_fatal is not None:
+            self._on_fatal(error)
 
-    def _dispatch(self, outputs: list[SchedulerOutput]) -> None:
+    def _dispatch(self, outputs: list[TextOutput] | list[ControlResult]) -> None:
         for out in outputs:
             with self._lock:
-                pending = self._pending.get(out.rid)
-                if pending is not None and (
+                self._queued.discard(out.rid)
+                deliver = self._pending.get(out.rid)
+                if deliver is not None and (
                     isinstance(out, ControlResult) or out.finished_reason is not None
                 ):
                     del self._pending[out.rid]
-            if pending is not None:
+            if deliver is not None:
                 try:
-                    pending(out)
+                    deliver(out)
                 except Exception:
                     # A caller that went away (closed event loop) must not take the reader down.
                     logger.warning("dropped an output for %s: its receiver is gone", out.rid)
 
-    def _send(self, msg: SchedulerInput) -> None:
-        # A PUSH socket blocks while its peer is away: wait in slices and give up if it died.
-        with self._send_lock:
-            while not self._to_scheduler.send(msg, timeout_ms=READER_POLL_MS):
-                if self._process.poll() is not None:
-                    raise EngineDeadError(
-                        f"the scheduler process died (exit code {self._process.returncode})"
-                    )
+    # ------------------------------------------------------------------ requests out
 
-    def _submit(self, msg: SchedulerInput, deliver: Callable[[SchedulerOutput], None]) -> None:
-        rid = msg.rid if isinstance(msg, (GenerateRequest, ControlRequest)) else None
+    def _send(self, msg: SchedulerInput) -> None:
+        with self._send_lock:
+            self.runtime.send(msg)
+
+    def submit(self, msg: GenerateRequest | ControlRequest, deliver: Deliver) -> None:
         # Checked under the lock _fail takes, so a request is either refused here or failed there.
         with self._lock:
             if self._error is not None or self._closing:
                 raise EngineDeadError(f"the engine is not running: {self._error or 'shut down'}")
-            if rid is not None:
-                self._pending[rid] = deliver
+            if msg.rid in self._pending:
+                raise InvalidRequestError(f"request id {msg.rid!r} is already in use")
+            if isinstance(msg, GenerateRequest):
+                bound = self.args.max_queued_requests
+                if bound is not None and len(self._queued) >= bound:
+                    waiting = len(self._queued)
+                    raise QueueFullError(
+                        f"{waiting} requests are waiting (--max-queued-requests {bound}); retry later"
+                    )
+                self._queued.add(msg.rid)
+            self._pending[msg.rid] = deliver
         try:
             self._send(msg)
         except EngineDeadError:
-            with self._lock:
-                self._pending.pop(rid or "", None)
+            self._forget(msg.rid)
             raise
 
-    # ------------------------------------------------------------------ requests
+    def _forget(self, rid: str) -> None:
+        with self._lock:
+            self._pending.pop(rid, None)
+            self._queued.discard(rid)
+
+    @property
+    def num_queued(self) -> int:
+        return len(self._queued)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._pending)
+
+    # ------------------------------------------------------------------ building requests
+
+    def new_rid(self) -> str:
+        return f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = self.tokenizer.encode(text)
+        return ids
+
+    def encode_chat(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int]:
+        """The prompt ids of a chat, through the tokenizer's chat template."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequestError("this model has no chat template; use the completions API")
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **template_kwargs
+        )
+        # The template already holds any BOS the model wants.
+        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False)
+        return ids
+
+    def make_request(
+        self, input_ids: list[int], sampling_params: dict[str, Any] | None, rid: str | None = None
+    ) -> GenerateRequest:
+        """Validates everything the scheduler would refuse, so that callers get the error up front."""
+        params = SamplingParams.from_dict(sampling_params)
+        ids = list(input_ids)
+        if not ids:
+            raise InvalidRequestError("the prompt is empty")
+        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        if len(ids) >= self.context_len:
+            if not self.args.allow_auto_truncate:
+                raise InvalidRequestError(
+                    f"the prompt has {len(ids)} tokens, but the model's context length is "
+                    f"{self.context_len} tokens; shorten the prompt (or start the server with "
+                    "--allow-auto-truncate)"
+                )
+            ids = ids[: self.context_len - 1]
+        if len(ids) + 1 > self.max_total_tokens:
+            raise InvalidRequestError(
+                f"the prompt has {len(ids)} tokens, more than the KV cache can ever hold "
+                f"({self.max_total_tokens} tokens); shorten it or raise --max-total-tokens"
+            )
+        return GenerateRequest(rid or self.new_rid(), ids, params.to_dict())
 
     def _build_requests(
-        self,
-        prompt: Prompt,
-        input_ids: InputIds,
-        sampling_params: dict[str, Any] | list[dict[str, Any]] | None,
+        self, prompt: Prompt, input_ids: InputIds, sampling_params: SamplingArg
     ) -> tuple[list[GenerateRequest], bool]:
         if (prompt is None) == (input_ids is None):
             raise InvalidRequestError("pass exactly one of prompt or input_ids")
@@ -197,7 +292,7 @@ class Engine:
         if prompt is not None:
             single = isinstance(prompt, str)
             texts = [prompt] if isinstance(prompt, str) else list(prompt)
-            batch_ids = [self.tokenizer.encode(t) for t in texts]
+            batch_ids = [self.encode(t) for t in texts]
         else:
             assert input_ids is not None
             single = bool(input_ids) and isinstance(input_ids[0], int)
@@ -208,57 +303,64 @@ class Engine:
             params = sampling_params
         else:
             params = [dict(sampling_params or {}) for _ in batch_ids]
-        reqs = [
-            GenerateRequest(f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}", ids, dict(p))
-            for ids, p in zip(batch_ids, params, strict=True)
-        ]
+        reqs = [self.make_request(ids, p) for ids, p in zip(batch_ids, params, strict=True)]
         return reqs, single
 
-    def _result(
-        self, req: GenerateRequest, output_ids: list[int], last: ReqOutput, started: float
-    ) -> dict[str, Any]:
-        finish = last.finished_reason
-        return {
-            "text": self.tokenizer.decode(output_ids, skip_special_tokens=True),
-            "output_ids": output_ids,
-            "meta_info": {
-                "id": req.rid,
-                "finish_reason": finish.to_dict() if finish else None,
-                "prompt_tokens": last.prompt_tokens,
-                "completion_tokens": last.completion_tokens,
-                "cached_tokens": last.cached_tokens,
-                "e2e_latency": time.perf_counter() - started,
-            },
-        }
+    # ------------------------------------------------------------------ generation
+
+    def stream(self, req: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+        """Submits req now (so refusals such as QueueFullError raise here) and returns an iterator
+        over its state after every output. Leaving the iteration early (a break, a cancelled task,
+        a client that disconnected) aborts the request. A caller that never iterates must abort
+        the request itself."""
+        loop = asyncio.get_running_loop()
+        box: asyncio.Queue[TextOutput | ControlResult] = asyncio.Queue()
+
+        def deliver(out: TextOutput | ControlResult) -> None:
+            loop.call_soon_threadsafe(box.put_nowait, out)
+
+        started = time.perf_counter()
+        self.submit(req, deliver)
+        return self._follow(req.rid, box, started)
+
+    async def _follow(
+        self, rid: str, box: asyncio.Queue[TextOutput | ControlResult], started: float
+    ) -> AsyncIterator[GenerateOutput]:
+        state = GenerateOutput(rid)
+        try:
+            while not state.finished:
+                out = await box.get()
+                if isinstance(out, ControlResult):
+                    raise EngineDeadError(out.error or "engine stopped")
+                state.update(out, started)
+                yield state
+        finally:
+            if not state.finished and self._error is None:
+                self._forget(rid)
+                with contextlib.suppress(EngineDeadError):
+                    self.abort(rid)
 
     def generate(
-        self,
-        prompt: Prompt = None,
-        sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
-        input_ids: InputIds = None,
+        self, prompt: Prompt = None, sampling_params: SamplingArg = None, input_ids: InputIds = None
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """Blocking generation. One prompt gives one result dict; a list gives a list, in order."""
         reqs, single = self._build_requests(prompt, input_ids, sampling_params)
-        inboxes: list[queue.Queue[SchedulerOutput]] = []
+        inboxes: list[queue.Queue[TextOutput | ControlResult]] = []
         started = time.perf_counter()
         for req in reqs:
-            box: queue.Queue[SchedulerOutput] = queue.Queue()
+            box: queue.Queue[TextOutput | ControlResult] = queue.Queue()
             inboxes.append(box)
-            self._submit(req, box.put)
-        results = [self._collect(req, box, started) for req, box in zip(reqs, inboxes, strict=True)]
+            self.submit(req, box.put)
+        results = []
+        for req, box in zip(reqs, inboxes, strict=True):
+            state = GenerateOutput(req.rid)
+            while not state.finished:
+                out = box.get()
+                if isinstance(out, ControlResult):
+                    raise EngineDeadError(out.error or "engine stopped")
+                state.update(out, started)
+            results.append(state.to_dict())
         return results[0] if single else results
-
-    def _collect(
-        self, req: GenerateRequest, box: queue.Queue[SchedulerOutput], started: float
-    ) -> dict[str, Any]:
-        output_ids: list[int] = []
-        while True:
-            out = box.get()
-            if isinstance(out, ControlResult):
-                raise EngineDeadError(out.error or "engine stopped")
-            output_ids += out.new_token_ids
-            if out.finished_reason is not None:
-                return self._result(req, output_ids, out, started)
 
     async def async_generate(
         self,
@@ -277,47 +379,28 @@ class Engine:
         sampling_params: dict[str, Any] | None = None,
         input_ids: list[int] | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
-        """Yields a dict per scheduler output: the text delta, the new ids, and the result so far.
-        Cancelling the iteration aborts the request."""
+        """Yields the result so far after every output, with the new text under "delta"."""
         reqs, _ = self._build_requests(prompt, input_ids, sampling_params)
-        req = reqs[0]
-        loop = asyncio.get_running_loop()
-        box: asyncio.Queue[SchedulerOutput] = asyncio.Queue()
-        started = time.perf_counter()
+        async for state in self.stream(reqs[0]):
+            yield {**state.to_dict(), "delta": state.delta}
 
-        def deliver(out: SchedulerOutput) -> None:
-            loop.call_soon_threadsafe(box.put_nowait, out)
-
-        self._submit(req, deliver)
-        detok = IncrementalDetokenizer(self.tokenizer)
-        output_ids: list[int] = []
-        finished = False
-        try:
-            while not finished:
-                out = await box.get()
-                if isinstance(out, ControlResult):
-                    raise EngineDeadError(out.error or "engine stopped")
-                finished = out.finished_reason is not None
-                output_ids += out.new_token_ids
-                delta = detok.push(out.new_token_ids, final=finished)
-                chunk = self._result(req, list(output_ids), out, started)
-                chunk["delta"] = delta
-                chunk["text"] = detok.text
-                yield chunk
-        finally:
-            if not finished:
-                with self._lock:
-                    self._pending.pop(req.rid, None)
-                self.abort(req.rid)
+    # ------------------------------------------------------------------ control
 
     def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
         self._send(AbortRequest(rid=rid, abort_all=abort_all))
 
     def control(self, command: str, timeout: float = 60.0) -> ControlResult:
-        box: queue.Queue[SchedulerOutput] = queue.Queue()
-        self._submit(ControlRequest(f"ctl-{next(self._ids)}", command), box.put)
-        out = box.get(timeout=timeout)
+        box: queue.Queue[TextOutput | ControlResult] = queue.Queue()
+        rid = f"ctl-{next(self._ids)}"
+        self.submit(ControlRequest(rid, command), box.put)
+        try:
+            out = box.get(timeout=timeout)
+        except queue.Empty:
+            self._forget(rid)
+            raise TimeoutError(f"the scheduler did not answer {command!r} within {timeout}s") from None
         assert isinstance(out, ControlResult)
+        if out.rid == "" and not out.ok:
+            raise EngineDeadError(out.error or "engine stopped")
         return out
 
     def check_kv_invariant(self, timeout: float = 60.0) -> None:
@@ -332,31 +415,16 @@ class Engine:
     def flush_cache(self) -> bool:
         return self.control("flush_cache").ok
 
+    @property
+    def error(self) -> str | None:
+        return self._error
+
     def shutdown(self) -> None:
-        if self._closing:
+        if self.runtime.closed:
             return
-        if self._process.poll() is None and self._error is None:
-            with contextlib.suppress(EngineDeadError):
-                self._send(ShutdownRequest())
         self._closing = True
         self._reader.join(timeout=5)
-        self._close_process()
-
-    def _close_process(self) -> None:
-        self._closing = True
-        try:
-            self._process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self._process.terminate()
-            try:
-                self._process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait()
-        self._to_scheduler.close()
-        self._from_scheduler.close()
-        self._zmq.term()
-        self._ipc.close()
+        self.runtime.shutdown()
 
     def __enter__(self) -> Engine:
         return self

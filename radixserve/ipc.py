@@ -19,10 +19,11 @@ from radixserve.messages import (
     ControlRequest,
     ControlResult,
     GenerateRequest,
-    ReqOutput,
+    OutputBatch,
     SchedulerFailed,
     SchedulerReady,
     ShutdownRequest,
+    TextBatch,
 )
 
 _TYPES: dict[str, type[Any]] = {
@@ -32,7 +33,8 @@ _TYPES: dict[str, type[Any]] = {
         AbortRequest,
         ControlRequest,
         ShutdownRequest,
-        ReqOutput,
+        OutputBatch,
+        TextBatch,
         ControlResult,
         SchedulerReady,
         SchedulerFailed,

@@ -1,4 +1,10 @@
-"""Messages that cross from the request side (Engine, TokenizerManager) into the scheduler and back."""
+"""Every message that crosses a process boundary.
+
+The path is one way: the engine (tokenizer side) sends requests to the scheduler; the scheduler sends
+token ids to the detokenizer; the detokenizer turns them into text and sends it to the engine. Control
+results and the scheduler's last words pass through the detokenizer unchanged, so they stay in order
+with the outputs before them.
+"""
 
 from __future__ import annotations
 
@@ -58,6 +64,15 @@ class FinishReason:
 
 
 @dataclass
+class DetokenizeParams:
+    """How the detokenizer turns one request's ids into text; travels with each of its outputs."""
+
+    stop: list[str] = field(default_factory=list)
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+
+
+@dataclass
 class ReqOutput:
     """What the scheduler emits for one request after a step: the new tokens, and the end if reached."""
 
@@ -67,6 +82,32 @@ class ReqOutput:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    detokenize: DetokenizeParams = field(default_factory=DetokenizeParams)
+
+
+@dataclass
+class OutputBatch:
+    """Everything the scheduler produced in one step, sent as one message."""
+
+    outputs: list[ReqOutput]
+
+
+@dataclass
+class TextOutput:
+    """One request's progress as text: what the detokenizer sends on to the engine."""
+
+    rid: str
+    text_delta: str
+    new_token_ids: list[int]
+    finished_reason: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass
+class TextBatch:
+    outputs: list[TextOutput]
 
 
 SchedulerInput = GenerateRequest | AbortRequest | ControlRequest | ShutdownRequest

@@ -23,7 +23,14 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
+    # Stop strings: generation ends when the output text contains one; it is trimmed from the text
+    # unless no_stop_trim is set.
+    stop: list[str] = field(default_factory=list)
+    # Before this many tokens, EOS and stop tokens are masked out and stop strings are not checked.
+    min_new_tokens: int = 0
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
 
     @classmethod
     def from_dict(cls, params: dict[str, Any] | None) -> SamplingParams:
@@ -32,8 +39,11 @@ class SamplingParams:
         unknown = sorted(set(params) - known)
         if unknown:
             raise InvalidRequestError(f"unsupported sampling parameter(s): {', '.join(unknown)}")
-        if params.get("stop_token_ids") is None:
-            params.pop("stop_token_ids", None)
+        for key in ("stop_token_ids", "stop"):
+            if params.get(key) is None:
+                params.pop(key, None)
+        if isinstance(params.get("stop"), str):
+            params["stop"] = [params["stop"]]
         sp = cls(**params)
         sp.validate()
         return sp
@@ -53,6 +63,18 @@ class SamplingParams:
             raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids must be a list of non-negative integers")
+        if not isinstance(self.stop, list) or any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidRequestError("stop must be a non-empty string or a list of non-empty strings")
+        if not isinstance(self.min_new_tokens, int) or self.min_new_tokens < 0:
+            raise InvalidRequestError(f"min_new_tokens must be >= 0, got {self.min_new_tokens!r}")
+        if self.min_new_tokens > self.max_new_tokens:
+            raise InvalidRequestError(
+                f"min_new_tokens ({self.min_new_tokens}) must not exceed max_new_tokens "
+                f"({self.max_new_tokens})"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
     @property
     def is_greedy(self) -> bool:

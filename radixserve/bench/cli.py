@@ -1,12 +1,19 @@
-"""`radixserve bench`: the offline throughput benchmark against a transformers baseline."""
+"""`radixserve bench offline | serving`.
+
+offline: the in-process throughput benchmark against a transformers baseline.
+serving: an OpenAI-API load test against any running server (radixserve/bench/serving.py).
+"""
 
 from __future__ import annotations
 
 import argparse
+import math
+import sys
 from pathlib import Path
 from typing import Any
 
 from radixserve.args import SCHEDULE_POLICIES
+from radixserve.bench.serving_datasets import DATASET_NAMES
 from radixserve.bench.workloads import parse_workload_names
 
 _BENCH_DTYPES = ("bfloat16", "float32")
@@ -47,7 +54,21 @@ def _positive_int(spec: str) -> int:
     return value
 
 
-def _bench(args: argparse.Namespace) -> int:
+def _positive_float(spec: str) -> float:
+    value = float(spec)  # accepts "inf"
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {spec}")
+    return value
+
+
+def _ratio(spec: str) -> float:
+    value = float(spec)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {spec}")
+    return value
+
+
+def _bench_offline(args: argparse.Namespace) -> int:
     from radixserve.bench.offline import BenchConfig, format_table, run_benchmark, write_report
 
     cfg = BenchConfig(
@@ -72,9 +93,21 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
-    """Register `bench` on the top-level subparsers object."""
+    """Register `bench offline` and `bench serving` on the top-level subparsers object."""
     bench = sub.add_parser(
         "bench",
+        help="benchmarks: `offline` (in-process throughput vs transformers) or `serving` (HTTP load test)",
+        description="radixserve benchmarks; see `radixserve bench offline -h` and `bench serving -h`.",
+    )
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="{offline,serving}")
+    _add_offline_parser(bench_sub)
+    _add_serving_parser(bench_sub)
+    return bench
+
+
+def _add_offline_parser(bench_sub: Any) -> argparse.ArgumentParser:
+    bench = bench_sub.add_parser(
+        "offline",
         help="offline throughput benchmark (W1/W2/W3) against a transformers static-batch baseline",
         description=(
             "Runs the peers' token-id workloads on radixserve and on transformers `generate` in one "
@@ -117,5 +150,167 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
     bench.add_argument(
         "--schedule-policy", default="lpm", choices=SCHEDULE_POLICIES, help="radixserve policy (default lpm)"
     )
-    bench.set_defaults(func=_bench)
+    bench.set_defaults(func=_bench_offline)
     return bench
+
+
+def _serving_base_url(args: argparse.Namespace) -> str:
+    from radixserve.bench.serving import DEFAULT_BASE_URL
+
+    if args.base_url is not None:
+        if args.host is not None or args.port is not None:
+            raise ValueError("give either --base-url or --host/--port, not both")
+        return str(args.base_url)
+    if args.host is None and args.port is None:
+        return DEFAULT_BASE_URL
+    return f"http://{args.host or '127.0.0.1'}:{args.port or 30000}"
+
+
+def _bench_serving(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from radixserve.bench.serving import (
+        ServingBenchConfig,
+        ServingBenchError,
+        format_report,
+        run_serving_benchmark,
+    )
+
+    try:
+        cfg = ServingBenchConfig(
+            base_url=_serving_base_url(args),
+            backend=args.backend,
+            model=args.model,
+            api_key=args.api_key,
+            dataset=args.dataset,
+            num_prompts=args.num_prompts,
+            seed=args.seed,
+            random_input_len=args.random_input_len,
+            random_output_len=args.random_output_len,
+            random_range_ratio=args.random_range_ratio,
+            random_vocab_size=args.random_vocab_size,
+            gsp_num_groups=args.gsp_num_groups,
+            gsp_prompts_per_group=args.gsp_prompts_per_group,
+            gsp_system_prompt_len=args.gsp_system_prompt_len,
+            gsp_question_len=args.gsp_question_len,
+            gsp_output_len=args.gsp_output_len,
+            dataset_path=args.dataset_path,
+            tokenizer=args.tokenizer,
+            sharegpt_output_len=args.sharegpt_output_len,
+            request_rate=args.request_rate,
+            max_concurrency=args.max_concurrency,
+            temperature=args.temperature,
+            ignore_eos=args.ignore_eos,
+            request_timeout=args.request_timeout,
+            warmup_requests=args.warmup_requests,
+            disable_tqdm=args.disable_tqdm,
+            output_file=args.output_file,
+        )
+        report = asyncio.run(run_serving_benchmark(cfg))
+    except (ValueError, OSError, ServingBenchError) as exc:
+        # Bad flags, an unreadable dataset, no model id: one line, no traceback.
+        print(f"radixserve: error: {exc}", file=sys.stderr)
+        return 2
+    print(format_report(report))
+    if cfg.output_file:
+        print(f"wrote {cfg.output_file}")
+    # Failed requests never abort the run, but a run with no successes must not look like a pass.
+    return 0 if report.metrics.completed else 1
+
+
+def _add_serving_parser(bench_sub: Any) -> argparse.ArgumentParser:
+    serving = bench_sub.add_parser(
+        "serving",
+        help="load-test a running OpenAI-compatible server (TTFT, ITL, TPOT, throughput)",
+        description=(
+            "Streams requests to /v1/completions (or /v1/chat/completions) of any OpenAI-compatible "
+            "server and reports request and token throughput and TTFT/ITL/TPOT/E2E latency "
+            "(mean, median, p99). Works against radixserve, SGLang, vLLM, llama.cpp, ..."
+        ),
+    )
+    conn = serving.add_argument_group("server")
+    conn.add_argument("--base-url", default=None, help="server URL (default http://127.0.0.1:30000)")
+    conn.add_argument("--host", default=None, help="instead of --base-url (default 127.0.0.1)")
+    conn.add_argument("--port", type=int, default=None, help="instead of --base-url (default 30000)")
+    conn.add_argument(
+        "--backend",
+        choices=("completions", "chat"),
+        default="completions",
+        help="/v1/completions (default) or /v1/chat/completions",
+    )
+    conn.add_argument("--model", default=None, help="model name to send (default: first of GET /v1/models)")
+    conn.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY`")
+    conn.add_argument(
+        "--request-timeout", type=_positive_float, default=None, help="seconds per request (default none)"
+    )
+
+    data = serving.add_argument_group("dataset")
+    data.add_argument("--dataset", choices=DATASET_NAMES, default="random", help="(default random)")
+    data.add_argument(
+        "--num-prompts",
+        type=_positive_int,
+        default=1000,
+        help="requests for random and sharegpt (default 1000)",
+    )
+    data.add_argument("--seed", type=int, default=1, help="dataset and arrival-time seed (default 1)")
+    data.add_argument("--random-input-len", type=_positive_int, default=1024, help="(default 1024)")
+    data.add_argument("--random-output-len", type=_positive_int, default=128, help="(default 128)")
+    data.add_argument(
+        "--random-range-ratio",
+        type=_ratio,
+        default=1.0,
+        help="lengths uniform in [ratio*len, len] (default 1.0: fixed lengths)",
+    )
+    data.add_argument(
+        "--random-vocab-size",
+        type=_positive_int,
+        default=10000,
+        help="token ids drawn from [100, N) for random and generated-shared-prefix (default 10000)",
+    )
+    data.add_argument("--gsp-num-groups", type=_positive_int, default=64, help="(default 64)")
+    data.add_argument("--gsp-prompts-per-group", type=_positive_int, default=16, help="(default 16)")
+    data.add_argument(
+        "--gsp-system-prompt-len",
+        type=_positive_int,
+        default=2048,
+        help="shared prefix tokens (default 2048)",
+    )
+    data.add_argument("--gsp-question-len", type=_positive_int, default=128, help="(default 128)")
+    data.add_argument("--gsp-output-len", type=_positive_int, default=256, help="(default 256)")
+    data.add_argument("--dataset-path", default=None, help="ShareGPT JSON file (for --dataset sharegpt)")
+    data.add_argument(
+        "--tokenizer",
+        default=None,
+        help="local tokenizer dir: exact ShareGPT lengths, and text prompts for --backend chat",
+    )
+    data.add_argument(
+        "--sharegpt-output-len", type=_positive_int, default=None, help="fixed output length for ShareGPT"
+    )
+
+    load = serving.add_argument_group("load and sampling")
+    load.add_argument(
+        "--request-rate",
+        type=_positive_float,
+        default=math.inf,
+        help="Poisson arrivals, requests/s (default inf: all at once)",
+    )
+    load.add_argument("--max-concurrency", type=_positive_int, default=None, help="requests in flight cap")
+    load.add_argument("--temperature", type=float, default=0.0, help="(default 0: greedy)")
+    load.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="send ignore_eos so outputs have the dataset's lengths (default on)",
+    )
+    load.add_argument(
+        "--warmup-requests",
+        type=int,
+        default=0,
+        help="untimed requests sent one by one first (default 0)",
+    )
+
+    out = serving.add_argument_group("output")
+    out.add_argument("--output-file", default=None, help="write aggregates + config as JSON here")
+    out.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    serving.set_defaults(func=_bench_serving)
+    return serving

@@ -23,6 +23,8 @@ class SamplingBatch:
     need_top_p: bool
     need_top_k: bool
     need_min_p: bool
+    # (rows, token ids) whose logits are masked out this step: stop tokens before min_new_tokens.
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def build(
@@ -31,8 +33,17 @@ class SamplingBatch:
         generators: list[torch.Generator | None],
         vocab_size: int,
         device: torch.device,
+        banned_ids: list[list[int]] | None = None,
     ) -> SamplingBatch:
         greedy = [p.is_greedy for p in params]
+        banned = None
+        if banned_ids is not None and any(banned_ids):
+            rows = [row for row, ids in enumerate(banned_ids) for _ in ids]
+            cols = [t for ids in banned_ids for t in ids]
+            banned = (
+                torch.tensor(rows, dtype=torch.int64, device=device),
+                torch.tensor(cols, dtype=torch.int64, device=device),
+            )
         top_ks = [p.top_k if p.top_k > 0 else vocab_size for p in params]
         return cls(
             temperatures=torch.tensor(
@@ -49,11 +60,14 @@ class SamplingBatch:
             need_top_p=any(p.top_p < 1.0 for p in params),
             need_top_k=any(k < vocab_size for k in top_ks),
             need_min_p=any(p.min_p > 0.0 for p in params),
+            banned=banned,
         )
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """logits: [B, V] float32. Returns int64 token ids [B]."""
+    if batch.banned is not None:
+        logits = logits.index_put(batch.banned, torch.tensor(float("-inf"), device=logits.device))
     greedy_ids = logits.argmax(dim=-1)
     if batch.all_greedy:
         return greedy_ids

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -62,15 +63,46 @@ class Req:
     def remaining_new_tokens(self) -> int:
         return max(0, self.sampling_params.max_new_tokens - len(self.output_ids))
 
-    def check_finished(self, context_len: int) -> None:
+    def stop_token_ids(self) -> list[int]:
+        """The ids that end this request: EOS (unless ignored) and its stop_token_ids."""
+        params = self.sampling_params
+        ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            ids |= self.eos_token_ids
+        return sorted(ids)
+
+    def banned_token_ids(self) -> list[int]:
+        """Tokens the sampler must not pick now: the stop tokens, until min_new_tokens are out."""
+        if len(self.output_ids) >= self.sampling_params.min_new_tokens:
+            return []
+        return self.stop_token_ids()
+
+    def check_finished(self, context_len: int, decode: Callable[[list[int]], str] | None = None) -> None:
+        """Sets finished_reason if the last token ended the request. `decode` turns ids into text;
+        it is needed only for stop strings."""
         if self.finished_reason is not None or not self.output_ids:
             return
         last = self.output_ids[-1]
         params = self.sampling_params
-        if (not params.ignore_eos and last in self.eos_token_ids) or last in params.stop_token_ids:
+        may_stop = len(self.output_ids) >= params.min_new_tokens
+        if may_stop and (
+            (not params.ignore_eos and last in self.eos_token_ids) or last in params.stop_token_ids
+        ):
             self.finished_reason = FinishReason("stop", matched=last)
+        elif may_stop and params.stop and (matched := self._matched_stop_string(decode)) is not None:
+            self.finished_reason = FinishReason("stop", matched=matched)
         elif len(self.output_ids) >= params.max_new_tokens or self.seq_len >= context_len:
             self.finished_reason = FinishReason("length")
+
+    def _matched_stop_string(self, decode: Callable[[list[int]], str] | None) -> str | None:
+        if decode is None:
+            raise RuntimeError("stop strings need a tokenizer to decode with")
+        stops = self.sampling_params.stop
+        # Every token is at least one byte, so this many tokens hold any stop string that ends in
+        # the last token; earlier matches would have finished the request already.
+        tail_tokens = max(len(s.encode()) for s in stops) + 1
+        tail = decode(self.output_ids[-tail_tokens:])
+        return next((s for s in stops if s in tail), None)
 
     def abort(self, message: str) -> None:
         if self.finished_reason is None:

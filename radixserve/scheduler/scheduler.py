@@ -10,16 +10,18 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from radixserve.args import ServerArgs
 from radixserve.cache.pools import KVSlotAllocator, ReqToTokenPool
-from radixserve.cache.radix_cache import ChunkCache, PrefixCache, RadixCache
+from radixserve.cache.radix_cache import ChunkCache, KVLeakError, PrefixCache, RadixCache
 from radixserve.messages import (
     AbortRequest,
     ControlRequest,
     ControlResult,
+    DetokenizeParams,
     FinishReason,
     GenerateRequest,
     ReqOutput,
@@ -56,8 +58,10 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, args: ServerArgs, runner: ModelRunner | None = None):
+    def __init__(self, args: ServerArgs, runner: ModelRunner | None = None, tokenizer: Any = None):
         self.args = args
+        # Only stop strings need text here; without a tokenizer one is loaded when first needed.
+        self._tokenizer = tokenizer
         self.runner = runner or ModelRunner(args)
         self.config = self.runner.config
         self.context_len = self.runner.context_len
@@ -127,6 +131,9 @@ class Scheduler:
 
     def get_stats(self) -> dict[str, object]:
         return {
+            "idle": self.is_idle,
+            # Checked on the spot when idle: "ok" or what leaked; it only holds when idle.
+            "kv_invariant": self._describe_kv_invariant() if self.is_idle else "not checked: busy",
             "max_total_tokens": self.max_total_tokens,
             "context_len": self.context_len,
             "available_tokens": self.allocator.available_size(),
@@ -232,6 +239,7 @@ class Scheduler:
                 [r.generator for r in sampling_reqs],
                 self.config.vocab_size,
                 logits.device,
+                banned_ids=[r.banned_token_ids() for r in sampling_reqs],
             )
             next_ids = self.runner.sample(logits, sampling).tolist()
         return self._process_result(batch, dict(zip(map(id, sampling_reqs), next_ids, strict=True)))
@@ -368,7 +376,7 @@ class Scheduler:
                 self.tree_cache.cache_unfinished_req(req, req.fill_ids)
                 continue
             req.output_ids.append(next_ids[id(req)])
-            req.check_finished(self.context_len)
+            req.check_finished(self.context_len, self._decode if req.sampling_params.stop else None)
             if req.finished:
                 self._release_kv(req)
                 finished.add(id(req))
@@ -384,6 +392,16 @@ class Scheduler:
         self.stats.generated_tokens += len(next_ids)
         return outputs
 
+    def _decode(self, ids: list[int]) -> str:
+        if self._tokenizer is None:
+            from radixserve.model.loader import load_tokenizer, resolve_model_source
+
+            self._tokenizer = load_tokenizer(
+                resolve_model_source(self.args.tokenizer_path or self.args.model_path)
+            )
+        text: str = self._tokenizer.decode(ids)
+        return text
+
     def _release_kv(self, req: Req) -> None:
         if req.req_pool_idx is None:
             return
@@ -398,6 +416,7 @@ class Scheduler:
     def _output(self, req: Req) -> ReqOutput:
         start = self._emitted.get(req.rid, 0)
         self._emitted[req.rid] = len(req.output_ids)
+        params = req.sampling_params
         return ReqOutput(
             rid=req.rid,
             new_token_ids=req.output_ids[start:],
@@ -405,6 +424,7 @@ class Scheduler:
             prompt_tokens=len(req.origin_input_ids),
             completion_tokens=len(req.output_ids),
             cached_tokens=req.cached_tokens,
+            detokenize=DetokenizeParams(params.stop, params.skip_special_tokens, params.no_stop_trim),
         )
 
     def _error_output(self, rid: str, prompt_tokens: int, message: str) -> ReqOutput:
@@ -420,6 +440,13 @@ class Scheduler:
             return
         self.check_kv_invariant()
         self._idle_checked = True
+
+    def _describe_kv_invariant(self) -> str:
+        try:
+            self.check_kv_invariant()
+        except KVLeakError as exc:
+            return f"violated: {exc}"
+        return "ok"
 
     def check_kv_invariant(self) -> None:
         """Raises KVLeakError unless every KV slot is free or evictable and every request slot is free."""

@@ -1,4 +1,4 @@
-"""End-to-end smoke test of `radixserve bench` on the tiny llama checkpoint (no downloads)."""
+"""End-to-end smoke test of `radixserve bench offline` on the tiny llama checkpoint (no downloads)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def test_bench_tiny_model_end_to_end(
     model_dir = tiny_model_dir("llama")
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     out = tmp_path / "report.json"
-    argv = ["bench", "--model-path", str(model_dir), "--dtypes", "float32", "--repeats", "1"]
+    argv = ["bench", "offline", "--model-path", str(model_dir), "--dtypes", "float32", "--repeats", "1"]
     argv += ["--hf-batch", "2", "--scale", str(SCALE), "--work-dir", str(tmp_path / "work")]
     assert main([*argv, "--out", str(out)]) == 0
 

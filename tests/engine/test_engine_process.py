@@ -16,20 +16,20 @@ from radixserve.engine import Engine, EngineDeadError
 def test_shutdown_leaves_no_process_and_no_socket_files(tiny_model_dir: Callable[[str], Path]) -> None:
     engine = Engine(str(tiny_model_dir("llama")), dtype="float32", max_total_tokens=256, log_level="warning")
     assert engine.max_total_tokens == 256
-    ipc_dir = engine._ipc.path
+    ipc_dir = engine.runtime.ipc.path
     assert os.path.isdir(ipc_dir) and (os.stat(ipc_dir).st_mode & 0o777) == 0o700
     engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 2})
     engine.check_kv_invariant()
     engine.shutdown()
-    assert engine._process.returncode == 0
+    assert [child.process.returncode for child in engine.runtime.children] == [0, 0]
     assert not os.path.exists(ipc_dir)
 
 
 def test_a_dead_scheduler_fails_requests_instead_of_hanging(tiny_model_dir: Callable[[str], Path]) -> None:
     engine = Engine(str(tiny_model_dir("llama")), dtype="float32", max_total_tokens=256, log_level="warning")
     try:
-        engine._process.kill()
-        engine._process.wait()
+        engine.runtime.scheduler.kill()
+        engine.runtime.scheduler.wait()
         with pytest.raises(EngineDeadError):
             engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 2})
     finally:

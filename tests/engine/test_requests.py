@@ -84,17 +84,17 @@ def test_max_new_tokens_zero_returns_nothing(engine: Any) -> None:
 
 
 def test_bad_requests_get_clear_errors_and_the_engine_keeps_serving(engine: Any) -> None:
-    too_long = engine.generate(input_ids=[5] * 5000, sampling_params={"max_new_tokens": 2})
-    finish = too_long["meta_info"]["finish_reason"]
-    assert finish["type"] == "abort" and "context length" in finish["message"]
-    bad_id = engine.generate(input_ids=[5, 10**6], sampling_params={"max_new_tokens": 2})
-    assert "token ids must be in" in bad_id["meta_info"]["finish_reason"]["message"]
-    bad_param = engine.generate(input_ids=[5, 6], sampling_params={"top_p": 0.0})
-    assert "top_p" in bad_param["meta_info"]["finish_reason"]["message"]
-    unknown = engine.generate(input_ids=[5, 6], sampling_params={"bogus": 1})
-    assert "bogus" in unknown["meta_info"]["finish_reason"]["message"]
-    with pytest.raises(InvalidRequestError):
-        engine.generate()
+    bad = [
+        ({"input_ids": [5] * 5000}, "5000 tokens, but the model's context length is"),
+        ({"input_ids": [5, 10**6]}, "token ids must be integers in"),
+        ({"input_ids": [5, 6], "sampling_params": {"top_p": 0.0}}, "top_p"),
+        ({"input_ids": [5, 6], "sampling_params": {"bogus": 1}}, "bogus"),
+        ({"input_ids": [5, 6], "sampling_params": {"min_new_tokens": 9, "max_new_tokens": 2}}, "min_new"),
+        ({}, "exactly one of"),
+    ]
+    for kwargs, message in bad:
+        with pytest.raises(InvalidRequestError, match=message):
+            engine.generate(**kwargs)
     ok = engine.generate(input_ids=[5, 6, 7], sampling_params={**GREEDY, "max_new_tokens": 3})
     assert len(ok["output_ids"]) == 3
 
@@ -103,8 +103,8 @@ def test_prompt_larger_than_the_kv_pool_is_refused(
     tiny_model_dir: Callable[[str], Path], make_engine: Callable[..., Any]
 ) -> None:
     engine = make_engine(tiny_model_dir("llama"), max_total_tokens=64)
-    res = engine.generate(input_ids=[5] * 100, sampling_params={"max_new_tokens": 2})
-    assert "more than the KV cache can ever hold" in res["meta_info"]["finish_reason"]["message"]
+    with pytest.raises(InvalidRequestError, match="more than the KV cache can ever hold"):
+        engine.generate(input_ids=[5] * 100, sampling_params={"max_new_tokens": 2})
     # A prompt that fits but asks for more output than the pool holds finishes at the pool's limit.
     clipped = engine.generate(input_ids=[5] * 40, sampling_params={**GREEDY, "max_new_tokens": 100})
     assert clipped["meta_info"]["finish_reason"]["type"] == "length"

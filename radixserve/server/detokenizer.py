@@ -1,0 +1,176 @@
+"""The detokenizer: token ids from the scheduler in, text deltas to the engine out.
+
+It runs in its own process so that decoding text never slows the scheduler's step loop. Per request
+it keeps an IncrementalDetokenizer and applies the stop-string rules:
+- while streaming, text that could be the start of a stop string is held back, so a client never
+  sees part of a stop string;
+- at the end, the text is cut where the stop string begins (unless no_stop_trim is set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from radixserve.detokenize import IncrementalDetokenizer
+from radixserve.ipc import Channel
+from radixserve.log import configure_logging
+from radixserve.messages import (
+    ControlResult,
+    DetokenizeParams,
+    OutputBatch,
+    ReqOutput,
+    SchedulerFailed,
+    SchedulerReady,
+    ShutdownRequest,
+    TextBatch,
+    TextOutput,
+)
+
+logger = logging.getLogger("radixserve.detokenizer")
+
+# While idle, wake up this often to notice that the parent process has gone away.
+PARENT_CHECK_MS = 500
+
+
+def held_back_length(text: str, stops: list[str]) -> int:
+    """How many trailing characters of text could be the beginning of a stop string."""
+    longest = 0
+    for stop in stops:
+        for size in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:size]):
+                longest = size
+                break
+    return longest
+
+
+@dataclass
+class RequestText:
+    """One request's decoding state."""
+
+    detokenizer: IncrementalDetokenizer
+    params: DetokenizeParams
+    emitted: int = 0  # characters of detokenizer.text already sent
+    ids: list[int] = field(default_factory=list)
+
+    def push(self, out: ReqOutput) -> str:
+        finish = out.finished_reason
+        new_ids = out.new_token_ids
+        trim_token = (
+            finish is not None
+            and isinstance(finish.matched, int)
+            and not self.params.no_stop_trim
+            and new_ids
+            and new_ids[-1] == finish.matched
+        )
+        # A matched stop token is not part of the text (EOS usually is skipped anyway as special).
+        self.detokenizer.push(new_ids[:-1] if trim_token else new_ids, final=finish is not None)
+        text = self.detokenizer.text
+        end = len(text)
+        stops = self.params.stop
+        if finish is not None:
+            if isinstance(finish.matched, str) and not self.params.no_stop_trim:
+                # Nothing of the stop string was emitted (it was held back), so it starts here or later.
+                cut = text.find(finish.matched, self.emitted)
+                if cut >= 0:
+                    end = cut
+        elif stops:
+            end -= held_back_length(text, stops)
+        end = max(end, self.emitted)
+        delta = text[self.emitted : end]
+        self.emitted = end
+        return delta
+
+
+class DetokenizerManager:
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestText] = {}
+
+    def handle(self, batch: OutputBatch) -> TextBatch:
+        texts = []
+        for out in batch.outputs:
+            state = self.requests.get(out.rid)
+            if state is None:
+                params = out.detokenize
+                state = RequestText(
+                    IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens), params
+                )
+                self.requests[out.rid] = state
+            delta = state.push(out)
+            if out.finished_reason is not None:
+                del self.requests[out.rid]
+            texts.append(
+                TextOutput(
+                    out.rid,
+                    delta,
+                    out.new_token_ids,
+                    out.finished_reason,
+                    out.prompt_tokens,
+                    out.completion_tokens,
+                    out.cached_tokens,
+                )
+            )
+        return TextBatch(texts)
+
+
+def run_detokenizer_process(
+    tokenizer_dir: str, inbox_address: str, outbox_address: str, parent_pid: int
+) -> None:
+    # Ctrl-C reaches the whole process group; the parent decides when children stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    context: zmq.Context[Any] = zmq.Context()
+    # The scheduler connects to this socket; the engine bound the one we send to.
+    inbox = Channel(context, inbox_address, send=False, bind=True)
+    outbox = Channel(context, outbox_address, send=True, bind=False, linger_ms=2000)
+    try:
+        from transformers import AutoTokenizer
+
+        manager = DetokenizerManager(AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True))
+        while True:
+            msg = inbox.recv(PARENT_CHECK_MS)
+            if msg is None:
+                if os.getppid() != parent_pid:
+                    logger.warning("parent process is gone; detokenizer exiting")
+                    return
+                continue
+            if isinstance(msg, OutputBatch):
+                outbox.send(manager.handle(msg))
+            elif isinstance(msg, (ControlResult, SchedulerFailed, SchedulerReady)):
+                outbox.send(msg)
+            elif isinstance(msg, ShutdownRequest):
+                outbox.send(msg)
+                return
+            else:
+                raise TypeError(f"unexpected detokenizer message {type(msg).__name__}")
+    except BaseException as exc:
+        if not isinstance(exc, SystemExit):
+            outbox.send(SchedulerFailed("detokenizer: " + "".join(traceback.format_exception(exc))))
+            raise
+    finally:
+        inbox.close()
+        outbox.close()
+        context.term()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="radixserve detokenizer process (started by the engine)")
+    parser.add_argument("--tokenizer-dir", required=True)
+    parser.add_argument("--inbox", required=True)
+    parser.add_argument("--outbox", required=True)
+    parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--log-level", default="info")
+    ns = parser.parse_args()
+    configure_logging(ns.log_level, prefix=" detokenizer")
+    run_detokenizer_process(ns.tokenizer_dir, ns.inbox, ns.outbox, ns.parent_pid)
+
+
+if __name__ == "__main__":
+    main()

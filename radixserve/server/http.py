@@ -1,0 +1,296 @@
+"""The HTTP app: native routes, the OpenAI routes, API-key check, body size cap, error mapping.
+
+The app is a thin layer over an Engine (app.state.engine): it validates and shapes requests and
+responses, and never holds scheduling state of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+import radixserve
+from radixserve.engine import Engine, EngineDeadError, GenerateOutput, QueueFullError
+from radixserve.messages import GenerateRequest
+from radixserve.sampling_params import InvalidRequestError
+from radixserve.server.errors import ApiError, error_body, error_response
+from radixserve.server.openai_api import SSE_DONE, SSE_MEDIA_TYPE, engine_of, router, sse
+from radixserve.server.streams import ClientDisconnected, collect, merged_stream
+
+# /health answers probes without a key; everything else needs it when --api-key is set.
+OPEN_PATHS = frozenset({"/health"})
+# A generation running this recently proves the scheduler is alive without queueing a probe.
+RECENT_OUTPUT_S = 5.0
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+class GuardMiddleware:
+    """API key and request-body cap, before any route runs (pure ASGI, so streams stay streams)."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int):
+        self.app = app
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if self.api_key is not None and scope["path"] not in OPEN_PATHS:
+            given = headers.get("authorization", "")
+            expected = f"Bearer {self.api_key}"
+            if not hmac.compare_digest(given.encode(), expected.encode()):
+                response = error_response(
+                    401, "Invalid or missing API key (send 'Authorization: Bearer KEY')"
+                )
+                await response(scope, receive, send)
+                return
+        declared = headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            await self._too_large()(scope, receive, send)
+            return
+        received = 0
+
+        async def counting_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:
+                    raise BodyTooLarge()
+            return message
+
+        try:
+            await self.app(scope, counting_receive, send)
+        except BodyTooLarge:
+            await self._too_large()(scope, receive, send)
+
+    def _too_large(self) -> JSONResponse:
+        limit_mb = self.max_body_bytes / 2**20
+        return error_response(413, f"request body larger than {limit_mb:g} MiB (--max-request-body-mb)")
+
+
+class GenerateBody(BaseModel):
+    """POST /generate, SGLang's native shape."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    stream: bool = False
+    rid: str | list[str] | None = None
+    return_logprob: bool | list[bool] = False
+    logprob_start_len: int | list[int] | None = None
+    top_logprobs_num: int | list[int] | None = None
+
+    def prompts(self, engine: Engine) -> tuple[list[list[int]], bool]:
+        """Prompt ids per request, and whether the body was a single request."""
+        if (self.text is None) == (self.input_ids is None):
+            raise ApiError(400, "pass exactly one of text or input_ids")
+        if self.text is not None:
+            texts = [self.text] if isinstance(self.text, str) else self.text
+            return [engine.encode(t) for t in texts], isinstance(self.text, str)
+        ids = self.input_ids or []
+        if ids and all(isinstance(t, int) for t in ids):
+            return [list(ids)], True  # type: ignore[arg-type]
+        return [list(p) for p in ids if isinstance(p, list)], False
+
+
+def create_app(engine: Engine) -> FastAPI:
+    app = FastAPI(title="radixserve", version=radixserve.__version__)
+    app.state.engine = engine
+    app.state.started = time.time()
+    app.add_middleware(
+        GuardMiddleware,
+        api_key=engine.args.api_key,
+        max_body_bytes=int(engine.args.max_request_body_mb * 2**20),
+    )
+    _add_error_handlers(app)
+    app.include_router(router)
+    _add_native_routes(app)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.param, exc.code)
+
+    @app.exception_handler(InvalidRequestError)
+    async def invalid_request(_: Request, exc: InvalidRequestError) -> JSONResponse:
+        return error_response(400, str(exc))
+
+    @app.exception_handler(QueueFullError)
+    async def queue_full(_: Request, exc: QueueFullError) -> JSONResponse:
+        return error_response(503, str(exc))
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return error_response(503, f"the engine is not running: {exc}")
+
+    @app.exception_handler(ClientDisconnected)
+    async def disconnected(_: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=499)  # nobody is listening; nginx's code for the log
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = []
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+            problems.append(f"{where or 'body'}: {err.get('msg', 'invalid')}")
+        first = exc.errors()[0] if exc.errors() else {}
+        param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+        return JSONResponse(error_body(422, "; ".join(problems), param), status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail))
+
+
+def _add_native_routes(app: FastAPI) -> None:
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        engine = engine_of(request)
+        if engine.error is not None:
+            return error_response(503, engine.error)
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate(request: Request) -> Response:
+        engine = engine_of(request)
+        if engine.error is not None:
+            return error_response(503, engine.error)
+        # While requests run, recent outputs prove the scheduler steps: a probe would only queue
+        # behind them (possibly a long prefill) and time out for no fault of the server.
+        if engine.num_in_flight > 0 and time.monotonic() - engine.last_output_time < RECENT_OUTPUT_S:
+            return Response(status_code=200)
+        req = engine.make_request([0], {"max_new_tokens": 1, "temperature": 0.0})
+        try:
+            await asyncio.wait_for(_last(engine.stream(req)), HEALTH_GENERATE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            return error_response(503, f"no token generated within {HEALTH_GENERATE_TIMEOUT_S:g}s")
+        return Response(status_code=200)
+
+    @app.get("/get_model_info")
+    async def get_model_info(request: Request) -> JSONResponse:
+        engine = engine_of(request)
+        return JSONResponse(
+            {
+                "model_path": engine.args.model_path,
+                "tokenizer_path": engine.args.tokenizer_path or engine.args.model_path,
+                "served_model_name": engine.served_model_name,
+                "is_generation": True,
+                "context_length": engine.context_len,
+                "vocab_size": engine.vocab_size,
+            }
+        )
+
+    @app.get("/get_server_info")
+    async def get_server_info(request: Request) -> JSONResponse:
+        engine = engine_of(request)
+        stats = await asyncio.to_thread(engine.get_stats)
+        args = {**engine.args.to_dict(), "api_key": None}
+        return JSONResponse({**args, **stats, "version": radixserve.__version__})
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache(request: Request) -> Response:
+        engine = engine_of(request)
+        if not await asyncio.to_thread(engine.flush_cache):
+            return error_response(400, "cannot flush the cache while requests are running; retry when idle")
+        return Response("Cache flushed.\n", status_code=200)
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        body = await _json_object(request)
+        rid, abort_all = body.get("rid"), body.get("abort_all", False)
+        if not abort_all and not isinstance(rid, str):
+            raise ApiError(400, 'pass {"rid": "..."} or {"abort_all": true}')
+        engine_of(request).abort(rid=rid if isinstance(rid, str) else None, abort_all=bool(abort_all))
+        return Response(status_code=200)
+
+    @app.post("/generate", response_model=None)
+    async def generate(body: GenerateBody, request: Request) -> Response:
+        engine = engine_of(request)
+        wants_logprobs = body.return_logprob
+        if wants_logprobs is True or (isinstance(wants_logprobs, list) and any(wants_logprobs)):
+            message = "'return_logprob' is not supported yet by radixserve"
+            raise ApiError(400, message, param="return_logprob")
+        prompts, single = body.prompts(engine)
+        reqs = _native_requests(engine, prompts, body.sampling_params, body.rid)
+        if body.stream:
+            return StreamingResponse(
+                _stream_native(merged_stream(engine, reqs), single), media_type=SSE_MEDIA_TYPE
+            )
+        states = await collect(engine, reqs, request)
+        results = [s.to_dict() for s in states]
+        return JSONResponse(results[0] if single else results)
+
+
+def _native_requests(
+    engine: Engine,
+    prompts: list[list[int]],
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None,
+    rid: str | list[str] | None,
+) -> list[GenerateRequest]:
+    count = len(prompts)
+    if isinstance(sampling_params, list):
+        if len(sampling_params) != count:
+            raise ApiError(400, "sampling_params must have one entry per prompt", param="sampling_params")
+        params = sampling_params
+    else:
+        params = [sampling_params or {}] * count
+    rids: list[str | None]
+    if isinstance(rid, list):
+        if len(rid) != count:
+            raise ApiError(400, "rid must have one entry per prompt", param="rid")
+        rids = list(rid)
+    else:
+        rids = [rid] * count if count == 1 else [f"{rid}-{i}" if rid else None for i in range(count)]
+    return [engine.make_request(p, sp, r) for p, sp, r in zip(prompts, params, rids, strict=True)]
+
+
+async def _stream_native(
+    stream: AsyncIterator[tuple[int, GenerateOutput]], single: bool
+) -> AsyncIterator[str]:
+    try:
+        async for index, state in stream:
+            payload = state.to_dict()
+            if not single:
+                payload["index"] = index
+            yield sse(payload)
+    except Exception as exc:
+        yield sse(error_body(500, f"{type(exc).__name__}: {exc}"))
+    yield SSE_DONE
+
+
+async def _last(stream: AsyncIterator[GenerateOutput]) -> GenerateOutput | None:
+    last = None
+    async for state in stream:
+        last = state
+    return last
+
+
+async def _json_object(request: Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except ValueError:
+        raise ApiError(400, "the request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return body

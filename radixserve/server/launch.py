@@ -1,0 +1,163 @@
+"""The engine's child processes: start them, wait until they are ready, watch them, stop them.
+
+    engine ──GenerateRequest──▶ scheduler ──OutputBatch──▶ detokenizer ──TextBatch──▶ engine
+
+Both children are fresh interpreters (`python -m ...`), not multiprocessing forks: nothing is pickled,
+and the caller's __main__ is never re-imported. They talk over ZMQ IPC sockets in a private 0700
+directory, which also holds a copy of the tokenizer so that children load it in a fraction of a
+second instead of re-reading (for a GGUF, re-converting) the checkpoint's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from radixserve.args import ServerArgs
+from radixserve.ipc import Channel, IpcDir
+from radixserve.messages import SchedulerFailed, SchedulerInput, SchedulerReady, ShutdownRequest
+
+logger = logging.getLogger("radixserve")
+
+# How long the scheduler may take to load the model and report ready.
+STARTUP_TIMEOUT_S = 600
+# Receive timeout of the engine's reader: how often it checks that the children are alive.
+POLL_MS = 200
+# How long a clean shutdown may take before children are terminated.
+SHUTDOWN_TIMEOUT_S = 20
+
+
+class EngineDeadError(RuntimeError):
+    """A child process stopped; the engine cannot serve more requests."""
+
+
+def describe_exit(name: str, code: int) -> str:
+    if code < 0:
+        try:
+            signame = signal.Signals(-code).name
+        except ValueError:
+            signame = f"signal {-code}"
+        return f"the {name} process was killed by {signame}"
+    return f"the {name} process exited with code {code}"
+
+
+@dataclass
+class Child:
+    name: str
+    process: subprocess.Popen[bytes]
+
+    def exit_message(self) -> str | None:
+        code = self.process.poll()
+        return None if code is None else describe_exit(self.name, code)
+
+
+class Runtime:
+    """Owns the IPC directory, the sockets on the engine's side, and the two child processes."""
+
+    def __init__(self, args: ServerArgs, tokenizer: Any):
+        self.ipc = IpcDir()
+        self.zmq: zmq.Context[Any] = zmq.Context()
+        tokenizer_dir = os.path.join(self.ipc.path, "tokenizer")
+        tokenizer.save_pretrained(tokenizer_dir)
+        to_scheduler = self.ipc.address("scheduler-in")
+        to_detokenizer = self.ipc.address("detokenizer-in")
+        to_engine = self.ipc.address("engine-in")
+        self._to_scheduler = Channel(self.zmq, to_scheduler, send=True, bind=True)
+        self._from_detokenizer = Channel(self.zmq, to_engine, send=False, bind=True)
+        parent = str(os.getpid())
+        # The API key stays in this process: children's command lines are visible to other users.
+        child_args = {**args.to_dict(), "api_key": None}
+        scheduler_cmd = [
+            sys.executable, "-m", "radixserve.scheduler.process",
+            "--server-args-json", json.dumps(child_args), "--tokenizer-dir", tokenizer_dir,
+            "--inbox", to_scheduler, "--outbox", to_detokenizer, "--parent-pid", parent,
+        ]  # fmt: skip
+        detokenizer_cmd = [
+            sys.executable, "-m", "radixserve.server.detokenizer",
+            "--tokenizer-dir", tokenizer_dir, "--inbox", to_detokenizer, "--outbox", to_engine,
+            "--parent-pid", parent, "--log-level", args.log_level,
+        ]  # fmt: skip
+        self.children = [
+            Child("detokenizer", subprocess.Popen(detokenizer_cmd)),
+            Child("scheduler", subprocess.Popen(scheduler_cmd)),
+        ]
+        self.closed = False
+
+    @property
+    def scheduler(self) -> subprocess.Popen[bytes]:
+        return self.children[1].process
+
+    def wait_ready(self) -> SchedulerReady:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            msg = self.recv(POLL_MS)
+            if isinstance(msg, SchedulerReady):
+                return msg
+            if isinstance(msg, SchedulerFailed):
+                raise EngineDeadError(f"the scheduler failed to start:\n{msg.error}")
+            if (dead := self.dead_child()) is not None:
+                raise EngineDeadError(f"{dead} during startup")
+        raise EngineDeadError(f"the scheduler did not become ready within {STARTUP_TIMEOUT_S}s")
+
+    def dead_child(self) -> str | None:
+        """Why a child has stopped, or None while both run."""
+        return next((msg for child in self.children if (msg := child.exit_message()) is not None), None)
+
+    def recv(self, timeout_ms: int) -> Any | None:
+        return self._from_detokenizer.recv(timeout_ms)
+
+    def send(self, msg: SchedulerInput) -> None:
+        """Not thread-safe; the engine serializes sends. A PUSH socket blocks while its peer is
+        away, so wait in slices and give up if the scheduler died."""
+        while not self._to_scheduler.send(msg, timeout_ms=POLL_MS):
+            if (dead := self.dead_child()) is not None:
+                raise EngineDeadError(dead)
+
+    def shutdown(self) -> None:
+        """Asks the scheduler to stop; it tells the detokenizer, which tells us. Then cleans up."""
+        if self.closed:
+            return
+        if self.dead_child() is None:
+            with contextlib.suppress(EngineDeadError):
+                self.send(ShutdownRequest())
+        deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
+        for child in self.children:
+            try:
+                child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning("the %s process did not stop in time; terminating it", child.name)
+        self.kill()
+
+    def kill(self) -> None:
+        """Stops the children now and removes every socket file. Safe to call more than once."""
+        self.stop_children()
+        if not self.closed:
+            self.closed = True
+            self._to_scheduler.close()
+            self._from_detokenizer.close()
+            self.zmq.term()
+            self.ipc.close()
+
+    def stop_children(self) -> None:
+        """Terminates the children and removes the socket files, touching no socket: safe from
+        any thread, for a process about to exit."""
+        for child in self.children:
+            if child.process.poll() is None:
+                child.process.terminate()
+        for child in self.children:
+            try:
+                child.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                child.process.kill()
+                child.process.wait()
+        self.ipc.close()

@@ -1,0 +1,174 @@
+"""Request bodies of the OpenAI-compatible API, and how they become sampling parameters.
+
+Unknown fields are ignored, as OpenAI's own SDKs may send newer ones. Fields that other parts of
+the roadmap will implement (logprobs, penalties, structured output, tools) are refused with a clear
+400 when set, never silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from radixserve.server.errors import ApiError
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    """What completions and chat share: OpenAI's sampling fields plus SGLang's extras."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # SGLang extras
+    top_k: int | None = None
+    min_p: float | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    # Planned (logprobs, penalties, structured output): refused until they work end to end.
+    logprobs: Any = None
+    top_logprobs: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    regex: str | None = None
+    json_schema: str | None = None
+    ebnf: str | None = None
+
+    def refuse_unsupported(self) -> None:
+        planned = {
+            "logprobs": self.logprobs not in (None, False),
+            "top_logprobs": self.top_logprobs not in (None, 0),
+            "frequency_penalty": self.frequency_penalty not in (None, 0.0),
+            "presence_penalty": self.presence_penalty not in (None, 0.0),
+            "repetition_penalty": self.repetition_penalty not in (None, 1.0),
+            "logit_bias": bool(self.logit_bias),
+            "response_format": self.response_format not in (None, {"type": "text"}),
+            "regex": self.regex is not None,
+            "json_schema": self.json_schema is not None,
+            "ebnf": self.ebnf is not None,
+        }
+        for name, used in planned.items():
+            if used:
+                raise ApiError(400, f"'{name}' is not supported yet by radixserve", param=name)
+        if self.n < 1:
+            raise ApiError(400, f"n must be >= 1, got {self.n}", param="n")
+        if self.n > MAX_N:
+            raise ApiError(400, f"n must be <= {MAX_N}, got {self.n}", param="n")
+
+    def sampling_params(self, max_tokens: int | None, default_max_tokens: int) -> dict[str, Any]:
+        """The native sampling parameters; SamplingParams validates the values."""
+        params: dict[str, Any] = {
+            "max_new_tokens": default_max_tokens if max_tokens is None else max_tokens,
+            "temperature": 1.0 if self.temperature is None else self.temperature,
+            "top_p": 1.0 if self.top_p is None else self.top_p,
+            "ignore_eos": self.ignore_eos,
+            "min_new_tokens": self.min_tokens,
+            "skip_special_tokens": self.skip_special_tokens,
+            "no_stop_trim": self.no_stop_trim,
+        }
+        if self.stop is not None:
+            params["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        for name in ("seed", "top_k", "min_p", "stop_token_ids"):
+            value = getattr(self, name)
+            if value is not None:
+                params[name] = value
+        return params
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+# One request asking for hundreds of choices is almost certainly a mistake.
+MAX_N = 128
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.suffix:
+            raise ApiError(400, "'suffix' is not supported yet by radixserve", param="suffix")
+        if self.best_of not in (None, 1, self.n):
+            raise ApiError(400, "'best_of' other than n is not supported yet by radixserve", param="best_of")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt as a list of prompts, each a string or a list of token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise ApiError(400, "prompt must not be empty", param="prompt")
+        if all(isinstance(p, int) for p in prompt):
+            return [list(prompt)]  # type: ignore[arg-type]
+        return list(prompt)  # type: ignore[arg-type]
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def template_dict(self) -> dict[str, Any]:
+        content = self.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    kind = part.get("type")
+                    raise ApiError(
+                        400, f"message content of type {kind!r} is not supported", param="messages"
+                    )
+                texts.append(part["text"])
+            content = "".join(texts)
+        # Chat templates know "system"; OpenAI's newer "developer" role means the same.
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": content or ""}
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.tools:
+            raise ApiError(400, "'tools' is not supported yet by radixserve", param="tools")
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -1,0 +1,99 @@
+"""Running several requests for one HTTP call (n choices, list prompts) and watching the client.
+
+Every request of a call runs as its own engine stream; their outputs merge into one async iterator
+in arrival order. Whatever ends the iteration early (the client went away, an error) aborts every
+request that has not finished, so no KV stays held for a client that is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
+
+from fastapi import Request
+
+from radixserve.engine import Engine, GenerateOutput
+from radixserve.messages import GenerateRequest
+
+T = TypeVar("T")
+
+# How often a non-streaming call checks whether its client is still connected.
+DISCONNECT_POLL_S = 0.25
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before the answer was ready."""
+
+
+def merged_stream(engine: Engine, reqs: list[GenerateRequest]) -> AsyncIterator[tuple[int, GenerateOutput]]:
+    """Submits every request now (so a refusal raises before any response starts) and returns an
+    iterator of (index in reqs, state snapshot) for every output until all requests finish."""
+    streams: list[AsyncIterator[GenerateOutput]] = []
+    try:
+        for req in reqs:
+            streams.append(engine.stream(req))
+    except BaseException:
+        # A later request was refused (e.g. the queue is full): the earlier ones must not linger.
+        for req in reqs[: len(streams)]:
+            engine.abort(req.rid)
+        raise
+    return _merge(streams)
+
+
+async def _merge(streams: list[AsyncIterator[GenerateOutput]]) -> AsyncIterator[tuple[int, GenerateOutput]]:
+    outputs: asyncio.Queue[tuple[int, GenerateOutput | BaseException]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[GenerateOutput]) -> None:
+        try:
+            async for state in stream:
+                # A snapshot: the engine updates the same object with the next output.
+                outputs.put_nowait((index, dataclasses.replace(state)))
+        except Exception as exc:
+            outputs.put_nowait((index, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(streams)
+    try:
+        while remaining:
+            index, item = await outputs.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.finished:
+                remaining -= 1
+            yield index, item
+    finally:
+        # Cancelling a pump closes its stream, which aborts its request if unfinished.
+        for task in tasks:
+            task.cancel()
+
+
+async def collect(engine: Engine, reqs: list[GenerateRequest], request: Request) -> list[GenerateOutput]:
+    """The final state of every request; aborts them all if the client disconnects meanwhile."""
+
+    merged = merged_stream(engine, reqs)
+
+    async def consume() -> list[GenerateOutput]:
+        finals: list[GenerateOutput | None] = [None] * len(reqs)
+        async for index, state in merged:
+            if state.finished:
+                finals[index] = state
+        return [s for s in finals if s is not None]
+
+    return await until_disconnect(consume(), request)
+
+
+async def until_disconnect(work: Awaitable[T], request: Request) -> T:
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ClientDisconnected()
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)

@@ -146,6 +146,7 @@ class Scheduler:
             "prefill_batches": self.stats.prefill_batches,
             "decode_steps": self.stats.decode_steps,
             "retracted_reqs": self.stats.retracted_reqs,
+            "aborted_reqs": self.stats.aborted_reqs,
             "cached_tokens": self.stats.cached_tokens,
             "generated_tokens": self.stats.generated_tokens,
         }
@@ -203,6 +204,7 @@ class Scheduler:
         outputs = []
         for req in targets:
             req.abort("aborted by request")
+            self.stats.aborted_reqs += 1
             if req in self.waiting:
                 self.waiting.remove(req)
             else:

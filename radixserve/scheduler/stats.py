@@ -15,6 +15,7 @@ class SchedulerStats:
     prefill_batches: int = 0
     decode_steps: int = 0
     retracted_reqs: int = 0
+    aborted_reqs: int = 0
     prompt_tokens_computed: int = 0
     cached_tokens: int = 0
     generated_tokens: int = 0

@@ -34,10 +34,6 @@ RECENT_OUTPUT_S = 5.0
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 
 
-class BodyTooLarge(Exception):
-    pass
-
-
 class GuardMiddleware:
     """API key and request-body cap, before any route runs (pure ASGI, so streams stay streams)."""
 
@@ -64,21 +60,28 @@ class GuardMiddleware:
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             await self._too_large()(scope, receive, send)
             return
-        received = 0
-
-        async def counting_receive() -> Message:
-            nonlocal received
+        # Read the whole body here, under the cap (every route parses JSON anyway), then replay it.
+        body = bytearray()
+        more = True
+        while more:
             message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_body_bytes:
-                    raise BodyTooLarge()
-            return message
+            if message["type"] != "http.request":
+                return  # the client left before sending its body
+            body += message.get("body", b"")
+            if len(body) > self.max_body_bytes:
+                await self._too_large()(scope, receive, send)
+                return
+            more = message.get("more_body", False)
+        replayed = False
 
-        try:
-            await self.app(scope, counting_receive, send)
-        except BodyTooLarge:
-            await self._too_large()(scope, receive, send)
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
 
     def _too_large(self) -> JSONResponse:
         limit_mb = self.max_body_bytes / 2**20

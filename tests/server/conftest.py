@@ -99,10 +99,10 @@ class LiveServer:
         assert info["idle"], f"server still busy: {info}"
         assert info["kv_invariant"] == "ok", info["kv_invariant"]
 
-    def stop(self) -> None:
-        """SIGTERM; the server must exit 0 and leave nothing behind."""
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        """SIGTERM (or Ctrl-C's SIGINT); the server must exit 0 and leave nothing behind."""
         children = child_pids(self.process.pid)
-        self.process.send_signal(signal.SIGTERM)
+        self.process.send_signal(sig)
         try:
             code = self.process.wait(timeout=60)
         except subprocess.TimeoutExpired:
@@ -113,6 +113,9 @@ class LiveServer:
         while any(alive(pid) for pid in children) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not any(alive(pid) for pid in children), "child processes outlived the server"
+        self.assert_no_ipc_files()
+
+    def assert_no_ipc_files(self) -> None:
         leftovers = [p.name for p in self.tmp_dir.iterdir() if p.name.startswith("radixserve-")]
         assert not leftovers, f"IPC files left behind: {leftovers}"
 
@@ -123,7 +126,7 @@ def launch(model_path: Path | str, tmp_dir: Path, *flags: str, api_key: str | No
     log_path = tmp_dir / "server.log"
     cmd = [
         sys.executable, "-m", "radixserve.launch_server", "--model-path", str(model_path),
-        "--port", str(port), "--dtype", "float32", "--max-total-tokens", "8192", "--log-level", "warning",
+        "--port", str(port), "--dtype", "float32", "--max-total-tokens", "16384", "--log-level", "warning",
         *flags,
     ]  # fmt: skip
     if api_key is not None:

@@ -1,0 +1,116 @@
+"""Bad input gets a clear OpenAI-style error with the right status, and the server keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.server.conftest import LiveServer, finish, launch
+
+
+@pytest.fixture(scope="module")
+def small_body_server(
+    tiny_model_dir: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LiveServer]:
+    live = launch(tiny_model_dir("llama"), tmp_path_factory.mktemp("errors"), "--max-request-body-mb", "0.05")
+    yield live
+    finish(live)
+
+
+COMPLETION = {"model": None, "prompt": "hi", "max_tokens": 4}
+
+BAD_REQUESTS: list[tuple[str, dict[str, Any], int, str]] = [
+    ("/v1/completions", {"max_tokens": -1}, 400, "max_new_tokens must be a non-negative integer"),
+    ("/v1/completions", {"temperature": -0.5}, 400, "temperature must be >= 0"),
+    ("/v1/completions", {"top_p": 0.0}, 400, "top_p must be in (0, 1]"),
+    ("/v1/completions", {"top_p": 1.5}, 400, "top_p must be in (0, 1]"),
+    ("/v1/completions", {"n": 0}, 400, "n must be >= 1"),
+    ("/v1/completions", {"prompt": [5] * 2000}, 400, "2000 tokens, but the model's context length is 1024"),
+    ("/v1/completions", {"prompt": []}, 400, "prompt must not be empty"),
+    ("/v1/completions", {"model": "gpt-17"}, 404, "The model 'gpt-17' does not exist"),
+    ("/v1/completions", {"max_tokens": "many"}, 422, "max_tokens"),
+    ("/v1/completions", {"logprobs": 2}, 400, "'logprobs' is not supported yet"),
+    ("/v1/completions", {"frequency_penalty": 0.5}, 400, "'frequency_penalty' is not supported yet"),
+    ("/v1/completions", {"stop": [""]}, 400, "stop must be"),
+    ("/v1/chat/completions", {"messages": []}, 422, "messages"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+        400,
+        "'response_format' is not supported yet",
+    ),  # noqa: E501
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        400,
+        "'image_url' is not supported",
+    ),  # noqa: E501
+    (
+        "/generate",
+        {"text": "hi", "sampling_params": {"bogus": 1}},
+        400,
+        "unsupported sampling parameter(s): bogus",
+    ),
+    ("/generate", {"text": "hi", "input_ids": [1]}, 400, "exactly one of text or input_ids"),
+    ("/generate", {"input_ids": [5, 10**7]}, 400, "prompt token ids must be integers in"),
+    ("/generate", {"text": "hi", "return_logprob": True}, 400, "'return_logprob' is not supported yet"),
+    ("/nope", {}, 404, "Not Found"),
+]
+
+
+@pytest.mark.parametrize(("path", "fields", "status", "message"), BAD_REQUESTS)
+def test_bad_input_gets_a_clear_error(
+    small_body_server: LiveServer, path: str, fields: dict[str, Any], status: int, message: str
+) -> None:
+    body = {**COMPLETION, **fields} if path == "/v1/completions" else fields
+    if path == "/v1/chat/completions":
+        body = {"max_tokens": 4, **fields}
+    with small_body_server.client() as client:
+        response = client.post(path, json={k: v for k, v in body.items() if v is not None})
+        assert response.status_code == status, response.text
+        error = response.json()["error"]
+        assert message in error["message"] and error["type"]
+        # Still serving, and nothing leaked.
+        ok = client.post("/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}})
+        assert ok.status_code == 200
+
+
+def test_invalid_json_and_oversized_bodies(small_body_server: LiveServer) -> None:
+    with small_body_server.client() as client:
+        broken = client.post(
+            "/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
+        )
+        assert broken.status_code == 422 and "error" in broken.json()
+        huge = client.post("/v1/completions", json={"prompt": "x" * 100_000, "max_tokens": 1})
+        assert huge.status_code == 413 and "larger than" in huge.json()["error"]["message"]
+        # Without a Content-Length header the cap still holds while the body streams in.
+        chunks = (b"x" * 10_000 for _ in range(10))
+        streamed = client.post("/generate", content=chunks, headers={"content-type": "application/json"})
+        assert streamed.status_code == 413
+        assert client.get("/health").status_code == 200
+
+
+def test_auto_truncate_and_queue_bound(tiny_model_dir: Callable[[str], Path], start_server: Any) -> None:
+    live = start_server(tiny_model_dir("llama"), "--allow-auto-truncate", "--max-queued-requests", "1")
+    with live.client() as client:
+        cut = client.post(
+            "/generate", json={"input_ids": [5] * 2000, "sampling_params": {"max_new_tokens": 1}}
+        )
+        assert cut.status_code == 200 and cut.json()["meta_info"]["prompt_tokens"] == 1023
+
+    async def burst() -> list[int]:
+        async with httpx.AsyncClient(base_url=live.base_url, timeout=60) as client:
+            body = {"input_ids": [5] * 500, "sampling_params": {"max_new_tokens": 4}}
+            responses = await asyncio.gather(*(client.post("/generate", json=body) for _ in range(8)))
+            for r in responses:
+                if r.status_code == 503:
+                    assert "--max-queued-requests" in r.json()["error"]["message"]
+            return [r.status_code for r in responses]
+
+    codes = asyncio.run(burst())
+    assert set(codes) == {200, 503}, codes

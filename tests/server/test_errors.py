@@ -43,13 +43,13 @@ BAD_REQUESTS: list[tuple[str, dict[str, Any], int, str]] = [
         {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
         400,
         "'response_format' is not supported yet",
-    ),  # noqa: E501
+    ),
     (
         "/v1/chat/completions",
         {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
         400,
         "'image_url' is not supported",
-    ),  # noqa: E501
+    ),
     (
         "/generate",
         {"text": "hi", "sampling_params": {"bogus": 1}},

@@ -96,7 +96,8 @@ class ServerArgs:
             raise InvalidArgumentError("--tp-size > 1 is not supported yet; tensor parallelism is planned")
 
     @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    def add_cli_args(parser: argparse.ArgumentParser, http: bool = True) -> None:
+        """Adds every flag, grouped; http=False leaves out the HTTP server's (for offline commands)."""
         model = parser.add_argument_group("model")
         model.add_argument(
             "--model-path",
@@ -146,6 +147,18 @@ class ServerArgs:
         sched.add_argument("--disable-radix-cache", action="store_true")
         sched.add_argument("--stream-interval", type=int, default=1)
 
+        if http:
+            ServerArgs._add_http_args(parser)
+
+        logs = parser.add_argument_group("logging")
+        logs.add_argument("--log-level", default="info")
+        logs.add_argument("--decode-log-interval", type=int, default=40)
+
+        parallel = parser.add_argument_group("parallelism")
+        parallel.add_argument("--tp-size", type=int, default=1)
+
+    @staticmethod
+    def _add_http_args(parser: argparse.ArgumentParser) -> None:
         server = parser.add_argument_group("HTTP server")
         server.add_argument("--host", default="127.0.0.1", help="address to bind (default: local only)")
         server.add_argument("--port", type=int, default=30000)
@@ -165,13 +178,6 @@ class ServerArgs:
             help="answer 503 while more requests than this wait for their first token (default: no bound)",
         )
         server.add_argument("--max-request-body-mb", type=float, default=32.0)
-
-        logs = parser.add_argument_group("logging")
-        logs.add_argument("--log-level", default="info")
-        logs.add_argument("--decode-log-interval", type=int, default=40)
-
-        parallel = parser.add_argument_group("parallelism")
-        parallel.add_argument("--tp-size", type=int, default=1)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:

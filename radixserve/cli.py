@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--seed", type=int, default=None)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--json", action="store_true", help="print the whole result with meta_info")
-    ServerArgs.add_cli_args(gen)
+    ServerArgs.add_cli_args(gen, http=False)
     gen.set_defaults(func=_generate)
 
     from radixserve.bench.cli import add_bench_parser

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Sets up (idempotent) and runs the default model. With no arguments it completes a prompt;
-# any arguments are passed to `radixserve` (e.g. `scripts/serve.sh generate "Hi" --chat`).
+# Sets up (idempotent) and serves the default model on http://127.0.0.1:30000 (Ctrl-C stops it).
+# Any arguments are passed to `radixserve` instead, e.g. `scripts/serve.sh generate "Hi" --chat`
+# or `scripts/serve.sh serve --port 8000 --api-key K`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 if [ $# -eq 0 ]; then
-  set -- generate "The capital of France is"
+  set -- serve
 fi
 exec .venv/bin/radixserve "$@"

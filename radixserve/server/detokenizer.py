@@ -1,5 +1,11 @@
 """The detokenizer: token ids from the scheduler in, text deltas to the engine out.
 
+Decoding the whole output on every step would be O(n²) over a long generation. Instead each request
+keeps two offsets: the unread tokens are decoded together with the tokens of the previous delta (so
+that tokenizers which merge spaces or bytes across tokens see their left context), and only the new
+part is emitted. A delta ending in U+FFFD is held back: it is a multi-byte character split across
+tokens, and the next token completes it.
+
 It runs in its own process so that decoding text never slows the scheduler's step loop. Per request
 it keeps an IncrementalDetokenizer and applies the stop-string rules:
 - while streaming, text that could be the start of a stop string is held back, so a client never
@@ -19,7 +25,6 @@ from typing import Any
 
 import zmq
 
-from radixserve.detokenize import IncrementalDetokenizer
 from radixserve.ipc import Channel
 from radixserve.log import configure_logging
 from radixserve.messages import (
@@ -38,6 +43,34 @@ logger = logging.getLogger("radixserve.detokenizer")
 
 # While idle, wake up this often to notice that the parent process has gone away.
 PARENT_CHECK_MS = 500
+
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+@dataclass
+class IncrementalDetokenizer:
+    tokenizer: Any
+    skip_special_tokens: bool = True
+    ids: list[int] = field(default_factory=list)
+    prefix_offset: int = 0
+    read_offset: int = 0
+    text: str = ""
+
+    def push(self, new_ids: list[int], final: bool = False) -> str:
+        """Adds tokens; returns the text that became complete (everything left, when final)."""
+        self.ids.extend(new_ids)
+        decode = self.tokenizer.decode
+        skip = self.skip_special_tokens
+        prefix_text = decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=skip)
+        full_text = decode(self.ids[self.prefix_offset :], skip_special_tokens=skip)
+        if len(full_text) <= len(prefix_text) or (full_text.endswith(REPLACEMENT_CHAR) and not final):
+            return ""
+        delta = full_text[len(prefix_text) :]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+        self.text += delta
+        return delta
 
 
 def held_back_length(text: str, stops: list[str]) -> int:
@@ -82,7 +115,10 @@ class RequestText:
                 if cut >= 0:
                     end = cut
         elif stops:
-            end -= held_back_length(text, stops)
+            # The scheduler finishes a request on the token that completes a stop string, so a whole
+            # one shows up here only if text and token views disagree; never emit it either way.
+            found = [i for stop in stops if (i := text.find(stop, self.emitted)) >= 0]
+            end = min(found) if found else end - held_back_length(text, stops)
         end = max(end, self.emitted)
         delta = text[self.emitted : end]
         self.emitted = end

@@ -120,12 +120,16 @@ class LiveServer:
         assert not leftovers, f"IPC files left behind: {leftovers}"
 
 
-def launch(model_path: Path | str, tmp_dir: Path, *flags: str, api_key: str | None = None) -> LiveServer:
+def launch(
+    model_path: Path | str | None, tmp_dir: Path, *flags: str, api_key: str | None = None
+) -> LiveServer:
+    """Starts a server on a free port; model_path None serves the default (packaged SmolLM2) model."""
     port = free_port()
     tmp_dir.mkdir(parents=True, exist_ok=True)
     log_path = tmp_dir / "server.log"
     cmd = [
-        sys.executable, "-m", "radixserve.launch_server", "--model-path", str(model_path),
+        sys.executable, "-m", "radixserve.launch_server",
+        *(["--model-path", str(model_path)] if model_path is not None else []),
         "--port", str(port), "--dtype", "float32", "--max-total-tokens", "16384", "--log-level", "warning",
         *flags,
     ]  # fmt: skip
@@ -169,7 +173,7 @@ def start_server(tmp_path: Path) -> Iterator[Callable[..., LiveServer]]:
     """Servers with their own flags, for one test."""
     servers: list[LiveServer] = []
 
-    def start(model_path: Path | str, *flags: str, api_key: str | None = None) -> LiveServer:
+    def start(model_path: Path | str | None, *flags: str, api_key: str | None = None) -> LiveServer:
         live = launch(model_path, tmp_path / f"server{len(servers)}", *flags, api_key=api_key)
         servers.append(live)
         return live

@@ -23,12 +23,11 @@ def _generate(args: argparse.Namespace) -> int:
         params["seed"] = args.seed
     engine = Engine(**{k: v for k, v in server_args.to_dict().items()})
     try:
-        prompt = args.prompt
         if args.chat:
-            prompt = engine.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-            )
-        result = engine.generate(prompt, params)
+            ids = engine.encode_chat([{"role": "user", "content": args.prompt}])
+            result = engine.generate(input_ids=ids, sampling_params=params)
+        else:
+            result = engine.generate(args.prompt, params)
         assert isinstance(result, dict)
         if args.json:
             print(json.dumps(result, indent=2))

@@ -32,6 +32,7 @@ from radixserve.messages import (
     SchedulerInput,
     TextBatch,
     TextOutput,
+    TokenLogprobs,
 )
 from radixserve.model.loader import ModelSource, load_tokenizer, resolve_model_source
 from radixserve.sampling_params import InvalidRequestError, SamplingParams
@@ -48,6 +49,10 @@ SamplingArg = dict[str, Any] | list[dict[str, Any]] | None
 # Where one request's outputs go: a thread-safe callback set by the waiting caller. It receives a
 # ControlResult instead when the engine dies.
 Deliver = Callable[[TextOutput | ControlResult], None]
+
+
+# Top alternatives per token a request may ask for (vLLM's and SGLang's usual bound).
+MAX_TOP_LOGPROBS = 20
 
 
 class QueueFullError(RuntimeError):
@@ -68,6 +73,9 @@ class GenerateOutput:
     completion_tokens: int = 0
     cached_tokens: int = 0
     e2e_latency: float = 0.0
+    # Set when logprobs were asked for: all output tokens', and the newest output's.
+    logprobs: TokenLogprobs | None = None
+    new_logprobs: TokenLogprobs | None = None
 
     @property
     def finished(self) -> bool:
@@ -83,10 +91,19 @@ class GenerateOutput:
         self.completion_tokens = out.completion_tokens
         self.cached_tokens = out.cached_tokens
         self.e2e_latency = time.perf_counter() - started
+        self.new_logprobs = out.logprobs
+        if out.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = TokenLogprobs()
+            # A fresh object: stream snapshots share the old one.
+            merged = TokenLogprobs(list(self.logprobs.logprobs), list(self.logprobs.top_ids))
+            merged.top_logprobs = list(self.logprobs.top_logprobs)
+            merged.extend(out.logprobs)
+            self.logprobs = merged
 
     def meta_info(self) -> dict[str, Any]:
         finish = self.finish_reason
-        return {
+        meta: dict[str, Any] = {
             "id": self.rid,
             "finish_reason": finish.to_dict() if finish else None,
             "prompt_tokens": self.prompt_tokens,
@@ -94,6 +111,17 @@ class GenerateOutput:
             "cached_tokens": self.cached_tokens,
             "e2e_latency": self.e2e_latency,
         }
+        if self.logprobs is not None:
+            # SGLang's shape: (logprob, token id, text) triples; text stays None here.
+            lp = self.logprobs
+            meta["output_token_logprobs"] = [
+                [value, token, None] for value, token in zip(lp.logprobs, self.output_ids, strict=False)
+            ]
+            meta["output_top_logprobs"] = [
+                [[value, token, None] for value, token in zip(values, ids, strict=True)]
+                for values, ids in zip(lp.top_logprobs, lp.top_ids, strict=True)
+            ]
+        return meta
 
     def to_dict(self) -> dict[str, Any]:
         """The native API's result: text, output_ids and meta_info."""
@@ -259,10 +287,20 @@ class Engine:
         return ids
 
     def make_request(
-        self, input_ids: list[int], sampling_params: dict[str, Any] | None, rid: str | None = None
+        self,
+        input_ids: list[int],
+        sampling_params: dict[str, Any] | None,
+        rid: str | None = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
     ) -> GenerateRequest:
         """Validates everything the scheduler would refuse, so that callers get the error up front."""
+        if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError(
+                f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs_num!r}"
+            )
         params = SamplingParams.from_dict(sampling_params)
+        params.check_vocab(self.vocab_size)
         ids = list(input_ids)
         if not ids:
             raise InvalidRequestError("the prompt is empty")
@@ -281,10 +319,17 @@ class Engine:
                 f"the prompt has {len(ids)} tokens, more than the KV cache can ever hold "
                 f"({self.max_total_tokens} tokens); shorten it or raise --max-total-tokens"
             )
-        return GenerateRequest(rid or self.new_rid(), ids, params.to_dict())
+        return GenerateRequest(
+            rid or self.new_rid(), ids, params.to_dict(), bool(return_logprob), top_logprobs_num
+        )
 
     def _build_requests(
-        self, prompt: Prompt, input_ids: InputIds, sampling_params: SamplingArg
+        self,
+        prompt: Prompt,
+        input_ids: InputIds,
+        sampling_params: SamplingArg,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
     ) -> tuple[list[GenerateRequest], bool]:
         if (prompt is None) == (input_ids is None):
             raise InvalidRequestError("pass exactly one of prompt or input_ids")
@@ -303,7 +348,10 @@ class Engine:
             params = sampling_params
         else:
             params = [dict(sampling_params or {}) for _ in batch_ids]
-        reqs = [self.make_request(ids, p) for ids, p in zip(batch_ids, params, strict=True)]
+        reqs = [
+            self.make_request(ids, p, return_logprob=return_logprob, top_logprobs_num=top_logprobs_num)
+            for ids, p in zip(batch_ids, params, strict=True)
+        ]
         return reqs, single
 
     # ------------------------------------------------------------------ generation
@@ -341,10 +389,18 @@ class Engine:
                     self.abort(rid)
 
     def generate(
-        self, prompt: Prompt = None, sampling_params: SamplingArg = None, input_ids: InputIds = None
+        self,
+        prompt: Prompt = None,
+        sampling_params: SamplingArg = None,
+        input_ids: InputIds = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
     ) -> dict[str, Any] | list[dict[str, Any]]:
-        """Blocking generation. One prompt gives one result dict; a list gives a list, in order."""
-        reqs, single = self._build_requests(prompt, input_ids, sampling_params)
+        """Blocking generation. One prompt gives one result dict; a list gives a list, in order.
+        With return_logprob, meta_info holds output_token_logprobs and output_top_logprobs."""
+        reqs, single = self._build_requests(
+            prompt, input_ids, sampling_params, return_logprob, top_logprobs_num
+        )
         inboxes: list[queue.Queue[TextOutput | ControlResult]] = []
         started = time.perf_counter()
         for req in reqs:

@@ -19,6 +19,9 @@ class GenerateRequest:
     rid: str
     input_ids: list[int]
     sampling_params: dict[str, Any] = field(default_factory=dict)
+    # Logprobs of the output tokens (raw distribution), and of this many top alternatives per token.
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
 
 
 @dataclass
@@ -73,6 +76,23 @@ class DetokenizeParams:
 
 
 @dataclass
+class TokenLogprobs:
+    """Logprobs for a run of output tokens: the chosen token's, and the top alternatives'."""
+
+    logprobs: list[float] = field(default_factory=list)
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
+
+    def extend(self, other: TokenLogprobs) -> None:
+        self.logprobs += other.logprobs
+        self.top_ids += other.top_ids
+        self.top_logprobs += other.top_logprobs
+
+    def since(self, start: int) -> TokenLogprobs:
+        return TokenLogprobs(self.logprobs[start:], self.top_ids[start:], self.top_logprobs[start:])
+
+
+@dataclass
 class ReqOutput:
     """What the scheduler emits for one request after a step: the new tokens, and the end if reached."""
 
@@ -83,6 +103,7 @@ class ReqOutput:
     completion_tokens: int
     cached_tokens: int
     detokenize: DetokenizeParams = field(default_factory=DetokenizeParams)
+    logprobs: TokenLogprobs | None = None
 
 
 @dataclass
@@ -103,6 +124,7 @@ class TextOutput:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    logprobs: TokenLogprobs | None = None
 
 
 @dataclass

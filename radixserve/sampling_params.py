@@ -29,6 +29,12 @@ class SamplingParams:
     # Before this many tokens, EOS and stop tokens are masked out and stop strings are not checked.
     min_new_tokens: int = 0
     ignore_eos: bool = False
+    # OpenAI's penalties over output tokens, HF's repetition penalty over prompt + output tokens.
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # Token id → value added to its logit (OpenAI: -100..100; -100 effectively bans the token).
+    logit_bias: dict[str, float] = field(default_factory=dict)
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
 
@@ -39,7 +45,7 @@ class SamplingParams:
         unknown = sorted(set(params) - known)
         if unknown:
             raise InvalidRequestError(f"unsupported sampling parameter(s): {', '.join(unknown)}")
-        for key in ("stop_token_ids", "stop"):
+        for key in ("stop_token_ids", "stop", "logit_bias"):
             if params.get(key) is None:
                 params.pop(key, None)
         if isinstance(params.get("stop"), str):
@@ -65,6 +71,19 @@ class SamplingParams:
             raise InvalidRequestError("stop_token_ids must be a list of non-negative integers")
         if not isinstance(self.stop, list) or any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError("stop must be a non-empty string or a list of non-empty strings")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {value}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise InvalidRequestError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if not isinstance(self.logit_bias, dict):
+            raise InvalidRequestError("logit_bias must map token ids to numbers")
+        for token, bias in self.logit_bias.items():
+            if not str(token).isdigit() or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+                raise InvalidRequestError(
+                    f"logit_bias must map token ids to values in [-100, 100], got {token!r}: {bias!r}"
+                )
         if not isinstance(self.min_new_tokens, int) or self.min_new_tokens < 0:
             raise InvalidRequestError(f"min_new_tokens must be >= 0, got {self.min_new_tokens!r}")
         if self.min_new_tokens > self.max_new_tokens:
@@ -73,8 +92,19 @@ class SamplingParams:
                 f"({self.max_new_tokens})"
             )
 
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids in the parameters must exist in the model's vocabulary."""
+        bad = [t for t in self.stop_token_ids if t >= vocab_size]
+        bad += [int(t) for t in self.logit_bias if int(t) >= vocab_size]
+        if bad:
+            raise InvalidRequestError(f"token ids {bad[:5]} are outside the vocabulary (size {vocab_size})")
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
     def is_greedy(self) -> bool:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from radixserve.cache.radix_cache import TreeNode
-from radixserve.messages import FinishReason
+from radixserve.messages import FinishReason, TokenLogprobs
 from radixserve.sampling_params import SamplingParams
 
 _arrival_counter = itertools.count()
@@ -45,6 +45,9 @@ class Req:
     computed_len: int = 0
     retractions: int = 0
     generator: torch.Generator | None = None
+    # Set when the request asked for logprobs; one entry per output token.
+    logprobs: TokenLogprobs | None = None
+    top_logprobs_num: int = 0
 
     @property
     def fill_ids(self) -> list[int]:

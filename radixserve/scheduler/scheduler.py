@@ -28,10 +28,11 @@ from radixserve.messages import (
     SchedulerInput,
     SchedulerOutput,
     ShutdownRequest,
+    TokenLogprobs,
 )
 from radixserve.model.forward_batch import ForwardBatch
 from radixserve.model.runner import ModelRunner
-from radixserve.model.sampler import SamplingBatch
+from radixserve.model.sampler import SamplingBatch, token_logprobs
 from radixserve.sampling_params import InvalidRequestError, SamplingParams
 from radixserve.scheduler.batch import KVContext, KVExhaustedError, build_decode_batch, build_extend_batch
 from radixserve.scheduler.policy import CLIP_MAX_NEW_TOKENS_ESTIMATE, AddResult, PrefillAdder, SchedulePolicy
@@ -154,6 +155,7 @@ class Scheduler:
     def add_request(self, msg: GenerateRequest) -> list[ReqOutput]:
         try:
             params = SamplingParams.from_dict(msg.sampling_params)
+            params.check_vocab(self.config.vocab_size)
             self._validate_input(msg)
         except InvalidRequestError as exc:
             return [self._error_output(msg.rid, len(msg.input_ids), str(exc))]
@@ -171,6 +173,9 @@ class Scheduler:
         )
         if params.seed is not None:
             req.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
+        if msg.return_logprob:
+            req.logprobs = TokenLogprobs()
+            req.top_logprobs_num = msg.top_logprobs_num
         if params.max_new_tokens == 0:
             req.finished_reason = FinishReason("length")
             return [self._output(req)]
@@ -236,15 +241,33 @@ class Scheduler:
         sampling_reqs = [r for r in batch.reqs if r.kv_len == r.seq_len]
         next_ids: list[int] = []
         if sampling_reqs:
+            params = [r.sampling_params for r in sampling_reqs]
+            need_history = any(p.has_penalties for p in params)
             sampling = SamplingBatch.build(
-                [r.sampling_params for r in sampling_reqs],
+                params,
                 [r.generator for r in sampling_reqs],
                 self.config.vocab_size,
                 logits.device,
                 banned_ids=[r.banned_token_ids() for r in sampling_reqs],
+                histories=[(r.origin_input_ids, r.output_ids) for r in sampling_reqs]
+                if need_history
+                else None,
             )
-            next_ids = self.runner.sample(logits, sampling).tolist()
+            next_tokens = self.runner.sample(logits, sampling)
+            self._record_logprobs(sampling_reqs, logits, next_tokens)
+            next_ids = next_tokens.tolist()
         return self._process_result(batch, dict(zip(map(id, sampling_reqs), next_ids, strict=True)))
+
+    def _record_logprobs(self, reqs: list[Req], logits: torch.Tensor, next_tokens: torch.Tensor) -> None:
+        rows = [i for i, r in enumerate(reqs) if r.logprobs is not None]
+        if not rows:
+            return
+        wanted = [reqs[i] for i in rows]
+        found = token_logprobs(logits, next_tokens, rows, max(r.top_logprobs_num for r in wanted))
+        for req, (chosen, top_ids, top_logprobs) in zip(wanted, found, strict=True):
+            assert req.logprobs is not None
+            k = req.top_logprobs_num
+            req.logprobs.extend(TokenLogprobs([chosen], [top_ids[:k]], [top_logprobs[:k]]))
 
     @property
     def is_idle(self) -> bool:
@@ -427,6 +450,7 @@ class Scheduler:
             completion_tokens=len(req.output_ids),
             cached_tokens=req.cached_tokens,
             detokenize=DetokenizeParams(params.stop, params.skip_special_tokens, params.no_stop_trim),
+            logprobs=None if req.logprobs is None else req.logprobs.since(start),
         )
 
     def _error_output(self, rid: str, prompt_tokens: int, message: str) -> ReqOutput:

@@ -152,6 +152,7 @@ class DetokenizerManager:
                     out.prompt_tokens,
                     out.completion_tokens,
                     out.cached_tokens,
+                    out.logprobs,
                 )
             )
         return TextBatch(texts)

@@ -100,7 +100,8 @@ class GenerateBody(BaseModel):
     rid: str | list[str] | None = None
     return_logprob: bool | list[bool] = False
     logprob_start_len: int | list[int] | None = None
-    top_logprobs_num: int | list[int] | None = None
+    top_logprobs_num: int | list[int] = 0
+    return_text_in_logprobs: bool = False
 
     def prompts(self, engine: Engine) -> tuple[list[list[int]], bool]:
         """Prompt ids per request, and whether the body was a single request."""
@@ -230,50 +231,67 @@ def _add_native_routes(app: FastAPI) -> None:
     @app.post("/generate", response_model=None)
     async def generate(body: GenerateBody, request: Request) -> Response:
         engine = engine_of(request)
-        wants_logprobs = body.return_logprob
-        if wants_logprobs is True or (isinstance(wants_logprobs, list) and any(wants_logprobs)):
-            message = "'return_logprob' is not supported yet by radixserve"
-            raise ApiError(400, message, param="return_logprob")
+        starts = body.logprob_start_len
+        if any(s not in (None, -1) for s in (starts if isinstance(starts, list) else [starts])):
+            message = "input logprobs (logprob_start_len) are not supported yet; output logprobs are"
+            raise ApiError(400, message, param="logprob_start_len")
         prompts, single = body.prompts(engine)
-        reqs = _native_requests(engine, prompts, body.sampling_params, body.rid)
+        reqs = _native_requests(engine, prompts, body)
+        texts = engine.tokenizer if body.return_text_in_logprobs else None
         if body.stream:
             return StreamingResponse(
-                _stream_native(merged_stream(engine, reqs), single), media_type=SSE_MEDIA_TYPE
+                _stream_native(merged_stream(engine, reqs), single, texts), media_type=SSE_MEDIA_TYPE
             )
         states = await collect(engine, reqs, request)
-        results = [s.to_dict() for s in states]
+        results = [_native_result(s, texts) for s in states]
         return JSONResponse(results[0] if single else results)
 
 
-def _native_requests(
-    engine: Engine,
-    prompts: list[list[int]],
-    sampling_params: dict[str, Any] | list[dict[str, Any]] | None,
-    rid: str | list[str] | None,
-) -> list[GenerateRequest]:
+def _per_prompt(value: Any, count: int, name: str) -> list[Any]:
+    """A field given once for the batch or once per prompt, as one value per prompt."""
+    if isinstance(value, list):
+        if len(value) != count:
+            raise ApiError(400, f"{name} must have one entry per prompt", param=name)
+        return value
+    return [value] * count
+
+
+def _native_requests(engine: Engine, prompts: list[list[int]], body: GenerateBody) -> list[GenerateRequest]:
     count = len(prompts)
-    if isinstance(sampling_params, list):
-        if len(sampling_params) != count:
-            raise ApiError(400, "sampling_params must have one entry per prompt", param="sampling_params")
-        params = sampling_params
-    else:
-        params = [sampling_params or {}] * count
+    params = _per_prompt(body.sampling_params or {}, count, "sampling_params")
+    rid = body.rid
     rids: list[str | None]
-    if isinstance(rid, list):
-        if len(rid) != count:
-            raise ApiError(400, "rid must have one entry per prompt", param="rid")
-        rids = list(rid)
+    if isinstance(rid, list) or count == 1:
+        rids = _per_prompt(rid, count, "rid")
     else:
-        rids = [rid] * count if count == 1 else [f"{rid}-{i}" if rid else None for i in range(count)]
-    return [engine.make_request(p, sp, r) for p, sp, r in zip(prompts, params, rids, strict=True)]
+        rids = [f"{rid}-{i}" if rid else None for i in range(count)]
+    logprobs = _per_prompt(body.return_logprob, count, "return_logprob")
+    tops = _per_prompt(body.top_logprobs_num, count, "top_logprobs_num")
+    return [
+        engine.make_request(p, sp, r, return_logprob=lp, top_logprobs_num=top)
+        for p, sp, r, lp, top in zip(prompts, params, rids, logprobs, tops, strict=True)
+    ]
+
+
+def _native_result(state: GenerateOutput, tokenizer: Any | None) -> dict[str, Any]:
+    """The native result; with a tokenizer, logprob triples carry each token's text."""
+    result = state.to_dict()
+    meta = result["meta_info"]
+    if tokenizer is not None and "output_token_logprobs" in meta:
+        for triple in meta["output_token_logprobs"]:
+            triple[2] = tokenizer.decode([triple[1]])
+        for position in meta["output_top_logprobs"]:
+            for triple in position:
+                triple[2] = tokenizer.decode([triple[1]])
+    return result
 
 
 async def _stream_native(
-    stream: AsyncIterator[tuple[int, GenerateOutput]], single: bool
+    stream: AsyncIterator[tuple[int, GenerateOutput]], single: bool, tokenizer: Any | None
 ) -> AsyncIterator[str]:
     try:
         async for index, state in stream:
-            payload = state.to_dict()
+            payload = _native_result(state, tokenizer)
             if not single:
                 payload["index"] = index
             yield sse(payload)

@@ -6,13 +6,14 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from radixserve.engine import Engine, GenerateOutput
-from radixserve.messages import FinishReason
+from radixserve.messages import FinishReason, TokenLogprobs
 from radixserve.server.errors import ApiError, sse_error
 from radixserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from radixserve.server.streams import collect, merged_stream
@@ -38,31 +39,60 @@ def check_model(engine: Engine, model: str | None) -> None:
         )
 
 
-def finish_reason_name(finish: FinishReason | None) -> str | None:
-    return None if finish is None else finish.type
-
-
 def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def usage(states: list[GenerateOutput], prompt_tokens: int) -> dict[str, Any]:
-    completion = sum(s.completion_tokens for s in states)
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion,
-        "total_tokens": prompt_tokens + completion,
-        "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens for s in states)},
-    }
+@dataclass
+class Reply:
+    """What every response (and every chunk) of one call shares."""
+
+    engine: Engine
+    object: str
+    prompt_tokens: int
+    include_usage: bool = False
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def payload(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.engine.served_model_name,
+            "choices": choices,
+            **extra,
+        }
+
+    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
+        # With include_usage every chunk has a usage field: null until the last one.
+        return sse(self.payload(choices, usage=usage) if self.include_usage else self.payload(choices))
+
+    def usage(self, states: list[GenerateOutput]) -> dict[str, Any]:
+        completion = sum(s.completion_tokens for s in states)
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": self.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens for s in states)},
+        }
+
+    def token_text(self, token: int) -> str:
+        return str(self.engine.tokenizer.decode([token]))
 
 
-def choice_finish_fields(state: GenerateOutput) -> dict[str, Any]:
-    finish = state.finish_reason
-    fields: dict[str, Any] = {"finish_reason": finish_reason_name(finish)}
+def finish_fields(finish: FinishReason | None) -> dict[str, Any]:
+    fields: dict[str, Any] = {"finish_reason": None if finish is None else finish.type}
     if finish is not None:
         # SGLang's extra: which stop string or token ended the choice.
         fields["matched_stop"] = finish.matched
     return fields
+
+
+def stream_error(exc: Exception) -> str:
+    if isinstance(exc, ApiError):
+        return sse_error(exc.status, exc.message)
+    return sse_error(500, f"{type(exc).__name__}: {exc}")
 
 
 @router.get("/v1/models")
@@ -82,98 +112,110 @@ async def list_models(request: Request) -> JSONResponse:
 # ---------------------------------------------------------------------- completions
 
 
+def completion_logprobs(
+    reply: Reply, ids: list[int], logprobs: TokenLogprobs | None, offset: int
+) -> dict[str, Any] | None:
+    """OpenAI's legacy shape: tokens, token_logprobs, top_logprobs ({token: logprob}), text_offset."""
+    if logprobs is None:
+        return None
+    tokens = [reply.token_text(t) for t in ids[: len(logprobs.logprobs)]]
+    offsets = []
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    top = [
+        {reply.token_text(t): v for t, v in zip(top_ids, values, strict=True)}
+        for top_ids, values in zip(logprobs.top_ids, logprobs.top_logprobs, strict=True)
+    ]
+    return {
+        "tokens": tokens,
+        "token_logprobs": logprobs.logprobs,
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
+
+
 @router.post("/v1/completions", response_model=None)
 async def completions(body: CompletionRequest, request: Request) -> Response:
     engine = engine_of(request)
     check_model(engine, body.model)
     body.refuse_unsupported()
+    return_logprob, top = body.logprob_request()
     params = body.sampling_params(body.max_tokens, default_max_tokens=16)
     prompts = [engine.encode(p) if isinstance(p, str) else p for p in body.prompts()]
     # Choice i*n + j is the j-th sample of prompt i, as OpenAI numbers them.
-    reqs = [engine.make_request(ids, params) for ids in prompts for _ in range(body.n)]
+    reqs = [
+        engine.make_request(ids, params, return_logprob=return_logprob, top_logprobs_num=top)
+        for ids in prompts
+        for _ in range(body.n)
+    ]
     echoes = [str(engine.tokenizer.decode(r.input_ids)) if body.echo else "" for r in reqs]
     prompt_tokens = sum(len(reqs[i * body.n].input_ids) for i in range(len(prompts)))
-    response_id = f"cmpl-{uuid.uuid4().hex}"
-    created = int(time.time())
-    model = engine.served_model_name
+    reply = Reply(engine, "text_completion", prompt_tokens, body.include_usage, id=f"cmpl-{uuid.uuid4().hex}")
     if body.stream:
-        return StreamingResponse(
-            _stream_completions(
-                merged_stream(engine, reqs),
-                echoes,
-                prompt_tokens,
-                body.include_usage,
-                response_id,
-                created,
-                model,
-            ),
-            media_type=SSE_MEDIA_TYPE,
-        )
+        stream = merged_stream(engine, reqs)
+        return StreamingResponse(_stream_completions(reply, stream, echoes), media_type=SSE_MEDIA_TYPE)
     states = await collect(engine, reqs, request)
     choices = [
-        {"index": i, "text": echoes[i] + s.text, "logprobs": None, **choice_finish_fields(s)}
+        {
+            "index": i,
+            "text": echoes[i] + s.text,
+            "logprobs": completion_logprobs(reply, s.output_ids, s.logprobs, len(echoes[i])),
+            **finish_fields(s.finish_reason),
+        }
         for i, s in enumerate(states)
     ]
-    return JSONResponse(
-        {
-            "id": response_id,
-            "object": "text_completion",
-            "created": created,
-            "model": model,
-            "choices": choices,
-            "usage": usage(states, prompt_tokens),
-        }
-    )
+    return JSONResponse(reply.payload(choices, usage=reply.usage(states)))
 
 
 async def _stream_completions(
-    stream: AsyncIterator[tuple[int, GenerateOutput]],
-    echoes: list[str],
-    prompt_tokens: int,
-    include_usage: bool,
-    response_id: str,
-    created: int,
-    model: str,
+    reply: Reply, stream: AsyncIterator[tuple[int, GenerateOutput]], echoes: list[str]
 ) -> AsyncIterator[str]:
-    def chunk(choices: list[dict[str, Any]], usage_value: dict[str, Any] | None = None) -> str:
-        payload: dict[str, Any] = {
-            "id": response_id,
-            "object": "text_completion",
-            "created": created,
-            "model": model,
-            "choices": choices,
-        }
-        if include_usage:
-            payload["usage"] = usage_value
-        return sse(payload)
-
     finals: dict[int, GenerateOutput] = {}
+    offsets = [len(e) for e in echoes]
     try:
         for index, echo in enumerate(echoes):
             if echo:
-                yield chunk([{"index": index, "text": echo, "logprobs": None, "finish_reason": None}])
+                yield reply.chunk([{"index": index, "text": echo, "logprobs": None, "finish_reason": None}])
         async for index, state in stream:
-            if not state.delta and not state.finished:
+            if not state.delta and not state.finished and state.new_logprobs is None:
                 continue
-            yield chunk(
-                [{"index": index, "text": state.delta, "logprobs": None, **choice_finish_fields(state)}]
-            )
+            logprobs = completion_logprobs(reply, state.new_token_ids, state.new_logprobs, offsets[index])
+            if logprobs is not None:
+                offsets[index] += sum(len(t) for t in logprobs["tokens"])
+            choice = {"index": index, "text": state.delta, "logprobs": logprobs}
+            yield reply.chunk([{**choice, **finish_fields(state.finish_reason)}])
             if state.finished:
                 finals[index] = state
-        if include_usage:
-            yield chunk([], usage(list(finals.values()), prompt_tokens))
+        if reply.include_usage:
+            yield reply.chunk([], reply.usage(list(finals.values())))
     except Exception as exc:
-        yield sse_error(*_stream_error(exc))
+        yield stream_error(exc)
     yield SSE_DONE
 
 
-def _stream_error(exc: Exception) -> tuple[int, str]:
-    if isinstance(exc, ApiError):
-        return exc.status, exc.message
-    return 500, f"{type(exc).__name__}: {exc}"
-
-
 # ---------------------------------------------------------------------- chat
+
+
+def chat_logprobs(reply: Reply, ids: list[int], logprobs: TokenLogprobs | None) -> dict[str, Any] | None:
+    """OpenAI chat's shape: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}."""
+    if logprobs is None:
+        return None
+
+    def entry(token: int, value: float) -> dict[str, Any]:
+        text = reply.token_text(token)
+        return {"token": text, "logprob": value, "bytes": list(text.encode())}
+
+    content = [
+        {
+            **entry(token, value),
+            "top_logprobs": [entry(t, v) for t, v in zip(top_ids, top_values, strict=True)],
+        }
+        for token, value, top_ids, top_values in zip(
+            ids, logprobs.logprobs, logprobs.top_ids, logprobs.top_logprobs, strict=False
+        )
+    ]
+    return {"content": content}
 
 
 @router.post("/v1/chat/completions", response_model=None)
@@ -181,86 +223,55 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     engine = engine_of(request)
     check_model(engine, body.model)
     body.refuse_unsupported()
+    return_logprob, top = body.logprob_request()
     messages = [m.template_dict() for m in body.messages]
     prompt = engine.encode_chat(messages, **(body.chat_template_kwargs or {}))
     # Without max_tokens a chat may use the rest of the context; the scheduler clips to it.
     params = body.sampling_params(body.requested_max_tokens, default_max_tokens=engine.context_len)
-    reqs = [engine.make_request(prompt, params) for _ in range(body.n)]
-    response_id = f"chatcmpl-{uuid.uuid4().hex}"
-    created = int(time.time())
-    model = engine.served_model_name
-    prompt_tokens = len(reqs[0].input_ids)
+    reqs = [
+        engine.make_request(prompt, params, return_logprob=return_logprob, top_logprobs_num=top)
+        for _ in range(body.n)
+    ]
+    reply = Reply(
+        engine, "chat.completion", len(prompt), body.include_usage, id=f"chatcmpl-{uuid.uuid4().hex}"
+    )
     if body.stream:
-        return StreamingResponse(
-            _stream_chat(
-                merged_stream(engine, reqs),
-                len(reqs),
-                prompt_tokens,
-                body.include_usage,
-                response_id,
-                created,
-                model,
-            ),
-            media_type=SSE_MEDIA_TYPE,
-        )
+        reply.object = "chat.completion.chunk"
+        stream = merged_stream(engine, reqs)
+        return StreamingResponse(_stream_chat(reply, stream, len(reqs)), media_type=SSE_MEDIA_TYPE)
     states = await collect(engine, reqs, request)
     choices = [
         {
             "index": i,
             "message": {"role": "assistant", "content": s.text},
-            "logprobs": None,
-            **choice_finish_fields(s),
+            "logprobs": chat_logprobs(reply, s.output_ids, s.logprobs),
+            **finish_fields(s.finish_reason),
         }
         for i, s in enumerate(states)
     ]
-    return JSONResponse(
-        {
-            "id": response_id,
-            "object": "chat.completion",
-            "created": created,
-            "model": model,
-            "choices": choices,
-            "usage": usage(states, prompt_tokens),
-        }
-    )
+    return JSONResponse(reply.payload(choices, usage=reply.usage(states)))
 
 
 async def _stream_chat(
-    stream: AsyncIterator[tuple[int, GenerateOutput]],
-    num_choices: int,
-    prompt_tokens: int,
-    include_usage: bool,
-    response_id: str,
-    created: int,
-    model: str,
+    reply: Reply, stream: AsyncIterator[tuple[int, GenerateOutput]], num_choices: int
 ) -> AsyncIterator[str]:
-    def chunk(choices: list[dict[str, Any]], usage_value: dict[str, Any] | None = None) -> str:
-        payload: dict[str, Any] = {
-            "id": response_id,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": model,
-            "choices": choices,
-        }
-        if include_usage:
-            payload["usage"] = usage_value
-        return sse(payload)
-
     finals: dict[int, GenerateOutput] = {}
     try:
         # OpenAI's first delta of each choice names the role and carries no text.
         for index in range(num_choices):
-            yield chunk(
+            yield reply.chunk(
                 [{"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]
             )
         async for index, state in stream:
-            if state.delta:
-                yield chunk([{"index": index, "delta": {"content": state.delta}, "finish_reason": None}])
+            logprobs = chat_logprobs(reply, state.new_token_ids, state.new_logprobs)
+            if state.delta or logprobs is not None:
+                choice = {"index": index, "delta": {"content": state.delta}, "finish_reason": None}
+                yield reply.chunk([{**choice, "logprobs": logprobs}])
             if state.finished:
                 finals[index] = state
-                yield chunk([{"index": index, "delta": {}, **choice_finish_fields(state)}])
-        if include_usage:
-            yield chunk([], usage(list(finals.values()), prompt_tokens))
+                yield reply.chunk([{"index": index, "delta": {}, **finish_fields(state.finish_reason)}])
+        if reply.include_usage:
+            yield reply.chunk([], reply.usage(list(finals.values())))
     except Exception as exc:
-        yield sse_error(*_stream_error(exc))
+        yield stream_error(exc)
     yield SSE_DONE

@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI-compatible API, and how they become sampling parameters.
 
 Unknown fields are ignored, as OpenAI's own SDKs may send newer ones. Fields that other parts of
-the roadmap will implement (logprobs, penalties, structured output, tools) are refused with a clear
+the roadmap will implement (logprobs, structured output, tools) are refused with a clear
 400 when set, never silently ignored.
 """
 
@@ -40,13 +40,11 @@ class _SamplingFields(BaseModel):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
-    # Planned (logprobs, penalties, structured output): refused until they work end to end.
-    logprobs: Any = None
-    top_logprobs: int | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    # Planned (structured output): refused until it works end to end.
     response_format: dict[str, Any] | None = None
     regex: str | None = None
     json_schema: str | None = None
@@ -54,12 +52,6 @@ class _SamplingFields(BaseModel):
 
     def refuse_unsupported(self) -> None:
         planned = {
-            "logprobs": self.logprobs not in (None, False),
-            "top_logprobs": self.top_logprobs not in (None, 0),
-            "frequency_penalty": self.frequency_penalty not in (None, 0.0),
-            "presence_penalty": self.presence_penalty not in (None, 0.0),
-            "repetition_penalty": self.repetition_penalty not in (None, 1.0),
-            "logit_bias": bool(self.logit_bias),
             "response_format": self.response_format not in (None, {"type": "text"}),
             "regex": self.regex is not None,
             "json_schema": self.json_schema is not None,
@@ -86,7 +78,10 @@ class _SamplingFields(BaseModel):
         }
         if self.stop is not None:
             params["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
-        for name in ("seed", "top_k", "min_p", "stop_token_ids"):
+        for name in (
+            "seed", "top_k", "min_p", "stop_token_ids",
+            "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias",
+        ):  # fmt: skip
             value = getattr(self, name)
             if value is not None:
                 params[name] = value
@@ -105,8 +100,19 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     echo: bool = False
+    # How many top alternatives per token to return with each token's logprob (None: no logprobs).
+    logprobs: int | None = None
     suffix: str | None = None
     best_of: int | None = None
+
+    def logprob_request(self) -> tuple[bool, int]:
+        """(return logprobs, top alternatives per token)."""
+        if self.logprobs is None:
+            return False, 0
+        if self.echo:
+            message = "'logprobs' with 'echo' needs prompt logprobs, which are not supported yet"
+            raise ApiError(400, message, param="logprobs")
+        return True, self.logprobs
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
@@ -160,6 +166,8 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -168,6 +176,12 @@ class ChatCompletionRequest(_SamplingFields):
         super().refuse_unsupported()
         if self.tools:
             raise ApiError(400, "'tools' is not supported yet by radixserve", param="tools")
+
+    def logprob_request(self) -> tuple[bool, int]:
+        """(return logprobs, top alternatives per token)."""
+        if self.top_logprobs and not self.logprobs:
+            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        return self.logprobs, self.top_logprobs or 0
 
     @property
     def requested_max_tokens(self) -> int | None:

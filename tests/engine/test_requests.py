@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from radixserve.args import ServerArgs
 from radixserve.messages import ControlRequest, ControlResult, GenerateRequest
@@ -183,3 +184,54 @@ def test_kv_check_waits_for_idle_instead_of_failing(tiny_model_dir: Callable[[st
             break
     assert answers == [ControlResult("check", True)]
     assert scheduler.is_idle
+
+
+def test_penalized_greedy_matches_transformers_generate(
+    engine: Any, oracle: Callable[[str], GreedyOracle]
+) -> None:
+    prompt = random_prompts(1, [12], seed=21)[0]
+    hf = (
+        oracle("llama")
+        .model.generate(
+            torch.tensor([prompt]),
+            do_sample=False,
+            repetition_penalty=1.5,
+            max_new_tokens=16,
+            min_new_tokens=16,
+        )[0, len(prompt) :]
+        .tolist()
+    )
+    # min_new_tokens masks EOS exactly as transformers' min_new_tokens does.
+    params = {"temperature": 0.0, "repetition_penalty": 1.5, "max_new_tokens": 16, "min_new_tokens": 16}
+    ours = engine.generate(input_ids=prompt, sampling_params=params)
+    assert ours["output_ids"] == hf
+
+
+def test_min_new_tokens_suppresses_eos(engine: Any, oracle: Callable[[str], GreedyOracle]) -> None:
+    prompt = random_prompts(1, [8], seed=22)[0]
+    first = oracle("llama").continue_(prompt, 1)[0]
+    # Make the first greedy token a stop token: without min_new_tokens the request ends at once.
+    stopped = engine.generate(input_ids=prompt, sampling_params={**GREEDY, "stop_token_ids": [first]})
+    assert stopped["output_ids"] == [first]
+    held = engine.generate(
+        input_ids=prompt,
+        sampling_params={**GREEDY, "stop_token_ids": [first], "min_new_tokens": 3, "max_new_tokens": 3},
+    )
+    assert len(held["output_ids"]) == 3 and first not in held["output_ids"]
+
+
+def test_stream_interval_batches_tokens_per_output(
+    tiny_model_dir: Callable[[str], Path], make_engine: Callable[..., Any]
+) -> None:
+    engine = make_engine(tiny_model_dir("llama"), stream_interval=4)
+
+    async def run() -> list[int]:
+        sizes = []
+        async for chunk in engine.async_stream(
+            input_ids=[5, 6, 7], sampling_params={**GREEDY, "max_new_tokens": 10}
+        ):
+            sizes.append(len(chunk["output_ids"]))
+        return sizes
+
+    # Every 4 tokens, and the rest at the end.
+    assert asyncio.run(run()) == [4, 8, 10]

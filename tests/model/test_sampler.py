@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import torch
 
-from radixserve.model.sampler import SamplingBatch, sample
+from radixserve.model.sampler import SamplingBatch, adjust_logits, sample
 from radixserve.sampling_params import SamplingParams
 
 
@@ -52,3 +52,44 @@ def test_mixed_greedy_and_sampled_rows() -> None:
     logits = torch.tensor([[0.0, 9.0, 0, 0, 0, 0], [0.0, 0.0, 0, 0, 0, 9.0]])
     batch = _batch(SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=1))
     assert sample(logits, batch).tolist() == [1, 5]
+
+
+def test_repetition_penalty_matches_transformers() -> None:
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    torch.manual_seed(0)
+    logits = torch.randn(2, 6)
+    prompt, output = [[0, 1], [5]], [[1, 3], [5, 2]]
+    params = [SamplingParams(repetition_penalty=1.3), SamplingParams(repetition_penalty=0.7)]
+    batch = SamplingBatch.build(
+        params, [None, None], 6, torch.device("cpu"), histories=list(zip(prompt, output, strict=True))
+    )
+    ours = adjust_logits(logits, batch)
+    for row, p in enumerate(params):
+        seq = torch.tensor([prompt[row] + output[row]])
+        expected = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(seq, logits[row : row + 1].clone())
+        torch.testing.assert_close(ours[row : row + 1], expected)
+
+
+def test_frequency_and_presence_penalties_follow_the_openai_formula() -> None:
+    logits = torch.zeros(1, 6)
+    params = SamplingParams(frequency_penalty=0.5, presence_penalty=0.25)
+    # The prompt does not count for these two; the output has token 2 three times and token 4 once.
+    batch = SamplingBatch.build([params], [None], 6, torch.device("cpu"), histories=[([1, 1], [2, 2, 4, 2])])
+    ours = adjust_logits(logits, batch)
+    expected = torch.tensor([[0.0, 0.0, -(0.5 * 3 + 0.25), 0.0, -(0.5 + 0.25), 0.0]])
+    torch.testing.assert_close(ours, expected)
+    # Penalties change greedy choices too: token 2 would win without them.
+    logits = torch.tensor([[0.0, 0.0, 1.0, 0.0, 0.0, 0.9]])
+    assert int(sample(logits, batch)[0]) == 5
+
+
+def test_logit_bias_and_banned_tokens() -> None:
+    logits = torch.zeros(2, 6)
+    params = [SamplingParams(temperature=0.0, logit_bias={"3": 5.0}), SamplingParams(temperature=0.0)]
+    batch = SamplingBatch.build(params, [None, None], 6, torch.device("cpu"), banned_ids=[[3], [0]])
+    adjusted = adjust_logits(logits, batch)
+    assert adjusted[0, 3] == float("-inf") and adjusted[1, 0] == float("-inf")
+    unbanned = SamplingBatch.build(params, [None, None], 6, torch.device("cpu"))
+    assert sample(logits, unbanned).tolist()[0] == 3
+    assert logits.abs().sum() == 0  # never in place

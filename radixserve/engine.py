@@ -76,6 +76,10 @@ class GenerateOutput:
     # Set when logprobs were asked for: all output tokens', and the newest output's.
     logprobs: TokenLogprobs | None = None
     new_logprobs: TokenLogprobs | None = None
+    # Prompt logprobs (from logprob_start_len on, token 0 excluded), when asked for.
+    prompt_ids: list[int] = field(default_factory=list)
+    logprob_start_len: int = -1
+    input_logprobs: TokenLogprobs | None = None
 
     @property
     def finished(self) -> bool:
@@ -92,6 +96,8 @@ class GenerateOutput:
         self.cached_tokens = out.cached_tokens
         self.e2e_latency = time.perf_counter() - started
         self.new_logprobs = out.logprobs
+        if out.input_logprobs is not None:
+            self.input_logprobs = out.input_logprobs
         if out.logprobs is not None:
             if self.logprobs is None:
                 self.logprobs = TokenLogprobs()
@@ -121,7 +127,24 @@ class GenerateOutput:
                 [[value, token, None] for value, token in zip(values, ids, strict=True)]
                 for values, ids in zip(lp.top_logprobs, lp.top_ids, strict=True)
             ]
+        if self.input_logprobs is not None:
+            meta["input_token_logprobs"], meta["input_top_logprobs"] = self.prompt_logprob_triples()
         return meta
+
+    def prompt_logprob_triples(self) -> tuple[list[list[Any]], list[list[list[Any]] | None]]:
+        """SGLang's input_token_logprobs and input_top_logprobs, from logprob_start_len on; the
+        first prompt token has no logprob (nothing predicts it), shown as None."""
+        assert self.input_logprobs is not None
+        lp, start = self.input_logprobs, self.logprob_start_len
+        first = max(start, 1)
+        tokens: list[list[Any]] = [[None, self.prompt_ids[0], None]] if start == 0 else []
+        tops: list[list[list[Any]] | None] = [None] if start == 0 else []
+        tokens += [[v, t, None] for v, t in zip(lp.logprobs, self.prompt_ids[first:], strict=True)]
+        tops += [
+            [[v, t, None] for v, t in zip(values, ids, strict=True)]
+            for values, ids in zip(lp.top_logprobs, lp.top_ids, strict=True)
+        ]
+        return tokens, tops
 
     def to_dict(self) -> dict[str, Any]:
         """The native API's result: text, output_ids and meta_info."""
@@ -293,8 +316,10 @@ class Engine:
         rid: str | None = None,
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
+        logprob_start_len: int = -1,
     ) -> GenerateRequest:
-        """Validates everything the scheduler would refuse, so that callers get the error up front."""
+        """Validates everything the scheduler would refuse, so that callers get the error up front.
+        With return_logprob and logprob_start_len >= 0, prompt logprobs come back too."""
         if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
             raise InvalidRequestError(
                 f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs_num!r}"
@@ -319,8 +344,18 @@ class Engine:
                 f"the prompt has {len(ids)} tokens, more than the KV cache can ever hold "
                 f"({self.max_total_tokens} tokens); shorten it or raise --max-total-tokens"
             )
+        if not isinstance(logprob_start_len, int) or not -1 <= logprob_start_len < len(ids):
+            raise InvalidRequestError(
+                f"logprob_start_len must be -1 (no prompt logprobs) or in [0, {len(ids)}) for this "
+                f"{len(ids)}-token prompt, got {logprob_start_len!r}"
+            )
         return GenerateRequest(
-            rid or self.new_rid(), ids, params.to_dict(), bool(return_logprob), top_logprobs_num
+            rid or self.new_rid(),
+            ids,
+            params.to_dict(),
+            bool(return_logprob),
+            top_logprobs_num,
+            logprob_start_len if return_logprob else -1,
         )
 
     def _build_requests(
@@ -330,6 +365,7 @@ class Engine:
         sampling_params: SamplingArg,
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
+        logprob_start_len: int = -1,
     ) -> tuple[list[GenerateRequest], bool]:
         if (prompt is None) == (input_ids is None):
             raise InvalidRequestError("pass exactly one of prompt or input_ids")
@@ -349,7 +385,7 @@ class Engine:
         else:
             params = [dict(sampling_params or {}) for _ in batch_ids]
         reqs = [
-            self.make_request(ids, p, return_logprob=return_logprob, top_logprobs_num=top_logprobs_num)
+            self.make_request(ids, p, None, return_logprob, top_logprobs_num, logprob_start_len)
             for ids, p in zip(batch_ids, params, strict=True)
         ]
         return reqs, single
@@ -369,12 +405,16 @@ class Engine:
 
         started = time.perf_counter()
         self.submit(req, deliver)
-        return self._follow(req.rid, box, started)
+        return self._follow(self._new_state(req), box, started)
+
+    @staticmethod
+    def _new_state(req: GenerateRequest) -> GenerateOutput:
+        return GenerateOutput(req.rid, prompt_ids=req.input_ids, logprob_start_len=req.logprob_start_len)
 
     async def _follow(
-        self, rid: str, box: asyncio.Queue[TextOutput | ControlResult], started: float
+        self, state: GenerateOutput, box: asyncio.Queue[TextOutput | ControlResult], started: float
     ) -> AsyncIterator[GenerateOutput]:
-        state = GenerateOutput(rid)
+        rid = state.rid
         try:
             while not state.finished:
                 out = await box.get()
@@ -395,11 +435,13 @@ class Engine:
         input_ids: InputIds = None,
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
+        logprob_start_len: int = -1,
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """Blocking generation. One prompt gives one result dict; a list gives a list, in order.
-        With return_logprob, meta_info holds output_token_logprobs and output_top_logprobs."""
+        With return_logprob, meta_info holds output_token_logprobs and output_top_logprobs, and
+        with logprob_start_len >= 0 also input_token_logprobs and input_top_logprobs."""
         reqs, single = self._build_requests(
-            prompt, input_ids, sampling_params, return_logprob, top_logprobs_num
+            prompt, input_ids, sampling_params, return_logprob, top_logprobs_num, logprob_start_len
         )
         inboxes: list[queue.Queue[TextOutput | ControlResult]] = []
         started = time.perf_counter()
@@ -409,7 +451,7 @@ class Engine:
             self.submit(req, box.put)
         results = []
         for req, box in zip(reqs, inboxes, strict=True):
-            state = GenerateOutput(req.rid)
+            state = self._new_state(req)
             while not state.finished:
                 out = box.get()
                 if isinstance(out, ControlResult):

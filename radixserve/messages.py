@@ -22,6 +22,8 @@ class GenerateRequest:
     # Logprobs of the output tokens (raw distribution), and of this many top alternatives per token.
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    # With return_logprob: also the prompt tokens' logprobs from this position on (-1: none).
+    logprob_start_len: int = -1
 
 
 @dataclass
@@ -104,6 +106,8 @@ class ReqOutput:
     cached_tokens: int
     detokenize: DetokenizeParams = field(default_factory=DetokenizeParams)
     logprobs: TokenLogprobs | None = None
+    # Prompt tokens' logprobs, from max(logprob_start_len, 1) on; sent once, with the first output.
+    input_logprobs: TokenLogprobs | None = None
 
 
 @dataclass
@@ -125,6 +129,7 @@ class TextOutput:
     completion_tokens: int
     cached_tokens: int
     logprobs: TokenLogprobs | None = None
+    input_logprobs: TokenLogprobs | None = None
 
 
 @dataclass

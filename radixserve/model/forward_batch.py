@@ -51,6 +51,8 @@ class ForwardBatch:
     out_cache_loc: torch.Tensor  # [num_tokens] KV slot each new token's K/V is written to
     # Rows of the flattened tokens whose logits are needed (the last token of each request that samples).
     sample_rows: torch.Tensor
+    # More rows whose logits are needed, after the sampled ones: prompt positions for input logprobs.
+    logprob_rows: torch.Tensor | None = None
     extend: list[ExtendSegment] | None = None
     decode: DecodeLayout | None = None
 

@@ -129,13 +129,16 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_pool: KVCachePool) -> torch.Tensor:
-        """Returns float32 logits for `batch.sample_rows`: [num_sampled, vocab]."""
+        """Returns float32 logits for `batch.sample_rows`, then `batch.logprob_rows` if any."""
         hidden = self.embed_tokens(batch.input_ids)
         rope = self.rotary.lookup(batch.positions, hidden.dtype)
         for layer in self.layers:
             hidden = layer(hidden, batch, kv_pool, rope)
         # Only the rows that sample need the final norm and the (large) vocabulary projection.
-        last = self.norm(hidden[batch.sample_rows])
+        rows = batch.sample_rows
+        if batch.logprob_rows is not None:
+            rows = torch.cat([rows, batch.logprob_rows])
+        last = self.norm(hidden[rows])
         return self.lm_head.logits(last).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

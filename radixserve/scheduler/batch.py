@@ -96,6 +96,7 @@ def build_extend_batch(reqs: list[Req], kv: KVContext) -> ForwardBatch:
     positions: list[torch.Tensor] = []
     segments: list[ExtendSegment] = []
     sample_rows: list[int] = []
+    logprob_rows: list[int] = []
     offset = 0
     for req, start, n in zip(reqs, prefix_lens, extend_lens, strict=True):
         row = table[req.req_pool_idx]
@@ -107,6 +108,14 @@ def build_extend_batch(reqs: list[Req], kv: KVContext) -> ForwardBatch:
         req.computed_len = max(req.computed_len, req.kv_len)
         if req.kv_len == req.seq_len:
             sample_rows.append(offset + n - 1)
+        req.input_logprob_positions = None
+        if req.needs_input_logprobs:
+            # The logits at position p give the logprob of prompt token p + 1.
+            first = max(start, req.input_logprob_next - 1)
+            end = min(start + n, len(req.origin_input_ids) - 1)
+            if first < end:
+                req.input_logprob_positions = (first, end)
+                logprob_rows.extend(range(offset + first - start, offset + end - start))
         offset += n
 
     device = kv.device
@@ -116,6 +125,7 @@ def build_extend_batch(reqs: list[Req], kv: KVContext) -> ForwardBatch:
         positions=torch.cat(positions).to(device),
         out_cache_loc=out_cache_loc.to(device),
         sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=device),
+        logprob_rows=torch.tensor(logprob_rows, dtype=torch.int64, device=device) if logprob_rows else None,
         extend=segments,
     )
 

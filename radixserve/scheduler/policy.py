@@ -48,7 +48,7 @@ class SchedulePolicy:
             shuffled = list(queue)
             self.rng.shuffle(shuffled)
             return shuffled
-        matched = {id(r): self.tree_cache.match_prefix(r.fill_ids[:-1]) for r in queue}
+        matched = {id(r): self.tree_cache.match_prefix(r.prefix_match_ids()) for r in queue}
         if policy == "lpm":
             ordered = sorted(queue, key=lambda r: (-len(matched[id(r)].kv_indices), r.arrival))
         else:
@@ -139,7 +139,7 @@ class PrefillAdder:
         return req if size < remaining else None
 
     def add_one_req(self, req: Req, has_chunked_req: bool) -> AddResult:
-        match = self.tree_cache.match_prefix(req.fill_ids[:-1])
+        match = self.tree_cache.match_prefix(req.prefix_match_ids())
         prefix_len = len(match.kv_indices)
         extend_len = req.seq_len - prefix_len
         expected_new = min(req.remaining_new_tokens, CLIP_MAX_NEW_TOKENS_ESTIMATE)

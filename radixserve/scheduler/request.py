@@ -48,11 +48,30 @@ class Req:
     # Set when the request asked for logprobs; one entry per output token.
     logprobs: TokenLogprobs | None = None
     top_logprobs_num: int = 0
+    # Set when it asked for prompt logprobs: one entry per prompt token from the first one asked
+    # for (never token 0, which nothing predicts); input_logprob_next is the next token to cover.
+    input_logprobs: TokenLogprobs | None = None
+    input_logprob_next: int = 0
+    input_logprobs_sent: bool = False
+    # Positions [start, end) of the current extend whose logits give prompt logprobs.
+    input_logprob_positions: tuple[int, int] | None = None
 
     @property
     def fill_ids(self) -> list[int]:
         """Every token whose KV a resumed request must have: the prompt and what it has output."""
         return self.origin_input_ids + self.output_ids
+
+    @property
+    def needs_input_logprobs(self) -> bool:
+        return self.input_logprobs is not None and self.input_logprob_next < len(self.origin_input_ids)
+
+    def prefix_match_ids(self) -> list[int]:
+        """The ids whose cached KV this request may reuse: not the last one (its logits are needed
+        to sample), and nothing from the first position whose logits a prompt logprob needs."""
+        limit = self.seq_len - 1
+        if self.needs_input_logprobs:
+            limit = min(limit, max(0, self.input_logprob_next - 1))
+        return self.fill_ids[:limit]
 
     @property
     def seq_len(self) -> int:

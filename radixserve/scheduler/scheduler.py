@@ -176,7 +176,10 @@ class Scheduler:
         if msg.return_logprob:
             req.logprobs = TokenLogprobs()
             req.top_logprobs_num = msg.top_logprobs_num
-        if params.max_new_tokens == 0:
+            if msg.logprob_start_len >= 0:
+                req.input_logprobs = TokenLogprobs()
+                req.input_logprob_next = max(1, msg.logprob_start_len)
+        if params.max_new_tokens == 0 and not req.needs_input_logprobs:
             req.finished_reason = FinishReason("length")
             return [self._output(req)]
         self.reqs[req.rid] = req
@@ -239,6 +242,9 @@ class Scheduler:
         self.stats.forward_steps += 1
         logits = self.runner.forward(batch.forward)
         sampling_reqs = [r for r in batch.reqs if r.kv_len == r.seq_len]
+        if batch.forward.logprob_rows is not None:
+            self._record_input_logprobs(batch.reqs, logits[len(sampling_reqs) :])
+            logits = logits[: len(sampling_reqs)]
         next_ids: list[int] = []
         if sampling_reqs:
             params = [r.sampling_params for r in sampling_reqs]
@@ -259,7 +265,9 @@ class Scheduler:
         return self._process_result(batch, dict(zip(map(id, sampling_reqs), next_ids, strict=True)))
 
     def _record_logprobs(self, reqs: list[Req], logits: torch.Tensor, next_tokens: torch.Tensor) -> None:
-        rows = [i for i, r in enumerate(reqs) if r.logprobs is not None]
+        rows = [
+            i for i, r in enumerate(reqs) if r.logprobs is not None and r.sampling_params.max_new_tokens > 0
+        ]
         if not rows:
             return
         wanted = [reqs[i] for i in rows]
@@ -268,6 +276,28 @@ class Scheduler:
             assert req.logprobs is not None
             k = req.top_logprobs_num
             req.logprobs.extend(TokenLogprobs([chosen], [top_ids[:k]], [top_logprobs[:k]]))
+
+    def _record_input_logprobs(self, reqs: list[Req], logits: torch.Tensor) -> None:
+        """logits: the rows of every request's input_logprob_positions, in batch order."""
+        wanted = [r for r in reqs if r.input_logprob_positions is not None]
+        targets = []
+        for req in wanted:
+            first, end = req.input_logprob_positions  # type: ignore[misc]
+            targets += req.origin_input_ids[first + 1 : end + 1]
+        tokens = torch.tensor(targets, dtype=torch.int64, device=logits.device)
+        found = token_logprobs(
+            logits, tokens, list(range(len(targets))), max(r.top_logprobs_num for r in wanted)
+        )
+        row = 0
+        for req in wanted:
+            first, end = req.input_logprob_positions  # type: ignore[misc]
+            assert req.input_logprobs is not None
+            k = req.top_logprobs_num
+            for chosen, top_ids, top_values in found[row : row + end - first]:
+                req.input_logprobs.extend(TokenLogprobs([chosen], [top_ids[:k]], [top_values[:k]]))
+            row += end - first
+            req.input_logprob_next = end + 1
+            req.input_logprob_positions = None
 
     @property
     def is_idle(self) -> bool:
@@ -400,7 +430,11 @@ class Scheduler:
                 # A chunk of a long prompt: publish the computed part so later requests can share it.
                 self.tree_cache.cache_unfinished_req(req, req.fill_ids)
                 continue
-            req.output_ids.append(next_ids[id(req)])
+            if req.sampling_params.max_new_tokens == 0:
+                # Prefilled only for its prompt logprobs (a scoring request): nothing to output.
+                req.finished_reason = FinishReason("length")
+            else:
+                req.output_ids.append(next_ids[id(req)])
             req.check_finished(self.context_len, self._decode if req.sampling_params.stop else None)
             if req.finished:
                 self._release_kv(req)
@@ -451,7 +485,15 @@ class Scheduler:
             cached_tokens=req.cached_tokens,
             detokenize=DetokenizeParams(params.stop, params.skip_special_tokens, params.no_stop_trim),
             logprobs=None if req.logprobs is None else req.logprobs.since(start),
+            input_logprobs=self._unsent_input_logprobs(req),
         )
+
+    def _unsent_input_logprobs(self, req: Req) -> TokenLogprobs | None:
+        # Complete once the prompt is prefilled, which is before the first output.
+        if req.input_logprobs is None or req.input_logprobs_sent:
+            return None
+        req.input_logprobs_sent = True
+        return req.input_logprobs
 
     def _error_output(self, rid: str, prompt_tokens: int, message: str) -> ReqOutput:
         return ReqOutput(rid, [], FinishReason("abort", message=message), prompt_tokens, 0, 0)

@@ -153,6 +153,7 @@ class DetokenizerManager:
                     out.completion_tokens,
                     out.cached_tokens,
                     out.logprobs,
+                    out.input_logprobs,
                 )
             )
         return TextBatch(texts)

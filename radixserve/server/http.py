@@ -99,7 +99,7 @@ class GenerateBody(BaseModel):
     stream: bool = False
     rid: str | list[str] | None = None
     return_logprob: bool | list[bool] = False
-    logprob_start_len: int | list[int] | None = None
+    logprob_start_len: int | list[int] = -1
     top_logprobs_num: int | list[int] = 0
     return_text_in_logprobs: bool = False
 
@@ -231,10 +231,6 @@ def _add_native_routes(app: FastAPI) -> None:
     @app.post("/generate", response_model=None)
     async def generate(body: GenerateBody, request: Request) -> Response:
         engine = engine_of(request)
-        starts = body.logprob_start_len
-        if any(s not in (None, -1) for s in (starts if isinstance(starts, list) else [starts])):
-            message = "input logprobs (logprob_start_len) are not supported yet; output logprobs are"
-            raise ApiError(400, message, param="logprob_start_len")
         prompts, single = body.prompts(engine)
         reqs = _native_requests(engine, prompts, body)
         texts = engine.tokenizer if body.return_text_in_logprobs else None
@@ -267,9 +263,10 @@ def _native_requests(engine: Engine, prompts: list[list[int]], body: GenerateBod
         rids = [f"{rid}-{i}" if rid else None for i in range(count)]
     logprobs = _per_prompt(body.return_logprob, count, "return_logprob")
     tops = _per_prompt(body.top_logprobs_num, count, "top_logprobs_num")
+    starts = _per_prompt(body.logprob_start_len, count, "logprob_start_len")
     return [
-        engine.make_request(p, sp, r, return_logprob=lp, top_logprobs_num=top)
-        for p, sp, r, lp, top in zip(prompts, params, rids, logprobs, tops, strict=True)
+        engine.make_request(p, sp, r, lp, top, start)
+        for p, sp, r, lp, top, start in zip(prompts, params, rids, logprobs, tops, starts, strict=True)
     ]
 
 
@@ -277,11 +274,12 @@ def _native_result(state: GenerateOutput, tokenizer: Any | None) -> dict[str, An
     """The native result; with a tokenizer, logprob triples carry each token's text."""
     result = state.to_dict()
     meta = result["meta_info"]
-    if tokenizer is not None and "output_token_logprobs" in meta:
-        for triple in meta["output_token_logprobs"]:
-            triple[2] = tokenizer.decode([triple[1]])
-        for position in meta["output_top_logprobs"]:
-            for triple in position:
+    if tokenizer is not None:
+        for kind in ("input", "output"):
+            triples = list(meta.get(f"{kind}_token_logprobs", []))
+            for position in meta.get(f"{kind}_top_logprobs", []):
+                triples += position or []
+            for triple in triples:
                 triple[2] = tokenizer.decode([triple[1]])
     return result
 

@@ -113,26 +113,36 @@ async def list_models(request: Request) -> JSONResponse:
 
 
 def completion_logprobs(
-    reply: Reply, ids: list[int], logprobs: TokenLogprobs | None, offset: int
+    reply: Reply,
+    ids: list[int],
+    logprobs: TokenLogprobs | None,
+    offset: int,
+    prompt: GenerateOutput | None = None,
 ) -> dict[str, Any] | None:
-    """OpenAI's legacy shape: tokens, token_logprobs, top_logprobs ({token: logprob}), text_offset."""
+    """OpenAI's legacy shape: tokens, token_logprobs, top_logprobs ({token: logprob}), text_offset.
+    With `prompt` (echo), the prompt's tokens come first; the very first one has no logprob."""
     if logprobs is None:
         return None
-    tokens = [reply.token_text(t) for t in ids[: len(logprobs.logprobs)]]
+    token_ids: list[int] = []
+    values: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    if prompt is not None and prompt.input_logprobs is not None:
+        triples, top_triples = prompt.prompt_logprob_triples()
+        token_ids += [t for _, t, _ in triples]
+        values += [v for v, _, _ in triples]
+        tops += [None if top is None else {reply.token_text(t): v for v, t, _ in top} for top in top_triples]
+    token_ids += ids[: len(logprobs.logprobs)]
+    values += logprobs.logprobs
+    tops += [
+        {reply.token_text(t): v for t, v in zip(top_ids, top_values, strict=True)}
+        for top_ids, top_values in zip(logprobs.top_ids, logprobs.top_logprobs, strict=True)
+    ]
+    tokens = [reply.token_text(t) for t in token_ids]
     offsets = []
     for token in tokens:
         offsets.append(offset)
         offset += len(token)
-    top = [
-        {reply.token_text(t): v for t, v in zip(top_ids, values, strict=True)}
-        for top_ids, values in zip(logprobs.top_ids, logprobs.top_logprobs, strict=True)
-    ]
-    return {
-        "tokens": tokens,
-        "token_logprobs": logprobs.logprobs,
-        "top_logprobs": top,
-        "text_offset": offsets,
-    }
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 
 @router.post("/v1/completions", response_model=None)
@@ -140,12 +150,12 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     engine = engine_of(request)
     check_model(engine, body.model)
     body.refuse_unsupported()
-    return_logprob, top = body.logprob_request()
+    return_logprob, top, start = body.logprob_request()
     params = body.sampling_params(body.max_tokens, default_max_tokens=16)
     prompts = [engine.encode(p) if isinstance(p, str) else p for p in body.prompts()]
     # Choice i*n + j is the j-th sample of prompt i, as OpenAI numbers them.
     reqs = [
-        engine.make_request(ids, params, return_logprob=return_logprob, top_logprobs_num=top)
+        engine.make_request(ids, params, None, return_logprob, top, start)
         for ids in prompts
         for _ in range(body.n)
     ]
@@ -160,7 +170,8 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         {
             "index": i,
             "text": echoes[i] + s.text,
-            "logprobs": completion_logprobs(reply, s.output_ids, s.logprobs, len(echoes[i])),
+            # With echo, text offsets count from the start of the prompt text.
+            "logprobs": completion_logprobs(reply, s.output_ids, s.logprobs, 0, s if body.echo else None),
             **finish_fields(s.finish_reason),
         }
         for i, s in enumerate(states)
@@ -172,18 +183,23 @@ async def _stream_completions(
     reply: Reply, stream: AsyncIterator[tuple[int, GenerateOutput]], echoes: list[str]
 ) -> AsyncIterator[str]:
     finals: dict[int, GenerateOutput] = {}
-    offsets = [len(e) for e in echoes]
+    offsets = [0] * len(echoes)
+    echoed = [not e for e in echoes]
     try:
-        for index, echo in enumerate(echoes):
-            if echo:
-                yield reply.chunk([{"index": index, "text": echo, "logprobs": None, "finish_reason": None}])
         async for index, state in stream:
             if not state.delta and not state.finished and state.new_logprobs is None:
                 continue
-            logprobs = completion_logprobs(reply, state.new_token_ids, state.new_logprobs, offsets[index])
+            prefix = ""
+            if not echoed[index]:
+                # The prompt goes out with the first chunk, and its logprobs (if any) with it.
+                prefix, echoed[index] = echoes[index], True
+            prompt = state if prefix and state.input_logprobs is not None else None
+            logprobs = completion_logprobs(
+                reply, state.new_token_ids, state.new_logprobs, offsets[index], prompt
+            )
             if logprobs is not None:
                 offsets[index] += sum(len(t) for t in logprobs["tokens"])
-            choice = {"index": index, "text": state.delta, "logprobs": logprobs}
+            choice = {"index": index, "text": prefix + state.delta, "logprobs": logprobs}
             yield reply.chunk([{**choice, **finish_fields(state.finish_reason)}])
             if state.finished:
                 finals[index] = state

@@ -105,14 +105,12 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
     best_of: int | None = None
 
-    def logprob_request(self) -> tuple[bool, int]:
-        """(return logprobs, top alternatives per token)."""
+    def logprob_request(self) -> tuple[bool, int, int]:
+        """(return logprobs, top alternatives per token, first prompt position with logprobs);
+        echo with logprobs scores the prompt too, as lm-eval's loglikelihood requests do."""
         if self.logprobs is None:
-            return False, 0
-        if self.echo:
-            message = "'logprobs' with 'echo' needs prompt logprobs, which are not supported yet"
-            raise ApiError(400, message, param="logprobs")
-        return True, self.logprobs
+            return False, 0, -1
+        return True, self.logprobs, 0 if self.echo else -1
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()

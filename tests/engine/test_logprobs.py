@@ -59,3 +59,56 @@ def test_logprobs_are_off_unless_asked_and_top_k_is_bounded(engine: Any) -> None
     assert only_chosen["meta_info"]["output_top_logprobs"] == [[], []]
     with pytest.raises(InvalidRequestError, match="top_logprobs_num"):
         engine.generate(input_ids=[5, 6], return_logprob=True, top_logprobs_num=21)
+
+
+@torch.no_grad()
+def reference_prompt_logprobs(oracle: GreedyOracle, prompt: list[int]) -> torch.Tensor:
+    """[len(prompt) - 1]: transformers' logprob of prompt token i + 1 given the tokens before it."""
+    logits = oracle.model(input_ids=torch.tensor([prompt])).logits[0].float()
+    logprobs = torch.log_softmax(logits[:-1], dim=-1)
+    return logprobs.gather(1, torch.tensor(prompt[1:]).unsqueeze(1)).squeeze(1)
+
+
+def _prompt_values(result: dict[str, Any]) -> list[float | None]:
+    return [value for value, _, _ in result["meta_info"]["input_token_logprobs"]]
+
+
+def test_prompt_logprobs_match_transformers_even_when_the_prefix_is_cached(
+    tiny_model_dir: Callable[[str], Path],
+    make_engine: Callable[..., Any],
+    oracle: Callable[[str], GreedyOracle],
+) -> None:
+    # Small chunks, so that the prompt is prefilled in several pieces.
+    engine = make_engine(tiny_model_dir("llama"), max_total_tokens=2048, chunked_prefill_size=8)
+    prompt = random_prompts(1, [30], seed=33)[0]
+    expected = reference_prompt_logprobs(oracle("llama"), prompt)
+    # Put the whole prompt in the radix cache first.
+    engine.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 2})
+
+    scored = engine.generate(
+        input_ids=prompt,
+        sampling_params={**GREEDY, "max_new_tokens": 0},
+        return_logprob=True,
+        top_logprobs_num=2,
+        logprob_start_len=0,
+    )
+    values = _prompt_values(scored)
+    assert values[0] is None and len(values) == len(prompt)
+    assert [t for _, t, _ in scored["meta_info"]["input_token_logprobs"]] == prompt
+    torch.testing.assert_close(torch.tensor(values[1:]), expected, atol=TOLERANCE, rtol=0)
+    assert scored["output_ids"] == [] and scored["meta_info"]["cached_tokens"] == 0
+    assert scored["meta_info"]["input_top_logprobs"][0] is None
+    assert all(len(top) == 2 for top in scored["meta_info"]["input_top_logprobs"][1:])
+
+    # From position 20 on: the first 19 tokens may come from the cache, the rest are recomputed.
+    tail = engine.generate(
+        input_ids=prompt,
+        sampling_params={**GREEDY, "max_new_tokens": 1},
+        return_logprob=True,
+        logprob_start_len=20,
+    )
+    assert tail["meta_info"]["cached_tokens"] == 19
+    torch.testing.assert_close(torch.tensor(_prompt_values(tail)), expected[19:], atol=TOLERANCE, rtol=0)
+    assert len(tail["meta_info"]["output_token_logprobs"]) == 1
+    with pytest.raises(InvalidRequestError, match="logprob_start_len"):
+        engine.generate(input_ids=prompt, return_logprob=True, logprob_start_len=30)

@@ -35,7 +35,6 @@ BAD_REQUESTS: list[tuple[str, dict[str, Any], int, str]] = [
     ("/v1/completions", {"model": "gpt-17"}, 404, "The model 'gpt-17' does not exist"),
     ("/v1/completions", {"max_tokens": "many"}, 422, "max_tokens"),
     ("/v1/completions", {"logprobs": 21}, 400, "top_logprobs_num must be in [0, 20]"),
-    ("/v1/completions", {"logprobs": 1, "echo": True}, 400, "needs prompt logprobs"),
     ("/v1/completions", {"frequency_penalty": 2.5}, 400, "frequency_penalty must be in [-2, 2]"),
     ("/v1/completions", {"logit_bias": {"99999": 5}}, 400, "outside the vocabulary"),
     ("/v1/completions", {"stop": [""]}, 400, "stop must be"),
@@ -60,7 +59,12 @@ BAD_REQUESTS: list[tuple[str, dict[str, Any], int, str]] = [
     ),
     ("/generate", {"text": "hi", "input_ids": [1]}, 400, "exactly one of text or input_ids"),
     ("/generate", {"input_ids": [5, 10**7]}, 400, "prompt token ids must be integers in"),
-    ("/generate", {"text": "hi", "return_logprob": True, "logprob_start_len": 0}, 400, "input logprobs"),
+    (
+        "/generate",
+        {"text": "hi", "return_logprob": True, "logprob_start_len": 99},
+        400,
+        "logprob_start_len must be",
+    ),
     ("/nope", {}, 404, "Not Found"),
 ]
 

@@ -32,8 +32,9 @@ def test_native_logprobs_with_text(server: LiveServer) -> None:
             meta["output_token_logprobs"], meta["output_top_logprobs"], strict=True
         ):
             assert top[0][1] == token and math.isclose(top[0][0], value, abs_tol=1e-6) and len(top) == 2
-        refused = client.post("/generate", json={**body, "logprob_start_len": 0})
-        assert refused.status_code == 400 and "input logprobs" in refused.json()["error"]["message"]
+        scored = client.post("/generate", json={**body, "logprob_start_len": 1}).json()["meta_info"]
+        assert [t for _, t, _ in scored["input_token_logprobs"]] == [6, 7]
+        assert all(isinstance(text, str) for _, _, text in scored["input_token_logprobs"])
 
 
 def test_openai_completion_and_chat_logprobs(server: LiveServer) -> None:
@@ -70,12 +71,6 @@ def test_openai_completion_and_chat_logprobs(server: LiveServer) -> None:
     assert content is not None and 1 <= len(content) <= 4
     assert all(len(c.top_logprobs) == 3 and c.logprob <= 0 for c in content)
 
-    with server.client() as http:
-        echo = http.post(
-            "/v1/completions", json={"prompt": "x", "echo": True, "logprobs": 1, "max_tokens": 1}
-        )
-        assert echo.status_code == 400 and "echo" in echo.json()["error"]["message"]
-
 
 def test_penalties_and_logit_bias_change_the_output(server: LiveServer) -> None:
     client = client_for(server)
@@ -100,3 +95,25 @@ def test_penalties_and_logit_bias_change_the_output(server: LiveServer) -> None:
         presence_penalty=2.0,
     )
     assert penalized.choices[0].finish_reason is not None
+
+
+def test_echo_with_logprobs_scores_the_prompt(server: LiveServer) -> None:
+    client = client_for(server)
+    model = client.models.list().data[0].id
+    for max_tokens in (0, 1):
+        out = client.completions.create(
+            model=model, prompt=[5, 6, 7, 8], max_tokens=max_tokens, echo=True, logprobs=1, temperature=0
+        )
+        lp = out.choices[0].logprobs
+        assert lp is not None and lp.token_logprobs is not None and lp.tokens is not None
+        assert len(lp.tokens) == 4 + max_tokens and lp.token_logprobs[0] is None
+        assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+        assert out.choices[0].text.startswith("".join(lp.tokens[:4]))
+    streamed = client.completions.create(
+        model=model, prompt=[5, 6, 7, 8], max_tokens=2, echo=True, logprobs=1, temperature=0, stream=True
+    )
+    tokens: list[Any] = []
+    for chunk in streamed:
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            tokens += chunk.choices[0].logprobs.tokens or []
+    assert len(tokens) == 6

@@ -16,7 +16,7 @@ from radixserve.engine import Engine, GenerateOutput
 from radixserve.messages import FinishReason, TokenLogprobs
 from radixserve.server.errors import ApiError, sse_error
 from radixserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest
-from radixserve.server.streams import collect, merged_stream
+from radixserve.server.streams import collect, merged_stream, shared_prompt_leaders
 
 router = APIRouter()
 
@@ -162,10 +162,11 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     echoes = [str(engine.tokenizer.decode(r.input_ids)) if body.echo else "" for r in reqs]
     prompt_tokens = sum(len(reqs[i * body.n].input_ids) for i in range(len(prompts)))
     reply = Reply(engine, "text_completion", prompt_tokens, body.include_usage, id=f"cmpl-{uuid.uuid4().hex}")
+    leaders = shared_prompt_leaders(len(prompts), body.n)
     if body.stream:
-        stream = merged_stream(engine, reqs)
+        stream = merged_stream(engine, reqs, leaders)
         return StreamingResponse(_stream_completions(reply, stream, echoes), media_type=SSE_MEDIA_TYPE)
-    states = await collect(engine, reqs, request)
+    states = await collect(engine, reqs, request, leaders)
     choices = [
         {
             "index": i,
@@ -253,9 +254,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     )
     if body.stream:
         reply.object = "chat.completion.chunk"
-        stream = merged_stream(engine, reqs)
+        stream = merged_stream(engine, reqs, shared_prompt_leaders(1, body.n))
         return StreamingResponse(_stream_chat(reply, stream, len(reqs)), media_type=SSE_MEDIA_TYPE)
-    states = await collect(engine, reqs, request)
+    states = await collect(engine, reqs, request, shared_prompt_leaders(1, body.n))
     choices = [
         {
             "index": i,

@@ -27,22 +27,43 @@ class ClientDisconnected(Exception):
     """The client closed the connection before the answer was ready."""
 
 
-def merged_stream(engine: Engine, reqs: list[GenerateRequest]) -> AsyncIterator[tuple[int, GenerateOutput]]:
-    """Submits every request now (so a refusal raises before any response starts) and returns an
-    iterator of (index in reqs, state snapshot) for every output until all requests finish."""
-    streams: list[AsyncIterator[GenerateOutput]] = []
+def merged_stream(
+    engine: Engine, reqs: list[GenerateRequest], leaders: list[int | None] | None = None
+) -> AsyncIterator[tuple[int, GenerateOutput]]:
+    """Submits the requests and returns an iterator of (index in reqs, state snapshot) for every
+    output until all finish. A request with a leader (leaders[i] = index of another request with
+    the same prompt) is submitted only once its leader produced output: by then the prompt's KV is
+    in the radix cache, so n samples of one prompt prefill it once. The others are submitted now,
+    so that a refusal raises before any response starts."""
+    leaders = leaders or [None] * len(reqs)
+    streams: dict[int, AsyncIterator[GenerateOutput]] = {}
     try:
-        for req in reqs:
-            streams.append(engine.stream(req))
+        for index, req in enumerate(reqs):
+            if leaders[index] is None:
+                streams[index] = engine.stream(req)
     except BaseException:
         # A later request was refused (e.g. the queue is full): the earlier ones must not linger.
-        for req in reqs[: len(streams)]:
-            engine.abort(req.rid)
+        for index in streams:
+            engine.abort(reqs[index].rid)
         raise
-    return _merge(streams)
+    followers: dict[int, list[int]] = {}
+    for index, leader in enumerate(leaders):
+        if leader is not None:
+            followers.setdefault(leader, []).append(index)
+    return _merge(engine, reqs, streams, followers)
 
 
-async def _merge(streams: list[AsyncIterator[GenerateOutput]]) -> AsyncIterator[tuple[int, GenerateOutput]]:
+def shared_prompt_leaders(num_prompts: int, n: int) -> list[int | None]:
+    """For requests numbered prompt i × n + sample j: sample 0 of each prompt leads the others."""
+    return [None if j == 0 else i * n for i in range(num_prompts) for j in range(n)]
+
+
+async def _merge(
+    engine: Engine,
+    reqs: list[GenerateRequest],
+    streams: dict[int, AsyncIterator[GenerateOutput]],
+    followers: dict[int, list[int]],
+) -> AsyncIterator[tuple[int, GenerateOutput]]:
     outputs: asyncio.Queue[tuple[int, GenerateOutput | BaseException]] = asyncio.Queue()
 
     async def pump(index: int, stream: AsyncIterator[GenerateOutput]) -> None:
@@ -53,13 +74,15 @@ async def _merge(streams: list[AsyncIterator[GenerateOutput]]) -> AsyncIterator[
         except Exception as exc:
             outputs.put_nowait((index, exc))
 
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    remaining = len(streams)
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in streams.items()]
+    remaining = len(reqs)
     try:
         while remaining:
             index, item = await outputs.get()
             if isinstance(item, BaseException):
                 raise item
+            for follower in followers.pop(index, []):
+                tasks.append(asyncio.create_task(pump(follower, engine.stream(reqs[follower]))))
             if item.finished:
                 remaining -= 1
             yield index, item
@@ -69,10 +92,12 @@ async def _merge(streams: list[AsyncIterator[GenerateOutput]]) -> AsyncIterator[
             task.cancel()
 
 
-async def collect(engine: Engine, reqs: list[GenerateRequest], request: Request) -> list[GenerateOutput]:
+async def collect(
+    engine: Engine, reqs: list[GenerateRequest], request: Request, leaders: list[int | None] | None = None
+) -> list[GenerateOutput]:
     """The final state of every request; aborts them all if the client disconnects meanwhile."""
 
-    merged = merged_stream(engine, reqs)
+    merged = merged_stream(engine, reqs, leaders)
 
     async def consume() -> list[GenerateOutput]:
         finals: list[GenerateOutput | None] = [None] * len(reqs)

@@ -151,3 +151,15 @@ def test_api_key_is_required_when_set(tiny_model_dir: Callable[[str], Path], sta
         assert http.get("/health", headers={"Authorization": ""}).status_code == 200
         missing = http.post("/generate", json={"text": "hi"}, headers={"Authorization": ""})
         assert missing.status_code == 401 and "API key" in missing.json()["error"]["message"]
+
+
+def test_n_samples_prefill_the_prompt_once(server: LiveServer) -> None:
+    client = client_for(server)
+    prompt = [300 + i for i in range(40)]  # not used by any other test, so nothing of it is cached
+    out = client.completions.create(
+        model=model_id(client), prompt=prompt, n=4, max_tokens=3, temperature=1.0, seed=5
+    )
+    assert len(out.choices) == 4 and out.usage is not None and out.usage.prompt_tokens == 40
+    # The first sample computes the prompt; the other three reuse all of it but the last token.
+    assert out.usage.prompt_tokens_details is not None
+    assert out.usage.prompt_tokens_details.cached_tokens == 3 * 39

@@ -10,6 +10,7 @@ from typing import Any, Literal
 SchedulePolicyName = Literal["fcfs", "lpm", "dfs-weight", "lof", "random"]
 SCHEDULE_POLICIES: tuple[str, ...] = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16")
+GRAMMAR_BACKENDS: tuple[str, ...] = ("xgrammar", "none")
 
 
 class InvalidArgumentError(ValueError):
@@ -40,6 +41,8 @@ class ServerArgs:
     enable_mixed_chunk: bool = False
     disable_radix_cache: bool = False
     stream_interval: int = 1
+    grammar_backend: str = "xgrammar"
+    grammar_timeout: float = 300.0
 
     # HTTP server
     host: str = "127.0.0.1"
@@ -84,6 +87,13 @@ class ServerArgs:
             raise InvalidArgumentError("--max-prefill-tokens must be >= 1")
         if self.schedule_conservativeness <= 0:
             raise InvalidArgumentError("--schedule-conservativeness must be > 0")
+        if self.grammar_backend not in GRAMMAR_BACKENDS:
+            backends = ", ".join(GRAMMAR_BACKENDS)
+            raise InvalidArgumentError(
+                f"--grammar-backend must be one of {backends}, got {self.grammar_backend!r}"
+            )
+        if self.grammar_timeout <= 0:
+            raise InvalidArgumentError("--grammar-timeout must be > 0")
         if self.stream_interval < 1:
             raise InvalidArgumentError("--stream-interval must be >= 1")
         if not 0 < self.port < 65536:
@@ -146,6 +156,15 @@ class ServerArgs:
         sched.add_argument("--enable-mixed-chunk", action="store_true")
         sched.add_argument("--disable-radix-cache", action="store_true")
         sched.add_argument("--stream-interval", type=int, default=1)
+        sched.add_argument(
+            "--grammar-backend",
+            default="xgrammar",
+            choices=GRAMMAR_BACKENDS,
+            help="structured output (json_schema, regex, ebnf); none refuses such requests",
+        )
+        sched.add_argument(
+            "--grammar-timeout", type=float, default=300.0, help="seconds a grammar may take to compile"
+        )
 
         if http:
             ServerArgs._add_http_args(parser)

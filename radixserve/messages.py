@@ -60,6 +60,8 @@ class FinishReason:
     matched: int | str | None = None
     # Why an "abort" happened, for the user.
     message: str | None = None
+    # Set when the abort is the request's fault (e.g. an invalid grammar): the HTTP status to answer.
+    status_code: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"type": self.type, "matched": self.matched}

@@ -37,6 +37,11 @@ class SamplingParams:
     logit_bias: dict[str, float] = field(default_factory=dict)
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    # Structured output: at most one grammar (see scheduler/grammar.py).
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
 
     @classmethod
     def from_dict(cls, params: dict[str, Any] | None) -> SamplingParams:
@@ -84,6 +89,15 @@ class SamplingParams:
                 raise InvalidRequestError(
                     f"logit_bias must map token ids to values in [-100, 100], got {token!r}: {bias!r}"
                 )
+        grammars = [
+            n for n in ("json_schema", "regex", "ebnf", "structural_tag") if getattr(self, n) is not None
+        ]
+        if len(grammars) > 1:
+            raise InvalidRequestError(
+                f"pass at most one of json_schema, regex, ebnf, structural_tag; got {grammars}"
+            )
+        if grammars and not isinstance(getattr(self, grammars[0]), str):
+            raise InvalidRequestError(f"{grammars[0]} must be a string")
         if not isinstance(self.min_new_tokens, int) or self.min_new_tokens < 0:
             raise InvalidRequestError(f"min_new_tokens must be >= 0, got {self.min_new_tokens!r}")
         if self.min_new_tokens > self.max_new_tokens:

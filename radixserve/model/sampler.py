@@ -3,8 +3,8 @@
 Order of operations on a row's raw logits: stop tokens masked (before min_new_tokens), repetition
 penalty (HF's: positive logits divided, negative multiplied, for tokens in the prompt or output),
 frequency and presence penalties (OpenAI's: minus freq × count minus presence × [count > 0], over
-output tokens), logit_bias added; then greedy argmax, or temperature → min_p → top_k → top_p → draw.
-Logprobs are taken from the raw logits, before any of this.
+output tokens), logit_bias added, tokens the row's grammar forbids masked; then greedy argmax, or
+temperature → min_p → top_k → top_p → draw. Logprobs are taken from the raw logits, before any of this.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ class SamplingBatch:
     penalties: Penalties | None = None
     # (rows, token ids) and the values added there.
     logit_bias: tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    # [B, V] bool: the tokens a grammar allows each row (None: no row is constrained).
+    allowed: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -45,6 +47,7 @@ class SamplingBatch:
         device: torch.device,
         banned_ids: list[list[int]] | None = None,
         histories: list[tuple[list[int], list[int]]] | None = None,
+        allowed: torch.Tensor | None = None,
     ) -> SamplingBatch:
         """histories: each row's (prompt ids, output ids); needed only when a row has penalties."""
         greedy = [p.is_greedy for p in params]
@@ -81,6 +84,7 @@ class SamplingBatch:
             banned=banned,
             penalties=penalties,
             logit_bias=logit_bias,
+            allowed=allowed,
         )
 
 
@@ -157,6 +161,8 @@ def adjust_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if batch.logit_bias is not None:
         index, values = batch.logit_bias
         logits = logits.index_put(index, values, accumulate=True)
+    if batch.allowed is not None:
+        logits = logits.masked_fill(~batch.allowed, float("-inf"))
     return logits
 
 

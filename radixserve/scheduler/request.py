@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -11,6 +12,7 @@ import torch
 from radixserve.cache.radix_cache import TreeNode
 from radixserve.messages import FinishReason, TokenLogprobs
 from radixserve.sampling_params import SamplingParams
+from radixserve.scheduler.grammar import CompileResult, GrammarMatcher
 
 _arrival_counter = itertools.count()
 
@@ -55,6 +57,11 @@ class Req:
     input_logprobs_sent: bool = False
     # Positions [start, end) of the current extend whose logits give prompt logprobs.
     input_logprob_positions: tuple[int, int] | None = None
+    # Structured output: the compile job while in the grammar queue, then the matcher.
+    grammar_key: tuple[str, str] | None = None
+    grammar_job: Future[CompileResult] | None = None
+    grammar_deadline: float = 0.0
+    grammar: GrammarMatcher | None = None
 
     @property
     def fill_ids(self) -> list[int]:

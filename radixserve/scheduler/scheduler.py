@@ -35,6 +35,7 @@ from radixserve.model.runner import ModelRunner
 from radixserve.model.sampler import SamplingBatch, token_logprobs
 from radixserve.sampling_params import InvalidRequestError, SamplingParams
 from radixserve.scheduler.batch import KVContext, KVExhaustedError, build_decode_batch, build_extend_batch
+from radixserve.scheduler.grammar import GrammarQueue, InvalidGrammarError, grammar_key
 from radixserve.scheduler.policy import CLIP_MAX_NEW_TOKENS_ESTIMATE, AddResult, PrefillAdder, SchedulePolicy
 from radixserve.scheduler.request import Req
 from radixserve.scheduler.stats import SchedulerStats
@@ -49,6 +50,8 @@ MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
 NEW_TOKEN_RATIO_DECAY_STEPS = 600
 # After a retraction, keep this many decode steps of headroom so the next step does not retract again.
 RETRACT_HEADROOM_STEPS = 20
+# With nothing to run but grammars compiling, wake up this often to check messages.
+GRAMMAR_POLL_S = 0.01
 
 
 @dataclass
@@ -85,6 +88,9 @@ class Scheduler:
 
         self.waiting: list[Req] = []
         self.running: list[Req] = []
+        self.grammar_queue = GrammarQueue(
+            args.grammar_backend, args.grammar_timeout, self._get_tokenizer, self.config.vocab_size
+        )
         self.chunked_req: Req | None = None
         self.reqs: dict[str, Req] = {}
         self._emitted: dict[str, int] = {}
@@ -183,9 +189,26 @@ class Scheduler:
             req.finished_reason = FinishReason("length")
             return [self._output(req)]
         self.reqs[req.rid] = req
-        self.waiting.append(req)
         self._idle_checked = False
+        if (key := grammar_key(params)) is not None:
+            try:
+                self.grammar_queue.add(req, key)
+            except InvalidGrammarError as exc:
+                del self.reqs[req.rid]
+                return [self._error_output(msg.rid, prompt_len, str(exc))]
+            return self._move_ready_grammar_requests()
+        self.waiting.append(req)
         return []
+
+    def _move_ready_grammar_requests(self) -> list[ReqOutput]:
+        ready, failed = self.grammar_queue.poll()
+        self.waiting += ready
+        outputs = []
+        for req, error in failed:
+            # The request's own fault (a bad grammar): answered like invalid input.
+            req.finished_reason = FinishReason("abort", message=error, status_code=400)
+            outputs.append(self._finish(req))
+        return outputs
 
     def _validate_input(self, msg: GenerateRequest) -> None:
         if msg.rid in self.reqs:
@@ -215,6 +238,8 @@ class Scheduler:
             self.stats.aborted_reqs += 1
             if req in self.waiting:
                 self.waiting.remove(req)
+            elif self.grammar_queue.remove(req):
+                pass  # nothing allocated yet
             else:
                 # Between steps no forward is in flight, so the KV can be released right away.
                 self._release_kv(req)
@@ -228,7 +253,10 @@ class Scheduler:
     # ------------------------------------------------------------------ one step
 
     def step(self) -> list[SchedulerOutput]:
-        outputs: list[SchedulerOutput] = list(self._run_one_batch())
+        outputs: list[SchedulerOutput] = []
+        if self.grammar_queue.pending:
+            outputs += self._move_ready_grammar_requests()
+        outputs += self._run_one_batch()
         if self._idle_waiters and self.is_idle:
             waiters, self._idle_waiters = self._idle_waiters, []
             outputs += [result for msg in waiters if (result := self.control(msg)) is not None]
@@ -237,6 +265,10 @@ class Scheduler:
     def _run_one_batch(self) -> list[ReqOutput]:
         batch = self._next_batch()
         if batch is None:
+            if self.grammar_queue.pending:
+                # Only grammars are left to wait for: sleep on them instead of spinning.
+                self.grammar_queue.wait(GRAMMAR_POLL_S)
+                return []
             self._check_idle()
             return []
         self.stats.forward_steps += 1
@@ -258,11 +290,17 @@ class Scheduler:
                 histories=[(r.origin_input_ids, r.output_ids) for r in sampling_reqs]
                 if need_history
                 else None,
+                allowed=self._grammar_mask(sampling_reqs, logits.device),
             )
             next_tokens = self.runner.sample(logits, sampling)
             self._record_logprobs(sampling_reqs, logits, next_tokens)
             next_ids = next_tokens.tolist()
         return self._process_result(batch, dict(zip(map(id, sampling_reqs), next_ids, strict=True)))
+
+    def _grammar_mask(self, reqs: list[Req], device: torch.device) -> torch.Tensor | None:
+        if all(r.grammar is None for r in reqs):
+            return None
+        return self.grammar_queue.backend.bitmask([r.grammar for r in reqs], device)
 
     def _record_logprobs(self, reqs: list[Req], logits: torch.Tensor, next_tokens: torch.Tensor) -> None:
         rows = [
@@ -301,7 +339,7 @@ class Scheduler:
 
     @property
     def is_idle(self) -> bool:
-        return not (self.waiting or self.running or self.chunked_req)
+        return not (self.waiting or self.running or self.chunked_req or self.grammar_queue.pending)
 
     def _next_batch(self) -> ScheduledBatch | None:
         prefill = self._prefill_batch()
@@ -435,6 +473,10 @@ class Scheduler:
                 req.finished_reason = FinishReason("length")
             else:
                 req.output_ids.append(next_ids[id(req)])
+                if req.grammar is not None:
+                    req.grammar.accept(req.output_ids[-1])
+                    if req.grammar.terminated:
+                        req.finished_reason = FinishReason("stop", matched=req.output_ids[-1])
             req.check_finished(self.context_len, self._decode if req.sampling_params.stop else None)
             if req.finished:
                 self._release_kv(req)
@@ -451,14 +493,17 @@ class Scheduler:
         self.stats.generated_tokens += len(next_ids)
         return outputs
 
-    def _decode(self, ids: list[int]) -> str:
+    def _get_tokenizer(self) -> Any:
         if self._tokenizer is None:
             from radixserve.model.loader import load_tokenizer, resolve_model_source
 
             self._tokenizer = load_tokenizer(
                 resolve_model_source(self.args.tokenizer_path or self.args.model_path)
             )
-        text: str = self._tokenizer.decode(ids)
+        return self._tokenizer
+
+    def _decode(self, ids: list[int]) -> str:
+        text: str = self._get_tokenizer().decode(ids)
         return text
 
     def _release_kv(self, req: Req) -> None:
@@ -544,6 +589,7 @@ class Scheduler:
             outputs: list[SchedulerOutput] = []
             for msg in receive(self.is_idle):
                 if isinstance(msg, ShutdownRequest):
+                    self.grammar_queue.shutdown()
                     return
                 outputs += self.handle(msg)
             outputs += self.step()

@@ -24,7 +24,7 @@ from radixserve.engine import Engine, EngineDeadError, GenerateOutput, QueueFull
 from radixserve.messages import GenerateRequest
 from radixserve.sampling_params import InvalidRequestError
 from radixserve.server.errors import ApiError, error_body, error_response
-from radixserve.server.openai_api import SSE_DONE, SSE_MEDIA_TYPE, engine_of, router, sse
+from radixserve.server.openai_api import SSE_DONE, SSE_MEDIA_TYPE, engine_of, router, sse, stream_error
 from radixserve.server.streams import ClientDisconnected, collect, merged_stream
 
 # /health answers probes without a key; everything else needs it when --api-key is set.
@@ -294,7 +294,7 @@ async def _stream_native(
                 payload["index"] = index
             yield sse(payload)
     except Exception as exc:
-        yield sse(error_body(500, f"{type(exc).__name__}: {exc}"))
+        yield stream_error(exc)
     yield SSE_DONE
 
 

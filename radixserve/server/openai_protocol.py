@@ -1,16 +1,18 @@
 """Request bodies of the OpenAI-compatible API, and how they become sampling parameters.
 
 Unknown fields are ignored, as OpenAI's own SDKs may send newer ones. Fields that other parts of
-the roadmap will implement (logprobs, structured output, tools) are refused with a clear
-400 when set, never silently ignored.
+the roadmap will implement (tools, non-text message parts) are refused with a clear 400 when set,
+never silently ignored.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from radixserve.scheduler.grammar import ANY_JSON
 from radixserve.server.errors import ApiError
 
 
@@ -44,22 +46,13 @@ class _SamplingFields(BaseModel):
     presence_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    # Planned (structured output): refused until it works end to end.
+    # Structured output: OpenAI's response_format, or SGLang's extras (at most one).
     response_format: dict[str, Any] | None = None
     regex: str | None = None
     json_schema: str | None = None
     ebnf: str | None = None
 
     def refuse_unsupported(self) -> None:
-        planned = {
-            "response_format": self.response_format not in (None, {"type": "text"}),
-            "regex": self.regex is not None,
-            "json_schema": self.json_schema is not None,
-            "ebnf": self.ebnf is not None,
-        }
-        for name, used in planned.items():
-            if used:
-                raise ApiError(400, f"'{name}' is not supported yet by radixserve", param=name)
         if self.n < 1:
             raise ApiError(400, f"n must be >= 1, got {self.n}", param="n")
         if self.n > MAX_N:
@@ -81,11 +74,31 @@ class _SamplingFields(BaseModel):
         for name in (
             "seed", "top_k", "min_p", "stop_token_ids",
             "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias",
+            "regex", "json_schema", "ebnf",
         ):  # fmt: skip
             value = getattr(self, name)
             if value is not None:
                 params[name] = value
+        params.update(self._response_format_grammar())
         return params
+
+    def _response_format_grammar(self) -> dict[str, str]:
+        """OpenAI's response_format as a grammar: any JSON object, or JSON under a schema."""
+        fmt = self.response_format
+        if fmt is None or fmt.get("type") == "text":
+            return {}
+        if fmt.get("type") == "json_object":
+            return {"json_schema": ANY_JSON}
+        if fmt.get("type") == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise ApiError(
+                    400,
+                    "response_format.json_schema.schema must be a JSON schema object",
+                    param="response_format",
+                )
+            return {"json_schema": json.dumps(spec["schema"])}
+        raise ApiError(400, f"unknown response_format type {fmt.get('type')!r}", param="response_format")
 
     @property
     def include_usage(self) -> bool:

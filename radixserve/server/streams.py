@@ -16,6 +16,7 @@ from fastapi import Request
 
 from radixserve.engine import Engine, GenerateOutput
 from radixserve.messages import GenerateRequest
+from radixserve.server.errors import ApiError
 
 T = TypeVar("T")
 
@@ -25,6 +26,13 @@ DISCONNECT_POLL_S = 0.25
 
 class ClientDisconnected(Exception):
     """The client closed the connection before the answer was ready."""
+
+
+def raise_if_refused(state: GenerateOutput) -> None:
+    """A request the scheduler refused for the client's fault (an invalid grammar) is an HTTP error."""
+    finish = state.finish_reason
+    if finish is not None and finish.status_code is not None:
+        raise ApiError(finish.status_code, finish.message or "the request was refused")
 
 
 def merged_stream(
@@ -81,6 +89,7 @@ async def _merge(
             index, item = await outputs.get()
             if isinstance(item, BaseException):
                 raise item
+            raise_if_refused(item)
             for follower in followers.pop(index, []):
                 tasks.append(asyncio.create_task(pump(follower, engine.stream(reqs[follower]))))
             if item.finished:

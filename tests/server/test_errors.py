@@ -41,9 +41,9 @@ BAD_REQUESTS: list[tuple[str, dict[str, Any], int, str]] = [
     ("/v1/chat/completions", {"messages": []}, 422, "messages"),
     (
         "/v1/chat/completions",
-        {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+        {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
         400,
-        "'response_format' is not supported yet",
+        "unknown response_format type",
     ),
     (
         "/v1/chat/completions",

@@ -1,0 +1,223 @@
+"""Grammar-constrained decoding: compiled grammars (xgrammar), their cache, and per-request matchers.
+
+Compiling a grammar can take from microseconds to seconds (large JSON schemas). It runs in a thread
+pool; the request waits in the scheduler's grammar queue meanwhile, and every other request keeps
+running. Compiled grammars are cached by (kind, spec), failures too, so a bad schema sent again fails
+at once. On each step the matcher of every constrained request writes its allowed-token bitmask; the
+sampler masks everything else; the accepted token advances the matcher.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from radixserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from radixserve.scheduler.request import Req
+
+# The grammar kinds a request may carry, by their SamplingParams field.
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
+# What response_format {"type": "json_object"} asks for: any JSON object.
+ANY_JSON = "$any_json"
+
+
+class InvalidGrammarError(ValueError):
+    """The grammar could not be compiled; the message says why."""
+
+
+def grammar_key(params: SamplingParams) -> tuple[str, str] | None:
+    """(kind, spec) of the request's grammar, or None when it is unconstrained."""
+    for kind in GRAMMAR_KINDS:
+        spec = getattr(params, kind)
+        if spec is not None:
+            return kind, spec
+    return None
+
+
+@dataclass
+class CompileResult:
+    grammar: Any | None = None  # xgrammar.CompiledGrammar
+    error: str | None = None
+
+
+class GrammarBackend:
+    """xgrammar compiler + thread pool + cache. Thread-safe for the scheduler's use."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, max_workers: int = 1):
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        self._tokenizer = tokenizer
+        self._control_tokens: torch.Tensor | None = None
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        self.vocab_size = vocab_size
+        self._compiler = xgr.GrammarCompiler(info, max_threads=max_workers)
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="radixserve-grammar")
+        self._cache: dict[tuple[str, str], Future[CompileResult]] = {}
+        self._lock = threading.Lock()
+
+    def compile(self, key: tuple[str, str]) -> Future[CompileResult]:
+        """The compiled grammar for key, from the cache or from a new compile job."""
+        with self._lock:
+            future = self._cache.get(key)
+            if future is None:
+                future = self._pool.submit(self._compile_safely, key)
+                self._cache[key] = future
+            return future
+
+    def _compile_safely(self, key: tuple[str, str]) -> CompileResult:
+        try:
+            return CompileResult(grammar=self._compile(*key))
+        except Exception as exc:  # every compile failure is the request's fault: report it
+            return CompileResult(error=f"invalid {key[0]}: {str(exc).splitlines()[-1][:500]}")
+
+    def _compile(self, kind: str, spec: str) -> Any:
+        compiler = self._compiler
+        if kind == "json_schema":
+            if spec == ANY_JSON:
+                return compiler.compile_builtin_json_grammar()
+            json.loads(spec)  # a clear error for text that is not JSON at all
+            # Compact JSON: with free whitespace a model can emit blanks forever.
+            return compiler.compile_json_schema(spec, any_whitespace=False)
+        if kind == "regex":
+            return compiler.compile_regex(spec)
+        if kind == "ebnf":
+            return compiler.compile_grammar(spec)
+        if kind == "structural_tag":
+            return compiler.compile_structural_tag(spec)
+        raise InvalidGrammarError(f"unknown grammar kind {kind!r}")
+
+    def matcher(self, compiled: Any, kind: str) -> GrammarMatcher:
+        return GrammarMatcher(self._xgr.GrammarMatcher(compiled), is_json=kind == "json_schema")
+
+    @property
+    def control_tokens(self) -> torch.Tensor:
+        """[vocab] bool: tokens whose text holds a control character (U+0000-U+001F). xgrammar's
+        JSON strings admit them raw, which strict JSON parsers reject; JSON rows mask them out
+        (whitespace is not needed: JSON is generated compact)."""
+        if self._control_tokens is None:
+            decode = self._tokenizer.decode
+            flags = [
+                any(ord(ch) < 0x20 for ch in decode([token])) if token < len(self._tokenizer) else False
+                for token in range(self.vocab_size)
+            ]
+            self._control_tokens = torch.tensor(flags, dtype=torch.bool)
+        return self._control_tokens
+
+    def bitmask(self, matchers: list[GrammarMatcher | None], device: torch.device) -> torch.Tensor:
+        """[B, vocab] bool: the tokens each row may take (all, for rows without a grammar)."""
+        packed = self._xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
+        for row, matcher in enumerate(matchers):
+            if matcher is not None:
+                matcher.matcher.fill_next_token_bitmask(packed, row)
+        # Unpack 32 tokens per int32 word, lowest bit first.
+        bits = (packed.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+        allowed = bits.reshape(len(matchers), -1)[:, : self.vocab_size].bool()
+        for row, matcher in enumerate(matchers):
+            if matcher is not None and matcher.is_json:
+                strict = allowed[row] & ~self.control_tokens
+                if bool(strict.any()):  # never leave a row with nothing to pick
+                    allowed[row] = strict
+        return allowed.to(device)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+@dataclass
+class GrammarMatcher:
+    """One request's position in its grammar."""
+
+    matcher: Any  # xgrammar.GrammarMatcher
+    is_json: bool = False
+
+    def accept(self, token: int) -> bool:
+        return bool(self.matcher.accept_token(token))
+
+    @property
+    def terminated(self) -> bool:
+        return bool(self.matcher.is_terminated())
+
+
+class GrammarQueue:
+    """Requests whose grammar is still compiling. The scheduler polls it every step."""
+
+    def __init__(self, backend_name: str, timeout_s: float, tokenizer: Callable[[], Any], vocab_size: int):
+        self.backend_name = backend_name
+        self.timeout_s = timeout_s
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._backend: GrammarBackend | None = None
+        self.pending: list[Req] = []
+
+    @property
+    def backend(self) -> GrammarBackend:
+        # Built on first use: most servers never see a grammar, and xgrammar takes a while to set up.
+        if self._backend is None:
+            self._backend = GrammarBackend(self._tokenizer(), self._vocab_size)
+        return self._backend
+
+    def add(self, req: Req, key: tuple[str, str]) -> None:
+        """Starts (or finds) the compile job of req's grammar and queues req until it is done."""
+        if self.backend_name == "none":
+            raise InvalidGrammarError(
+                f"{key[0]} needs a grammar backend; the server runs with --grammar-backend none"
+            )
+        req.grammar_key = key
+        req.grammar_job = self.backend.compile(key)
+        req.grammar_deadline = time.monotonic() + self.timeout_s
+        self.pending.append(req)
+
+    def poll(self) -> tuple[list[Req], list[tuple[Req, str]]]:
+        """(requests whose grammar is ready, now with a matcher; requests that failed, with why)."""
+        ready: list[Req] = []
+        failed: list[tuple[Req, str]] = []
+        still: list[Req] = []
+        now = time.monotonic()
+        for req in self.pending:
+            job = req.grammar_job
+            assert job is not None
+            if job.done():
+                result = job.result()
+                if result.error is not None:
+                    failed.append((req, result.error))
+                else:
+                    assert req.grammar_key is not None
+                    req.grammar = self.backend.matcher(result.grammar, req.grammar_key[0])
+                    ready.append(req)
+                req.grammar_job = None
+            elif now > req.grammar_deadline:
+                failed.append(
+                    (req, f"the grammar did not compile within {self.timeout_s:g}s (--grammar-timeout)")
+                )
+                req.grammar_job = None
+            else:
+                still.append(req)
+        self.pending = still
+        return ready, failed
+
+    def wait(self, timeout_s: float) -> None:
+        """Blocks up to timeout_s for any pending compile to finish (when nothing else can run)."""
+        jobs = [r.grammar_job for r in self.pending if r.grammar_job is not None]
+        if jobs:
+            wait_futures(jobs, timeout=timeout_s, return_when=FIRST_COMPLETED)
+
+    def remove(self, req: Req) -> bool:
+        if req in self.pending:
+            self.pending.remove(req)
+            return True
+        return False
+
+    def shutdown(self) -> None:
+        if self._backend is not None:
+            self._backend.shutdown()

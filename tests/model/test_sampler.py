@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import torch
 
-from radixserve.model.sampler import SamplingBatch, adjust_logits, sample
+from radixserve.model.sampler import SamplingBatch, _filter_probs, adjust_logits, sample
 from radixserve.sampling_params import SamplingParams
 
 
@@ -73,7 +73,7 @@ def test_repetition_penalty_matches_transformers() -> None:
 
 def test_frequency_and_presence_penalties_follow_the_openai_formula() -> None:
     logits = torch.zeros(1, 6)
-    params = SamplingParams(frequency_penalty=0.5, presence_penalty=0.25)
+    params = SamplingParams(temperature=0.0, frequency_penalty=0.5, presence_penalty=0.25)
     # The prompt does not count for these two; the output has token 2 three times and token 4 once.
     batch = SamplingBatch.build([params], [None], 6, torch.device("cpu"), histories=[([1, 1], [2, 2, 4, 2])])
     ours = adjust_logits(logits, batch)
@@ -93,3 +93,46 @@ def test_logit_bias_and_banned_tokens() -> None:
     unbanned = SamplingBatch.build(params, [None, None], 6, torch.device("cpu"))
     assert sample(logits, unbanned).tolist()[0] == 3
     assert logits.abs().sum() == 0  # never in place
+
+
+def _reference_filter(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Top-k / top-p / min-p by a full sort, one row at a time."""
+    out = []
+    for row, p in zip(probs, params, strict=True):
+        if p.min_p > 0:
+            row = row.masked_fill(row < row.max() * p.min_p, 0.0)
+        values, order = row.sort(descending=True)
+        if p.top_k > 0:
+            values[p.top_k :] = 0.0
+        if p.top_p < 1.0:
+            before = (values.cumsum(0) - values) / values.sum()
+            values = values.masked_fill(before >= p.top_p, 0.0)
+        out.append(torch.zeros_like(row).scatter(0, order, values))
+    return torch.stack(out)
+
+
+def test_candidate_filtering_equals_a_full_sort() -> None:
+    torch.manual_seed(1)
+    vocab = 5000
+    params = [
+        SamplingParams(top_p=0.9),
+        SamplingParams(top_k=40, top_p=0.5),
+        SamplingParams(min_p=0.05, top_p=0.95),
+        SamplingParams(),
+        SamplingParams(top_k=600),
+    ]
+    peaked = torch.softmax(torch.randn(len(params), vocab) * 4, dim=-1)
+    # A flat row: its top_p mass lies far beyond the first candidates, forcing the full sort.
+    flat = torch.softmax(torch.randn(len(params), vocab) * 0.01, dim=-1)
+    for probs in (peaked, flat):
+        batch = SamplingBatch.build(params, [None] * len(params), vocab, torch.device("cpu"))
+        torch.testing.assert_close(_filter_probs(probs, batch), _reference_filter(probs, params))
+
+
+def test_draws_follow_the_distribution() -> None:
+    probs = torch.tensor([[0.5, 0.0, 0.3, 0.2]]).repeat(20000, 1)
+    batch = SamplingBatch.build([SamplingParams()] * 20000, [None] * 20000, 4, torch.device("cpu"))
+    torch.manual_seed(0)
+    counts = torch.bincount(sample(torch.log(probs), batch), minlength=4).float() / 20000
+    assert counts[1] == 0  # a zero-probability token is never drawn
+    torch.testing.assert_close(counts, probs[0], atol=0.015, rtol=0)

@@ -6,9 +6,15 @@ private temporary directory (mode 0700), so only this user's processes on this m
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
+import signal
 import tempfile
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -103,3 +109,52 @@ class Channel:
 
     def close(self) -> None:
         self.socket.close()
+
+
+# How often an idle child wakes up to notice that its parent process has gone away.
+PARENT_CHECK_MS = 500
+
+
+@dataclass
+class ChildArgs:
+    """What every child process is started with (see server/launch.py)."""
+
+    inbox: str
+    outbox: str
+    parent_pid: int
+    tokenizer_dir: str
+    ns: argparse.Namespace
+
+
+def parse_child_args(description: str, add_args: Callable[[argparse.ArgumentParser], object]) -> ChildArgs:
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--inbox", required=True)
+    parser.add_argument("--outbox", required=True)
+    parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--tokenizer-dir", required=True)
+    add_args(parser)
+    ns = parser.parse_args()
+    return ChildArgs(ns.inbox, ns.outbox, ns.parent_pid, ns.tokenizer_dir, ns)
+
+
+@contextmanager
+def child_channels(
+    name: str, inbox_address: str, outbox_address: str, *, bind_inbox: bool
+) -> Iterator[tuple[Channel, Channel]]:
+    """A child's two sockets. An error that ends the child is sent on as its last word
+    (SchedulerFailed with the traceback) before it propagates."""
+    # Ctrl-C reaches the whole process group; the parent decides when children stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    context: zmq.Context[Any] = zmq.Context()
+    inbox = Channel(context, inbox_address, send=False, bind=bind_inbox)
+    outbox = Channel(context, outbox_address, send=True, bind=False, linger_ms=2000)
+    try:
+        yield inbox, outbox
+    except BaseException as exc:
+        if not isinstance(exc, SystemExit):
+            outbox.send(SchedulerFailed(f"{name}: " + "".join(traceback.format_exception(exc))))
+        raise
+    finally:
+        inbox.close()
+        outbox.close()
+        context.term()

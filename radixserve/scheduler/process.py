@@ -7,24 +7,18 @@ than from a process's main thread on the development CPU.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
-import signal
 import sys
-import traceback
 from typing import Any
 
-import zmq
-
 from radixserve.args import ServerArgs
-from radixserve.ipc import Channel
+from radixserve.ipc import PARENT_CHECK_MS, ChildArgs, child_channels, parse_child_args
 from radixserve.log import configure_logging
 from radixserve.messages import (
     OutputBatch,
     ReqOutput,
-    SchedulerFailed,
     SchedulerInput,
     SchedulerOutput,
     SchedulerReady,
@@ -33,27 +27,17 @@ from radixserve.messages import (
 
 logger = logging.getLogger("radixserve.scheduler")
 
-# While idle, wake up this often to notice that the parent process has gone away.
-PARENT_CHECK_MS = 500
 
-
-def run_scheduler_process(
-    server_args: dict[str, Any], tokenizer_dir: str, inbox_address: str, outbox_address: str, parent_pid: int
-) -> None:
+def run_scheduler_process(server_args: dict[str, Any], child: ChildArgs) -> None:
     """Outputs go to the detokenizer (outbox), which passes on what is not token ids."""
-    # Ctrl-C reaches the whole process group; the parent decides when children stop.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
     args = ServerArgs(**server_args)
     configure_logging(args.log_level, prefix=" scheduler")
-    context: zmq.Context[Any] = zmq.Context()
-    inbox = Channel(context, inbox_address, send=False, bind=False)
-    outbox = Channel(context, outbox_address, send=True, bind=False, linger_ms=2000)
-    try:
+    with child_channels("scheduler", child.inbox, child.outbox, bind_inbox=False) as (inbox, outbox):
         from transformers import AutoTokenizer
 
         from radixserve.scheduler.scheduler import Scheduler
 
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(child.tokenizer_dir, local_files_only=True)
         scheduler = Scheduler(args, tokenizer=tokenizer)
         outbox.send(
             SchedulerReady(scheduler.max_total_tokens, scheduler.context_len, scheduler.config.vocab_size)
@@ -63,7 +47,7 @@ def run_scheduler_process(
             messages: list[SchedulerInput] = []
             while True:
                 # Checked on every step, busy or not: an orphaned scheduler must not keep computing.
-                if os.getppid() != parent_pid:
+                if os.getppid() != child.parent_pid:
                     logger.warning("parent process is gone; scheduler exiting")
                     sys.exit(0)
                 if not block or messages:
@@ -85,27 +69,14 @@ def run_scheduler_process(
 
         scheduler.event_loop(receive, emit)
         outbox.send(ShutdownRequest())
-    except BaseException as exc:
-        if not isinstance(exc, SystemExit):
-            outbox.send(SchedulerFailed("".join(traceback.format_exception(exc))))
-            raise
-    finally:
-        inbox.close()
-        outbox.close()
-        context.term()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="radixserve scheduler process (started by the engine)")
-    parser.add_argument("--server-args-json", required=True)
-    parser.add_argument("--tokenizer-dir", required=True)
-    parser.add_argument("--inbox", required=True)
-    parser.add_argument("--outbox", required=True)
-    parser.add_argument("--parent-pid", type=int, required=True)
-    ns = parser.parse_args()
-    run_scheduler_process(
-        json.loads(ns.server_args_json), ns.tokenizer_dir, ns.inbox, ns.outbox, ns.parent_pid
+    child = parse_child_args(
+        "radixserve scheduler process (started by the engine)",
+        lambda parser: parser.add_argument("--server-args-json", required=True),
     )
+    run_scheduler_process(json.loads(child.ns.server_args_json), child)
 
 
 if __name__ == "__main__":

@@ -15,17 +15,12 @@ it keeps an IncrementalDetokenizer and applies the stop-string rules:
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
-import signal
-import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
-import zmq
-
-from radixserve.ipc import Channel
+from radixserve.ipc import PARENT_CHECK_MS, ChildArgs, child_channels, parse_child_args
 from radixserve.log import configure_logging
 from radixserve.messages import (
     ControlResult,
@@ -40,9 +35,6 @@ from radixserve.messages import (
 )
 
 logger = logging.getLogger("radixserve.detokenizer")
-
-# While idle, wake up this often to notice that the parent process has gone away.
-PARENT_CHECK_MS = 500
 
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -159,23 +151,18 @@ class DetokenizerManager:
         return TextBatch(texts)
 
 
-def run_detokenizer_process(
-    tokenizer_dir: str, inbox_address: str, outbox_address: str, parent_pid: int
-) -> None:
-    # Ctrl-C reaches the whole process group; the parent decides when children stop.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    context: zmq.Context[Any] = zmq.Context()
-    # The scheduler connects to this socket; the engine bound the one we send to.
-    inbox = Channel(context, inbox_address, send=False, bind=True)
-    outbox = Channel(context, outbox_address, send=True, bind=False, linger_ms=2000)
-    try:
+def run_detokenizer_process(child: ChildArgs) -> None:
+    # The scheduler connects to our inbox; the engine bound the socket we send to.
+    with child_channels("detokenizer", child.inbox, child.outbox, bind_inbox=True) as (inbox, outbox):
         from transformers import AutoTokenizer
 
-        manager = DetokenizerManager(AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True))
+        manager = DetokenizerManager(
+            AutoTokenizer.from_pretrained(child.tokenizer_dir, local_files_only=True)
+        )
         while True:
             msg = inbox.recv(PARENT_CHECK_MS)
             if msg is None:
-                if os.getppid() != parent_pid:
+                if os.getppid() != child.parent_pid:
                     logger.warning("parent process is gone; detokenizer exiting")
                     return
                 continue
@@ -188,26 +175,15 @@ def run_detokenizer_process(
                 return
             else:
                 raise TypeError(f"unexpected detokenizer message {type(msg).__name__}")
-    except BaseException as exc:
-        if not isinstance(exc, SystemExit):
-            outbox.send(SchedulerFailed("detokenizer: " + "".join(traceback.format_exception(exc))))
-            raise
-    finally:
-        inbox.close()
-        outbox.close()
-        context.term()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="radixserve detokenizer process (started by the engine)")
-    parser.add_argument("--tokenizer-dir", required=True)
-    parser.add_argument("--inbox", required=True)
-    parser.add_argument("--outbox", required=True)
-    parser.add_argument("--parent-pid", type=int, required=True)
-    parser.add_argument("--log-level", default="info")
-    ns = parser.parse_args()
-    configure_logging(ns.log_level, prefix=" detokenizer")
-    run_detokenizer_process(ns.tokenizer_dir, ns.inbox, ns.outbox, ns.parent_pid)
+    child = parse_child_args(
+        "radixserve detokenizer process (started by the engine)",
+        lambda parser: parser.add_argument("--log-level", default="info"),
+    )
+    configure_logging(child.ns.log_level, prefix=" detokenizer")
+    run_detokenizer_process(child)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
 STARTUP_TIMEOUT_S = 120
@@ -63,6 +64,10 @@ class LiveServer:
     @property
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def openai(self) -> openai.OpenAI:
+        """The official client, with this server's key (if any) and no retries."""
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=self.api_key or "none", max_retries=0)
 
     def client(self, **kwargs: Any) -> httpx.Client:
         return httpx.Client(base_url=self.base_url, headers=self.headers, timeout=120, **kwargs)

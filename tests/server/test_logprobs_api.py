@@ -5,13 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import openai
-
 from tests.server.conftest import LiveServer
-
-
-def client_for(server: LiveServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
 
 
 def test_native_logprobs_with_text(server: LiveServer) -> None:
@@ -38,7 +32,7 @@ def test_native_logprobs_with_text(server: LiveServer) -> None:
 
 
 def test_openai_completion_and_chat_logprobs(server: LiveServer) -> None:
-    client = client_for(server)
+    client = server.openai()
     model = client.models.list().data[0].id
     full = client.completions.create(
         model=model, prompt="def main():", max_tokens=5, temperature=0, logprobs=2
@@ -73,7 +67,7 @@ def test_openai_completion_and_chat_logprobs(server: LiveServer) -> None:
 
 
 def test_penalties_and_logit_bias_change_the_output(server: LiveServer) -> None:
-    client = client_for(server)
+    client = server.openai()
     model = client.models.list().data[0].id
     plain = client.completions.create(model=model, prompt="a a a a", max_tokens=8, temperature=0)
     first = plain.choices[0].text
@@ -98,7 +92,7 @@ def test_penalties_and_logit_bias_change_the_output(server: LiveServer) -> None:
 
 
 def test_echo_with_logprobs_scores_the_prompt(server: LiveServer) -> None:
-    client = client_for(server)
+    client = server.openai()
     model = client.models.list().data[0].id
     for max_tokens in (0, 1):
         out = client.completions.create(

@@ -14,21 +14,17 @@ from tests.server.conftest import LiveServer
 GREEDY: dict[str, Any] = {"temperature": 0.0}
 
 
-def client_for(server: LiveServer, api_key: str = "none") -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=server.api_key or api_key, max_retries=0)
-
-
 def model_id(client: openai.OpenAI) -> str:
     return client.models.list().data[0].id
 
 
 def test_models_lists_the_served_model(server: LiveServer) -> None:
-    models = client_for(server).models.list().data
+    models = server.openai().models.list().data
     assert len(models) == 1 and models[0].object == "model"
 
 
 def test_completion_non_stream_and_stream_agree(server: LiveServer) -> None:
-    client = client_for(server)
+    client = server.openai()
     model = model_id(client)
     full = client.completions.create(model=model, prompt="def main():", max_tokens=12, **GREEDY)
     choice = full.choices[0]
@@ -56,7 +52,7 @@ def test_completion_non_stream_and_stream_agree(server: LiveServer) -> None:
 
 
 def test_cached_tokens_are_reported(server: LiveServer) -> None:
-    client = client_for(server)
+    client = server.openai()
     prompt = "import os\nimport sys\n" * 8
     client.completions.create(model=model_id(client), prompt=prompt, max_tokens=2, **GREEDY)
     again = client.completions.create(model=model_id(client), prompt=prompt, max_tokens=2, **GREEDY)
@@ -65,7 +61,7 @@ def test_cached_tokens_are_reported(server: LiveServer) -> None:
 
 
 def test_n_list_prompts_and_token_prompts(server: LiveServer) -> None:
-    client = client_for(server)
+    client = server.openai()
     model = model_id(client)
     two = client.completions.create(model=model, prompt="hello", n=2, max_tokens=6, temperature=1.0, seed=3)
     assert [c.index for c in two.choices] == [0, 1]
@@ -86,13 +82,13 @@ def test_n_list_prompts_and_token_prompts(server: LiveServer) -> None:
 
 
 def test_echo_prepends_the_prompt(server: LiveServer) -> None:
-    client = client_for(server)
+    client = server.openai()
     out = client.completions.create(model=model_id(client), prompt="x = 1", max_tokens=3, echo=True, **GREEDY)
     assert out.choices[0].text.startswith("x = 1")
 
 
 def test_chat_non_stream_and_stream(server: LiveServer) -> None:
-    client = client_for(server)
+    client = server.openai()
     model = model_id(client)
     messages: Any = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
     full = client.chat.completions.create(model=model, messages=messages, max_tokens=10, **GREEDY)
@@ -119,7 +115,7 @@ def test_chat_non_stream_and_stream(server: LiveServer) -> None:
 
 
 def test_stop_strings_are_trimmed_even_when_split_across_tokens(server: LiveServer) -> None:
-    client = client_for(server)
+    client = server.openai()
     model = model_id(client)
     tokenizer_text = client.completions.create(model=model, prompt="def main():", max_tokens=24, **GREEDY)
     text = tokenizer_text.choices[0].text
@@ -142,7 +138,7 @@ def test_stop_strings_are_trimmed_even_when_split_across_tokens(server: LiveServ
 
 def test_api_key_is_required_when_set(tiny_model_dir: Callable[[str], Path], start_server: Any) -> None:
     live = start_server(tiny_model_dir("llama"), api_key="sekret")
-    good = client_for(live)
+    good = live.openai()
     assert good.completions.create(model=model_id(good), prompt="hi", max_tokens=2).choices
     bad = openai.OpenAI(base_url=f"{live.base_url}/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
@@ -154,7 +150,7 @@ def test_api_key_is_required_when_set(tiny_model_dir: Callable[[str], Path], sta
 
 
 def test_n_samples_prefill_the_prompt_once(server: LiveServer) -> None:
-    client = client_for(server)
+    client = server.openai()
     prompt = [300 + i for i in range(40)]  # not used by any other test, so nothing of it is cached
     out = client.completions.create(
         model=model_id(client), prompt=prompt, n=4, max_tokens=3, temperature=1.0, seed=5

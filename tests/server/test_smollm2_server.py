@@ -5,12 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import openai
-
 
 def test_default_model_answers_over_http(smollm2_gguf_path: Path, start_server: Any) -> None:
     live = start_server(None, "--served-model-name", "smollm2")
-    client = openai.OpenAI(base_url=f"{live.base_url}/v1", api_key="none", max_retries=0)
+    client = live.openai()
     assert [m.id for m in client.models.list().data] == ["smollm2"]
     completion = client.completions.create(
         model="smollm2", prompt="The capital of France is", max_tokens=4, temperature=0

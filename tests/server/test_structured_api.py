@@ -14,12 +14,8 @@ from tests.engine.test_structured_output import SCHEMA
 from tests.server.conftest import LiveServer
 
 
-def client_for(server: LiveServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
-
-
 def test_response_format_json_schema_stream_and_not(server: LiveServer) -> None:
-    client = client_for(server)
+    client = server.openai()
     model = client.models.list().data[0].id
     messages: Any = [{"role": "user", "content": "Describe a pet."}]
     response_format: Any = {"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA}}
@@ -52,7 +48,7 @@ def test_response_format_json_schema_stream_and_not(server: LiveServer) -> None:
 
 
 def test_invalid_grammars_are_a_400(server: LiveServer) -> None:
-    client = client_for(server)
+    client = server.openai()
     model = client.models.list().data[0].id
     bad: Any = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}
     with pytest.raises(openai.BadRequestError, match="invalid json_schema"):

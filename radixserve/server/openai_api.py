@@ -109,6 +109,11 @@ async def list_models(request: Request) -> JSONResponse:
     return JSONResponse({"object": "list", "data": [model]})
 
 
+@router.post("/v1/embeddings")
+async def embeddings(request: Request) -> Response:
+    raise ApiError(400, "embeddings are not supported yet by radixserve", param="input")
+
+
 # ---------------------------------------------------------------------- completions
 
 

@@ -66,6 +66,7 @@ BAD_REQUESTS: list[tuple[str, dict[str, Any], int, str]] = [
         "logprob_start_len must be",
     ),
     ("/nope", {}, 404, "Not Found"),
+    ("/v1/embeddings", {"input": "hi"}, 400, "embeddings are not supported yet"),
 ]
 
 

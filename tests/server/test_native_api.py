@@ -122,6 +122,11 @@ def test_abort_by_rid_and_abort_all_while_decoding(server: LiveServer) -> None:
                 if info["num_running_reqs"] == 16:
                     break
                 await asyncio.sleep(0.02)
+            # While they decode: the health probe answers at once, and the cache cannot be flushed.
+            health = await client.get("/health_generate", timeout=5)
+            flush = await client.post("/flush_cache")
+            assert health.status_code == 200 and flush.status_code == 400
+            assert "requests are running" in flush.json()["error"]["message"]
             await client.post("/abort_request", json={"abort_all": True})
             results = [(await t).json() for t in tasks]
             return victim_result, results, info["num_running_reqs"]

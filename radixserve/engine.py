@@ -80,6 +80,7 @@ class GenerateOutput:
     prompt_ids: list[int] = field(default_factory=list)
     logprob_start_len: int = -1
     input_logprobs: TokenLogprobs | None = None
+    token_ids_logprob: list[int] | None = None
 
     @property
     def finished(self) -> bool:
@@ -99,11 +100,8 @@ class GenerateOutput:
         if out.input_logprobs is not None:
             self.input_logprobs = out.input_logprobs
         if out.logprobs is not None:
-            if self.logprobs is None:
-                self.logprobs = TokenLogprobs()
             # A fresh object: stream snapshots share the old one.
-            merged = TokenLogprobs(list(self.logprobs.logprobs), list(self.logprobs.top_ids))
-            merged.top_logprobs = list(self.logprobs.top_logprobs)
+            merged = TokenLogprobs() if self.logprobs is None else self.logprobs.copy()
             merged.extend(out.logprobs)
             self.logprobs = merged
 
@@ -127,9 +125,19 @@ class GenerateOutput:
                 [[value, token, None] for value, token in zip(values, ids, strict=True)]
                 for values, ids in zip(lp.top_logprobs, lp.top_ids, strict=True)
             ]
+            if self.token_ids_logprob:
+                meta["output_token_ids_logprobs"] = self._named_triples(lp)
         if self.input_logprobs is not None:
             meta["input_token_logprobs"], meta["input_top_logprobs"] = self.prompt_logprob_triples()
+            if self.token_ids_logprob:
+                named = self._named_triples(self.input_logprobs)
+                meta["input_token_ids_logprobs"] = ([None] if self.logprob_start_len == 0 else []) + named
         return meta
+
+    def _named_triples(self, lp: TokenLogprobs) -> list[list[list[Any]]]:
+        """Per position, (logprob, token id, text) for each id of token_ids_logprob."""
+        ids = self.token_ids_logprob or []
+        return [[[v, t, None] for v, t in zip(values, ids, strict=True)] for values in lp.id_logprobs]
 
     def prompt_logprob_triples(self) -> tuple[list[list[Any]], list[list[list[Any]] | None]]:
         """SGLang's input_token_logprobs and input_top_logprobs, from logprob_start_len on; the
@@ -317,6 +325,7 @@ class Engine:
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
         logprob_start_len: int = -1,
+        token_ids_logprob: list[int] | None = None,
     ) -> GenerateRequest:
         """Validates everything the scheduler would refuse, so that callers get the error up front.
         With return_logprob and logprob_start_len >= 0, prompt logprobs come back too."""
@@ -349,6 +358,13 @@ class Engine:
                 f"logprob_start_len must be -1 (no prompt logprobs) or in [0, {len(ids)}) for this "
                 f"{len(ids)}-token prompt, got {logprob_start_len!r}"
             )
+        if token_ids_logprob is not None and (
+            not isinstance(token_ids_logprob, list)
+            or any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in token_ids_logprob)
+        ):
+            raise InvalidRequestError(
+                f"token_ids_logprob must be a list of token ids in [0, {self.vocab_size})"
+            )
         return GenerateRequest(
             rid or self.new_rid(),
             ids,
@@ -356,6 +372,7 @@ class Engine:
             bool(return_logprob),
             top_logprobs_num,
             logprob_start_len if return_logprob else -1,
+            list(token_ids_logprob) if return_logprob and token_ids_logprob else None,
         )
 
     def _build_requests(
@@ -366,6 +383,7 @@ class Engine:
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
         logprob_start_len: int = -1,
+        token_ids_logprob: list[int] | None = None,
     ) -> tuple[list[GenerateRequest], bool]:
         if (prompt is None) == (input_ids is None):
             raise InvalidRequestError("pass exactly one of prompt or input_ids")
@@ -385,7 +403,9 @@ class Engine:
         else:
             params = [dict(sampling_params or {}) for _ in batch_ids]
         reqs = [
-            self.make_request(ids, p, None, return_logprob, top_logprobs_num, logprob_start_len)
+            self.make_request(
+                ids, p, None, return_logprob, top_logprobs_num, logprob_start_len, token_ids_logprob
+            )
             for ids, p in zip(batch_ids, params, strict=True)
         ]
         return reqs, single
@@ -409,7 +429,12 @@ class Engine:
 
     @staticmethod
     def _new_state(req: GenerateRequest) -> GenerateOutput:
-        return GenerateOutput(req.rid, prompt_ids=req.input_ids, logprob_start_len=req.logprob_start_len)
+        return GenerateOutput(
+            req.rid,
+            prompt_ids=req.input_ids,
+            logprob_start_len=req.logprob_start_len,
+            token_ids_logprob=req.token_ids_logprob,
+        )
 
     async def _follow(
         self, state: GenerateOutput, box: asyncio.Queue[TextOutput | ControlResult], started: float
@@ -436,12 +461,20 @@ class Engine:
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
         logprob_start_len: int = -1,
+        token_ids_logprob: list[int] | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """Blocking generation. One prompt gives one result dict; a list gives a list, in order.
         With return_logprob, meta_info holds output_token_logprobs and output_top_logprobs, and
-        with logprob_start_len >= 0 also input_token_logprobs and input_top_logprobs."""
+        with logprob_start_len >= 0 also input_token_logprobs and input_top_logprobs; with
+        token_ids_logprob, the logprobs of those ids at every position (*_token_ids_logprobs)."""
         reqs, single = self._build_requests(
-            prompt, input_ids, sampling_params, return_logprob, top_logprobs_num, logprob_start_len
+            prompt,
+            input_ids,
+            sampling_params,
+            return_logprob,
+            top_logprobs_num,
+            logprob_start_len,
+            token_ids_logprob,
         )
         inboxes: list[queue.Queue[TextOutput | ControlResult]] = []
         started = time.perf_counter()

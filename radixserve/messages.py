@@ -24,6 +24,8 @@ class GenerateRequest:
     top_logprobs_num: int = 0
     # With return_logprob: also the prompt tokens' logprobs from this position on (-1: none).
     logprob_start_len: int = -1
+    # With return_logprob: the logprobs of these token ids at every position, too.
+    token_ids_logprob: list[int] | None = None
 
 
 @dataclass
@@ -86,14 +88,22 @@ class TokenLogprobs:
     logprobs: list[float] = field(default_factory=list)
     top_ids: list[list[int]] = field(default_factory=list)
     top_logprobs: list[list[float]] = field(default_factory=list)
+    # Per position, the logprobs of the request's token_ids_logprob (empty when it named none).
+    id_logprobs: list[list[float]] = field(default_factory=list)
 
     def extend(self, other: TokenLogprobs) -> None:
         self.logprobs += other.logprobs
         self.top_ids += other.top_ids
         self.top_logprobs += other.top_logprobs
+        self.id_logprobs += other.id_logprobs
 
     def since(self, start: int) -> TokenLogprobs:
-        return TokenLogprobs(self.logprobs[start:], self.top_ids[start:], self.top_logprobs[start:])
+        return TokenLogprobs(
+            self.logprobs[start:], self.top_ids[start:], self.top_logprobs[start:], self.id_logprobs[start:]
+        )
+
+    def copy(self) -> TokenLogprobs:
+        return self.since(0)
 
 
 @dataclass

@@ -171,22 +171,6 @@ def adjust_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return logits
 
 
-def token_logprobs(
-    logits: torch.Tensor, tokens: torch.Tensor, rows: list[int], top_k: int
-) -> list[tuple[float, list[int], list[float]]]:
-    """For each row in rows: the logprob of its token under the raw logits, and the top_k
-    (ids, logprobs). One log_softmax and one topk for all rows."""
-    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-    logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
-    chosen = logprobs.gather(1, tokens.index_select(0, index).unsqueeze(1)).squeeze(1).tolist()
-    if top_k > 0:
-        top = logprobs.topk(top_k, dim=-1)
-        top_values, top_ids = top.values.tolist(), top.indices.tolist()
-    else:
-        top_values, top_ids = [[] for _ in rows], [[] for _ in rows]
-    return list(zip(chosen, top_ids, top_values, strict=True))
-
-
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """logits: [B, V] float32. Returns int64 token ids [B]."""
     logits = adjust_logits(logits, batch)

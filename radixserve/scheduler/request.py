@@ -50,6 +50,7 @@ class Req:
     # Set when the request asked for logprobs; one entry per output token.
     logprobs: TokenLogprobs | None = None
     top_logprobs_num: int = 0
+    token_ids_logprob: list[int] | None = None
     # Set when it asked for prompt logprobs: one entry per prompt token from the first one asked
     # for (never token 0, which nothing predicts); input_logprob_next is the next token to cover.
     input_logprobs: TokenLogprobs | None = None

@@ -32,10 +32,11 @@ from radixserve.messages import (
 )
 from radixserve.model.forward_batch import ForwardBatch
 from radixserve.model.runner import ModelRunner
-from radixserve.model.sampler import SamplingBatch, token_logprobs
+from radixserve.model.sampler import SamplingBatch
 from radixserve.sampling_params import InvalidRequestError, SamplingParams
 from radixserve.scheduler.batch import KVContext, KVExhaustedError, build_decode_batch, build_extend_batch
 from radixserve.scheduler.grammar import GrammarQueue, InvalidGrammarError, grammar_key
+from radixserve.scheduler.logprobs import record_input_logprobs, record_output_logprobs
 from radixserve.scheduler.policy import CLIP_MAX_NEW_TOKENS_ESTIMATE, AddResult, PrefillAdder, SchedulePolicy
 from radixserve.scheduler.request import Req
 from radixserve.scheduler.stats import SchedulerStats
@@ -182,6 +183,7 @@ class Scheduler:
         if msg.return_logprob:
             req.logprobs = TokenLogprobs()
             req.top_logprobs_num = msg.top_logprobs_num
+            req.token_ids_logprob = msg.token_ids_logprob
             if msg.logprob_start_len >= 0:
                 req.input_logprobs = TokenLogprobs()
                 req.input_logprob_next = max(1, msg.logprob_start_len)
@@ -275,7 +277,7 @@ class Scheduler:
         logits = self.runner.forward(batch.forward)
         sampling_reqs = [r for r in batch.reqs if r.kv_len == r.seq_len]
         if batch.forward.logprob_rows is not None:
-            self._record_input_logprobs(batch.reqs, logits[len(sampling_reqs) :])
+            record_input_logprobs(batch.reqs, logits[len(sampling_reqs) :])
             logits = logits[: len(sampling_reqs)]
         next_ids: list[int] = []
         if sampling_reqs:
@@ -293,7 +295,7 @@ class Scheduler:
                 allowed=self._grammar_mask(sampling_reqs, logits.device),
             )
             next_tokens = self.runner.sample(logits, sampling)
-            self._record_logprobs(sampling_reqs, logits, next_tokens)
+            record_output_logprobs(sampling_reqs, logits, next_tokens)
             next_ids = next_tokens.tolist()
         return self._process_result(batch, dict(zip(map(id, sampling_reqs), next_ids, strict=True)))
 
@@ -301,41 +303,6 @@ class Scheduler:
         if all(r.grammar is None for r in reqs):
             return None
         return self.grammar_queue.backend.bitmask([r.grammar for r in reqs], device)
-
-    def _record_logprobs(self, reqs: list[Req], logits: torch.Tensor, next_tokens: torch.Tensor) -> None:
-        rows = [
-            i for i, r in enumerate(reqs) if r.logprobs is not None and r.sampling_params.max_new_tokens > 0
-        ]
-        if not rows:
-            return
-        wanted = [reqs[i] for i in rows]
-        found = token_logprobs(logits, next_tokens, rows, max(r.top_logprobs_num for r in wanted))
-        for req, (chosen, top_ids, top_logprobs) in zip(wanted, found, strict=True):
-            assert req.logprobs is not None
-            k = req.top_logprobs_num
-            req.logprobs.extend(TokenLogprobs([chosen], [top_ids[:k]], [top_logprobs[:k]]))
-
-    def _record_input_logprobs(self, reqs: list[Req], logits: torch.Tensor) -> None:
-        """logits: the rows of every request's input_logprob_positions, in batch order."""
-        wanted = [r for r in reqs if r.input_logprob_positions is not None]
-        targets = []
-        for req in wanted:
-            first, end = req.input_logprob_positions  # type: ignore[misc]
-            targets += req.origin_input_ids[first + 1 : end + 1]
-        tokens = torch.tensor(targets, dtype=torch.int64, device=logits.device)
-        found = token_logprobs(
-            logits, tokens, list(range(len(targets))), max(r.top_logprobs_num for r in wanted)
-        )
-        row = 0
-        for req in wanted:
-            first, end = req.input_logprob_positions  # type: ignore[misc]
-            assert req.input_logprobs is not None
-            k = req.top_logprobs_num
-            for chosen, top_ids, top_values in found[row : row + end - first]:
-                req.input_logprobs.extend(TokenLogprobs([chosen], [top_ids[:k]], [top_values[:k]]))
-            row += end - first
-            req.input_logprob_next = end + 1
-            req.input_logprob_positions = None
 
     @property
     def is_idle(self) -> bool:

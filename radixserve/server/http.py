@@ -102,6 +102,7 @@ class GenerateBody(BaseModel):
     logprob_start_len: int | list[int] = -1
     top_logprobs_num: int | list[int] = 0
     return_text_in_logprobs: bool = False
+    token_ids_logprob: list[int] | list[list[int]] | None = None
 
     def prompts(self, engine: Engine) -> tuple[list[list[int]], bool]:
         """Prompt ids per request, and whether the body was a single request."""
@@ -264,9 +265,14 @@ def _native_requests(engine: Engine, prompts: list[list[int]], body: GenerateBod
     logprobs = _per_prompt(body.return_logprob, count, "return_logprob")
     tops = _per_prompt(body.top_logprobs_num, count, "top_logprobs_num")
     starts = _per_prompt(body.logprob_start_len, count, "logprob_start_len")
+    named = body.token_ids_logprob
+    per_prompt_ids = isinstance(named, list) and bool(named) and isinstance(named[0], list)
+    id_lists = _per_prompt(named, count, "token_ids_logprob") if per_prompt_ids else [named] * count
     return [
-        engine.make_request(p, sp, r, lp, top, start)
-        for p, sp, r, lp, top, start in zip(prompts, params, rids, logprobs, tops, starts, strict=True)
+        engine.make_request(p, sp, r, lp, top, start, ids)
+        for p, sp, r, lp, top, start, ids in zip(
+            prompts, params, rids, logprobs, tops, starts, id_lists, strict=True
+        )
     ]
 
 
@@ -277,7 +283,7 @@ def _native_result(state: GenerateOutput, tokenizer: Any | None) -> dict[str, An
     if tokenizer is not None:
         for kind in ("input", "output"):
             triples = list(meta.get(f"{kind}_token_logprobs", []))
-            for position in meta.get(f"{kind}_top_logprobs", []):
+            for position in meta.get(f"{kind}_top_logprobs", []) + meta.get(f"{kind}_token_ids_logprobs", []):
                 triples += position or []
             for triple in triples:
                 triple[2] = tokenizer.decode([triple[1]])

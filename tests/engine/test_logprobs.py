@@ -112,3 +112,30 @@ def test_prompt_logprobs_match_transformers_even_when_the_prefix_is_cached(
     assert len(tail["meta_info"]["output_token_logprobs"]) == 1
     with pytest.raises(InvalidRequestError, match="logprob_start_len"):
         engine.generate(input_ids=prompt, return_logprob=True, logprob_start_len=30)
+
+
+def test_named_token_logprobs_at_every_position(engine: Any, oracle: Callable[[str], GreedyOracle]) -> None:
+    prompt = random_prompts(1, [10], seed=35)[0]
+    named = [3, 17, 42]
+    result = engine.generate(
+        input_ids=prompt,
+        sampling_params={**GREEDY, "max_new_tokens": 4},
+        return_logprob=True,
+        logprob_start_len=2,
+        token_ids_logprob=named,
+    )
+    meta = result["meta_info"]
+    output = reference_logprobs(oracle("llama"), prompt, result["output_ids"])
+    for position, triples in enumerate(meta["output_token_ids_logprobs"]):
+        assert [t for _, t, _ in triples] == named
+        torch.testing.assert_close(
+            torch.tensor([v for v, _, _ in triples]), output[position, named], atol=TOLERANCE, rtol=0
+        )
+    with torch.no_grad():
+        logits = oracle("llama").model(input_ids=torch.tensor([prompt])).logits[0].float()
+    # Prompt positions 2..9: the logits at position p - 1 score token p.
+    prompt_side = torch.log_softmax(logits[1:-1], dim=-1)[:, named]
+    values = torch.tensor([[v for v, _, _ in triples] for triples in meta["input_token_ids_logprobs"]])
+    torch.testing.assert_close(values, prompt_side, atol=TOLERANCE, rtol=0)
+    with pytest.raises(InvalidRequestError, match="token_ids_logprob"):
+        engine.generate(input_ids=prompt, return_logprob=True, token_ids_logprob=[10**7])

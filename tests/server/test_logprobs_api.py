@@ -29,6 +29,11 @@ def test_native_logprobs_with_text(server: LiveServer) -> None:
         scored = client.post("/generate", json={**body, "logprob_start_len": 1}).json()["meta_info"]
         assert [t for _, t, _ in scored["input_token_logprobs"]] == [6, 7]
         assert all(isinstance(text, str) for _, _, text in scored["input_token_logprobs"])
+        named = client.post("/generate", json={**body, "token_ids_logprob": [5, 9]}).json()["meta_info"]
+        assert all([t for _, t, _ in triples] == [5, 9] for triples in named["output_token_ids_logprobs"])
+        assert all(
+            isinstance(text, str) for triples in named["output_token_ids_logprobs"] for _, _, text in triples
+        )
 
 
 def test_openai_completion_and_chat_logprobs(server: LiveServer) -> None:

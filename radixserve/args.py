@@ -52,6 +52,7 @@ class ServerArgs:
     allow_auto_truncate: bool = False
     max_queued_requests: int | None = None
     max_request_body_mb: float = 32.0
+    enable_metrics: bool = False
 
     # Logging and self-checks
     log_level: str = "info"
@@ -197,6 +198,9 @@ class ServerArgs:
             help="answer 503 while more requests than this wait for their first token (default: no bound)",
         )
         server.add_argument("--max-request-body-mb", type=float, default=32.0)
+        server.add_argument(
+            "--enable-metrics", action="store_true", help="serve Prometheus metrics at GET /metrics"
+        )
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:

@@ -37,6 +37,7 @@ from radixserve.messages import (
 from radixserve.model.loader import ModelSource, load_tokenizer, resolve_model_source
 from radixserve.sampling_params import InvalidRequestError, SamplingParams
 from radixserve.server.launch import POLL_MS, EngineDeadError, Runtime
+from radixserve.server.metrics import EngineMetrics
 
 logger = logging.getLogger("radixserve")
 
@@ -188,6 +189,7 @@ class Engine:
         self._closing = False
         self._ids = itertools.count()
         self.last_output_time = time.monotonic()
+        self.metrics = EngineMetrics(self.served_model_name) if self.args.enable_metrics else None
 
         self.runtime = Runtime(self.args, self.tokenizer)
         try:
@@ -242,6 +244,11 @@ class Engine:
 
     def _dispatch(self, outputs: list[TextOutput] | list[ControlResult]) -> None:
         for out in outputs:
+            if self.metrics is not None and isinstance(out, TextOutput):
+                finish = out.finished_reason
+                usage = (out.prompt_tokens, out.completion_tokens, out.cached_tokens)
+                aborted = finish is not None and finish.type == "abort"
+                self.metrics.output(out.rid, len(out.new_token_ids), finish is not None, usage, aborted)
             with self._lock:
                 self._queued.discard(out.rid)
                 deliver = self._pending.get(out.rid)
@@ -277,6 +284,8 @@ class Engine:
                         f"{waiting} requests are waiting (--max-queued-requests {bound}); retry later"
                     )
                 self._queued.add(msg.rid)
+                if self.metrics is not None:
+                    self.metrics.submitted(msg.rid)
             self._pending[msg.rid] = deliver
         try:
             self._send(msg)

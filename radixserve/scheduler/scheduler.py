@@ -157,6 +157,13 @@ class Scheduler:
             "aborted_reqs": self.stats.aborted_reqs,
             "cached_tokens": self.stats.cached_tokens,
             "generated_tokens": self.stats.generated_tokens,
+            "cache_hit_rate": self.stats.cache_hit_rate,
+            "gen_throughput": self.stats.gen_throughput,
+            "num_grammar_queue_reqs": len(self.grammar_queue.pending),
+            # SGLang's load: KV tokens in use plus the tokens the waiting requests still need.
+            "load_tokens": self.max_total_tokens
+            - self.kv.available_with_eviction()
+            + sum(r.seq_len for r in self.waiting + self.grammar_queue.pending),
         }
 
     def add_request(self, msg: GenerateRequest) -> list[ReqOutput]:

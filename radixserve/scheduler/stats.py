@@ -20,6 +20,8 @@ class SchedulerStats:
     cached_tokens: int = 0
     generated_tokens: int = 0
     # Throughput window for the decode log line.
+    # Output tokens per second over the last decode-log window.
+    gen_throughput: float = 0.0
     _window_start: float = field(default_factory=time.perf_counter)
     _window_tokens: int = 0
 
@@ -44,10 +46,17 @@ class SchedulerStats:
         self.decode_steps += 1
         self._window_tokens += batch_size
 
+    @property
+    def cache_hit_rate(self) -> float:
+        """The fraction of prefilled prompt tokens that came from the radix cache."""
+        total = self.cached_tokens + self.prompt_tokens_computed
+        return self.cached_tokens / total if total else 0.0
+
     def log_decode(self, running: int, used_tokens: int, usage: float, queued: int) -> None:
         now = time.perf_counter()
         throughput = self._window_tokens / max(now - self._window_start, 1e-9)
         self._window_start, self._window_tokens = now, 0
+        self.gen_throughput = throughput
         logger.info(
             "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): %.2f, "
             "#queue-req: %d",

@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -191,6 +192,27 @@ def _add_native_routes(app: FastAPI) -> None:
         except asyncio.TimeoutError:
             return error_response(503, f"no token generated within {HEALTH_GENERATE_TIMEOUT_S:g}s")
         return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        engine = engine_of(request)
+        if engine.metrics is None:
+            return error_response(404, "metrics are off; start the server with --enable-metrics")
+        stats = await asyncio.to_thread(engine.get_stats)
+        return Response(engine.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/get_load")
+    async def get_load(request: Request) -> JSONResponse:
+        stats = await asyncio.to_thread(engine_of(request).get_stats)
+        return JSONResponse(
+            {
+                "num_reqs": stats["num_running_reqs"]
+                + stats["num_waiting_reqs"]
+                + stats["num_grammar_queue_reqs"],
+                "num_waiting_reqs": stats["num_waiting_reqs"],
+                "num_tokens": stats["load_tokens"],
+            }
+        )
 
     @app.get("/get_model_info")
     async def get_model_info(request: Request) -> JSONResponse:

@@ -1,0 +1,45 @@
+"""GET /metrics (Prometheus) and GET /get_load."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def samples(text: str) -> dict[str, float]:
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_metrics_count_what_was_sent(tiny_model_dir: Callable[[str], Path], start_server: Any) -> None:
+    live = start_server(tiny_model_dir("llama"), "--enable-metrics")
+    prompts = [[5, 6, 7], [5, 6, 7, 8], [9, 10, 11, 12, 13]]
+    with live.client() as client:
+        assert client.get("/get_load").json() == {"num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
+        for ids in prompts:
+            body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
+            assert client.post("/generate", json=body).status_code == 200
+        response = client.get("/metrics")
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    values = samples(response.text)
+    assert values["radixserve:num_requests_total"] == 3
+    assert values["radixserve:prompt_tokens_total"] == sum(len(p) for p in prompts)
+    assert values["radixserve:generation_tokens_total"] == 12
+    assert values["radixserve:e2e_request_latency_seconds_count"] == 3
+    assert values["radixserve:time_to_first_token_seconds_count"] == 3
+    # One gap per token after the first, per request.
+    assert values["radixserve:inter_token_latency_seconds_count"] == 9
+    assert values["radixserve:num_running_reqs"] == 0 and values["radixserve:num_queue_reqs"] == 0
+    assert 0.0 <= values["radixserve:cache_hit_rate"] <= 1.0
+
+
+def test_metrics_are_off_by_default(server: Any) -> None:
+    with server.client() as client:
+        off = client.get("/metrics")
+        assert off.status_code == 404 and "--enable-metrics" in off.json()["error"]["message"]

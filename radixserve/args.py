@@ -57,6 +57,8 @@ class ServerArgs:
     # Logging and self-checks
     log_level: str = "info"
     decode_log_interval: int = 40
+    # A forward step running longer than this stops the server (None: no watchdog).
+    watchdog_timeout: float | None = 300.0
 
     # Parallelism: written tensor-parallel-ready, only 1 supported for now.
     tp_size: int = 1
@@ -93,6 +95,8 @@ class ServerArgs:
             raise InvalidArgumentError(
                 f"--grammar-backend must be one of {backends}, got {self.grammar_backend!r}"
             )
+        if self.watchdog_timeout is not None and self.watchdog_timeout <= 0:
+            self.watchdog_timeout = None  # SGLang style: a non-positive timeout switches it off
         if self.grammar_timeout <= 0:
             raise InvalidArgumentError("--grammar-timeout must be > 0")
         if self.stream_interval < 1:
@@ -173,6 +177,12 @@ class ServerArgs:
         logs = parser.add_argument_group("logging")
         logs.add_argument("--log-level", default="info")
         logs.add_argument("--decode-log-interval", type=int, default=40)
+        logs.add_argument(
+            "--watchdog-timeout",
+            type=float,
+            default=300.0,
+            help="seconds a forward step may run before the server dumps stacks and exits (<= 0: off)",
+        )
 
         parallel = parser.add_argument_group("parallelism")
         parallel.add_argument("--tp-size", type=int, default=1)

@@ -190,6 +190,8 @@ class Engine:
         self._ids = itertools.count()
         self.last_output_time = time.monotonic()
         self.metrics = EngineMetrics(self.served_model_name) if self.args.enable_metrics else None
+        # /configure_logging: log every request's arrival and end.
+        self.log_requests = False
 
         self.runtime = Runtime(self.args, self.tokenizer)
         try:
@@ -244,6 +246,15 @@ class Engine:
 
     def _dispatch(self, outputs: list[TextOutput] | list[ControlResult]) -> None:
         for out in outputs:
+            if self.log_requests and isinstance(out, TextOutput) and out.finished_reason is not None:
+                logger.info(
+                    "request %s finished: %s, %d prompt + %d completion tokens (%d cached)",
+                    out.rid,
+                    out.finished_reason.to_dict(),
+                    out.prompt_tokens,
+                    out.completion_tokens,
+                    out.cached_tokens,
+                )
             if self.metrics is not None and isinstance(out, TextOutput):
                 finish = out.finished_reason
                 usage = (out.prompt_tokens, out.completion_tokens, out.cached_tokens)
@@ -284,6 +295,10 @@ class Engine:
                         f"{waiting} requests are waiting (--max-queued-requests {bound}); retry later"
                     )
                 self._queued.add(msg.rid)
+                if self.log_requests:
+                    logger.info(
+                        "request %s: %d prompt tokens, %s", msg.rid, len(msg.input_ids), msg.sampling_params
+                    )
                 if self.metrics is not None:
                     self.metrics.submitted(msg.rid)
             self._pending[msg.rid] = deliver
@@ -529,10 +544,12 @@ class Engine:
     def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
         self._send(AbortRequest(rid=rid, abort_all=abort_all))
 
-    def control(self, command: str, timeout: float = 60.0) -> ControlResult:
+    def control(
+        self, command: str, timeout: float = 60.0, args: dict[str, Any] | None = None
+    ) -> ControlResult:
         box: queue.Queue[TextOutput | ControlResult] = queue.Queue()
         rid = f"ctl-{next(self._ids)}"
-        self.submit(ControlRequest(rid, command), box.put)
+        self.submit(ControlRequest(rid, command, dict(args or {})), box.put)
         try:
             out = box.get(timeout=timeout)
         except queue.Empty:

@@ -44,7 +44,10 @@ class ControlRequest:
     """A request about the scheduler itself, answered by a ControlResult with the same rid."""
 
     rid: str
-    command: str  # "check_kv_invariant" | "flush_cache" | "get_stats"
+    # "check_kv_invariant" | "flush_cache" | "get_stats" | "get_internal_state" | "set_internal_state"
+    # | "slow_down"
+    command: str
+    args: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

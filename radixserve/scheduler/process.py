@@ -24,6 +24,7 @@ from radixserve.messages import (
     SchedulerReady,
     ShutdownRequest,
 )
+from radixserve.scheduler.watchdog import start_watchdog
 
 logger = logging.getLogger("radixserve.scheduler")
 
@@ -42,6 +43,8 @@ def run_scheduler_process(server_args: dict[str, Any], child: ChildArgs) -> None
         outbox.send(
             SchedulerReady(scheduler.max_total_tokens, scheduler.context_len, scheduler.config.vocab_size)
         )
+        if args.watchdog_timeout is not None:
+            start_watchdog(scheduler, args.watchdog_timeout)
 
         def receive(block: bool) -> list[SchedulerInput]:
             messages: list[SchedulerInput] = []

@@ -8,6 +8,7 @@ stream outputs. It owns the waiting queue, the running batch, the radix cache an
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,7 @@ from radixserve.model.sampler import SamplingBatch
 from radixserve.sampling_params import InvalidRequestError, SamplingParams
 from radixserve.scheduler.batch import KVContext, KVExhaustedError, build_decode_batch, build_extend_batch
 from radixserve.scheduler.grammar import GrammarQueue, InvalidGrammarError, grammar_key
+from radixserve.scheduler.internal_state import InvalidStateError, get_internal_state, set_internal_state
 from radixserve.scheduler.logprobs import record_input_logprobs, record_output_logprobs
 from radixserve.scheduler.policy import CLIP_MAX_NEW_TOKENS_ESTIMATE, AddResult, PrefillAdder, SchedulePolicy
 from radixserve.scheduler.request import Req
@@ -96,15 +98,23 @@ class Scheduler:
         self.reqs: dict[str, Req] = {}
         self._emitted: dict[str, int] = {}
 
-        self.init_new_token_ratio = min(1.0, INIT_NEW_TOKEN_RATIO * args.schedule_conservativeness)
+        self.reset_new_token_ratio()
+        self.stats = SchedulerStats()
+        # Test hook (/slow_down): sleep this long before every forward.
+        self.forward_sleep_s = 0.0
+        # When the forward step now running began (None between steps): what the watchdog checks.
+        self.step_started: float | None = None
+        self._idle_checked = True
+        self._idle_waiters: list[ControlRequest] = []
+
+    def reset_new_token_ratio(self) -> None:
+        conservativeness = self.args.schedule_conservativeness
+        self.init_new_token_ratio = min(1.0, INIT_NEW_TOKEN_RATIO * conservativeness)
         self.min_new_token_ratio = self.init_new_token_ratio * MIN_NEW_TOKEN_RATIO_FACTOR
         self.new_token_ratio_decay = (
             self.init_new_token_ratio - self.min_new_token_ratio
         ) / NEW_TOKEN_RATIO_DECAY_STEPS
         self.new_token_ratio = self.init_new_token_ratio
-        self.stats = SchedulerStats()
-        self._idle_checked = True
-        self._idle_waiters: list[ControlRequest] = []
 
     # ------------------------------------------------------------------ requests in
 
@@ -133,6 +143,15 @@ class Scheduler:
                 return ControlResult(msg.rid, ok, error=None if ok else "requests are still running")
             if msg.command == "get_stats":
                 return ControlResult(msg.rid, True, payload=self.get_stats())
+            if msg.command == "get_internal_state":
+                return ControlResult(msg.rid, True, payload=get_internal_state(self))
+            if msg.command == "set_internal_state":
+                return ControlResult(msg.rid, True, payload=set_internal_state(self, msg.args))
+            if msg.command == "slow_down":
+                self.forward_sleep_s = float(msg.args.get("forward_sleep_time") or 0.0)
+                return ControlResult(msg.rid, True, payload=get_internal_state(self))
+        except InvalidStateError as exc:
+            return ControlResult(msg.rid, False, error=str(exc))
         except Exception as exc:  # reported to the caller, who decides whether it is fatal
             return ControlResult(msg.rid, False, error=f"{type(exc).__name__}: {exc}")
         return ControlResult(msg.rid, False, error=f"unknown control command {msg.command!r}")
@@ -281,7 +300,11 @@ class Scheduler:
             self._check_idle()
             return []
         self.stats.forward_steps += 1
+        self.step_started = time.monotonic()
+        if self.forward_sleep_s:
+            time.sleep(self.forward_sleep_s)
         logits = self.runner.forward(batch.forward)
+        self.step_started = None
         sampling_reqs = [r for r in batch.reqs if r.kv_len == r.seq_len]
         if batch.forward.logprob_rows is not None:
             record_input_logprobs(batch.reqs, logits[len(sampling_reqs) :])

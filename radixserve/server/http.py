@@ -214,6 +214,43 @@ def _add_native_routes(app: FastAPI) -> None:
             }
         )
 
+    @app.get("/get_internal_state")
+    async def get_internal_state(request: Request) -> JSONResponse:
+        result = await asyncio.to_thread(engine_of(request).control, "get_internal_state")
+        return JSONResponse(result.payload)
+
+    @app.post("/set_internal_state")
+    async def set_internal_state(request: Request) -> JSONResponse:
+        body = await _json_object(request)
+        # SGLang nests the knobs under "server_args"; a flat object works too.
+        updates = body.get("server_args", body)
+        if not isinstance(updates, dict):
+            raise ApiError(400, "server_args must be an object")
+        result = await asyncio.to_thread(engine_of(request).control, "set_internal_state", 60.0, updates)
+        if not result.ok:
+            raise ApiError(400, result.error or "invalid internal state")
+        return JSONResponse(result.payload)
+
+    @app.post("/slow_down")
+    async def slow_down(request: Request) -> JSONResponse:
+        """A test hook: every forward step sleeps forward_sleep_time seconds (null: no more)."""
+        body = await _json_object(request)
+        delay = body.get("forward_sleep_time")
+        if delay is not None and (not isinstance(delay, (int, float)) or delay < 0):
+            raise ApiError(400, "forward_sleep_time must be a non-negative number or null")
+        result = await asyncio.to_thread(
+            engine_of(request).control, "slow_down", 60.0, {"forward_sleep_time": delay}
+        )
+        return JSONResponse(result.payload)
+
+    @app.post("/configure_logging")
+    async def configure_logging(request: Request) -> JSONResponse:
+        body = await _json_object(request)
+        if not isinstance(body.get("log_requests"), bool):
+            raise ApiError(400, 'pass {"log_requests": true or false}')
+        engine_of(request).log_requests = body["log_requests"]
+        return JSONResponse({"log_requests": body["log_requests"]})
+
     @app.get("/get_model_info")
     async def get_model_info(request: Request) -> JSONResponse:
         engine = engine_of(request)

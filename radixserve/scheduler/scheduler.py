@@ -40,6 +40,7 @@ from radixserve.scheduler.grammar import GrammarQueue, InvalidGrammarError, gram
 from radixserve.scheduler.internal_state import InvalidStateError, get_internal_state, set_internal_state
 from radixserve.scheduler.logprobs import record_input_logprobs, record_output_logprobs
 from radixserve.scheduler.policy import CLIP_MAX_NEW_TOKENS_ESTIMATE, AddResult, PrefillAdder, SchedulePolicy
+from radixserve.scheduler.profiler import ProfilerError, StepProfiler
 from radixserve.scheduler.request import Req
 from radixserve.scheduler.stats import SchedulerStats
 
@@ -104,6 +105,7 @@ class Scheduler:
         self.forward_sleep_s = 0.0
         # When the forward step now running began (None between steps): what the watchdog checks.
         self.step_started: float | None = None
+        self.profiler = StepProfiler()
         self._idle_checked = True
         self._idle_waiters: list[ControlRequest] = []
 
@@ -147,10 +149,18 @@ class Scheduler:
                 return ControlResult(msg.rid, True, payload=get_internal_state(self))
             if msg.command == "set_internal_state":
                 return ControlResult(msg.rid, True, payload=set_internal_state(self, msg.args))
+            if msg.command == "start_profile":
+                num_steps = msg.args.get("num_steps")
+                trace = self.profiler.start(
+                    msg.args.get("output_dir"), None if num_steps is None else int(num_steps)
+                )
+                return ControlResult(msg.rid, True, payload={"trace": trace})
+            if msg.command == "stop_profile":
+                return ControlResult(msg.rid, True, payload={"trace": self.profiler.stop()})
             if msg.command == "slow_down":
                 self.forward_sleep_s = float(msg.args.get("forward_sleep_time") or 0.0)
                 return ControlResult(msg.rid, True, payload=get_internal_state(self))
-        except InvalidStateError as exc:
+        except (InvalidStateError, ProfilerError) as exc:
             return ControlResult(msg.rid, False, error=str(exc))
         except Exception as exc:  # reported to the caller, who decides whether it is fatal
             return ControlResult(msg.rid, False, error=f"{type(exc).__name__}: {exc}")
@@ -305,6 +315,7 @@ class Scheduler:
             time.sleep(self.forward_sleep_s)
         logits = self.runner.forward(batch.forward)
         self.step_started = None
+        self.profiler.after_step()
         sampling_reqs = [r for r in batch.reqs if r.kv_len == r.seq_len]
         if batch.forward.logprob_rows is not None:
             record_input_logprobs(batch.reqs, logits[len(sampling_reqs) :])

@@ -226,10 +226,7 @@ def _add_native_routes(app: FastAPI) -> None:
         updates = body.get("server_args", body)
         if not isinstance(updates, dict):
             raise ApiError(400, "server_args must be an object")
-        result = await asyncio.to_thread(engine_of(request).control, "set_internal_state", 60.0, updates)
-        if not result.ok:
-            raise ApiError(400, result.error or "invalid internal state")
-        return JSONResponse(result.payload)
+        return await _control_json(request, "set_internal_state", updates)
 
     @app.post("/slow_down")
     async def slow_down(request: Request) -> JSONResponse:
@@ -242,6 +239,17 @@ def _add_native_routes(app: FastAPI) -> None:
             engine_of(request).control, "slow_down", 60.0, {"forward_sleep_time": delay}
         )
         return JSONResponse(result.payload)
+
+    @app.post("/start_profile")
+    async def start_profile(request: Request) -> JSONResponse:
+        """{"output_dir": ..., "num_steps": N}: record forward steps with the torch profiler."""
+        body = await _json_object(request) if await request.body() else {}
+        args = {k: body[k] for k in ("output_dir", "num_steps") if body.get(k) is not None}
+        return await _control_json(request, "start_profile", args)
+
+    @app.post("/stop_profile")
+    async def stop_profile(request: Request) -> JSONResponse:
+        return await _control_json(request, "stop_profile", {})
 
     @app.post("/configure_logging")
     async def configure_logging(request: Request) -> JSONResponse:
@@ -368,6 +376,14 @@ async def _last(stream: AsyncIterator[GenerateOutput]) -> GenerateOutput | None:
     async for state in stream:
         last = state
     return last
+
+
+async def _control_json(request: Request, command: str, args: dict[str, Any]) -> JSONResponse:
+    """Runs a control command; its refusal is a 400 with the scheduler's message."""
+    result = await asyncio.to_thread(engine_of(request).control, command, 60.0, args)
+    if not result.ok:
+        raise ApiError(400, result.error or f"{command} failed")
+    return JSONResponse(result.payload)
 
 
 async def _json_object(request: Request) -> dict[str, Any]:

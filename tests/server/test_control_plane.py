@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -92,3 +93,21 @@ def test_watchdog_stops_a_stuck_server(tiny_model_dir: Callable[[str], Path], st
     assert "most recent call first" in log  # the stack dump
     assert "the scheduler process exited with code 3" in log
     live.assert_no_ipc_files()
+
+
+def test_profiler_writes_a_chrome_trace(server: LiveServer, tmp_path: Path) -> None:
+    with server.client() as client:
+        assert client.post("/stop_profile").status_code == 400  # not running
+        trace = client.post("/start_profile", json={"output_dir": str(tmp_path), "num_steps": 3}).json()[
+            "trace"
+        ]
+        assert client.post("/start_profile", json={"output_dir": str(tmp_path)}).status_code == 400
+        body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 6, "ignore_eos": True}}
+        assert client.post("/generate", json=body).status_code == 200
+        # Three forward steps stopped it by itself; a manual start/stop writes a second trace.
+        manual = client.post("/start_profile", json={"output_dir": str(tmp_path)}).json()["trace"]
+        assert client.post("/generate", json=body).status_code == 200
+        assert client.post("/stop_profile").json()["trace"] == manual
+    for path in (trace, manual):
+        events = json.loads(Path(path).read_text())["traceEvents"]
+        assert events, path

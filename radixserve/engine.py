@@ -560,6 +560,20 @@ class Engine:
             raise EngineDeadError(out.error or "engine stopped")
         return out
 
+    def update_weights_from_disk(self, model_path: str, timeout: float = 600.0) -> None:
+        """Serves another checkpoint of the same architecture; requests in flight are aborted.
+        A failure raises and leaves the old weights serving."""
+        result = self.control("update_weights_from_disk", timeout, {"model_path": model_path})
+        if not result.ok:
+            raise InvalidRequestError(f"weight update failed: {result.error}")
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
+        result = self.control("get_weights_by_name", 60.0, {"name": name, "truncate_size": truncate_size})
+        if not result.ok:
+            raise InvalidRequestError(result.error or f"cannot read {name}")
+        values: list[float] = result.payload["values"]
+        return values
+
     def check_kv_invariant(self, timeout: float = 60.0) -> None:
         """Raises if KV slots leaked. The scheduler answers once it is idle."""
         result = self.control("check_kv_invariant", timeout=timeout)

@@ -122,14 +122,18 @@ def _check_greedy_not_degenerate(model: Any, tokenizer: PreTrainedTokenizerFast,
 
 
 def build_tiny_model(
-    arch: str, tokenizer: PreTrainedTokenizerFast, out_dir: Path, max_shard_size: str | None = None
+    arch: str,
+    tokenizer: PreTrainedTokenizerFast,
+    out_dir: Path,
+    max_shard_size: str | None = None,
+    seed: int = 0,
 ) -> Path:
     from transformers import AutoModelForCausalLM
 
     eos_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     assert isinstance(eos_id, int)
     config = _hf_config(arch, len(tokenizer), eos_id)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     _perturb_default_params(model)
     model.generation_config.eos_token_id = eos_id

@@ -11,7 +11,7 @@ import torch
 
 from radixserve.args import InvalidArgumentError, ServerArgs
 from radixserve.cache.pools import KVCachePool
-from radixserve.model.config import ModelConfig
+from radixserve.model.config import ModelConfig, ModelLoadError
 from radixserve.model.forward_batch import ForwardBatch
 from radixserve.model.layers import ParallelLMHead, _Linear, cpu_packing_supported
 from radixserve.model.llama import ARCHITECTURES, CausalLM
@@ -161,6 +161,40 @@ class ModelRunner:
             )
         logger.info("KV cache: %d tokens, %.1f MiB", tokens, tokens * per_slot / 2**20)
         return tokens
+
+    def load_other_weights(self, model_path: str) -> None:
+        """Replaces the weights with another checkpoint of the same architecture and shapes. The new
+        model is built beside the old one, so a failure (bad path, other shapes) leaves the old one
+        serving; the memory of both is needed for a moment."""
+        source = resolve_model_source(model_path)
+        config = load_model_config(source)
+        fields = ("architecture", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size")  # fmt: skip
+        different = [f for f in fields if getattr(config, f) != getattr(self.config, f)]
+        if different:
+            raise ModelLoadError(f"{model_path} differs from the served model in {', '.join(different)}")
+        previous_source, previous_config = self.source, self.config
+        self.source, self.config = source, config
+        try:
+            self.model = self._load_model()
+        except BaseException:
+            self.source, self.config = previous_source, previous_config
+            raise
+        logger.info("weights updated from %s", source.path)
+
+    def weight_slice(self, name: str, truncate_size: int) -> list[float]:
+        """The first truncate_size values of a parameter, by its name in this model (a leading
+        "model." as in HF checkpoints is accepted)."""
+        params = dict(self.model.named_parameters())
+        param = params.get(name) or params.get(name.removeprefix("model."))
+        if param is None:
+            raise KeyError(f"no parameter {name!r}; names look like {next(iter(params))!r}")
+        if param.numel() == 0:
+            raise KeyError(
+                f"{name} is stored packed for the CPU fast path (bf16); serve with --dtype float32 to read it"
+            )
+        values: list[float] = param.detach().flatten()[:truncate_size].float().tolist()
+        return values
 
     def info(self) -> RunnerInfo:
         return RunnerInfo(self.max_total_tokens, self.context_len, self.dtype, self.device)

@@ -109,6 +109,20 @@ class Scheduler:
         self._idle_checked = True
         self._idle_waiters: list[ControlRequest] = []
 
+    def update_weights_from_disk(self, msg: ControlRequest) -> list[SchedulerOutput]:
+        """Loads the new weights first (a failure changes nothing), then aborts every request in
+        flight, since its KV came from the old weights, and empties the cache for the same reason."""
+        try:
+            self.runner.load_other_weights(str(msg.args.get("model_path")))
+        except Exception as exc:
+            return [ControlResult(msg.rid, False, error=f"{type(exc).__name__}: {exc}")]
+        outputs: list[SchedulerOutput] = []
+        for req in list(self.reqs.values()):
+            outputs += self.abort(req.rid)
+        self.flush_cache()
+        outputs.append(ControlResult(msg.rid, True, payload={"model_path": str(self.runner.source.path)}))
+        return outputs
+
     def reset_new_token_ratio(self) -> None:
         conservativeness = self.args.schedule_conservativeness
         self.init_new_token_ratio = min(1.0, INIT_NEW_TOKEN_RATIO * conservativeness)
@@ -126,6 +140,8 @@ class Scheduler:
         if isinstance(msg, AbortRequest):
             return list(self.abort(msg.rid, abort_all=msg.abort_all))
         if isinstance(msg, ControlRequest):
+            if msg.command == "update_weights_from_disk":
+                return self.update_weights_from_disk(msg)
             result = self.control(msg)
             return [] if result is None else [result]
         raise TypeError(f"unexpected scheduler message {type(msg).__name__}")
@@ -157,10 +173,15 @@ class Scheduler:
                 return ControlResult(msg.rid, True, payload={"trace": trace})
             if msg.command == "stop_profile":
                 return ControlResult(msg.rid, True, payload={"trace": self.profiler.stop()})
+            if msg.command == "get_weights_by_name":
+                values = self.runner.weight_slice(
+                    str(msg.args["name"]), int(msg.args.get("truncate_size", 100))
+                )
+                return ControlResult(msg.rid, True, payload={"values": values})
             if msg.command == "slow_down":
                 self.forward_sleep_s = float(msg.args.get("forward_sleep_time") or 0.0)
                 return ControlResult(msg.rid, True, payload=get_internal_state(self))
-        except (InvalidStateError, ProfilerError) as exc:
+        except (InvalidStateError, ProfilerError, KeyError) as exc:
             return ControlResult(msg.rid, False, error=str(exc))
         except Exception as exc:  # reported to the caller, who decides whether it is fatal
             return ControlResult(msg.rid, False, error=f"{type(exc).__name__}: {exc}")

@@ -251,6 +251,22 @@ def _add_native_routes(app: FastAPI) -> None:
     async def stop_profile(request: Request) -> JSONResponse:
         return await _control_json(request, "stop_profile", {})
 
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request) -> JSONResponse:
+        """{"model_path": ...}: same architecture and shapes. Requests in flight are aborted."""
+        body = await _json_object(request)
+        if not isinstance(body.get("model_path"), str):
+            raise ApiError(400, 'pass {"model_path": "..."}', param="model_path")
+        return await _control_json(request, "update_weights_from_disk", {"model_path": body["model_path"]})
+
+    @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
+    async def get_weights_by_name(request: Request) -> JSONResponse:
+        body = await _json_object(request)
+        if not isinstance(body.get("name"), str):
+            raise ApiError(400, 'pass {"name": "...", "truncate_size": N}', param="name")
+        args = {"name": body["name"], "truncate_size": int(body.get("truncate_size", 100))}
+        return await _control_json(request, "get_weights_by_name", args)
+
     @app.post("/configure_logging")
     async def configure_logging(request: Request) -> JSONResponse:
         body = await _json_object(request)

@@ -17,27 +17,26 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.args import ServerArgs
+from radixserve.generate_output import GenerateOutput
 from radixserve.log import configure_logging
 from radixserve.messages import (
     AbortRequest,
     ControlRequest,
     ControlResult,
-    FinishReason,
     GenerateRequest,
     SchedulerFailed,
     SchedulerInput,
     TextBatch,
     TextOutput,
-    TokenLogprobs,
 )
 from radixserve.model.loader import ModelSource, load_tokenizer, resolve_model_source
 from radixserve.sampling_params import InvalidRequestError, SamplingParams
 from radixserve.server.launch import POLL_MS, EngineDeadError, Runtime
 from radixserve.server.metrics import EngineMetrics
+from radixserve.sessions import SessionParams, SessionStore
 
 logger = logging.getLogger("radixserve")
 
@@ -58,106 +57,6 @@ MAX_TOP_LOGPROBS = 20
 
 class QueueFullError(RuntimeError):
     """More requests wait for their first token than --max-queued-requests allows."""
-
-
-@dataclass
-class GenerateOutput:
-    """One request's state after an output: everything so far, and what is new."""
-
-    rid: str
-    text: str = ""
-    delta: str = ""
-    output_ids: list[int] = field(default_factory=list)
-    new_token_ids: list[int] = field(default_factory=list)
-    finish_reason: FinishReason | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    e2e_latency: float = 0.0
-    # Set when logprobs were asked for: all output tokens', and the newest output's.
-    logprobs: TokenLogprobs | None = None
-    new_logprobs: TokenLogprobs | None = None
-    # Prompt logprobs (from logprob_start_len on, token 0 excluded), when asked for.
-    prompt_ids: list[int] = field(default_factory=list)
-    logprob_start_len: int = -1
-    input_logprobs: TokenLogprobs | None = None
-    token_ids_logprob: list[int] | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    def update(self, out: TextOutput, started: float) -> None:
-        self.delta = out.text_delta
-        self.text += out.text_delta
-        self.new_token_ids = out.new_token_ids
-        self.output_ids = self.output_ids + out.new_token_ids
-        self.finish_reason = out.finished_reason
-        self.prompt_tokens = out.prompt_tokens
-        self.completion_tokens = out.completion_tokens
-        self.cached_tokens = out.cached_tokens
-        self.e2e_latency = time.perf_counter() - started
-        self.new_logprobs = out.logprobs
-        if out.input_logprobs is not None:
-            self.input_logprobs = out.input_logprobs
-        if out.logprobs is not None:
-            # A fresh object: stream snapshots share the old one.
-            merged = TokenLogprobs() if self.logprobs is None else self.logprobs.copy()
-            merged.extend(out.logprobs)
-            self.logprobs = merged
-
-    def meta_info(self) -> dict[str, Any]:
-        finish = self.finish_reason
-        meta: dict[str, Any] = {
-            "id": self.rid,
-            "finish_reason": finish.to_dict() if finish else None,
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "cached_tokens": self.cached_tokens,
-            "e2e_latency": self.e2e_latency,
-        }
-        if self.logprobs is not None:
-            # SGLang's shape: (logprob, token id, text) triples; text stays None here.
-            lp = self.logprobs
-            meta["output_token_logprobs"] = [
-                [value, token, None] for value, token in zip(lp.logprobs, self.output_ids, strict=False)
-            ]
-            meta["output_top_logprobs"] = [
-                [[value, token, None] for value, token in zip(values, ids, strict=True)]
-                for values, ids in zip(lp.top_logprobs, lp.top_ids, strict=True)
-            ]
-            if self.token_ids_logprob:
-                meta["output_token_ids_logprobs"] = self._named_triples(lp)
-        if self.input_logprobs is not None:
-            meta["input_token_logprobs"], meta["input_top_logprobs"] = self.prompt_logprob_triples()
-            if self.token_ids_logprob:
-                named = self._named_triples(self.input_logprobs)
-                meta["input_token_ids_logprobs"] = ([None] if self.logprob_start_len == 0 else []) + named
-        return meta
-
-    def _named_triples(self, lp: TokenLogprobs) -> list[list[list[Any]]]:
-        """Per position, (logprob, token id, text) for each id of token_ids_logprob."""
-        ids = self.token_ids_logprob or []
-        return [[[v, t, None] for v, t in zip(values, ids, strict=True)] for values in lp.id_logprobs]
-
-    def prompt_logprob_triples(self) -> tuple[list[list[Any]], list[list[list[Any]] | None]]:
-        """SGLang's input_token_logprobs and input_top_logprobs, from logprob_start_len on; the
-        first prompt token has no logprob (nothing predicts it), shown as None."""
-        assert self.input_logprobs is not None
-        lp, start = self.input_logprobs, self.logprob_start_len
-        first = max(start, 1)
-        tokens: list[list[Any]] = [[None, self.prompt_ids[0], None]] if start == 0 else []
-        tops: list[list[list[Any]] | None] = [None] if start == 0 else []
-        tokens += [[v, t, None] for v, t in zip(lp.logprobs, self.prompt_ids[first:], strict=True)]
-        tops += [
-            [[v, t, None] for v, t in zip(values, ids, strict=True)]
-            for values, ids in zip(lp.top_logprobs, lp.top_ids, strict=True)
-        ]
-        return tokens, tops
-
-    def to_dict(self) -> dict[str, Any]:
-        """The native API's result: text, output_ids and meta_info."""
-        return {"text": self.text, "output_ids": self.output_ids, "meta_info": self.meta_info()}
 
 
 class Engine:
@@ -192,6 +91,9 @@ class Engine:
         self.metrics = EngineMetrics(self.served_model_name) if self.args.enable_metrics else None
         # /configure_logging: log every request's arrival and end.
         self.log_requests = False
+        self.sessions = SessionStore()
+        # Session requests in flight: rid → (session id, the rid it continues from).
+        self._session_reqs: dict[str, tuple[str, str | None]] = {}
 
         self.runtime = Runtime(self.args, self.tokenizer)
         try:
@@ -350,6 +252,7 @@ class Engine:
         top_logprobs_num: int = 0,
         logprob_start_len: int = -1,
         token_ids_logprob: list[int] | None = None,
+        session_params: dict[str, Any] | None = None,
     ) -> GenerateRequest:
         """Validates everything the scheduler would refuse, so that callers get the error up front.
         With return_logprob and logprob_start_len >= 0, prompt logprobs come back too."""
@@ -360,6 +263,11 @@ class Engine:
         params = SamplingParams.from_dict(sampling_params)
         params.check_vocab(self.vocab_size)
         ids = list(input_ids)
+        session: tuple[str, str | None] | None = None
+        if session_params is not None:
+            wanted = SessionParams.from_dict(session_params)
+            ids, parent = self.sessions.prompt(wanted, ids)
+            session = (wanted.id, parent)
         if not ids:
             raise InvalidRequestError("the prompt is empty")
         if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
@@ -389,8 +297,11 @@ class Engine:
             raise InvalidRequestError(
                 f"token_ids_logprob must be a list of token ids in [0, {self.vocab_size})"
             )
+        rid = rid or self.new_rid()
+        if session is not None:
+            self._session_reqs[rid] = session
         return GenerateRequest(
-            rid or self.new_rid(),
+            rid,
             ids,
             params.to_dict(),
             bool(return_logprob),
@@ -470,6 +381,8 @@ class Engine:
                 if isinstance(out, ControlResult):
                     raise EngineDeadError(out.error or "engine stopped")
                 state.update(out, started)
+                if state.finished:
+                    self._remember_session_turn(state)
                 yield state
         finally:
             if not state.finished and self._error is None:
@@ -514,6 +427,7 @@ class Engine:
                 if isinstance(out, ControlResult):
                     raise EngineDeadError(out.error or "engine stopped")
                 state.update(out, started)
+            self._remember_session_turn(state)
             results.append(state.to_dict())
         return results[0] if single else results
 
@@ -540,6 +454,19 @@ class Engine:
             yield {**state.to_dict(), "delta": state.delta}
 
     # ------------------------------------------------------------------ control
+
+    def open_session(self, session_id: str | None = None) -> str:
+        """Opens a session (see sessions.py); returns its id. Reopening an open id fails."""
+        return self.sessions.open(session_id)
+
+    def close_session(self, session_id: str) -> None:
+        self.sessions.close(session_id)
+
+    def _remember_session_turn(self, state: GenerateOutput) -> None:
+        session = self._session_reqs.pop(state.rid, None)
+        finish = state.finish_reason
+        if session is not None and finish is not None and finish.type != "abort":
+            self.sessions.record(session[0], state.rid, session[1], state.prompt_ids + state.output_ids)
 
     def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
         self._send(AbortRequest(rid=rid, abort_all=abort_all))

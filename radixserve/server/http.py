@@ -104,6 +104,8 @@ class GenerateBody(BaseModel):
     top_logprobs_num: int | list[int] = 0
     return_text_in_logprobs: bool = False
     token_ids_logprob: list[int] | list[list[int]] | None = None
+    # Continue from an earlier request of a session: {"id", "rid"?, "offset"?, "replace"?}.
+    session_params: dict[str, Any] | None = None
 
     def prompts(self, engine: Engine) -> tuple[list[list[int]], bool]:
         """Prompt ids per request, and whether the body was a single request."""
@@ -267,6 +269,22 @@ def _add_native_routes(app: FastAPI) -> None:
         args = {"name": body["name"], "truncate_size": int(body.get("truncate_size", 100))}
         return await _control_json(request, "get_weights_by_name", args)
 
+    @app.post("/open_session")
+    async def open_session(request: Request) -> JSONResponse:
+        body = await _json_object(request) if await request.body() else {}
+        session_id = body.get("session_id")
+        if session_id is not None and not isinstance(session_id, str):
+            raise ApiError(400, "session_id must be a string", param="session_id")
+        return JSONResponse(engine_of(request).open_session(session_id))
+
+    @app.post("/close_session")
+    async def close_session(request: Request) -> Response:
+        body = await _json_object(request)
+        if not isinstance(body.get("session_id"), str):
+            raise ApiError(400, 'pass {"session_id": "..."}', param="session_id")
+        engine_of(request).close_session(body["session_id"])
+        return Response(status_code=200)
+
     @app.post("/configure_logging")
     async def configure_logging(request: Request) -> JSONResponse:
         body = await _json_object(request)
@@ -351,8 +369,10 @@ def _native_requests(engine: Engine, prompts: list[list[int]], body: GenerateBod
     named = body.token_ids_logprob
     per_prompt_ids = isinstance(named, list) and bool(named) and isinstance(named[0], list)
     id_lists = _per_prompt(named, count, "token_ids_logprob") if per_prompt_ids else [named] * count
+    if body.session_params is not None and count != 1:
+        raise ApiError(400, "session_params takes a single prompt", param="session_params")
     return [
-        engine.make_request(p, sp, r, lp, top, start, ids)
+        engine.make_request(p, sp, r, lp, top, start, ids, body.session_params)
         for p, sp, r, lp, top, start, ids in zip(
             prompts, params, rids, logprobs, tops, starts, id_lists, strict=True
         )

@@ -111,3 +111,24 @@ def test_profiler_writes_a_chrome_trace(server: LiveServer, tmp_path: Path) -> N
     for path in (trace, manual):
         events = json.loads(Path(path).read_text())["traceEvents"]
         assert events, path
+
+
+def test_sessions_over_http(server: LiveServer) -> None:
+    with server.client() as client:
+        session = client.post("/open_session", json={"session_id": "http-chat"}).json()
+        assert session == "http-chat"
+        assert client.post("/open_session", json={"session_id": "http-chat"}).status_code == 400
+        params = {"max_new_tokens": 3, "temperature": 0.0}
+        first = client.post(
+            "/generate",
+            json={"input_ids": [5, 6], "sampling_params": params, "session_params": {"id": session}},
+        ).json()
+        second = client.post(
+            "/generate", json={"input_ids": [7], "sampling_params": params, "session_params": {"id": session}}
+        ).json()
+        assert second["meta_info"]["prompt_tokens"] == 2 + len(first["output_ids"]) + 1
+        assert client.post("/close_session", json={"session_id": session}).status_code == 200
+        closed = client.post(
+            "/generate", json={"input_ids": [7], "sampling_params": params, "session_params": {"id": session}}
+        )
+        assert closed.status_code == 400 and "is not open" in closed.json()["error"]["message"]

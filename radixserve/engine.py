@@ -92,8 +92,6 @@ class Engine:
         # /configure_logging: log every request's arrival and end.
         self.log_requests = False
         self.sessions = SessionStore()
-        # Session requests in flight: rid → (session id, the rid it continues from).
-        self._session_reqs: dict[str, tuple[str, str | None]] = {}
 
         self.runtime = Runtime(self.args, self.tokenizer)
         try:
@@ -263,11 +261,11 @@ class Engine:
         params = SamplingParams.from_dict(sampling_params)
         params.check_vocab(self.vocab_size)
         ids = list(input_ids)
-        session: tuple[str, str | None] | None = None
+        session_id = session_parent = None
         if session_params is not None:
             wanted = SessionParams.from_dict(session_params)
-            ids, parent = self.sessions.prompt(wanted, ids)
-            session = (wanted.id, parent)
+            ids, session_parent = self.sessions.prompt(wanted, ids)
+            session_id = wanted.id
         if not ids:
             raise InvalidRequestError("the prompt is empty")
         if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
@@ -297,17 +295,16 @@ class Engine:
             raise InvalidRequestError(
                 f"token_ids_logprob must be a list of token ids in [0, {self.vocab_size})"
             )
-        rid = rid or self.new_rid()
-        if session is not None:
-            self._session_reqs[rid] = session
         return GenerateRequest(
-            rid,
+            rid or self.new_rid(),
             ids,
             params.to_dict(),
             bool(return_logprob),
             top_logprobs_num,
             logprob_start_len if return_logprob else -1,
             list(token_ids_logprob) if return_logprob and token_ids_logprob else None,
+            session_id,
+            session_parent,
         )
 
     def _build_requests(
@@ -360,7 +357,7 @@ class Engine:
 
         started = time.perf_counter()
         self.submit(req, deliver)
-        return self._follow(self._new_state(req), box, started)
+        return self._follow(req, box, started)
 
     @staticmethod
     def _new_state(req: GenerateRequest) -> GenerateOutput:
@@ -372,9 +369,10 @@ class Engine:
         )
 
     async def _follow(
-        self, state: GenerateOutput, box: asyncio.Queue[TextOutput | ControlResult], started: float
+        self, req: GenerateRequest, box: asyncio.Queue[TextOutput | ControlResult], started: float
     ) -> AsyncIterator[GenerateOutput]:
-        rid = state.rid
+        rid = req.rid
+        state = self._new_state(req)
         try:
             while not state.finished:
                 out = await box.get()
@@ -382,7 +380,7 @@ class Engine:
                     raise EngineDeadError(out.error or "engine stopped")
                 state.update(out, started)
                 if state.finished:
-                    self._remember_session_turn(state)
+                    self._remember_session_turn(req, state)
                 yield state
         finally:
             if not state.finished and self._error is None:
@@ -427,7 +425,7 @@ class Engine:
                 if isinstance(out, ControlResult):
                     raise EngineDeadError(out.error or "engine stopped")
                 state.update(out, started)
-            self._remember_session_turn(state)
+            self._remember_session_turn(req, state)
             results.append(state.to_dict())
         return results[0] if single else results
 
@@ -462,11 +460,12 @@ class Engine:
     def close_session(self, session_id: str) -> None:
         self.sessions.close(session_id)
 
-    def _remember_session_turn(self, state: GenerateOutput) -> None:
-        session = self._session_reqs.pop(state.rid, None)
+    def _remember_session_turn(self, req: GenerateRequest, state: GenerateOutput) -> None:
         finish = state.finish_reason
-        if session is not None and finish is not None and finish.type != "abort":
-            self.sessions.record(session[0], state.rid, session[1], state.prompt_ids + state.output_ids)
+        if req.session_id is not None and finish is not None and finish.type != "abort":
+            self.sessions.record(
+                req.session_id, req.rid, req.session_parent, req.input_ids + state.output_ids
+            )
 
     def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
         self._send(AbortRequest(rid=rid, abort_all=abort_all))

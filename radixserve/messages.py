@@ -26,6 +26,10 @@ class GenerateRequest:
     logprob_start_len: int = -1
     # With return_logprob: the logprobs of these token ids at every position, too.
     token_ids_logprob: list[int] | None = None
+    # The session this request belongs to and the request it continues from (engine-side
+    # bookkeeping for sessions.py; the scheduler does not look at them).
+    session_id: str | None = None
+    session_parent: str | None = None
 
 
 @dataclass

@@ -297,9 +297,7 @@ class Scheduler:
             self.stats.aborted_reqs += 1
             if req in self.waiting:
                 self.waiting.remove(req)
-            elif self.grammar_queue.remove(req):
-                pass  # nothing allocated yet
-            else:
+            elif not self.grammar_queue.remove(req):  # one still compiling holds nothing yet
                 # Between steps no forward is in flight, so the KV can be released right away.
                 self._release_kv(req)
                 if req is self.chunked_req:

@@ -26,6 +26,8 @@ class ServerArgs:
     device: str = "auto"
     context_length: int | None = None
     random_seed: int = 0
+    # Serve a decoder model as an embedding model (last-token pooling); encoders always are.
+    is_embedding: bool = False
 
     # Memory
     max_total_tokens: int | None = None
@@ -131,6 +133,11 @@ class ServerArgs:
         model.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
         model.add_argument("--context-length", type=int, default=None)
         model.add_argument("--random-seed", type=int, default=0)
+        model.add_argument(
+            "--is-embedding",
+            action="store_true",
+            help="serve embeddings (/v1/embeddings, /encode) from a decoder model; encoders always do",
+        )
 
         memory = parser.add_argument_group("memory")
         memory.add_argument(

@@ -24,7 +24,7 @@ def _generate(args: argparse.Namespace) -> int:
     engine = Engine(**{k: v for k, v in server_args.to_dict().items()})
     try:
         if args.chat:
-            ids = engine.encode_chat([{"role": "user", "content": args.prompt}])
+            ids = engine.tokenize_chat([{"role": "user", "content": args.prompt}])
             result = engine.generate(input_ids=ids, sampling_params=params)
         else:
             result = engine.generate(args.prompt, params)

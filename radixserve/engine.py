@@ -102,6 +102,7 @@ class Engine:
         self.max_total_tokens = ready.max_total_tokens
         self.context_len = ready.context_len
         self.vocab_size = ready.vocab_size
+        self.is_embedding = ready.is_embedding
         logger.info(
             "scheduler ready: KV cache holds %d tokens, context length %d",
             ready.max_total_tokens,
@@ -226,11 +227,11 @@ class Engine:
     def new_rid(self) -> str:
         return f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
 
-    def encode(self, text: str) -> list[int]:
+    def tokenize(self, text: str) -> list[int]:
         ids: list[int] = self.tokenizer.encode(text)
         return ids
 
-    def encode_chat(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int]:
+    def tokenize_chat(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int]:
         """The prompt ids of a chat, through the tokenizer's chat template."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError("this model has no chat template; use the completions API")
@@ -251,9 +252,22 @@ class Engine:
         logprob_start_len: int = -1,
         token_ids_logprob: list[int] | None = None,
         session_params: dict[str, Any] | None = None,
+        embed: bool = False,
     ) -> GenerateRequest:
         """Validates everything the scheduler would refuse, so that callers get the error up front.
-        With return_logprob and logprob_start_len >= 0, prompt logprobs come back too."""
+        With return_logprob and logprob_start_len >= 0, prompt logprobs come back too. embed: an
+        embedding request, which only an embedding model serves (and it serves nothing else)."""
+        if embed and not self.is_embedding:
+            raise InvalidRequestError(
+                "this model generates text and does not serve embeddings; start the server with an "
+                "embedding model (e.g. a BERT/sentence-transformers folder) or with --is-embedding"
+            )
+        if self.is_embedding and not embed:
+            raise InvalidRequestError(
+                "this server runs an embedding model; use /v1/embeddings or /encode (Engine.encode)"
+            )
+        if embed and (return_logprob or session_params is not None):
+            raise InvalidRequestError("embedding requests take no logprobs or sessions")
         if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
             raise InvalidRequestError(
                 f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs_num!r}"
@@ -270,14 +284,16 @@ class Engine:
             raise InvalidRequestError("the prompt is empty")
         if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {self.vocab_size})")
-        if len(ids) >= self.context_len:
+        # A generation request needs room for at least one new token.
+        longest = self.context_len if embed else self.context_len - 1
+        if len(ids) > longest:
             if not self.args.allow_auto_truncate:
                 raise InvalidRequestError(
                     f"the prompt has {len(ids)} tokens, but the model's context length is "
                     f"{self.context_len} tokens; shorten the prompt (or start the server with "
                     "--allow-auto-truncate)"
                 )
-            ids = ids[: self.context_len - 1]
+            ids = ids[:longest]
         if len(ids) + 1 > self.max_total_tokens:
             raise InvalidRequestError(
                 f"the prompt has {len(ids)} tokens, more than the KV cache can ever hold "
@@ -316,6 +332,7 @@ class Engine:
         top_logprobs_num: int = 0,
         logprob_start_len: int = -1,
         token_ids_logprob: list[int] | None = None,
+        embed: bool = False,
     ) -> tuple[list[GenerateRequest], bool]:
         if (prompt is None) == (input_ids is None):
             raise InvalidRequestError("pass exactly one of prompt or input_ids")
@@ -323,7 +340,7 @@ class Engine:
         if prompt is not None:
             single = isinstance(prompt, str)
             texts = [prompt] if isinstance(prompt, str) else list(prompt)
-            batch_ids = [self.encode(t) for t in texts]
+            batch_ids = [self.tokenize(t) for t in texts]
         else:
             assert input_ids is not None
             single = bool(input_ids) and isinstance(input_ids[0], int)
@@ -336,7 +353,14 @@ class Engine:
             params = [dict(sampling_params or {}) for _ in batch_ids]
         reqs = [
             self.make_request(
-                ids, p, None, return_logprob, top_logprobs_num, logprob_start_len, token_ids_logprob
+                ids,
+                p,
+                None,
+                return_logprob,
+                top_logprobs_num,
+                logprob_start_len,
+                token_ids_logprob,
+                embed=embed,
             )
             for ids, p in zip(batch_ids, params, strict=True)
         ]
@@ -411,6 +435,19 @@ class Engine:
             logprob_start_len,
             token_ids_logprob,
         )
+        return self._run_blocking(reqs, single)
+
+    def encode(
+        self, prompt: Prompt = None, input_ids: InputIds = None
+    ) -> dict[str, Any] | list[dict[str, Any]]:
+        """Embeddings, on an embedding model. One text gives {"embedding": [...], "meta_info": ...};
+        a list gives a list, in order. The texts are batched like any other requests."""
+        reqs, single = self._build_requests(prompt, input_ids, None, embed=True)
+        return self._run_blocking(reqs, single)
+
+    def _run_blocking(
+        self, reqs: list[GenerateRequest], single: bool
+    ) -> dict[str, Any] | list[dict[str, Any]]:
         inboxes: list[queue.Queue[TextOutput | ControlResult]] = []
         started = time.perf_counter()
         for req in reqs:

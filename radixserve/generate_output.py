@@ -31,6 +31,7 @@ class GenerateOutput:
     logprob_start_len: int = -1
     input_logprobs: TokenLogprobs | None = None
     token_ids_logprob: list[int] | None = None
+    embedding: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -49,6 +50,8 @@ class GenerateOutput:
         self.new_logprobs = out.logprobs
         if out.input_logprobs is not None:
             self.input_logprobs = out.input_logprobs
+        if out.embedding is not None:
+            self.embedding = out.embedding
         if out.logprobs is not None:
             # A fresh object: stream snapshots share the old one.
             merged = TokenLogprobs() if self.logprobs is None else self.logprobs.copy()
@@ -105,5 +108,9 @@ class GenerateOutput:
         return tokens, tops
 
     def to_dict(self) -> dict[str, Any]:
-        """The native API's result: text, output_ids and meta_info."""
+        """The native API's result: text, output_ids and meta_info (an embedding request's:
+        embedding and meta_info)."""
+        if self.embedding is not None:
+            meta = {"id": self.rid, "prompt_tokens": self.prompt_tokens, "e2e_latency": self.e2e_latency}
+            return {"embedding": self.embedding, "meta_info": meta}
         return {"text": self.text, "output_ids": self.output_ids, "meta_info": self.meta_info()}

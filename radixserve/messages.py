@@ -127,6 +127,8 @@ class ReqOutput:
     logprobs: TokenLogprobs | None = None
     # Prompt tokens' logprobs, from max(logprob_start_len, 1) on; sent once, with the first output.
     input_logprobs: TokenLogprobs | None = None
+    # Embedding models: the request's embedding (its only output).
+    embedding: list[float] | None = None
 
 
 @dataclass
@@ -149,6 +151,7 @@ class TextOutput:
     cached_tokens: int
     logprobs: TokenLogprobs | None = None
     input_logprobs: TokenLogprobs | None = None
+    embedding: list[float] | None = None
 
 
 @dataclass
@@ -167,6 +170,8 @@ class SchedulerReady:
     max_total_tokens: int
     context_len: int
     vocab_size: int
+    # The model answers embedding requests only (an encoder, or a decoder under --is-embedding).
+    is_embedding: bool = False
 
 
 @dataclass

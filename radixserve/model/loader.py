@@ -379,8 +379,22 @@ def _gguf_config(reader: GGUFReader) -> ModelConfig:
 # ---------------------------------------------------------------------------------------
 
 
+def _encoder_weight_names(config: ModelConfig) -> list[str]:
+    names = [f"embeddings.{e}_embeddings.weight" for e in ("word", "position", "token_type")]
+    names += ["embeddings.LayerNorm.weight", "embeddings.LayerNorm.bias"]
+    for i in range(config.num_hidden_layers):
+        p = f"encoder.layer.{i}"
+        for module in ("attention.self.query", "attention.self.key", "attention.self.value",
+                       "attention.output.dense", "attention.output.LayerNorm",
+                       "intermediate.dense", "output.dense", "output.LayerNorm"):  # fmt: skip
+            names += [f"{p}.{module}.weight", f"{p}.{module}.bias"]
+    return names
+
+
 def expected_weight_names(config: ModelConfig) -> list[str]:
     """Every HF parameter name a checkpoint for ``config`` must provide, in model order."""
+    if config.is_encoder:
+        return _encoder_weight_names(config)
     names = ["model.embed_tokens.weight"]
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}"
@@ -462,6 +476,9 @@ def _iter_safetensors(path: Path, config: ModelConfig) -> Iterator[tuple[str, to
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             keys = [k for k in f.keys() if not k.endswith(_HF_IGNORED_SUFFIXES)]  # noqa: SIM118
+        if config.is_encoder:
+            # The pooler head (next-sentence prediction) is unused by sentence embeddings.
+            keys = [k for k in keys if not k.startswith("pooler.") and k != "embeddings.position_ids"]
         if config.tie_word_embeddings:
             # Some tied checkpoints still serialise the shared matrix a second time.
             keys = [k for k in keys if k != "lm_head.weight"]

@@ -11,11 +11,13 @@ import torch
 
 from radixserve.args import InvalidArgumentError, ServerArgs
 from radixserve.cache.pools import KVCachePool
+from radixserve.model.bert import Encoder
 from radixserve.model.config import ModelConfig, ModelLoadError
 from radixserve.model.forward_batch import ForwardBatch
 from radixserve.model.layers import ParallelLMHead, _Linear, cpu_packing_supported
 from radixserve.model.llama import ARCHITECTURES, CausalLM
 from radixserve.model.loader import ModelSource, iter_weights, load_model_config, resolve_model_source
+from radixserve.model.pooling import PoolingConfig, finish_embeddings, pool_segments, read_pooling_config
 from radixserve.model.sampler import SamplingBatch, sample
 
 logger = logging.getLogger(__name__)
@@ -81,6 +83,12 @@ class ModelRunner:
         self.source = source or resolve_model_source(args.model_path)
         self.config: ModelConfig = load_model_config(self.source)
         self.context_len = self._context_len(self.config, args)
+        # An embedding model answers embedding requests only (like SGLang's --is-embedding).
+        self.is_embedding = args.is_embedding or self.config.is_encoder
+        self.pooling: PoolingConfig | None = None
+        if self.is_embedding:
+            model_dir = self.source.path if self.source.kind == "hf_dir" else None
+            self.pooling = read_pooling_config(model_dir, self.config)
         torch.manual_seed(args.random_seed)
 
         started = time.perf_counter()
@@ -96,7 +104,8 @@ class ModelRunner:
         self.max_total_tokens = self._kv_capacity()
         self.kv_pool = KVCachePool(
             num_slots=self.max_total_tokens,
-            num_layers=self.config.num_hidden_layers,
+            # An encoder keeps no K/V between steps: its slots are only accounting.
+            num_layers=0 if self.config.is_encoder else self.config.num_hidden_layers,
             num_kv_heads=max(1, self.config.num_key_value_heads // args.tp_size),
             head_dim=self.config.head_dim,
             dtype=self.dtype,
@@ -117,8 +126,8 @@ class ModelRunner:
             return args.context_length
         return limit
 
-    def _load_model(self) -> CausalLM:
-        model_cls = ARCHITECTURES[self.config.architecture]
+    def _load_model(self) -> CausalLM | Encoder:
+        model_cls = Encoder if self.config.is_encoder else ARCHITECTURES[self.config.architecture]
         previous = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
@@ -200,7 +209,20 @@ class ModelRunner:
         return RunnerInfo(self.max_total_tokens, self.context_len, self.dtype, self.device)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        return self.model(batch, self.kv_pool)
+        if isinstance(self.model, Encoder):
+            raise TypeError("an encoder model only embeds; this is a bug in the caller")
+        logits: torch.Tensor = self.model(batch, self.kv_pool)
+        return logits
+
+    def embed(self, batch: ForwardBatch) -> torch.Tensor:
+        """One fp32 embedding per request that completes its prompt in this batch, in row order."""
+        assert self.pooling is not None, "not an embedding model"
+        if isinstance(self.model, Encoder):
+            assert batch.extend is not None
+            pooled = pool_segments(self.model(batch, self.kv_pool), batch.extend, self.pooling.mode)
+        else:
+            pooled = self.model.final_hidden(batch, self.kv_pool).float()
+        return finish_embeddings(pooled, self.pooling)
 
     def sample(self, logits: torch.Tensor, sampling: SamplingBatch) -> torch.Tensor:
         return sample(logits, sampling)

@@ -41,7 +41,12 @@ def run_scheduler_process(server_args: dict[str, Any], child: ChildArgs) -> None
         tokenizer = AutoTokenizer.from_pretrained(child.tokenizer_dir, local_files_only=True)
         scheduler = Scheduler(args, tokenizer=tokenizer)
         outbox.send(
-            SchedulerReady(scheduler.max_total_tokens, scheduler.context_len, scheduler.config.vocab_size)
+            SchedulerReady(
+                scheduler.max_total_tokens,
+                scheduler.context_len,
+                scheduler.config.vocab_size,
+                scheduler.runner.is_embedding,
+            )
         )
         if args.watchdog_timeout is not None:
             start_watchdog(scheduler, args.watchdog_timeout)

@@ -63,6 +63,8 @@ class Req:
     grammar_job: Future[CompileResult] | None = None
     grammar_deadline: float = 0.0
     grammar: GrammarMatcher | None = None
+    # Embedding models: the pooled vector, once the prompt has run.
+    embedding: list[float] | None = None
 
     @property
     def fill_ids(self) -> list[int]:

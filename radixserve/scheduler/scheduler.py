@@ -7,6 +7,7 @@ stream outputs. It owns the waiting queue, the running batch, the radix cache an
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -67,10 +68,13 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, args: ServerArgs, runner: ModelRunner | None = None, tokenizer: Any = None):
-        self.args = args
         # Only stop strings need text here; without a tokenizer one is loaded when first needed.
         self._tokenizer = tokenizer
         self.runner = runner or ModelRunner(args)
+        if self.runner.config.is_encoder:
+            # Bidirectional attention: a text runs whole, and its K/V cannot serve another text.
+            args = dataclasses.replace(args, chunked_prefill_size=None, disable_radix_cache=True)
+        self.args = args
         self.config = self.runner.config
         self.context_len = self.runner.context_len
         self.max_total_tokens = self.runner.max_total_tokens
@@ -224,6 +228,8 @@ class Scheduler:
         except InvalidRequestError as exc:
             return [self._error_output(msg.rid, len(msg.input_ids), str(exc))]
         prompt_len = len(msg.input_ids)
+        if self.runner.is_embedding:
+            params.max_new_tokens = 0  # the prompt's pass gives the embedding; nothing is sampled
         # Clip to what the context and the whole KV pool can hold, so a lone request always fits.
         params.max_new_tokens = min(
             params.max_new_tokens, self.context_len - prompt_len, self.max_total_tokens - prompt_len
@@ -244,7 +250,7 @@ class Scheduler:
             if msg.logprob_start_len >= 0:
                 req.input_logprobs = TokenLogprobs()
                 req.input_logprob_next = max(1, msg.logprob_start_len)
-        if params.max_new_tokens == 0 and not req.needs_input_logprobs:
+        if params.max_new_tokens == 0 and not req.needs_input_logprobs and not self.runner.is_embedding:
             req.finished_reason = FinishReason("length")
             return [self._output(req)]
         self.reqs[req.rid] = req
@@ -278,7 +284,7 @@ class Scheduler:
         vocab = self.config.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
-        if len(ids) >= self.context_len:
+        if len(ids) > self.context_len - (0 if self.runner.is_embedding else 1):
             raise InvalidRequestError(
                 f"the prompt has {len(ids)} tokens, but the context length is {self.context_len}; "
                 "shorten the prompt"
@@ -332,6 +338,8 @@ class Scheduler:
         self.step_started = time.monotonic()
         if self.forward_sleep_s:
             time.sleep(self.forward_sleep_s)
+        if self.runner.is_embedding:
+            return self._run_embedding_batch(batch)
         logits = self.runner.forward(batch.forward)
         self.step_started = None
         self.profiler.after_step()
@@ -358,6 +366,16 @@ class Scheduler:
             record_output_logprobs(sampling_reqs, logits, next_tokens)
             next_ids = next_tokens.tolist()
         return self._process_result(batch, dict(zip(map(id, sampling_reqs), next_ids, strict=True)))
+
+    def _run_embedding_batch(self, batch: ScheduledBatch) -> list[ReqOutput]:
+        """Embedding requests finish with their prompt's pass (a chunk of a long one only fills KV)."""
+        embeddings = self.runner.embed(batch.forward).tolist()
+        self.step_started = None
+        self.profiler.after_step()
+        done = [r for r in batch.reqs if r.kv_len == r.seq_len]
+        for req, vector in zip(done, embeddings, strict=True):
+            req.embedding = vector
+        return self._process_result(batch, {})
 
     def _grammar_mask(self, reqs: list[Req], device: torch.device) -> torch.Tensor | None:
         if all(r.grammar is None for r in reqs):
@@ -558,6 +576,7 @@ class Scheduler:
             detokenize=DetokenizeParams(params.stop, params.skip_special_tokens, params.no_stop_trim),
             logprobs=None if req.logprobs is None else req.logprobs.since(start),
             input_logprobs=self._unsent_input_logprobs(req),
+            embedding=req.embedding,
         )
 
     def _unsent_input_logprobs(self, req: Req) -> TokenLogprobs | None:

@@ -146,6 +146,7 @@ class DetokenizerManager:
                     out.cached_tokens,
                     out.logprobs,
                     out.input_logprobs,
+                    out.embedding,
                 )
             )
         return TextBatch(texts)

@@ -24,6 +24,7 @@ import radixserve
 from radixserve.engine import Engine, EngineDeadError, GenerateOutput, QueueFullError
 from radixserve.messages import GenerateRequest
 from radixserve.sampling_params import InvalidRequestError
+from radixserve.server.embeddings_api import router as embeddings_router
 from radixserve.server.errors import ApiError, error_body, error_response
 from radixserve.server.openai_api import SSE_DONE, SSE_MEDIA_TYPE, engine_of, router, sse, stream_error
 from radixserve.server.streams import ClientDisconnected, collect, merged_stream
@@ -113,7 +114,7 @@ class GenerateBody(BaseModel):
             raise ApiError(400, "pass exactly one of text or input_ids")
         if self.text is not None:
             texts = [self.text] if isinstance(self.text, str) else self.text
-            return [engine.encode(t) for t in texts], isinstance(self.text, str)
+            return [engine.tokenize(t) for t in texts], isinstance(self.text, str)
         ids = self.input_ids or []
         if ids and all(isinstance(t, int) for t in ids):
             return [list(ids)], True  # type: ignore[arg-type]
@@ -131,6 +132,7 @@ def create_app(engine: Engine) -> FastAPI:
     )
     _add_error_handlers(app)
     app.include_router(router)
+    app.include_router(embeddings_router)
     _add_native_routes(app)
     return app
 
@@ -301,7 +303,7 @@ def _add_native_routes(app: FastAPI) -> None:
                 "model_path": engine.args.model_path,
                 "tokenizer_path": engine.args.tokenizer_path or engine.args.model_path,
                 "served_model_name": engine.served_model_name,
-                "is_generation": True,
+                "is_generation": not engine.is_embedding,
                 "context_length": engine.context_len,
                 "vocab_size": engine.vocab_size,
             }

@@ -109,11 +109,6 @@ async def list_models(request: Request) -> JSONResponse:
     return JSONResponse({"object": "list", "data": [model]})
 
 
-@router.post("/v1/embeddings")
-async def embeddings(request: Request) -> Response:
-    raise ApiError(400, "embeddings are not supported yet by radixserve", param="input")
-
-
 # ---------------------------------------------------------------------- completions
 
 
@@ -157,7 +152,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     body.refuse_unsupported()
     return_logprob, top, start = body.logprob_request()
     params = body.sampling_params(body.max_tokens, default_max_tokens=16)
-    prompts = [engine.encode(p) if isinstance(p, str) else p for p in body.prompts()]
+    prompts = [engine.tokenize(p) if isinstance(p, str) else p for p in body.prompts()]
     # Choice i*n + j is the j-th sample of prompt i, as OpenAI numbers them.
     reqs = [
         engine.make_request(ids, params, None, return_logprob, top, start)
@@ -247,7 +242,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     body.refuse_unsupported()
     return_logprob, top = body.logprob_request()
     messages = [m.template_dict() for m in body.messages]
-    prompt = engine.encode_chat(messages, **(body.chat_template_kwargs or {}))
+    prompt = engine.tokenize_chat(messages, **(body.chat_template_kwargs or {}))
     # Without max_tokens a chat may use the rest of the context; the scheduler clips to it.
     params = body.sampling_params(body.requested_max_tokens, default_max_tokens=engine.context_len)
     reqs = [

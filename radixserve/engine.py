@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from radixserve.args import ServerArgs
+from radixserve.engine_control import EngineControl
 from radixserve.generate_output import GenerateOutput
 from radixserve.log import configure_logging
 from radixserve.messages import (
@@ -59,7 +60,7 @@ class QueueFullError(RuntimeError):
     """More requests wait for their first token than --max-queued-requests allows."""
 
 
-class Engine:
+class Engine(EngineControl):
     def __init__(
         self,
         model_path: str | None = None,
@@ -522,32 +523,6 @@ class Engine:
         if out.rid == "" and not out.ok:
             raise EngineDeadError(out.error or "engine stopped")
         return out
-
-    def update_weights_from_disk(self, model_path: str, timeout: float = 600.0) -> None:
-        """Serves another checkpoint of the same architecture; requests in flight are aborted.
-        A failure raises and leaves the old weights serving."""
-        result = self.control("update_weights_from_disk", timeout, {"model_path": model_path})
-        if not result.ok:
-            raise InvalidRequestError(f"weight update failed: {result.error}")
-
-    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
-        result = self.control("get_weights_by_name", 60.0, {"name": name, "truncate_size": truncate_size})
-        if not result.ok:
-            raise InvalidRequestError(result.error or f"cannot read {name}")
-        values: list[float] = result.payload["values"]
-        return values
-
-    def check_kv_invariant(self, timeout: float = 60.0) -> None:
-        """Raises if KV slots leaked. The scheduler answers once it is idle."""
-        result = self.control("check_kv_invariant", timeout=timeout)
-        if not result.ok:
-            raise AssertionError(f"KV accounting invariant failed: {result.error}")
-
-    def get_stats(self) -> dict[str, Any]:
-        return self.control("get_stats").payload
-
-    def flush_cache(self) -> bool:
-        return self.control("flush_cache").ok
 
     @property
     def error(self) -> str | None:

@@ -75,13 +75,24 @@ class KVCachePool:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (num_slots, num_kv_heads, head_dim)
-        self.k_buffers: list[torch.Tensor] = [
-            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
+        self.k_buffers: list[torch.Tensor] = []
+        self.v_buffers: list[torch.Tensor] = []
+        self.allocate()
+
+    def allocate(self) -> None:
+        shape = (self.num_slots, self.num_kv_heads, self.head_dim)
+        self.k_buffers = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
         ]
-        self.v_buffers: list[torch.Tensor] = [
-            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
+        self.v_buffers = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
         ]
+
+    def release(self) -> None:
+        """Frees the buffers (their contents are lost); allocate() brings them back."""
+        self.k_buffers, self.v_buffers = [], []
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # index_copy_ is several times faster than advanced-index assignment on CPU.

@@ -23,12 +23,14 @@ from radixserve.model.layers import (
     ParallelContext,
     RowParallelLinear,
     VocabParallelEmbedding,
+    WeightTarget,
+    copy_checked,
 )
 
 
 class LayerNorm(nn.LayerNorm):
     def load(self, name: str, tensor: torch.Tensor, shard: int = 0) -> None:
-        getattr(self, name).data.copy_(tensor)
+        copy_checked(getattr(self, name).data, tensor, f"LayerNorm {name}")
 
 
 def _activation(name: str) -> str:
@@ -112,15 +114,19 @@ class Encoder(nn.Module):
             hidden = layer(hidden, batch)
         return hidden
 
+    def resolve(self, name: str) -> WeightTarget:
+        if match := _LAYER_PARAM.fullmatch(name):
+            index, module_name, param = match.groups()
+            ours, shard = _LAYER_NAMES.get(module_name, ("", 0))
+            path = f"layers.{index}.{ours}"
+        else:
+            prefix, _, param = name.removeprefix("embeddings.").rpartition(".")
+            path, shard = _EMBEDDING_NAMES.get(prefix, ""), 0
+        module = dict(self.named_modules()).get(path)
+        if not path or module is None:
+            raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+        return WeightTarget(path, module, param, shard)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        modules = dict(self.named_modules())
         for name, tensor in weights:
-            if match := _LAYER_PARAM.fullmatch(name):
-                index, module_name, param = match.groups()
-                ours, shard = _LAYER_NAMES[module_name]
-                path = f"layers.{index}.{ours}"
-            else:
-                prefix, _, param = name.removeprefix("embeddings.").rpartition(".")
-                path, shard = _EMBEDDING_NAMES[prefix], 0
-            module = modules[path]
-            module.load(param, tensor, shard)
+            self.resolve(name).load(tensor)

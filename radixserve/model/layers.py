@@ -41,6 +41,26 @@ def cpu_packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
 
 
+def copy_checked(target: torch.Tensor, source: torch.Tensor, what: str) -> None:
+    """copy_ would broadcast a wrongly shaped tensor into place; a weight must match exactly."""
+    if tuple(target.shape) != tuple(source.shape):
+        raise ValueError(f"{what}: expected shape {tuple(target.shape)}, got {tuple(source.shape)}")
+    target.copy_(source)
+
+
+@dataclass
+class WeightTarget:
+    """Where one checkpoint tensor is loaded: a module, its parameter, and the stacked shard."""
+
+    module_path: str
+    module: nn.Module
+    param: str
+    shard: int
+
+    def load(self, tensor: torch.Tensor) -> None:
+        self.module.load(self.param, tensor, self.shard)  # type: ignore[operator]
+
+
 class _Linear(nn.Module):
     """Shared matmul of the linear layers, with an optional oneDNN-packed weight for bf16 on CPU.
 
@@ -56,6 +76,12 @@ class _Linear(nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, None)
         # The packed copy replaces the plain one; keep memory at one copy of the weights.
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
+
+    def unpack(self) -> None:
+        """Back to a plain weight, which loading and reading need; pack_for_cpu() packs again."""
+        if self.packed is not None:
+            self.weight = nn.Parameter(self.packed.to_dense(), requires_grad=False)
+            self.packed = None
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed is not None:
@@ -81,10 +107,15 @@ class ColumnParallelLinear(_Linear):
 
     def load(self, name: str, tensor: torch.Tensor, shard: int = 0) -> None:
         target = self.weight if name == "weight" else self.bias
-        assert target is not None, f"checkpoint has a {name} this layer does not"
+        if target is None:
+            raise ValueError(f"this layer has no {name}")
         size = self.local_sizes[shard]
+        if tensor.shape[0] != size * self.ctx.tp_size:
+            raise ValueError(
+                f"{name} shard {shard}: expected {size * self.ctx.tp_size} rows, got {tensor.shape[0]}"
+            )
         piece = tensor.narrow(0, self.ctx.tp_rank * size, size)
-        target.data.narrow(0, self.offsets[shard], size).copy_(piece)
+        copy_checked(target.data.narrow(0, self.offsets[shard], size), piece, f"{name} shard {shard}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -103,9 +134,14 @@ class RowParallelLinear(_Linear):
     def load(self, name: str, tensor: torch.Tensor, shard: int = 0) -> None:
         if name == "bias":
             assert self.bias is not None
-            self.bias.data.copy_(tensor)
+            copy_checked(self.bias.data, tensor, "bias")
             return
-        self.weight.data.copy_(tensor.narrow(1, self.ctx.tp_rank * self.local_input, self.local_input))
+        if tensor.dim() != 2 or tensor.shape[1] != self.local_input * self.ctx.tp_size:
+            raise ValueError(
+                f"weight: expected {self.local_input * self.ctx.tp_size} columns, got {tuple(tensor.shape)}"
+            )
+        piece = tensor.narrow(1, self.ctx.tp_rank * self.local_input, self.local_input)
+        copy_checked(self.weight.data, piece, "weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, after the reduction, so that it is not counted tp_size times.
@@ -125,7 +161,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.end - self.start, hidden_size), requires_grad=False)
 
     def load(self, name: str, tensor: torch.Tensor, shard: int = 0) -> None:
-        self.weight.data.copy_(tensor[self.start : self.end])
+        copy_checked(self.weight.data, tensor[self.start : self.end], "embedding")
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.ctx.tp_size == 1:
@@ -145,6 +181,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         # A separate packed copy: with tied embeddings the plain weight still serves the lookups.
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, None)
 
+    def unpack(self) -> None:
+        self.packed = None
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             out = torch.ops.mkldnn._linear_pointwise(hidden, self.packed, None, "none", [], "")
@@ -162,7 +201,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
 
     def load(self, name: str, tensor: torch.Tensor, shard: int = 0) -> None:
-        self.weight.data.copy_(tensor)
+        copy_checked(self.weight.data, tensor, "norm weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalize in fp32, round, then scale in the model dtype, as the reference implementation

@@ -25,6 +25,7 @@ from radixserve.model.layers import (
     RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
+    WeightTarget,
     silu_and_mul,
 )
 
@@ -146,26 +147,32 @@ class CausalLM(nn.Module):
         normed: torch.Tensor = self.norm(hidden[rows])
         return normed
 
+    def resolve(self, name: str) -> WeightTarget | None:
+        """Where a checkpoint tensor goes; None for tensors this model derives itself."""
+        if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            return None
+        if "rotary_emb.inv_freq" in name:
+            return None
+        path = name.removeprefix("model.")
+        shard = 0
+        match = _STACKED_NAME.search(path)
+        if match:
+            stacked, shard = _STACKED[match.group(1)]
+            path = path.replace(match.group(1), stacked)
+        module_path, _, param = path.rpartition(".")
+        module = dict(self.named_modules()).get(module_path)
+        if module is None or not hasattr(module, "load"):
+            raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+        return WeightTarget(module_path, module, param, shard)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        modules = dict(self.named_modules())
         seen: set[str] = set()
         for name, tensor in weights:
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            target = self.resolve(name)
+            if target is None:
                 continue
-            if "rotary_emb.inv_freq" in name:
-                continue
-            path = name.removeprefix("model.")
-            shard = 0
-            match = _STACKED_NAME.search(path)
-            if match:
-                stacked, shard = _STACKED[match.group(1)]
-                path = path.replace(match.group(1), stacked)
-            module_path, _, param = path.rpartition(".")
-            module = modules.get(module_path)
-            if module is None or not hasattr(module, "load"):
-                raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-            module.load(param, tensor, shard)
-            seen.add(f"{module_path}.{param}#{shard}")
+            target.load(tensor)
+            seen.add(f"{target.module_path}.{target.param}#{target.shard}")
         expected = self._expected_tensors()
         missing = expected - seen
         if missing:

@@ -14,15 +14,24 @@ from radixserve.cache.pools import KVCachePool
 from radixserve.model.bert import Encoder
 from radixserve.model.config import ModelConfig, ModelLoadError
 from radixserve.model.forward_batch import ForwardBatch
-from radixserve.model.layers import ParallelLMHead, _Linear, cpu_packing_supported
+from radixserve.model.layers import cpu_packing_supported
 from radixserve.model.llama import ARCHITECTURES, CausalLM
 from radixserve.model.loader import ModelSource, iter_weights, load_model_config, resolve_model_source
 from radixserve.model.pooling import PoolingConfig, finish_embeddings, pool_segments, read_pooling_config
 from radixserve.model.sampler import SamplingBatch, sample
+from radixserve.model.weight_updates import WeightStash, read_weight, repack, update_weights
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# What /release_memory_occupation can release (SGLang's tags).
+MEMORY_TAGS = ("weights", "kv_cache")
+
+
+class MemoryReleasedError(RuntimeError):
+    """The weights or the KV cache are released; /resume_memory_occupation brings them back."""
+
+
 # Default KV capacity cap on a CPU when --max-total-tokens is not given.
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 65536
 
@@ -81,6 +90,9 @@ class ModelRunner:
         self.device = pick_device(args.device)
         self.dtype = pick_dtype(args.dtype, self.device)
         self.source = source or resolve_model_source(args.model_path)
+        self.packed = cpu_packing_supported(self.dtype, self.device)
+        self.released: set[str] = set()
+        self._stash: WeightStash | None = None
         self.config: ModelConfig = load_model_config(self.source)
         self.context_len = self._context_len(self.config, args)
         # An embedding model answers embedding requests only (like SGLang's --is-embedding).
@@ -136,10 +148,8 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(previous)
         model.load_weights(iter_weights(self.source, self.config))
-        if cpu_packing_supported(self.dtype, self.device):
-            for module in model.modules():
-                if isinstance(module, (_Linear, ParallelLMHead)):
-                    module.pack_for_cpu()
+        if self.packed:
+            repack(model.modules())
         return model.eval()
 
     def _kv_capacity(self) -> int:
@@ -192,23 +202,60 @@ class ModelRunner:
         logger.info("weights updated from %s", source.path)
 
     def weight_slice(self, name: str, truncate_size: int) -> list[float]:
-        """The first truncate_size values of a parameter, by its name in this model (a leading
-        "model." as in HF checkpoints is accepted)."""
-        params = dict(self.model.named_parameters())
-        param = params.get(name) or params.get(name.removeprefix("model."))
-        if param is None:
-            raise KeyError(f"no parameter {name!r}; names look like {next(iter(params))!r}")
-        if param.numel() == 0:
-            raise KeyError(
-                f"{name} is stored packed for the CPU fast path (bf16); serve with --dtype float32 to read it"
-            )
-        values: list[float] = param.detach().flatten()[:truncate_size].float().tolist()
+        """The first truncate_size values of a weight, by its checkpoint name."""
+        values: list[float] = read_weight(self.model, name).flatten()[:truncate_size].float().tolist()
         return values
+
+    def update_weights_from_tensors(self, named: list[tuple[str, torch.Tensor]]) -> int:
+        """Loads checkpoint-named tensors in place; all or nothing. Returns how many were used."""
+        self._check_resident("weights")
+        return update_weights(self.model, named, self.packed)
+
+    def release_memory(self, tags: set[str]) -> None:
+        """Frees the weights (kept on host, or on disk for a CPU) and/or the KV cache's buffers."""
+        if "kv_cache" in tags - self.released:
+            self.kv_pool.release()
+        if "weights" in tags - self.released:
+            self._stash = WeightStash(self.model, self.device, self.packed)
+            self._stash.release()
+        self.released |= tags
+
+    def resume_memory(self, tags: set[str]) -> None:
+        if "weights" in tags & self.released and self._stash is not None:
+            self._stash.resume()
+            self._stash = None
+        if "kv_cache" in tags & self.released:
+            self.kv_pool.allocate()
+        self.released -= tags
+
+    def resident_bytes(self) -> dict[str, int]:
+        """Bytes the weights and the KV cache hold now (zero for what is released)."""
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        tensors += [
+            p for m in self.model.modules() if isinstance(p := getattr(m, "packed", None), torch.Tensor)
+        ]
+        kv = self.kv_pool.k_buffers + self.kv_pool.v_buffers
+        return {
+            "weights": sum(t.numel() * t.element_size() for t in tensors),
+            "kv_cache": sum(t.numel() * t.element_size() for t in kv),
+        }
+
+    def close(self) -> None:
+        if self._stash is not None:
+            self._stash.discard()
+
+    def _check_resident(self, what: str) -> None:
+        if self.released:
+            raise MemoryReleasedError(
+                f"{what}: the {' and '.join(sorted(self.released))} memory is released; "
+                "call /resume_memory_occupation first"
+            )
 
     def info(self) -> RunnerInfo:
         return RunnerInfo(self.max_total_tokens, self.context_len, self.dtype, self.device)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        self._check_resident("forward")
         if isinstance(self.model, Encoder):
             raise TypeError("an encoder model only embeds; this is a bug in the caller")
         logits: torch.Tensor = self.model(batch, self.kv_pool)
@@ -217,6 +264,7 @@ class ModelRunner:
     def embed(self, batch: ForwardBatch) -> torch.Tensor:
         """One fp32 embedding per request that completes its prompt in this batch, in row order."""
         assert self.pooling is not None, "not an embedding model"
+        self._check_resident("embed")
         if isinstance(self.model, Encoder):
             assert batch.extend is not None
             pooled = pool_segments(self.model(batch, self.kv_pool), batch.extend, self.pooling.mode)

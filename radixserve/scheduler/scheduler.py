@@ -22,7 +22,6 @@ from radixserve.cache.radix_cache import ChunkCache, KVLeakError, PrefixCache, R
 from radixserve.messages import (
     AbortRequest,
     ControlRequest,
-    ControlResult,
     DetokenizeParams,
     FinishReason,
     GenerateRequest,
@@ -37,11 +36,11 @@ from radixserve.model.runner import ModelRunner
 from radixserve.model.sampler import SamplingBatch
 from radixserve.sampling_params import InvalidRequestError, SamplingParams
 from radixserve.scheduler.batch import KVContext, KVExhaustedError, build_decode_batch, build_extend_batch
+from radixserve.scheduler.control import handle_control
 from radixserve.scheduler.grammar import GrammarQueue, InvalidGrammarError, grammar_key
-from radixserve.scheduler.internal_state import InvalidStateError, get_internal_state, set_internal_state
 from radixserve.scheduler.logprobs import record_input_logprobs, record_output_logprobs
 from radixserve.scheduler.policy import CLIP_MAX_NEW_TOKENS_ESTIMATE, AddResult, PrefillAdder, SchedulePolicy
-from radixserve.scheduler.profiler import ProfilerError, StepProfiler
+from radixserve.scheduler.profiler import StepProfiler
 from radixserve.scheduler.request import Req
 from radixserve.scheduler.stats import SchedulerStats
 
@@ -111,21 +110,7 @@ class Scheduler:
         self.step_started: float | None = None
         self.profiler = StepProfiler()
         self._idle_checked = True
-        self._idle_waiters: list[ControlRequest] = []
-
-    def update_weights_from_disk(self, msg: ControlRequest) -> list[SchedulerOutput]:
-        """Loads the new weights first (a failure changes nothing), then aborts every request in
-        flight, since its KV came from the old weights, and empties the cache for the same reason."""
-        try:
-            self.runner.load_other_weights(str(msg.args.get("model_path")))
-        except Exception as exc:
-            return [ControlResult(msg.rid, False, error=f"{type(exc).__name__}: {exc}")]
-        outputs: list[SchedulerOutput] = []
-        for req in list(self.reqs.values()):
-            outputs += self.abort(req.rid)
-        self.flush_cache()
-        outputs.append(ControlResult(msg.rid, True, payload={"model_path": str(self.runner.source.path)}))
-        return outputs
+        self.idle_waiters: list[ControlRequest] = []
 
     def reset_new_token_ratio(self) -> None:
         conservativeness = self.args.schedule_conservativeness
@@ -144,52 +129,8 @@ class Scheduler:
         if isinstance(msg, AbortRequest):
             return list(self.abort(msg.rid, abort_all=msg.abort_all))
         if isinstance(msg, ControlRequest):
-            if msg.command == "update_weights_from_disk":
-                return self.update_weights_from_disk(msg)
-            result = self.control(msg)
-            return [] if result is None else [result]
+            return handle_control(self, msg)
         raise TypeError(f"unexpected scheduler message {type(msg).__name__}")
-
-    def control(self, msg: ControlRequest) -> ControlResult | None:
-        """Answers a control request; None means the answer comes later (see below)."""
-        try:
-            if msg.command == "check_kv_invariant":
-                if not self.is_idle:
-                    # The invariant only holds when idle: answer once the scheduler gets there.
-                    self._idle_waiters.append(msg)
-                    return None
-                self.check_kv_invariant()
-                return ControlResult(msg.rid, True)
-            if msg.command == "flush_cache":
-                ok = self.flush_cache()
-                return ControlResult(msg.rid, ok, error=None if ok else "requests are still running")
-            if msg.command == "get_stats":
-                return ControlResult(msg.rid, True, payload=self.get_stats())
-            if msg.command == "get_internal_state":
-                return ControlResult(msg.rid, True, payload=get_internal_state(self))
-            if msg.command == "set_internal_state":
-                return ControlResult(msg.rid, True, payload=set_internal_state(self, msg.args))
-            if msg.command == "start_profile":
-                num_steps = msg.args.get("num_steps")
-                trace = self.profiler.start(
-                    msg.args.get("output_dir"), None if num_steps is None else int(num_steps)
-                )
-                return ControlResult(msg.rid, True, payload={"trace": trace})
-            if msg.command == "stop_profile":
-                return ControlResult(msg.rid, True, payload={"trace": self.profiler.stop()})
-            if msg.command == "get_weights_by_name":
-                values = self.runner.weight_slice(
-                    str(msg.args["name"]), int(msg.args.get("truncate_size", 100))
-                )
-                return ControlResult(msg.rid, True, payload={"values": values})
-            if msg.command == "slow_down":
-                self.forward_sleep_s = float(msg.args.get("forward_sleep_time") or 0.0)
-                return ControlResult(msg.rid, True, payload=get_internal_state(self))
-        except (InvalidStateError, ProfilerError, KeyError) as exc:
-            return ControlResult(msg.rid, False, error=str(exc))
-        except Exception as exc:  # reported to the caller, who decides whether it is fatal
-            return ControlResult(msg.rid, False, error=f"{type(exc).__name__}: {exc}")
-        return ControlResult(msg.rid, False, error=f"unknown control command {msg.command!r}")
 
     def get_stats(self) -> dict[str, object]:
         return {
@@ -214,6 +155,8 @@ class Scheduler:
             "cache_hit_rate": self.stats.cache_hit_rate,
             "gen_throughput": self.stats.gen_throughput,
             "num_grammar_queue_reqs": len(self.grammar_queue.pending),
+            "memory_released": sorted(self.runner.released),
+            "resident_bytes": self.runner.resident_bytes(),
             # SGLang's load: KV tokens in use plus the tokens the waiting requests still need.
             "load_tokens": self.max_total_tokens
             - self.kv.available_with_eviction()
@@ -221,6 +164,11 @@ class Scheduler:
         }
 
     def add_request(self, msg: GenerateRequest) -> list[ReqOutput]:
+        if self.runner.released:
+            message = f"the {' and '.join(sorted(self.runner.released))} memory is released; "
+            message += "call /resume_memory_occupation first"
+            finish = FinishReason("abort", message=message, status_code=503)
+            return [ReqOutput(msg.rid, [], finish, len(msg.input_ids), 0, 0)]
         try:
             params = SamplingParams.from_dict(msg.sampling_params)
             params.check_vocab(self.config.vocab_size)
@@ -295,6 +243,14 @@ class Scheduler:
                 f"({self.max_total_tokens} tokens); shorten it or raise --max-total-tokens"
             )
 
+    def abort_all_and_flush(self) -> list[SchedulerOutput]:
+        """After a weight change: requests in flight hold KV of the old weights, and so does the cache."""
+        outputs: list[SchedulerOutput] = []
+        for req in list(self.reqs.values()):
+            outputs += self.abort(req.rid)
+        self.flush_cache()
+        return outputs
+
     def abort(self, rid: str | None, abort_all: bool = False) -> list[ReqOutput]:
         targets = list(self.reqs.values()) if abort_all else [self.reqs[rid]] if rid in self.reqs else []
         outputs = []
@@ -320,9 +276,10 @@ class Scheduler:
         if self.grammar_queue.pending:
             outputs += self._move_ready_grammar_requests()
         outputs += self._run_one_batch()
-        if self._idle_waiters and self.is_idle:
-            waiters, self._idle_waiters = self._idle_waiters, []
-            outputs += [result for msg in waiters if (result := self.control(msg)) is not None]
+        if self.idle_waiters and self.is_idle:
+            waiters, self.idle_waiters = self.idle_waiters, []
+            for msg in waiters:
+                outputs += handle_control(self, msg)
         return outputs
 
     def _run_one_batch(self) -> list[ReqOutput]:
@@ -636,6 +593,7 @@ class Scheduler:
             for msg in receive(self.is_idle):
                 if isinstance(msg, ShutdownRequest):
                     self.grammar_queue.shutdown()
+                    self.runner.close()
                     return
                 outputs += self.handle(msg)
             outputs += self.step()

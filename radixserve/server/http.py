@@ -263,6 +263,16 @@ def _add_native_routes(app: FastAPI) -> None:
             raise ApiError(400, 'pass {"model_path": "..."}', param="model_path")
         return await _control_json(request, "update_weights_from_disk", {"model_path": body["model_path"]})
 
+    @app.post("/release_memory_occupation")
+    async def release_memory_occupation(request: Request) -> JSONResponse:
+        body = await _json_object(request) if await request.body() else {}
+        return await _control_json(request, "release_memory_occupation", body)
+
+    @app.post("/resume_memory_occupation")
+    async def resume_memory_occupation(request: Request) -> JSONResponse:
+        body = await _json_object(request) if await request.body() else {}
+        return await _control_json(request, "resume_memory_occupation", body)
+
     @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
     async def get_weights_by_name(request: Request) -> JSONResponse:
         body = await _json_object(request)

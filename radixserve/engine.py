@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 import queue
 import threading
 import time
@@ -34,6 +35,7 @@ from radixserve.messages import (
     TextOutput,
 )
 from radixserve.model.loader import ModelSource, load_tokenizer, resolve_model_source
+from radixserve.prompts import InputEmbeds, InputIds, Prompt, split_prompts
 from radixserve.sampling_params import InvalidRequestError, SamplingParams
 from radixserve.server.launch import POLL_MS, EngineDeadError, Runtime
 from radixserve.server.metrics import EngineMetrics
@@ -43,8 +45,6 @@ logger = logging.getLogger("radixserve")
 
 __all__ = ["Engine", "EngineDeadError", "GenerateOutput", "QueueFullError"]
 
-Prompt = str | list[str] | None
-InputIds = list[int] | list[list[int]] | None
 SamplingArg = dict[str, Any] | list[dict[str, Any]] | None
 
 # Where one request's outputs go: a thread-safe callback set by the waiting caller. It receives a
@@ -104,6 +104,7 @@ class Engine(EngineControl):
         self.context_len = ready.context_len
         self.vocab_size = ready.vocab_size
         self.is_embedding = ready.is_embedding
+        self.hidden_size = ready.hidden_size
         logger.info(
             "scheduler ready: KV cache holds %d tokens, context length %d",
             ready.max_total_tokens,
@@ -253,11 +254,15 @@ class Engine(EngineControl):
         logprob_start_len: int = -1,
         token_ids_logprob: list[int] | None = None,
         session_params: dict[str, Any] | None = None,
+        *,
         embed: bool = False,
+        input_embeds: list[list[float]] | None = None,
+        return_hidden_states: bool = False,
     ) -> GenerateRequest:
         """Validates everything the scheduler would refuse, so that callers get the error up front.
         With return_logprob and logprob_start_len >= 0, prompt logprobs come back too. embed: an
-        embedding request, which only an embedding model serves (and it serves nothing else)."""
+        embedding request, which only an embedding model serves (and it serves nothing else).
+        input_embeds: the prompt as embedding vectors instead of ids (input_ids then empty)."""
         if embed and not self.is_embedding:
             raise InvalidRequestError(
                 "this model generates text and does not serve embeddings; start the server with an "
@@ -281,26 +286,20 @@ class Engine(EngineControl):
             wanted = SessionParams.from_dict(session_params)
             ids, session_parent = self.sessions.prompt(wanted, ids)
             session_id = wanted.id
-        if not ids:
-            raise InvalidRequestError("the prompt is empty")
-        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
-            raise InvalidRequestError(f"prompt token ids must be integers in [0, {self.vocab_size})")
-        # A generation request needs room for at least one new token.
-        longest = self.context_len if embed else self.context_len - 1
-        if len(ids) > longest:
-            if not self.args.allow_auto_truncate:
+        if input_embeds is not None:
+            if ids or embed or session_id is not None or (return_logprob and logprob_start_len >= 0):
                 raise InvalidRequestError(
-                    f"the prompt has {len(ids)} tokens, but the model's context length is "
-                    f"{self.context_len} tokens; shorten the prompt (or start the server with "
-                    "--allow-auto-truncate)"
+                    "input_embeds replaces the prompt: it takes no input_ids, sessions or prompt logprobs"
                 )
-            ids = ids[:longest]
-        if len(ids) + 1 > self.max_total_tokens:
-            raise InvalidRequestError(
-                f"the prompt has {len(ids)} tokens, more than the KV cache can ever hold "
-                f"({self.max_total_tokens} tokens); shorten it or raise --max-total-tokens"
-            )
-        if not isinstance(logprob_start_len, int) or not -1 <= logprob_start_len < len(ids):
+            self._check_input_embeds(input_embeds)
+            input_embeds = input_embeds[: self._allowed_prompt_len(len(input_embeds), embed)]
+        else:
+            if not ids:
+                raise InvalidRequestError("the prompt is empty")
+            if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
+                raise InvalidRequestError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+            ids = ids[: self._allowed_prompt_len(len(ids), embed)]
+        if not isinstance(logprob_start_len, int) or not -1 <= logprob_start_len < max(len(ids), 1):
             raise InvalidRequestError(
                 f"logprob_start_len must be -1 (no prompt logprobs) or in [0, {len(ids)}) for this "
                 f"{len(ids)}-token prompt, got {logprob_start_len!r}"
@@ -322,7 +321,38 @@ class Engine(EngineControl):
             list(token_ids_logprob) if return_logprob and token_ids_logprob else None,
             session_id,
             session_parent,
+            input_embeds,
+            bool(return_hidden_states),
         )
+
+    def _allowed_prompt_len(self, length: int, embed: bool) -> int:
+        """How much of a prompt of this length is kept (all, unless --allow-auto-truncate cuts it)."""
+        # A generation request needs room for at least one new token.
+        longest = self.context_len if embed else self.context_len - 1
+        if length > longest and not self.args.allow_auto_truncate:
+            raise InvalidRequestError(
+                f"the prompt has {length} tokens, but the model's context length is "
+                f"{self.context_len} tokens; shorten the prompt (or start the server with "
+                "--allow-auto-truncate)"
+            )
+        length = min(length, longest)
+        if length + 1 > self.max_total_tokens:
+            raise InvalidRequestError(
+                f"the prompt has {length} tokens, more than the KV cache can ever hold "
+                f"({self.max_total_tokens} tokens); shorten it or raise --max-total-tokens"
+            )
+        return length
+
+    def _check_input_embeds(self, embeds: Any) -> None:
+        size = self.hidden_size
+        if (
+            not isinstance(embeds, list)
+            or not embeds
+            or any(not isinstance(row, list) or len(row) != size for row in embeds)
+        ):
+            raise InvalidRequestError(f"input_embeds must be a non-empty list of vectors of {size} numbers")
+        if any(not isinstance(x, (int, float)) or not math.isfinite(x) for row in embeds for x in row):
+            raise InvalidRequestError("input_embeds must hold finite numbers only")
 
     def _build_requests(
         self,
@@ -334,18 +364,11 @@ class Engine(EngineControl):
         logprob_start_len: int = -1,
         token_ids_logprob: list[int] | None = None,
         embed: bool = False,
+        input_embeds: InputEmbeds = None,
+        return_hidden_states: bool = False,
     ) -> tuple[list[GenerateRequest], bool]:
-        if (prompt is None) == (input_ids is None):
-            raise InvalidRequestError("pass exactly one of prompt or input_ids")
-        batch_ids: list[list[int]]
-        if prompt is not None:
-            single = isinstance(prompt, str)
-            texts = [prompt] if isinstance(prompt, str) else list(prompt)
-            batch_ids = [self.tokenize(t) for t in texts]
-        else:
-            assert input_ids is not None
-            single = bool(input_ids) and isinstance(input_ids[0], int)
-            batch_ids = [list(input_ids)] if single else [list(x) for x in input_ids]  # type: ignore[arg-type]
+        batch = split_prompts(prompt, input_ids, input_embeds, self.tokenize)
+        batch_ids, batch_embeds, single = batch.ids, batch.embeds, batch.single
         if isinstance(sampling_params, list):
             if len(sampling_params) != len(batch_ids):
                 raise InvalidRequestError("sampling_params list must have one entry per prompt")
@@ -362,8 +385,10 @@ class Engine(EngineControl):
                 logprob_start_len,
                 token_ids_logprob,
                 embed=embed,
+                input_embeds=vectors,
+                return_hidden_states=return_hidden_states,
             )
-            for ids, p in zip(batch_ids, params, strict=True)
+            for ids, p, vectors in zip(batch_ids, params, batch_embeds, strict=True)
         ]
         return reqs, single
 
@@ -422,11 +447,16 @@ class Engine(EngineControl):
         top_logprobs_num: int = 0,
         logprob_start_len: int = -1,
         token_ids_logprob: list[int] | None = None,
+        input_embeds: InputEmbeds = None,
+        return_hidden_states: bool = False,
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """Blocking generation. One prompt gives one result dict; a list gives a list, in order.
         With return_logprob, meta_info holds output_token_logprobs and output_top_logprobs, and
         with logprob_start_len >= 0 also input_token_logprobs and input_top_logprobs; with
-        token_ids_logprob, the logprobs of those ids at every position (*_token_ids_logprobs)."""
+        token_ids_logprob, the logprobs of those ids at every position (*_token_ids_logprobs).
+        input_embeds gives the prompt as vectors ([length][hidden_size]) instead of text or ids;
+        return_hidden_states puts the final hidden state behind each output token in
+        meta_info["hidden_states"]."""
         reqs, single = self._build_requests(
             prompt,
             input_ids,
@@ -435,6 +465,8 @@ class Engine(EngineControl):
             top_logprobs_num,
             logprob_start_len,
             token_ids_logprob,
+            input_embeds=input_embeds,
+            return_hidden_states=return_hidden_states,
         )
         return self._run_blocking(reqs, single)
 

@@ -32,6 +32,7 @@ class GenerateOutput:
     input_logprobs: TokenLogprobs | None = None
     token_ids_logprob: list[int] | None = None
     embedding: list[float] | None = None
+    hidden_states: list[list[float]] | None = None
 
     @property
     def finished(self) -> bool:
@@ -52,6 +53,8 @@ class GenerateOutput:
             self.input_logprobs = out.input_logprobs
         if out.embedding is not None:
             self.embedding = out.embedding
+        if out.hidden_states is not None:
+            self.hidden_states = (self.hidden_states or []) + out.hidden_states
         if out.logprobs is not None:
             # A fresh object: stream snapshots share the old one.
             merged = TokenLogprobs() if self.logprobs is None else self.logprobs.copy()
@@ -80,6 +83,8 @@ class GenerateOutput:
             ]
             if self.token_ids_logprob:
                 meta["output_token_ids_logprobs"] = self._named_triples(lp)
+        if self.hidden_states is not None:
+            meta["hidden_states"] = self.hidden_states
         if self.input_logprobs is not None:
             meta["input_token_logprobs"], meta["input_top_logprobs"] = self.prompt_logprob_triples()
             if self.token_ids_logprob:

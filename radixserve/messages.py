@@ -30,6 +30,10 @@ class GenerateRequest:
     # bookkeeping for sessions.py; the scheduler does not look at them).
     session_id: str | None = None
     session_parent: str | None = None
+    # The prompt as embedding vectors ([length][hidden_size]) instead of ids; input_ids is empty.
+    input_embeds: list[list[float]] | None = None
+    # Return the final (normed) hidden state behind each output token.
+    return_hidden_states: bool = False
 
 
 @dataclass
@@ -129,6 +133,8 @@ class ReqOutput:
     input_logprobs: TokenLogprobs | None = None
     # Embedding models: the request's embedding (its only output).
     embedding: list[float] | None = None
+    # With return_hidden_states: one vector per new token.
+    hidden_states: list[list[float]] | None = None
 
 
 @dataclass
@@ -152,6 +158,7 @@ class TextOutput:
     logprobs: TokenLogprobs | None = None
     input_logprobs: TokenLogprobs | None = None
     embedding: list[float] | None = None
+    hidden_states: list[list[float]] | None = None
 
 
 @dataclass
@@ -172,6 +179,7 @@ class SchedulerReady:
     vocab_size: int
     # The model answers embedding requests only (an encoder, or a decoder under --is-embedding).
     is_embedding: bool = False
+    hidden_size: int = 0
 
 
 @dataclass

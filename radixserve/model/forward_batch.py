@@ -55,6 +55,8 @@ class ForwardBatch:
     logprob_rows: torch.Tensor | None = None
     extend: list[ExtendSegment] | None = None
     decode: DecodeLayout | None = None
+    # Rows whose input is a given vector rather than a token id's embedding: (first row, [n, H]).
+    input_embeds: list[tuple[int, torch.Tensor]] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -129,14 +129,22 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv_pool: KVCachePool) -> torch.Tensor:
-        """Returns float32 logits for `batch.sample_rows`, then `batch.logprob_rows` if any."""
-        return self.lm_head.logits(self.final_hidden(batch, kv_pool)).float()
+    def forward(self, batch: ForwardBatch, kv_pool: KVCachePool) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 logits for `batch.sample_rows`, then `batch.logprob_rows` if any, and the
+        normed hidden states they came from."""
+        hidden = self.final_hidden(batch, kv_pool)
+        return self.lm_head.logits(hidden).float(), hidden
 
     @torch.inference_mode()
     def final_hidden(self, batch: ForwardBatch, kv_pool: KVCachePool) -> torch.Tensor:
         """The last layer's normed hidden states for the rows forward() returns logits of."""
-        hidden = self.embed_tokens(batch.input_ids)
+        if batch.input_embeds is None:
+            hidden = self.embed_tokens(batch.input_ids)
+        else:
+            # Rows with given vectors carry stand-in ids outside the vocabulary.
+            hidden = self.embed_tokens(batch.input_ids.clamp(max=self.config.vocab_size - 1))
+            for row, vectors in batch.input_embeds:
+                hidden[row : row + len(vectors)] = vectors
         rope = self.rotary.lookup(batch.positions, hidden.dtype)
         for layer in self.layers:
             hidden = layer(hidden, batch, kv_pool, rope)

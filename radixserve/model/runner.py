@@ -254,12 +254,14 @@ class ModelRunner:
     def info(self) -> RunnerInfo:
         return RunnerInfo(self.max_total_tokens, self.context_len, self.dtype, self.device)
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 logits for the batch's sample rows, then its logprob rows; and the final
+        (normed) hidden states they came from."""
         self._check_resident("forward")
         if isinstance(self.model, Encoder):
             raise TypeError("an encoder model only embeds; this is a bug in the caller")
-        logits: torch.Tensor = self.model(batch, self.kv_pool)
-        return logits
+        logits, hidden = self.model(batch, self.kv_pool)
+        return logits, hidden
 
     def embed(self, batch: ForwardBatch) -> torch.Tensor:
         """One fp32 embedding per request that completes its prompt in this batch, in row order."""

@@ -97,11 +97,14 @@ def build_extend_batch(reqs: list[Req], kv: KVContext) -> ForwardBatch:
     segments: list[ExtendSegment] = []
     sample_rows: list[int] = []
     logprob_rows: list[int] = []
+    given_embeds: list[tuple[int, torch.Tensor]] = []
     offset = 0
     for req, start, n in zip(reqs, prefix_lens, extend_lens, strict=True):
         row = table[req.req_pool_idx]
         row[start : start + n] = out_cache_loc[offset : offset + n]
         input_ids.extend(_token_range(req, start, start + n))
+        if req.input_embeds is not None and start < len(req.origin_input_ids):
+            given_embeds.append((offset, req.input_embeds[start : start + n]))
         positions.append(torch.arange(start, start + n))
         segments.append(ExtendSegment(q_start=offset, q_len=n, prefix_len=start, prefix_slots=row[:start]))
         req.kv_len = start + n
@@ -127,6 +130,7 @@ def build_extend_batch(reqs: list[Req], kv: KVContext) -> ForwardBatch:
         sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=device),
         logprob_rows=torch.tensor(logprob_rows, dtype=torch.int64, device=device) if logprob_rows else None,
         extend=segments,
+        input_embeds=given_embeds or None,
     )
 
 

@@ -39,7 +39,9 @@ def handle_control(scheduler: Scheduler, msg: ControlRequest) -> list[SchedulerO
     try:
         reply = command(scheduler, msg.args)
     except (ControlError, InvalidStateError, ProfilerError, MemoryReleasedError, KeyError) as exc:
-        return [ControlResult(msg.rid, False, error=str(exc).strip("'\""))]
+        # str() of a KeyError quotes its message.
+        message = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
+        return [ControlResult(msg.rid, False, error=message)]
     except Exception as exc:  # reported to the caller, who decides whether it is fatal
         return [ControlResult(msg.rid, False, error=f"{type(exc).__name__}: {exc}")]
     return [*reply.outputs, ControlResult(msg.rid, True, payload=reply.payload)]

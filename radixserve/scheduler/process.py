@@ -46,6 +46,7 @@ def run_scheduler_process(server_args: dict[str, Any], child: ChildArgs) -> None
                 scheduler.context_len,
                 scheduler.config.vocab_size,
                 scheduler.runner.is_embedding,
+                scheduler.config.hidden_size,
             )
         )
         if args.watchdog_timeout is not None:

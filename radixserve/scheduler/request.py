@@ -65,11 +65,23 @@ class Req:
     grammar: GrammarMatcher | None = None
     # Embedding models: the pooled vector, once the prompt has run.
     embedding: list[float] | None = None
+    # A prompt given as vectors: [prompt_len, hidden]. origin_input_ids then holds stand-in ids that
+    # no real token or other request shares (see Scheduler.add_request), so the radix cache keeps
+    # such a prompt to itself.
+    input_embeds: torch.Tensor | None = None
+    # With return_hidden_states: the final hidden state behind each output token.
+    return_hidden_states: bool = False
+    hidden_states: list[list[float]] = field(default_factory=list)
 
     @property
     def fill_ids(self) -> list[int]:
         """Every token whose KV a resumed request must have: the prompt and what it has output."""
         return self.origin_input_ids + self.output_ids
+
+    @property
+    def penalized_prompt_ids(self) -> list[int]:
+        """The prompt ids repetition penalties look at (none for a prompt given as vectors)."""
+        return [] if self.input_embeds is not None else self.origin_input_ids
 
     @property
     def needs_input_logprobs(self) -> bool:

@@ -92,6 +92,7 @@ class Scheduler:
         self.kv = KVContext(self.req_to_token_pool, self.allocator, self.tree_cache, device)
         self.policy = SchedulePolicy(args.schedule_policy, self.tree_cache, args.random_seed)
         self.eos_token_ids = frozenset(self.config.eos_token_ids)
+        self._next_stand_in_id = self.config.vocab_size
 
         self.waiting: list[Req] = []
         self.running: list[Req] = []
@@ -169,13 +170,17 @@ class Scheduler:
             message += "call /resume_memory_occupation first"
             finish = FinishReason("abort", message=message, status_code=503)
             return [ReqOutput(msg.rid, [], finish, len(msg.input_ids), 0, 0)]
+        ids, vectors = list(msg.input_ids), None
         try:
             params = SamplingParams.from_dict(msg.sampling_params)
             params.check_vocab(self.config.vocab_size)
-            self._validate_input(msg)
+            if msg.input_embeds is not None:
+                vectors = self._prompt_vectors(msg.input_embeds)
+                ids = self._stand_in_ids(len(vectors))
+            self._validate_input(msg.rid, ids, real_ids=vectors is None)
         except InvalidRequestError as exc:
-            return [self._error_output(msg.rid, len(msg.input_ids), str(exc))]
-        prompt_len = len(msg.input_ids)
+            return [self._error_output(msg.rid, len(ids), str(exc))]
+        prompt_len = len(ids)
         if self.runner.is_embedding:
             params.max_new_tokens = 0  # the prompt's pass gives the embedding; nothing is sampled
         # Clip to what the context and the whole KV pool can hold, so a lone request always fits.
@@ -184,10 +189,12 @@ class Scheduler:
         )
         req = Req(
             msg.rid,
-            list(msg.input_ids),
+            ids,
             params,
             eos_token_ids=self.eos_token_ids,
             last_node=self.tree_cache.root,
+            input_embeds=vectors,
+            return_hidden_states=msg.return_hidden_states,
         )
         if params.seed is not None:
             req.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
@@ -223,14 +230,26 @@ class Scheduler:
             outputs.append(self._finish(req))
         return outputs
 
-    def _validate_input(self, msg: GenerateRequest) -> None:
-        if msg.rid in self.reqs:
-            raise InvalidRequestError(f"request id {msg.rid!r} is already in use")
-        ids = msg.input_ids
+    def _prompt_vectors(self, rows: list[list[float]]) -> torch.Tensor:
+        hidden = self.config.hidden_size
+        if not rows or any(len(row) != hidden for row in rows):
+            raise InvalidRequestError(f"input_embeds must be a non-empty list of vectors of {hidden} numbers")
+        return torch.tensor(rows, dtype=self.runner.dtype, device=self.runner.device)
+
+    def _stand_in_ids(self, length: int) -> list[int]:
+        """Ids for a prompt given as vectors: above the vocabulary and never reused, so the radix
+        cache cannot match them against any other prompt (only the request's own, on resume)."""
+        first = self._next_stand_in_id
+        self._next_stand_in_id += length
+        return list(range(first, first + length))
+
+    def _validate_input(self, rid: str, ids: list[int], real_ids: bool = True) -> None:
+        if rid in self.reqs:
+            raise InvalidRequestError(f"request id {rid!r} is already in use")
         if not ids:
             raise InvalidRequestError("the prompt is empty")
         vocab = self.config.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:
+        if real_ids and (min(ids) < 0 or max(ids) >= vocab):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
         if len(ids) > self.context_len - (0 if self.runner.is_embedding else 1):
             raise InvalidRequestError(
@@ -297,7 +316,7 @@ class Scheduler:
             time.sleep(self.forward_sleep_s)
         if self.runner.is_embedding:
             return self._run_embedding_batch(batch)
-        logits = self.runner.forward(batch.forward)
+        logits, hidden = self.runner.forward(batch.forward)
         self.step_started = None
         self.profiler.after_step()
         sampling_reqs = [r for r in batch.reqs if r.kv_len == r.seq_len]
@@ -314,7 +333,7 @@ class Scheduler:
                 self.config.vocab_size,
                 logits.device,
                 banned_ids=[r.banned_token_ids() for r in sampling_reqs],
-                histories=[(r.origin_input_ids, r.output_ids) for r in sampling_reqs]
+                histories=[(r.penalized_prompt_ids, r.output_ids) for r in sampling_reqs]
                 if need_history
                 else None,
                 allowed=self._grammar_mask(sampling_reqs, logits.device),
@@ -322,7 +341,15 @@ class Scheduler:
             next_tokens = self.runner.sample(logits, sampling)
             record_output_logprobs(sampling_reqs, logits, next_tokens)
             next_ids = next_tokens.tolist()
+            if any(r.return_hidden_states for r in sampling_reqs):
+                self._record_hidden_states(sampling_reqs, hidden)
         return self._process_result(batch, dict(zip(map(id, sampling_reqs), next_ids, strict=True)))
+
+    @staticmethod
+    def _record_hidden_states(sampling_reqs: list[Req], hidden: torch.Tensor) -> None:
+        for req, vector in zip(sampling_reqs, hidden[: len(sampling_reqs)], strict=True):
+            if req.return_hidden_states and req.sampling_params.max_new_tokens > 0:
+                req.hidden_states.append(vector.float().tolist())
 
     def _run_embedding_batch(self, batch: ScheduledBatch) -> list[ReqOutput]:
         """Embedding requests finish with their prompt's pass (a chunk of a long one only fills KV)."""
@@ -534,6 +561,7 @@ class Scheduler:
             logprobs=None if req.logprobs is None else req.logprobs.since(start),
             input_logprobs=self._unsent_input_logprobs(req),
             embedding=req.embedding,
+            hidden_states=req.hidden_states[start:] if req.return_hidden_states else None,
         )
 
     def _unsent_input_logprobs(self, req: Req) -> TokenLogprobs | None:

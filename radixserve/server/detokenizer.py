@@ -147,6 +147,7 @@ class DetokenizerManager:
                     out.logprobs,
                     out.input_logprobs,
                     out.embedding,
+                    out.hidden_states,
                 )
             )
         return TextBatch(texts)

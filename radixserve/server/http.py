@@ -23,6 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 import radixserve
 from radixserve.engine import Engine, EngineDeadError, GenerateOutput, QueueFullError
 from radixserve.messages import GenerateRequest
+from radixserve.prompts import PromptBatch, split_prompts
 from radixserve.sampling_params import InvalidRequestError
 from radixserve.server.embeddings_api import router as embeddings_router
 from radixserve.server.errors import ApiError, error_body, error_response
@@ -107,18 +108,12 @@ class GenerateBody(BaseModel):
     token_ids_logprob: list[int] | list[list[int]] | None = None
     # Continue from an earlier request of a session: {"id", "rid"?, "offset"?, "replace"?}.
     session_params: dict[str, Any] | None = None
+    # The prompt as vectors ([length][hidden_size], or a list of those) instead of text or ids.
+    input_embeds: list[list[float]] | list[list[list[float]]] | None = None
+    return_hidden_states: bool = False
 
-    def prompts(self, engine: Engine) -> tuple[list[list[int]], bool]:
-        """Prompt ids per request, and whether the body was a single request."""
-        if (self.text is None) == (self.input_ids is None):
-            raise ApiError(400, "pass exactly one of text or input_ids")
-        if self.text is not None:
-            texts = [self.text] if isinstance(self.text, str) else self.text
-            return [engine.tokenize(t) for t in texts], isinstance(self.text, str)
-        ids = self.input_ids or []
-        if ids and all(isinstance(t, int) for t in ids):
-            return [list(ids)], True  # type: ignore[arg-type]
-        return [list(p) for p in ids if isinstance(p, list)], False
+    def prompts(self, engine: Engine) -> PromptBatch:
+        return split_prompts(self.text, self.input_ids, self.input_embeds, engine.tokenize, "text")
 
 
 def create_app(engine: Engine) -> FastAPI:
@@ -345,8 +340,9 @@ def _add_native_routes(app: FastAPI) -> None:
     @app.post("/generate", response_model=None)
     async def generate(body: GenerateBody, request: Request) -> Response:
         engine = engine_of(request)
-        prompts, single = body.prompts(engine)
-        reqs = _native_requests(engine, prompts, body)
+        batch = body.prompts(engine)
+        single = batch.single
+        reqs = _native_requests(engine, batch, body)
         texts = engine.tokenizer if body.return_text_in_logprobs else None
         if body.stream:
             return StreamingResponse(
@@ -366,7 +362,8 @@ def _per_prompt(value: Any, count: int, name: str) -> list[Any]:
     return [value] * count
 
 
-def _native_requests(engine: Engine, prompts: list[list[int]], body: GenerateBody) -> list[GenerateRequest]:
+def _native_requests(engine: Engine, batch: PromptBatch, body: GenerateBody) -> list[GenerateRequest]:
+    prompts = batch.ids
     count = len(prompts)
     params = _per_prompt(body.sampling_params or {}, count, "sampling_params")
     rid = body.rid
@@ -384,9 +381,20 @@ def _native_requests(engine: Engine, prompts: list[list[int]], body: GenerateBod
     if body.session_params is not None and count != 1:
         raise ApiError(400, "session_params takes a single prompt", param="session_params")
     return [
-        engine.make_request(p, sp, r, lp, top, start, ids, body.session_params)
-        for p, sp, r, lp, top, start, ids in zip(
-            prompts, params, rids, logprobs, tops, starts, id_lists, strict=True
+        engine.make_request(
+            p,
+            sp,
+            r,
+            lp,
+            top,
+            start,
+            ids,
+            body.session_params,
+            input_embeds=vectors,
+            return_hidden_states=body.return_hidden_states,
+        )
+        for p, sp, r, lp, top, start, ids, vectors in zip(
+            prompts, params, rids, logprobs, tops, starts, id_lists, batch.embeds, strict=True
         )
     ]
 

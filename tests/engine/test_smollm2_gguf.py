@@ -39,7 +39,7 @@ def test_first_step_logits_match_transformers(smollm2_gguf_path: Path) -> None:
     scheduler.add_request(GenerateRequest("logits", ids, {"max_new_tokens": 1}))
     batch = scheduler._next_batch()
     assert batch is not None
-    ours = scheduler.runner.forward(batch.forward)[0]
+    ours = scheduler.runner.forward(batch.forward)[0][0]
     scheduler._process_result(batch, {id(batch.reqs[0]): int(ours.argmax())})
     scheduler.check_kv_invariant()
 

@@ -96,10 +96,3 @@ def test_bad_embedding_requests_get_a_clear_4xx(
         assert message in response.json()["error"]["message"]
         # Still serving.
         assert client.post("/encode", json={"text": "still here"}).status_code == 200
-
-
-def test_a_generation_server_refuses_embeddings(server: LiveServer) -> None:
-    with server.client() as client:
-        response = client.post("/v1/embeddings", json={"input": "hello"})
-        assert response.status_code == 400
-        assert "does not serve embeddings" in response.json()["error"]["message"]

@@ -57,7 +57,7 @@ BAD_REQUESTS: list[tuple[str, dict[str, Any], int, str]] = [
         400,
         "unsupported sampling parameter(s): bogus",
     ),
-    ("/generate", {"text": "hi", "input_ids": [1]}, 400, "exactly one of text or input_ids"),
+    ("/generate", {"text": "hi", "input_ids": [1]}, 400, "exactly one of text, input_ids or input_embeds"),
     ("/generate", {"input_ids": [5, 10**7]}, 400, "prompt token ids must be integers in"),
     (
         "/generate",
@@ -66,7 +66,7 @@ BAD_REQUESTS: list[tuple[str, dict[str, Any], int, str]] = [
         "logprob_start_len must be",
     ),
     ("/nope", {}, 404, "Not Found"),
-    ("/v1/embeddings", {"input": "hi"}, 400, "embeddings are not supported yet"),
+    ("/v1/embeddings", {"input": "hi"}, 400, "does not serve embeddings"),
 ]
 
 

@@ -138,3 +138,21 @@ def test_abort_by_rid_and_abort_all_while_decoding(server: LiveServer) -> None:
     assert [r["meta_info"]["finish_reason"]["type"] for r in results] == ["abort"] * 16
     assert all(len(r["output_ids"]) < LONG["max_new_tokens"] for r in results)
     server.assert_idle_and_kv_intact()
+
+
+def test_generate_from_input_embeds_with_hidden_states(server: LiveServer, tiny_model_dir: Any) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama"))
+    prompt = [5, 6, 7, 8]
+    vectors = model.model.embed_tokens.weight[prompt].tolist()
+    params = {"temperature": 0.0, "max_new_tokens": 5, "ignore_eos": True}
+    with server.client() as client:
+        by_ids = client.post("/generate", json={"input_ids": prompt, "sampling_params": params}).json()
+        body = {"input_embeds": vectors, "sampling_params": params, "return_hidden_states": True}
+        by_vectors = client.post("/generate", json=body).json()
+        assert by_vectors["output_ids"] == by_ids["output_ids"]
+        hidden = by_vectors["meta_info"]["hidden_states"]
+        assert len(hidden) == 5 and all(len(h) == 64 for h in hidden)
+        bad = client.post("/generate", json={"input_embeds": [[0.0] * 3], "sampling_params": params})
+        assert bad.status_code == 400 and "vectors of 64 numbers" in bad.json()["error"]["message"]

@@ -61,6 +61,8 @@ class ServerArgs:
     decode_log_interval: int = 40
     # A forward step running longer than this stops the server (None: no watchdog).
     watchdog_timeout: float | None = 300.0
+    # Idle children wake up every 5 s instead of every 0.5 s (to check that the server still runs).
+    sleep_on_idle: bool = False
 
     # Parallelism: written tensor-parallel-ready, only 1 supported for now.
     tp_size: int = 1
@@ -189,6 +191,11 @@ class ServerArgs:
             type=float,
             default=300.0,
             help="seconds a forward step may run before the server dumps stacks and exits (<= 0: off)",
+        )
+        logs.add_argument(
+            "--sleep-on-idle",
+            action="store_true",
+            help="when idle, wake up every 5 s instead of 0.5 s (the scheduler always blocks on its sockets)",
         )
 
         parallel = parser.add_argument_group("parallelism")

@@ -117,8 +117,10 @@ class Engine(EngineControl):
 
     def _read_outputs(self) -> None:
         next_check = 0.0
+        # Under --sleep-on-idle a dead child is noticed within a second instead of 0.2 s.
+        poll_ms = 1000 if self.args.sleep_on_idle else POLL_MS
         while not self._closing:
-            msg = self.runtime.recv(POLL_MS)
+            msg = self.runtime.recv(poll_ms)
             if isinstance(msg, TextBatch):
                 self.last_output_time = time.monotonic()
                 self._dispatch(msg.outputs)
@@ -129,7 +131,7 @@ class Engine(EngineControl):
                 return
             # Checked between messages too, so that a busy stream cannot hide a dead child.
             if time.monotonic() >= next_check and not self._closing:
-                next_check = time.monotonic() + POLL_MS / 1000
+                next_check = time.monotonic() + poll_ms / 1000
                 if (dead := self.runtime.dead_child()) is not None:
                     self._fail(dead)
                     return

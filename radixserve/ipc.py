@@ -111,8 +111,10 @@ class Channel:
         self.socket.close()
 
 
-# How often an idle child wakes up to notice that its parent process has gone away.
+# How often an idle child wakes up to notice that its parent process has gone away; under
+# --sleep-on-idle, less often (an orphan then lingers up to that long).
 PARENT_CHECK_MS = 500
+SLEEP_ON_IDLE_CHECK_MS = 5000
 
 
 @dataclass
@@ -124,6 +126,8 @@ class ChildArgs:
     parent_pid: int
     tokenizer_dir: str
     ns: argparse.Namespace
+    # How long an idle child blocks on its inbox between parent checks.
+    idle_wait_ms: int = PARENT_CHECK_MS
 
 
 def parse_child_args(description: str, add_args: Callable[[argparse.ArgumentParser], object]) -> ChildArgs:
@@ -132,9 +136,10 @@ def parse_child_args(description: str, add_args: Callable[[argparse.ArgumentPars
     parser.add_argument("--outbox", required=True)
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--tokenizer-dir", required=True)
+    parser.add_argument("--idle-wait-ms", type=int, default=PARENT_CHECK_MS)
     add_args(parser)
     ns = parser.parse_args()
-    return ChildArgs(ns.inbox, ns.outbox, ns.parent_pid, ns.tokenizer_dir, ns)
+    return ChildArgs(ns.inbox, ns.outbox, ns.parent_pid, ns.tokenizer_dir, ns, ns.idle_wait_ms)
 
 
 @contextmanager

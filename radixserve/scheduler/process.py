@@ -14,7 +14,7 @@ import sys
 from typing import Any
 
 from radixserve.args import ServerArgs
-from radixserve.ipc import PARENT_CHECK_MS, ChildArgs, child_channels, parse_child_args
+from radixserve.ipc import ChildArgs, child_channels, parse_child_args
 from radixserve.log import configure_logging
 from radixserve.messages import (
     OutputBatch,
@@ -61,7 +61,7 @@ def run_scheduler_process(server_args: dict[str, Any], child: ChildArgs) -> None
                     sys.exit(0)
                 if not block or messages:
                     break
-                if (first := inbox.recv(PARENT_CHECK_MS)) is not None:
+                if (first := inbox.recv(child.idle_wait_ms)) is not None:
                     messages.append(first)
             while (msg := inbox.recv(0)) is not None:
                 messages.append(msg)

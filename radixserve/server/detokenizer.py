@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixserve.ipc import PARENT_CHECK_MS, ChildArgs, child_channels, parse_child_args
+from radixserve.ipc import ChildArgs, child_channels, parse_child_args
 from radixserve.log import configure_logging
 from radixserve.messages import (
     ControlResult,
@@ -162,7 +162,7 @@ def run_detokenizer_process(child: ChildArgs) -> None:
             AutoTokenizer.from_pretrained(child.tokenizer_dir, local_files_only=True)
         )
         while True:
-            msg = inbox.recv(PARENT_CHECK_MS)
+            msg = inbox.recv(child.idle_wait_ms)
             if msg is None:
                 if os.getppid() != child.parent_pid:
                     logger.warning("parent process is gone; detokenizer exiting")

@@ -24,7 +24,7 @@ from typing import Any
 import zmq
 
 from radixserve.args import ServerArgs
-from radixserve.ipc import Channel, IpcDir
+from radixserve.ipc import PARENT_CHECK_MS, SLEEP_ON_IDLE_CHECK_MS, Channel, IpcDir
 from radixserve.messages import SchedulerFailed, SchedulerInput, SchedulerReady, ShutdownRequest
 
 logger = logging.getLogger("radixserve")
@@ -77,15 +77,17 @@ class Runtime:
         parent = str(os.getpid())
         # The API key stays in this process: children's command lines are visible to other users.
         child_args = {**args.to_dict(), "api_key": None}
+        idle_wait = str(SLEEP_ON_IDLE_CHECK_MS if args.sleep_on_idle else PARENT_CHECK_MS)
         scheduler_cmd = [
             sys.executable, "-m", "radixserve.scheduler.process",
             "--server-args-json", json.dumps(child_args), "--tokenizer-dir", tokenizer_dir,
             "--inbox", to_scheduler, "--outbox", to_detokenizer, "--parent-pid", parent,
+            "--idle-wait-ms", idle_wait,
         ]  # fmt: skip
         detokenizer_cmd = [
             sys.executable, "-m", "radixserve.server.detokenizer",
             "--tokenizer-dir", tokenizer_dir, "--inbox", to_detokenizer, "--outbox", to_engine,
-            "--parent-pid", parent, "--log-level", args.log_level,
+            "--parent-pid", parent, "--log-level", args.log_level, "--idle-wait-ms", idle_wait,
         ]  # fmt: skip
         self.children = [
             Child("detokenizer", subprocess.Popen(detokenizer_cmd)),

@@ -82,12 +82,12 @@ def slow_down(scheduler: Scheduler, args: dict[str, Any]) -> Reply:
 
 def start_profile(scheduler: Scheduler, args: dict[str, Any]) -> Reply:
     num_steps = args.get("num_steps")
-    trace = scheduler.profiler.start(args.get("output_dir"), None if num_steps is None else int(num_steps))
-    return Reply({"trace": trace})
+    steps = None if num_steps is None else int(num_steps)
+    return Reply(scheduler.profiler.start(args.get("output_dir"), steps, bool(args.get("profile_by_stage"))))
 
 
 def stop_profile(scheduler: Scheduler, args: dict[str, Any]) -> Reply:
-    return Reply({"trace": scheduler.profiler.stop()})
+    return Reply(scheduler.profiler.stop())
 
 
 def get_weights_by_name(scheduler: Scheduler, args: dict[str, Any]) -> Reply:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ class Req:
     eos_token_ids: frozenset[int] = frozenset()
     output_ids: list[int] = field(default_factory=list)
     arrival: int = field(default_factory=lambda: next(_arrival_counter))
+    arrival_time: float = field(default_factory=time.monotonic)
     finished_reason: FinishReason | None = None
 
     # KV ownership (see cache/radix_cache.py): positions [0, cached_len) belong to the radix tree

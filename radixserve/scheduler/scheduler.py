@@ -155,6 +155,8 @@ class Scheduler:
             "generated_tokens": self.stats.generated_tokens,
             "cache_hit_rate": self.stats.cache_hit_rate,
             "gen_throughput": self.stats.gen_throughput,
+            "inter_token_latency": self.stats.inter_token_latency,
+            "time_to_first_token": self.stats.time_to_first_token,
             "num_grammar_queue_reqs": len(self.grammar_queue.pending),
             "memory_released": sorted(self.runner.released),
             "resident_bytes": self.runner.resident_bytes(),
@@ -311,6 +313,7 @@ class Scheduler:
             self._check_idle()
             return []
         self.stats.forward_steps += 1
+        self.profiler.before_step(batch.is_prefill)
         self.step_started = time.monotonic()
         if self.forward_sleep_s:
             time.sleep(self.forward_sleep_s)
@@ -318,7 +321,7 @@ class Scheduler:
             return self._run_embedding_batch(batch)
         logits, hidden = self.runner.forward(batch.forward)
         self.step_started = None
-        self.profiler.after_step()
+        self.profiler.after_step(batch.is_prefill)
         sampling_reqs = [r for r in batch.reqs if r.kv_len == r.seq_len]
         if batch.forward.logprob_rows is not None:
             record_input_logprobs(batch.reqs, logits[len(sampling_reqs) :])
@@ -355,7 +358,7 @@ class Scheduler:
         """Embedding requests finish with their prompt's pass (a chunk of a long one only fills KV)."""
         embeddings = self.runner.embed(batch.forward).tolist()
         self.step_started = None
-        self.profiler.after_step()
+        self.profiler.after_step(batch.is_prefill)
         done = [r for r in batch.reqs if r.kv_len == r.seq_len]
         for req, vector in zip(done, embeddings, strict=True):
             req.embedding = vector
@@ -502,6 +505,8 @@ class Scheduler:
                 req.finished_reason = FinishReason("length")
             else:
                 req.output_ids.append(next_ids[id(req)])
+                if len(req.output_ids) == 1:
+                    self.stats.record_first_token(time.monotonic() - req.arrival_time)
                 if req.grammar is not None:
                     req.grammar.accept(req.output_ids[-1])
                     if req.grammar.terminated:

@@ -19,11 +19,16 @@ class SchedulerStats:
     prompt_tokens_computed: int = 0
     cached_tokens: int = 0
     generated_tokens: int = 0
-    # Throughput window for the decode log line.
-    # Output tokens per second over the last decode-log window.
+    # Over the last decode-log window: output tokens per second, seconds per decode step (the
+    # inter-token latency of a running request), and the mean time to first token of the requests
+    # that got theirs, from arrival at the scheduler.
     gen_throughput: float = 0.0
+    inter_token_latency: float = 0.0
+    time_to_first_token: float = 0.0
     _window_start: float = field(default_factory=time.perf_counter)
     _window_tokens: int = 0
+    _window_steps: int = 0
+    _window_ttfts: list[float] = field(default_factory=list)
 
     def log_prefill(
         self, new_seq: int, new_tokens: int, cached: int, usage: float, running: int, queued: int
@@ -32,11 +37,12 @@ class SchedulerStats:
         self.prompt_tokens_computed += new_tokens
         self.cached_tokens += cached
         logger.info(
-            "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
-            "#running-req: %d, #queue-req: %d",
+            "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, cache hit rate: %.2f, "
+            "token usage: %.2f, #running-req: %d, #queue-req: %d",
             new_seq,
             new_tokens,
             cached,
+            self.cache_hit_rate,
             usage,
             running,
             queued,
@@ -44,7 +50,11 @@ class SchedulerStats:
 
     def record_decode(self, batch_size: int) -> None:
         self.decode_steps += 1
+        self._window_steps += 1
         self._window_tokens += batch_size
+
+    def record_first_token(self, seconds: float) -> None:
+        self._window_ttfts.append(seconds)
 
     @property
     def cache_hit_rate(self) -> float:
@@ -54,15 +64,21 @@ class SchedulerStats:
 
     def log_decode(self, running: int, used_tokens: int, usage: float, queued: int) -> None:
         now = time.perf_counter()
-        throughput = self._window_tokens / max(now - self._window_start, 1e-9)
-        self._window_start, self._window_tokens = now, 0
-        self.gen_throughput = throughput
+        elapsed = max(now - self._window_start, 1e-9)
+        self.gen_throughput = self._window_tokens / elapsed
+        self.inter_token_latency = elapsed / max(self._window_steps, 1)
+        if self._window_ttfts:
+            self.time_to_first_token = sum(self._window_ttfts) / len(self._window_ttfts)
+        self._window_start, self._window_tokens, self._window_steps = now, 0, 0
+        self._window_ttfts = []
         logger.info(
             "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): %.2f, "
-            "#queue-req: %d",
+            "ITL (ms): %.1f, TTFT (ms): %.1f, #queue-req: %d",
             running,
             used_tokens,
             usage,
-            throughput,
+            self.gen_throughput,
+            1000 * self.inter_token_latency,
+            1000 * self.time_to_first_token,
             queued,
         )

@@ -241,9 +241,11 @@ def _add_native_routes(app: FastAPI) -> None:
 
     @app.post("/start_profile")
     async def start_profile(request: Request) -> JSONResponse:
-        """{"output_dir": ..., "num_steps": N}: record forward steps with the torch profiler."""
+        """{"output_dir": ..., "num_steps": N, "profile_by_stage": bool}: record forward steps with
+        the torch profiler (by stage: one trace for prefill, one for decode)."""
         body = await _json_object(request) if await request.body() else {}
-        args = {k: body[k] for k in ("output_dir", "num_steps") if body.get(k) is not None}
+        keys = ("output_dir", "num_steps", "profile_by_stage")
+        args = {k: body[k] for k in keys if body.get(k) is not None}
         return await _control_json(request, "start_profile", args)
 
     @app.post("/stop_profile")

@@ -108,7 +108,15 @@ def test_profiler_writes_a_chrome_trace(server: LiveServer, tmp_path: Path) -> N
         manual = client.post("/start_profile", json={"output_dir": str(tmp_path)}).json()["trace"]
         assert client.post("/generate", json=body).status_code == 200
         assert client.post("/stop_profile").json()["trace"] == manual
-    for path in (trace, manual):
+        staged = {"output_dir": str(tmp_path), "num_steps": 2, "profile_by_stage": True}
+        assert client.post("/start_profile", json={**staged, "num_steps": None}).status_code == 400
+        stages = client.post("/start_profile", json=staged).json()
+        assert set(stages) == {"prefill", "decode"}
+        # Two prompts arriving apart make two prefill batches; two decode steps end the other trace.
+        for prompt in ([5, 6, 8], [5, 6, 9]):
+            assert client.post("/generate", json={**body, "input_ids": prompt}).status_code == 200
+        assert client.post("/stop_profile").status_code == 400  # both stopped by themselves
+    for path in (trace, manual, stages["prefill"], stages["decode"]):
         events = json.loads(Path(path).read_text())["traceEvents"]
         assert events, path
 

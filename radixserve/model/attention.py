@@ -9,6 +9,12 @@ index_select and runs one batched SDPA, padded only to the bucket's longest cont
 lengths equal that is a single call per layer; with a wide mix, a few calls and at most ~25%
 padding. (A fully flattened segment-softmax version was measured first: it materializes a copy
 of the queries per context token and was ~9x slower on CPU.)
+
+Cascade (CPU): when all requests of a bucket share a prefix of KV slots (the radix cache gives
+requests with a common prompt prefix the same slots), the shared part is gathered once and every
+query attends to it in one call; the per-request rest is attended separately, and the two partial
+results are merged by their log-sum-exp. Decode attention is memory-bound, so reading a 512-token
+shared prefix once instead of 32 times made the layer ~3x faster (32 requests, 512 shared + 48).
 """
 
 from __future__ import annotations
@@ -78,6 +84,8 @@ def decode_attention(
 def _bucket_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bucket: DecodeBucket, scale: float
 ) -> torch.Tensor:
+    if bucket.shared_slots is not None:
+        return _cascade_attention(q, k_cache, v_cache, bucket, bucket.shared_slots, scale)
     _, kv_heads, dim = k_cache.shape
     shape = (bucket.size, bucket.max_len, kv_heads, dim)
     keys = k_cache.index_select(0, bucket.kv_slots).view(shape).transpose(1, 2)
@@ -86,3 +94,46 @@ def _bucket_attention(
         q.unsqueeze(2), keys, values, attn_mask=bucket.mask, scale=scale, enable_gqa=True
     )
     return out.squeeze(2)
+
+
+def _cascade_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    bucket: DecodeBucket,
+    shared_slots: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """q: [B, H, D]. Attention over shared prefix + own suffix, merged by log-sum-exp (CPU op)."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    size, heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    group = heads // kv_heads
+    # Queries grouped by their K/V head: [B, Hkv, G, D]. No GQA expansion is needed then.
+    grouped = q.view(size, kv_heads, group, dim)
+
+    # Shared part: every query of a K/V head attends to the same keys, one call for all requests.
+    shared_k = k_cache.index_select(0, shared_slots).transpose(0, 1).unsqueeze(0)
+    shared_v = v_cache.index_select(0, shared_slots).transpose(0, 1).unsqueeze(0)
+    stacked = grouped.permute(1, 0, 2, 3).reshape(1, kv_heads, size * group, dim)
+    shared_out, shared_lse = flash(stacked, shared_k, shared_v, 0.0, False, scale=scale)
+    shared_out = shared_out.view(kv_heads, size, group, dim).permute(1, 0, 2, 3)
+    shared_lse = shared_lse.view(kv_heads, size, group).permute(1, 0, 2)
+
+    # Each request's own part.
+    shape = (size, bucket.max_len, kv_heads, dim)
+    own_k = k_cache.index_select(0, bucket.kv_slots).view(shape).transpose(1, 2)
+    own_v = v_cache.index_select(0, bucket.kv_slots).view(shape).transpose(1, 2)
+    mask = None
+    if bucket.mask is not None:
+        # This kernel takes an additive mask in the query's dtype.
+        mask = torch.zeros(bucket.mask.shape, dtype=q.dtype, device=q.device)
+        mask.masked_fill_(~bucket.mask, float("-inf"))
+    own_out, own_lse = flash(grouped, own_k, own_v, 0.0, False, attn_mask=mask, scale=scale)
+
+    # Softmax over the union = each part weighted by its share of the total exp-sum.
+    top = torch.maximum(shared_lse, own_lse)
+    shared_w = (shared_lse - top).exp().unsqueeze(-1)
+    own_w = (own_lse - top).exp().unsqueeze(-1)
+    merged = (shared_out.float() * shared_w + own_out.float() * own_w) / (shared_w + own_w)
+    return merged.to(q.dtype).reshape(size, heads, dim)

@@ -28,13 +28,18 @@ class ExtendSegment:
 
 @dataclass
 class DecodeBucket:
-    """Requests of similar context length, padded only to the longest among them."""
+    """Requests of similar context length, padded only to the longest among them.
+
+    When every request of the bucket starts with the same KV slots (a prefix they share through the
+    radix cache), those are kept once in shared_slots, and kv_slots/mask/max_len describe only what
+    follows: attention then reads the shared K/V once for all of them (cascade attention)."""
 
     rows: torch.Tensor | None  # which batch rows (None: all rows, in order)
     kv_slots: torch.Tensor  # [size * max_len] KV slots, request after request, padded with a valid slot
     mask: torch.Tensor | None  # [size, 1, 1, max_len] True where a slot is real; None when nothing is padded
     size: int
     max_len: int
+    shared_slots: torch.Tensor | None = None  # [shared_len] slots every request's context starts with
 
 
 @dataclass
@@ -66,10 +71,15 @@ class ForwardBatch:
 # A request joins the current bucket while its context is at least this fraction of the bucket's
 # longest one, so padding wastes at most 1 - BUCKET_MIN_FILL of a bucket's work.
 BUCKET_MIN_FILL = 0.75
+# A prefix shared by every request of a bucket is attended once when it is at least this long.
+MIN_SHARED_PREFIX = 32
 
 
 def build_decode_layout(
-    req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    share_prefixes: bool = False,
 ) -> DecodeLayout:
     """Groups requests by context length; each group becomes one batched attention call per layer.
 
@@ -92,8 +102,13 @@ def build_decode_layout(
         rows = torch.tensor(group, dtype=torch.int64, device=device)
         slots = req_to_token[req_pool_indices[rows], :max_len]
         group_lens = seq_lens[rows]
+        shared = _shared_prefix_len(slots, lens[group[-1]]) if share_prefixes and len(group) > 1 else 0
+        shared_slots = None
+        if shared >= MIN_SHARED_PREFIX:
+            shared_slots = slots[0, :shared]
+            slots, group_lens, max_len = slots[:, shared:], group_lens - shared, max_len - shared
         mask: torch.Tensor | None = None
-        if lens[group[-1]] != max_len:
+        if lens[group[-1]] != lens[group[0]]:
             valid = torch.arange(max_len, device=device).unsqueeze(0) < group_lens.unsqueeze(1)
             # Padding points at the request's own first slot: real data, so no NaN can leak in.
             slots = torch.where(valid, slots, slots[:, :1])
@@ -106,6 +121,14 @@ def build_decode_layout(
                 mask=mask,
                 size=len(group),
                 max_len=max_len,
+                shared_slots=shared_slots,
             )
         )
     return DecodeLayout(buckets=buckets, batch_size=batch_size)
+
+
+def _shared_prefix_len(slots: torch.Tensor, shortest: int) -> int:
+    """How many leading slots all rows have in common. Each row's last slot (its newest token) is
+    its own, so at least one slot per row is left after the shared part."""
+    same = (slots[:, : shortest - 1] == slots[:1, : shortest - 1]).all(0)
+    return int(same.int().cumprod(0).sum())

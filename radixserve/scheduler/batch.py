@@ -156,5 +156,6 @@ def build_decode_batch(reqs: list[Req], kv: KVContext) -> ForwardBatch:
         positions=lens.to(device),
         out_cache_loc=out_cache_loc.to(device),
         sample_rows=torch.arange(len(reqs), device=device),
-        decode=build_decode_layout(table, pool_indices, lens + 1),
+        # Cascade attention over shared prefixes uses a CPU kernel (see model/attention.py).
+        decode=build_decode_layout(table, pool_indices, lens + 1, share_prefixes=device.type == "cpu"),
     )

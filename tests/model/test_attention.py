@@ -57,3 +57,26 @@ def test_extend_attention_with_and_without_prefix() -> None:
     keys = torch.cat((k_cache[prefix_slots], k[4:]))
     values = torch.cat((v_cache[prefix_slots], v[4:]))
     torch.testing.assert_close(out[4:], _reference(q[4:], keys, values, 5), atol=1e-5, rtol=1e-5)
+
+
+def test_decode_attention_over_a_shared_prefix_matches_dense() -> None:
+    """Requests whose contexts start with the same KV slots take the cascade path."""
+    torch.manual_seed(2)
+    shared = torch.randperm(200)[:40]  # a 40-slot prefix all rows share (>= MIN_SHARED_PREFIX)
+    own_lengths = [3, 9, 5, 12]  # one bucket: the longest is 52, the shortest 43 (>= 75%)
+    k_cache, v_cache = torch.randn(300, KV_HEADS, DIM), torch.randn(300, KV_HEADS, DIM)
+    table = torch.zeros(len(own_lengths), 80, dtype=torch.int64)
+    fresh = iter(range(200, 300))
+    for i, n in enumerate(own_lengths):
+        table[i, :40] = shared
+        table[i, 40 : 40 + n] = torch.tensor([next(fresh) for _ in range(n)])
+    lengths = torch.tensor([40 + n for n in own_lengths])
+    q = torch.randn(len(own_lengths), HEADS, DIM)
+    for share in (True, False):
+        layout = build_decode_layout(table, torch.arange(len(own_lengths)), lengths, share_prefixes=share)
+        assert (layout.buckets[0].shared_slots is not None) == share
+        out = decode_attention(q, k_cache, v_cache, layout, DIM**-0.5)
+        for i, n in enumerate(lengths.tolist()):
+            slots = table[i, :n]
+            expected = _reference(q[i : i + 1], k_cache[slots], v_cache[slots], prefix_len=n - 1)
+            torch.testing.assert_close(out[i : i + 1], expected, atol=1e-5, rtol=1e-5)

@@ -45,6 +45,7 @@ class ServerArgs:
     stream_interval: int = 1
     grammar_backend: str = "xgrammar"
     grammar_timeout: float = 300.0
+    enable_custom_logit_processor: bool = False
 
     # HTTP server
     host: str = "127.0.0.1"
@@ -178,6 +179,11 @@ class ServerArgs:
         )
         sched.add_argument(
             "--grammar-timeout", type=float, default=300.0, help="seconds a grammar may take to compile"
+        )
+        sched.add_argument(
+            "--enable-custom-logit-processor",
+            action="store_true",
+            help="let requests name a logit processor class importable on the server (module:Class)",
         )
 
         if http:

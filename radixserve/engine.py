@@ -260,6 +260,7 @@ class Engine(EngineControl):
         embed: bool = False,
         input_embeds: list[list[float]] | None = None,
         return_hidden_states: bool = False,
+        custom_logit_processor: str | None = None,
     ) -> GenerateRequest:
         """Validates everything the scheduler would refuse, so that callers get the error up front.
         With return_logprob and logprob_start_len >= 0, prompt logprobs come back too. embed: an
@@ -276,6 +277,10 @@ class Engine(EngineControl):
             )
         if embed and (return_logprob or session_params is not None):
             raise InvalidRequestError("embedding requests take no logprobs or sessions")
+        if custom_logit_processor is not None and not self.args.enable_custom_logit_processor:
+            raise InvalidRequestError(
+                "custom logit processors are disabled; start the server with --enable-custom-logit-processor"
+            )
         if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
             raise InvalidRequestError(
                 f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs_num!r}"
@@ -325,6 +330,7 @@ class Engine(EngineControl):
             session_parent,
             input_embeds,
             bool(return_hidden_states),
+            custom_logit_processor,
         )
 
     def _allowed_prompt_len(self, length: int, embed: bool) -> int:
@@ -368,6 +374,7 @@ class Engine(EngineControl):
         embed: bool = False,
         input_embeds: InputEmbeds = None,
         return_hidden_states: bool = False,
+        custom_logit_processor: str | None = None,
     ) -> tuple[list[GenerateRequest], bool]:
         batch = split_prompts(prompt, input_ids, input_embeds, self.tokenize)
         batch_ids, batch_embeds, single = batch.ids, batch.embeds, batch.single
@@ -389,6 +396,7 @@ class Engine(EngineControl):
                 embed=embed,
                 input_embeds=vectors,
                 return_hidden_states=return_hidden_states,
+                custom_logit_processor=custom_logit_processor,
             )
             for ids, p, vectors in zip(batch_ids, params, batch_embeds, strict=True)
         ]
@@ -451,6 +459,7 @@ class Engine(EngineControl):
         token_ids_logprob: list[int] | None = None,
         input_embeds: InputEmbeds = None,
         return_hidden_states: bool = False,
+        custom_logit_processor: str | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """Blocking generation. One prompt gives one result dict; a list gives a list, in order.
         With return_logprob, meta_info holds output_token_logprobs and output_top_logprobs, and
@@ -458,7 +467,9 @@ class Engine(EngineControl):
         token_ids_logprob, the logprobs of those ids at every position (*_token_ids_logprobs).
         input_embeds gives the prompt as vectors ([length][hidden_size]) instead of text or ids;
         return_hidden_states puts the final hidden state behind each output token in
-        meta_info["hidden_states"]."""
+        meta_info["hidden_states"]. custom_logit_processor names a processor class the server can
+        import ("module:Class"; needs enable_custom_logit_processor), with its arguments in
+        sampling_params["custom_params"]."""
         reqs, single = self._build_requests(
             prompt,
             input_ids,
@@ -469,6 +480,7 @@ class Engine(EngineControl):
             token_ids_logprob,
             input_embeds=input_embeds,
             return_hidden_states=return_hidden_states,
+            custom_logit_processor=custom_logit_processor,
         )
         return self._run_blocking(reqs, single)
 

@@ -34,6 +34,9 @@ class GenerateRequest:
     input_embeds: list[list[float]] | None = None
     # Return the final (normed) hidden state behind each output token.
     return_hidden_states: bool = False
+    # "module.path:ClassName" of a logit processor the server can import (needs
+    # --enable-custom-logit-processor); its arguments are sampling_params["custom_params"].
+    custom_logit_processor: str | None = None
 
 
 @dataclass
@@ -90,6 +93,7 @@ class DetokenizeParams:
     stop: list[str] = field(default_factory=list)
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    spaces_between_special_tokens: bool = True
 
 
 @dataclass

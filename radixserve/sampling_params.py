@@ -36,7 +36,12 @@ class SamplingParams:
     # Token id → value added to its logit (OpenAI: -100..100; -100 effectively bans the token).
     logit_bias: dict[str, float] = field(default_factory=dict)
     skip_special_tokens: bool = True
+    # Passed to the tokenizer's decode: slow (Python) tokenizers put spaces around special tokens
+    # when True; fast tokenizers ignore it (as they do under SGLang and vLLM).
+    spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
+    # Arguments for the request's custom logit processor (see scheduler/logit_processors.py).
+    custom_params: dict[str, Any] | None = None
     # Structured output: at most one grammar (see scheduler/grammar.py).
     json_schema: str | None = None
     regex: str | None = None
@@ -98,6 +103,11 @@ class SamplingParams:
             )
         if grammars and not isinstance(getattr(self, grammars[0]), str):
             raise InvalidRequestError(f"{grammars[0]} must be a string")
+        for flag in ("skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "ignore_eos"):
+            if not isinstance(getattr(self, flag), bool):
+                raise InvalidRequestError(f"{flag} must be true or false, got {getattr(self, flag)!r}")
+        if self.custom_params is not None and not isinstance(self.custom_params, dict):
+            raise InvalidRequestError("custom_params must be a JSON object")
         if not isinstance(self.min_new_tokens, int) or self.min_new_tokens < 0:
             raise InvalidRequestError(f"min_new_tokens must be >= 0, got {self.min_new_tokens!r}")
         if self.min_new_tokens > self.max_new_tokens:

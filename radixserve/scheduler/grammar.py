@@ -35,6 +35,28 @@ class InvalidGrammarError(ValueError):
     """The grammar could not be compiled; the message says why."""
 
 
+def structural_tag_spec(spec: str) -> str:
+    """xgrammar's structural tag JSON ({"type": "structural_tag", "format": ...}). SGLang's older
+    form, {"structures": [{"begin", "schema", "end"}], "triggers": [...]}, is translated into it:
+    free text until a trigger, then one of the tags, each wrapping JSON under its schema."""
+    tag = json.loads(spec)
+    if not isinstance(tag, dict) or "structures" not in tag:
+        return spec
+    tags = [
+        {
+            "type": "tag",
+            "begin": item["begin"],
+            "content": {"type": "json_schema", "json_schema": item.get("schema", {})},
+            "end": item["end"],
+        }
+        for item in tag["structures"]
+    ]
+    triggers = tag.get("triggers") or [item["begin"] for item in tag["structures"]]
+    return json.dumps(
+        {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": triggers, "tags": tags}}
+    )
+
+
 def grammar_key(params: SamplingParams) -> tuple[str, str] | None:
     """(kind, spec) of the request's grammar, or None when it is unconstrained."""
     for kind in GRAMMAR_KINDS:
@@ -94,7 +116,7 @@ class GrammarBackend:
         if kind == "ebnf":
             return compiler.compile_grammar(spec)
         if kind == "structural_tag":
-            return compiler.compile_structural_tag(spec)
+            return compiler.compile_structural_tag(structural_tag_spec(spec))
         raise InvalidGrammarError(f"unknown grammar kind {kind!r}")
 
     def matcher(self, compiled: Any, kind: str) -> GrammarMatcher:

@@ -14,6 +14,7 @@ from radixserve.cache.radix_cache import TreeNode
 from radixserve.messages import FinishReason, TokenLogprobs
 from radixserve.sampling_params import SamplingParams
 from radixserve.scheduler.grammar import CompileResult, GrammarMatcher
+from radixserve.scheduler.logit_processors import LogitProcessor
 
 _arrival_counter = itertools.count()
 
@@ -74,6 +75,8 @@ class Req:
     # With return_hidden_states: the final hidden state behind each output token.
     return_hidden_states: bool = False
     hidden_states: list[list[float]] = field(default_factory=list)
+    # A custom logit processor (scheduler/logit_processors.py), when the request names one.
+    logit_processor: LogitProcessor | None = None
 
     @property
     def fill_ids(self) -> list[int]:

@@ -18,7 +18,7 @@ import torch
 
 from radixserve.args import ServerArgs
 from radixserve.cache.pools import KVSlotAllocator, ReqToTokenPool
-from radixserve.cache.radix_cache import ChunkCache, KVLeakError, PrefixCache, RadixCache
+from radixserve.cache.radix_cache import ChunkCache, PrefixCache, RadixCache
 from radixserve.messages import (
     AbortRequest,
     ControlRequest,
@@ -33,12 +33,13 @@ from radixserve.messages import (
 )
 from radixserve.model.forward_batch import ForwardBatch
 from radixserve.model.runner import ModelRunner
-from radixserve.model.sampler import SamplingBatch
 from radixserve.sampling_params import InvalidRequestError, SamplingParams
 from radixserve.scheduler.batch import KVContext, KVExhaustedError, build_decode_batch, build_extend_batch
 from radixserve.scheduler.control import handle_control
 from radixserve.scheduler.grammar import GrammarQueue, InvalidGrammarError, grammar_key
-from radixserve.scheduler.logprobs import record_input_logprobs, record_output_logprobs
+from radixserve.scheduler.logit_processors import ProcessorRegistry
+from radixserve.scheduler.logprobs import record_input_logprobs
+from radixserve.scheduler.next_tokens import pick_next_tokens
 from radixserve.scheduler.policy import CLIP_MAX_NEW_TOKENS_ESTIMATE, AddResult, PrefillAdder, SchedulePolicy
 from radixserve.scheduler.profiler import StepProfiler
 from radixserve.scheduler.request import Req
@@ -92,6 +93,7 @@ class Scheduler:
         self.kv = KVContext(self.req_to_token_pool, self.allocator, self.tree_cache, device)
         self.policy = SchedulePolicy(args.schedule_policy, self.tree_cache, args.random_seed)
         self.eos_token_ids = frozenset(self.config.eos_token_ids)
+        self.logit_processors = ProcessorRegistry(args.enable_custom_logit_processor)
         self._next_stand_in_id = self.config.vocab_size
 
         self.waiting: list[Req] = []
@@ -133,39 +135,6 @@ class Scheduler:
             return handle_control(self, msg)
         raise TypeError(f"unexpected scheduler message {type(msg).__name__}")
 
-    def get_stats(self) -> dict[str, object]:
-        return {
-            "idle": self.is_idle,
-            # Checked on the spot when idle: "ok" or what leaked; it only holds when idle.
-            "kv_invariant": self._describe_kv_invariant() if self.is_idle else "not checked: busy",
-            "max_total_tokens": self.max_total_tokens,
-            "context_len": self.context_len,
-            "available_tokens": self.allocator.available_size(),
-            "evictable_tokens": self.tree_cache.evictable_size(),
-            "token_usage": self._token_usage(),
-            "num_running_reqs": len(self.running),
-            "num_waiting_reqs": len(self.waiting),
-            "new_token_ratio": self.new_token_ratio,
-            "forward_steps": self.stats.forward_steps,
-            "prefill_batches": self.stats.prefill_batches,
-            "decode_steps": self.stats.decode_steps,
-            "retracted_reqs": self.stats.retracted_reqs,
-            "aborted_reqs": self.stats.aborted_reqs,
-            "cached_tokens": self.stats.cached_tokens,
-            "generated_tokens": self.stats.generated_tokens,
-            "cache_hit_rate": self.stats.cache_hit_rate,
-            "gen_throughput": self.stats.gen_throughput,
-            "inter_token_latency": self.stats.inter_token_latency,
-            "time_to_first_token": self.stats.time_to_first_token,
-            "num_grammar_queue_reqs": len(self.grammar_queue.pending),
-            "memory_released": sorted(self.runner.released),
-            "resident_bytes": self.runner.resident_bytes(),
-            # SGLang's load: KV tokens in use plus the tokens the waiting requests still need.
-            "load_tokens": self.max_total_tokens
-            - self.kv.available_with_eviction()
-            + sum(r.seq_len for r in self.waiting + self.grammar_queue.pending),
-        }
-
     def add_request(self, msg: GenerateRequest) -> list[ReqOutput]:
         if self.runner.released:
             message = f"the {' and '.join(sorted(self.runner.released))} memory is released; "
@@ -176,6 +145,9 @@ class Scheduler:
         try:
             params = SamplingParams.from_dict(msg.sampling_params)
             params.check_vocab(self.config.vocab_size)
+            processor = None
+            if msg.custom_logit_processor is not None:
+                processor = self.logit_processors.get(msg.custom_logit_processor)
             if msg.input_embeds is not None:
                 vectors = self._prompt_vectors(msg.input_embeds)
                 ids = self._stand_in_ids(len(vectors))
@@ -197,6 +169,7 @@ class Scheduler:
             last_node=self.tree_cache.root,
             input_embeds=vectors,
             return_hidden_states=msg.return_hidden_states,
+            logit_processor=processor,
         )
         if params.seed is not None:
             req.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
@@ -328,31 +301,10 @@ class Scheduler:
             logits = logits[: len(sampling_reqs)]
         next_ids: list[int] = []
         if sampling_reqs:
-            params = [r.sampling_params for r in sampling_reqs]
-            need_history = any(p.has_penalties for p in params)
-            sampling = SamplingBatch.build(
-                params,
-                [r.generator for r in sampling_reqs],
-                self.config.vocab_size,
-                logits.device,
-                banned_ids=[r.banned_token_ids() for r in sampling_reqs],
-                histories=[(r.penalized_prompt_ids, r.output_ids) for r in sampling_reqs]
-                if need_history
-                else None,
-                allowed=self._grammar_mask(sampling_reqs, logits.device),
+            next_ids = pick_next_tokens(
+                sampling_reqs, logits, hidden, self.config.vocab_size, self.runner.sample, self._grammar_mask
             )
-            next_tokens = self.runner.sample(logits, sampling)
-            record_output_logprobs(sampling_reqs, logits, next_tokens)
-            next_ids = next_tokens.tolist()
-            if any(r.return_hidden_states for r in sampling_reqs):
-                self._record_hidden_states(sampling_reqs, hidden)
         return self._process_result(batch, dict(zip(map(id, sampling_reqs), next_ids, strict=True)))
-
-    @staticmethod
-    def _record_hidden_states(sampling_reqs: list[Req], hidden: torch.Tensor) -> None:
-        for req, vector in zip(sampling_reqs, hidden[: len(sampling_reqs)], strict=True):
-            if req.return_hidden_states and req.sampling_params.max_new_tokens > 0:
-                req.hidden_states.append(vector.float().tolist())
 
     def _run_embedding_batch(self, batch: ScheduledBatch) -> list[ReqOutput]:
         """Embedding requests finish with their prompt's pass (a chunk of a long one only fills KV)."""
@@ -422,7 +374,7 @@ class Scheduler:
             len(adder.can_run),
             adder.prefill_tokens,
             adder.cached_tokens,
-            self._token_usage(),
+            self.token_usage(),
             len(self.running),
             len(self.waiting),
         )
@@ -445,7 +397,7 @@ class Scheduler:
         self.stats.record_decode(len(self.running))
         if self.stats.decode_steps % self.args.decode_log_interval == 0:
             used = self.max_total_tokens - self.kv.available_with_eviction()
-            self.stats.log_decode(len(self.running), used, self._token_usage(), len(self.waiting))
+            self.stats.log_decode(len(self.running), used, self.token_usage(), len(self.waiting))
         return ScheduledBatch(list(self.running), forward, is_prefill=False)
 
     def _retract(self) -> None:
@@ -562,7 +514,12 @@ class Scheduler:
             prompt_tokens=len(req.origin_input_ids),
             completion_tokens=len(req.output_ids),
             cached_tokens=req.cached_tokens,
-            detokenize=DetokenizeParams(params.stop, params.skip_special_tokens, params.no_stop_trim),
+            detokenize=DetokenizeParams(
+                params.stop,
+                params.skip_special_tokens,
+                params.no_stop_trim,
+                params.spaces_between_special_tokens,
+            ),
             logprobs=None if req.logprobs is None else req.logprobs.since(start),
             input_logprobs=self._unsent_input_logprobs(req),
             embedding=req.embedding,
@@ -581,7 +538,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ accounting
 
-    def _token_usage(self) -> float:
+    def token_usage(self) -> float:
         return 1.0 - self.kv.available_with_eviction() / self.max_total_tokens
 
     def _check_idle(self) -> None:
@@ -589,13 +546,6 @@ class Scheduler:
             return
         self.check_kv_invariant()
         self._idle_checked = True
-
-    def _describe_kv_invariant(self) -> str:
-        try:
-            self.check_kv_invariant()
-        except KVLeakError as exc:
-            return f"violated: {exc}"
-        return "ok"
 
     def check_kv_invariant(self) -> None:
         """Raises KVLeakError unless every KV slot is free or evictable and every request slot is free."""

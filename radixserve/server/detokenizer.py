@@ -44,6 +44,7 @@ REPLACEMENT_CHAR = "\ufffd"
 class IncrementalDetokenizer:
     tokenizer: Any
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     ids: list[int] = field(default_factory=list)
     prefix_offset: int = 0
     read_offset: int = 0
@@ -52,10 +53,13 @@ class IncrementalDetokenizer:
     def push(self, new_ids: list[int], final: bool = False) -> str:
         """Adds tokens; returns the text that became complete (everything left, when final)."""
         self.ids.extend(new_ids)
+        options = {
+            "skip_special_tokens": self.skip_special_tokens,
+            "spaces_between_special_tokens": self.spaces_between_special_tokens,
+        }
         decode = self.tokenizer.decode
-        skip = self.skip_special_tokens
-        prefix_text = decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=skip)
-        full_text = decode(self.ids[self.prefix_offset :], skip_special_tokens=skip)
+        prefix_text = decode(self.ids[self.prefix_offset : self.read_offset], **options)
+        full_text = decode(self.ids[self.prefix_offset :], **options)
         if len(full_text) <= len(prefix_text) or (full_text.endswith(REPLACEMENT_CHAR) and not final):
             return ""
         delta = full_text[len(prefix_text) :]
@@ -129,7 +133,10 @@ class DetokenizerManager:
             if state is None:
                 params = out.detokenize
                 state = RequestText(
-                    IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens), params
+                    IncrementalDetokenizer(
+                        self.tokenizer, params.skip_special_tokens, params.spaces_between_special_tokens
+                    ),
+                    params,
                 )
                 self.requests[out.rid] = state
             delta = state.push(out)

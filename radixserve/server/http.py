@@ -111,6 +111,8 @@ class GenerateBody(BaseModel):
     # The prompt as vectors ([length][hidden_size], or a list of those) instead of text or ids.
     input_embeds: list[list[float]] | list[list[list[float]]] | None = None
     return_hidden_states: bool = False
+    # "module.path:ClassName" (needs --enable-custom-logit-processor); see docs/server.md.
+    custom_logit_processor: str | None = None
 
     def prompts(self, engine: Engine) -> PromptBatch:
         return split_prompts(self.text, self.input_ids, self.input_embeds, engine.tokenize, "text")
@@ -394,6 +396,7 @@ def _native_requests(engine: Engine, batch: PromptBatch, body: GenerateBody) -> 
             body.session_params,
             input_embeds=vectors,
             return_hidden_states=body.return_hidden_states,
+            custom_logit_processor=body.custom_logit_processor,
         )
         for p, sp, r, lp, top, start, ids, vectors in zip(
             prompts, params, rids, logprobs, tops, starts, id_lists, batch.embeds, strict=True

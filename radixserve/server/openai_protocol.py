@@ -41,6 +41,7 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
@@ -67,6 +68,7 @@ class _SamplingFields(BaseModel):
             "ignore_eos": self.ignore_eos,
             "min_new_tokens": self.min_tokens,
             "skip_special_tokens": self.skip_special_tokens,
+            "spaces_between_special_tokens": self.spaces_between_special_tokens,
             "no_stop_trim": self.no_stop_trim,
         }
         if self.stop is not None:

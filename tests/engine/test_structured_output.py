@@ -137,3 +137,48 @@ def test_a_slow_grammar_does_not_hold_up_other_requests(tiny_model_dir: Callable
     assert isinstance(scheduler.grammar_queue.backend.compile(("regex", "[ab]{3}")).result(), CompileResult)
     scheduler.check_kv_invariant()
     scheduler.grammar_queue.shutdown()
+
+
+CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"]}
+TAGGED = re.compile(r"<fn=weather>(.*)</fn>", re.DOTALL)
+
+
+def test_structural_tags_wrap_schema_json_in_their_tags(engine: Any) -> None:
+    # xgrammar's form: exactly one tag around its content. (JSON-schema content inside a tag admits
+    # free whitespace, which a random model emits forever; a regex for compact JSON does not.)
+    exact = {
+        "type": "structural_tag",
+        "format": {
+            "type": "tag",
+            "begin": "<fn=weather>",
+            "content": {"type": "regex", "pattern": '\\{"city":"(Paris|Oslo)"\\}'},
+            "end": "</fn>",
+        },
+    }
+    params = [
+        {"temperature": 1.0, "seed": seed, "max_new_tokens": 64, "structural_tag": json.dumps(exact)}
+        for seed in range(5)
+    ]
+    for result in engine.generate(input_ids=[[5, 6, 7 + i] for i in range(5)], sampling_params=params):
+        assert result["meta_info"]["finish_reason"]["type"] == "stop", result
+        match = TAGGED.fullmatch(result["text"])
+        assert match is not None, result["text"]
+        jsonschema.validate(json.loads(match.group(1)), CITY)
+
+
+def test_sglang_structural_tag_form_is_translated() -> None:
+    import xgrammar as xgr
+
+    from radixserve.scheduler.grammar import structural_tag_spec
+
+    structure = {"begin": "<fn=weather>", "schema": CITY, "end": "</fn>"}
+    legacy = {"type": "structural_tag", "structures": [structure], "triggers": ["<fn="]}
+    translated = json.loads(structural_tag_spec(json.dumps(legacy)))
+    assert translated["format"]["type"] == "triggered_tags"
+    assert translated["format"]["tags"][0]["content"]["json_schema"] == CITY
+    info = xgr.TokenizerInfo([f"t{i}" for i in range(16)])
+    matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_structural_tag(json.dumps(translated)))
+    assert matcher.accept_string('free text <fn=weather>{"city": "Oslo"}</fn> more')
+    assert not xgr.GrammarMatcher(
+        xgr.GrammarCompiler(info).compile_structural_tag(json.dumps(translated))
+    ).accept_string('<fn=weather>{"city": "Rome"}</fn>')

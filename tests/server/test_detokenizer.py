@@ -54,3 +54,22 @@ def test_a_matched_stop_token_is_not_part_of_the_text(tiny_tokenizer: Any) -> No
     outs = _outputs(ids, FinishReason("stop", matched=ids[-1]), DetokenizeParams())
     text = "".join(manager.handle(OutputBatch([o])).outputs[0].text_delta for o in outs)
     assert text == tiny_tokenizer.decode(ids[:-1])
+
+
+_PIECES = {1: "<s>", 2: "a", 3: "b"}
+
+
+class _SlowStyleTokenizer:
+    """Decodes like a slow (Python) HF tokenizer: special tokens joined with spaces on request."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool, spaces_between_special_tokens: bool) -> str:
+        parts = [_PIECES[i] for i in ids if not (skip_special_tokens and i == 1)]
+        return (" " if spaces_between_special_tokens else "").join(parts)
+
+
+def test_spaces_between_special_tokens_reaches_the_tokenizer() -> None:
+    for spaces, expected in ((True, "a <s> b"), (False, "a<s>b")):
+        detok = IncrementalDetokenizer(
+            _SlowStyleTokenizer(), skip_special_tokens=False, spaces_between_special_tokens=spaces
+        )
+        assert "".join(detok.push([i]) for i in (2, 1, 3)) + detok.push([], final=True) == expected

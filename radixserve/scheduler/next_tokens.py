@@ -1,0 +1,55 @@
+"""From one forward's logits to the next token of every request that samples in this step: custom
+logit processors, penalties, grammar masks and sampling (model/sampler.py), then the logprobs and
+hidden states the requests asked for."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from radixserve.messages import FinishReason
+from radixserve.model.sampler import SamplingBatch
+from radixserve.scheduler.logit_processors import apply_processors
+from radixserve.scheduler.logprobs import record_output_logprobs
+from radixserve.scheduler.request import Req
+
+Sampler = Callable[[torch.Tensor, SamplingBatch], torch.Tensor]
+GrammarMask = Callable[[list[Req], torch.device], torch.Tensor | None]
+
+
+def pick_next_tokens(
+    reqs: list[Req],
+    logits: torch.Tensor,
+    hidden: torch.Tensor,
+    vocab_size: int,
+    sample: Sampler,
+    grammar_mask: GrammarMask,
+) -> list[int]:
+    """logits, hidden: one row per request of reqs, in order. Returns one token id per request."""
+    params = [r.sampling_params for r in reqs]
+    processed = apply_processors(logits, [r.logit_processor for r in reqs], [p.custom_params for p in params])
+    for req, error in zip(reqs, processed.errors, strict=True):
+        if error is not None:
+            # The processor is the request's own choice: its failure ends that request only.
+            req.finished_reason = FinishReason("abort", message=f"custom logit processor failed: {error}")
+    sampling = SamplingBatch.build(
+        params,
+        [r.generator for r in reqs],
+        vocab_size,
+        logits.device,
+        banned_ids=[r.banned_token_ids() for r in reqs],
+        histories=[(r.penalized_prompt_ids, r.output_ids) for r in reqs]
+        if any(p.has_penalties for p in params)
+        else None,
+        allowed=grammar_mask(reqs, logits.device),
+    )
+    next_tokens = sample(processed.logits, sampling)
+    # Logprobs are those of the raw model, before any processing.
+    record_output_logprobs(reqs, logits, next_tokens)
+    if any(r.return_hidden_states for r in reqs):
+        for req, vector in zip(reqs, hidden[: len(reqs)], strict=True):
+            if req.return_hidden_states and req.sampling_params.max_new_tokens > 0:
+                req.hidden_states.append(vector.float().tolist())
+    ids: list[int] = next_tokens.tolist()
+    return ids

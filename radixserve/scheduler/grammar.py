@@ -85,6 +85,7 @@ class GrammarBackend:
         self.vocab_size = vocab_size
         self._compiler = xgr.GrammarCompiler(info, max_threads=max_workers)
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="radixserve-grammar")
+        self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=max(1, torch.get_num_threads()))
         self._cache: dict[tuple[str, str], Future[CompileResult]] = {}
         self._lock = threading.Lock()
 
@@ -139,17 +140,18 @@ class GrammarBackend:
     def bitmask(self, matchers: list[GrammarMatcher | None], device: torch.device) -> torch.Tensor:
         """[B, vocab] bool: the tokens each row may take (all, for rows without a grammar)."""
         packed = self._xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
-        for row, matcher in enumerate(matchers):
-            if matcher is not None:
-                matcher.matcher.fill_next_token_bitmask(packed, row)
+        present = [(row, m) for row, m in enumerate(matchers) if m is not None]
+        rows = [row for row, _ in present]
+        # One call for the batch; xgrammar fills the rows on its own threads.
+        self._batch_matcher.batch_fill_next_token_bitmask([m.matcher for _, m in present], packed, rows)
         # Unpack 32 tokens per int32 word, lowest bit first.
         bits = (packed.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
         allowed = bits.reshape(len(matchers), -1)[:, : self.vocab_size].bool()
-        for row, matcher in enumerate(matchers):
-            if matcher is not None and matcher.is_json:
-                strict = allowed[row] & ~self.control_tokens
-                if bool(strict.any()):  # never leave a row with nothing to pick
-                    allowed[row] = strict
+        json_rows = torch.tensor([row for row, m in present if m.is_json], dtype=torch.int64)
+        if len(json_rows):
+            strict = allowed[json_rows] & ~self.control_tokens
+            keep = strict.any(1)  # never leave a row with nothing to pick
+            allowed[json_rows[keep]] = strict[keep]
         return allowed.to(device)
 
     def shutdown(self) -> None:

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import torch
 
-from radixserve.model.sampler import SamplingBatch, _filter_probs, adjust_logits, sample
+from radixserve.model.sampler import SamplingBatch, _kept_probs, adjust_logits, sample
 from radixserve.sampling_params import SamplingParams
 
 
@@ -111,6 +111,24 @@ def _reference_filter(probs: torch.Tensor, params: list[SamplingParams]) -> torc
     return torch.stack(out)
 
 
+def _kept_distribution(
+    probs: torch.Tensor, batch: SamplingBatch, candidates: int | None
+) -> torch.Tensor | None:
+    """What the sampler keeps of each row, normalized, in vocabulary order (None: it would need
+    more than `candidates` tokens and sort the whole row instead)."""
+    scaled = torch.log(probs)
+    lse = torch.logsumexp(scaled, dim=-1, keepdim=True)
+    if candidates is None:
+        values, order = scaled.sort(dim=-1, descending=True)
+    else:
+        values, order = scaled.topk(candidates, dim=-1)
+    kept = _kept_probs(values, lse, batch, complete=candidates is None)
+    if kept is None:
+        return None
+    full = torch.zeros_like(probs).scatter(-1, order, kept)
+    return full / full.sum(-1, keepdim=True)
+
+
 def test_candidate_filtering_equals_a_full_sort() -> None:
     torch.manual_seed(1)
     vocab = 5000
@@ -118,15 +136,47 @@ def test_candidate_filtering_equals_a_full_sort() -> None:
         SamplingParams(top_p=0.9),
         SamplingParams(top_k=40, top_p=0.5),
         SamplingParams(min_p=0.05, top_p=0.95),
-        SamplingParams(),
+        SamplingParams(min_p=0.2),
         SamplingParams(top_k=600),
     ]
-    peaked = torch.softmax(torch.randn(len(params), vocab) * 4, dim=-1)
+    batch = SamplingBatch.build(params, [None] * len(params), vocab, torch.device("cpu"))
+    peaked = torch.softmax(torch.randn(len(params), vocab) * 6, dim=-1)
     # A flat row: its top_p mass lies far beyond the first candidates, forcing the full sort.
     flat = torch.softmax(torch.randn(len(params), vocab) * 0.01, dim=-1)
     for probs in (peaked, flat):
-        batch = SamplingBatch.build(params, [None] * len(params), vocab, torch.device("cpu"))
-        torch.testing.assert_close(_filter_probs(probs, batch), _reference_filter(probs, params))
+        reference = _reference_filter(probs, params)
+        reference = reference / reference.sum(-1, keepdim=True)
+        full = _kept_distribution(probs, batch, None)
+        assert full is not None
+        torch.testing.assert_close(full, reference)
+        from_candidates = _kept_distribution(probs, batch, 600)
+        if probs is peaked:
+            assert from_candidates is not None  # these nuclei fit in the first candidates
+            torch.testing.assert_close(from_candidates, reference)
+        else:
+            assert from_candidates is None
+
+
+def test_a_seeded_row_draws_the_same_token_whichever_path_its_batch_takes() -> None:
+    torch.manual_seed(3)
+    vocab = 5000
+    peaked = torch.randn(1, vocab) * 6
+    flat = torch.randn(1, vocab) * 0.01  # top_p over it needs the full sort: the whole batch sorts
+    row = SamplingParams(top_p=0.8, seed=7)
+    # Alone, the row's nucleus fits in the first candidates; next to the flat row it does not.
+    assert _kept_distribution(torch.softmax(peaked, -1), _batch_of([row], vocab, [7]), 64) is not None
+    for step in range(5):
+        alone = sample(peaked.clone(), _batch_of([row], vocab, seeds=[7 + step]))
+        with_flat = sample(
+            torch.cat([peaked, flat]),
+            _batch_of([row, SamplingParams(top_p=0.9)], vocab, seeds=[7 + step, None]),
+        )
+        assert int(alone[0]) == int(with_flat[0])
+
+
+def _batch_of(params: list[SamplingParams], vocab: int, seeds: list[int | None]) -> SamplingBatch:
+    gens = [None if s is None else torch.Generator().manual_seed(s) for s in seeds]
+    return SamplingBatch.build(params, gens, vocab, torch.device("cpu"))
 
 
 def test_draws_follow_the_distribution() -> None:

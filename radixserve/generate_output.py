@@ -33,6 +33,7 @@ class GenerateOutput:
     token_ids_logprob: list[int] | None = None
     embedding: list[float] | None = None
     hidden_states: list[list[float]] | None = None
+    prompt_hidden_states: list[list[float]] | None = None
 
     @property
     def finished(self) -> bool:
@@ -55,6 +56,8 @@ class GenerateOutput:
             self.embedding = out.embedding
         if out.hidden_states is not None:
             self.hidden_states = (self.hidden_states or []) + out.hidden_states
+        if out.prompt_hidden_states is not None:
+            self.prompt_hidden_states = out.prompt_hidden_states
         if out.logprobs is not None:
             # A fresh object: stream snapshots share the old one.
             merged = TokenLogprobs() if self.logprobs is None else self.logprobs.copy()
@@ -84,7 +87,10 @@ class GenerateOutput:
             if self.token_ids_logprob:
                 meta["output_token_ids_logprobs"] = self._named_triples(lp)
         if self.hidden_states is not None:
-            meta["hidden_states"] = self.hidden_states
+            # SGLang's shape: first every prompt position's state (a list of vectors), then one
+            # vector per output token after the first (the state of its position in the sequence).
+            prompt = (self.prompt_hidden_states or []) + self.hidden_states[:1]
+            meta["hidden_states"] = [prompt, *self.hidden_states[1:]]
         if self.input_logprobs is not None:
             meta["input_token_logprobs"], meta["input_top_logprobs"] = self.prompt_logprob_triples()
             if self.token_ids_logprob:

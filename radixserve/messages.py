@@ -137,8 +137,10 @@ class ReqOutput:
     input_logprobs: TokenLogprobs | None = None
     # Embedding models: the request's embedding (its only output).
     embedding: list[float] | None = None
-    # With return_hidden_states: one vector per new token.
+    # With return_hidden_states: one vector per new token, and (once, with the first output) one
+    # per prompt position but the last.
     hidden_states: list[list[float]] | None = None
+    prompt_hidden_states: list[list[float]] | None = None
 
 
 @dataclass
@@ -163,6 +165,7 @@ class TextOutput:
     input_logprobs: TokenLogprobs | None = None
     embedding: list[float] | None = None
     hidden_states: list[list[float]] | None = None
+    prompt_hidden_states: list[list[float]] | None = None
 
 
 @dataclass

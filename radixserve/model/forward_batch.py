@@ -58,6 +58,9 @@ class ForwardBatch:
     sample_rows: torch.Tensor
     # More rows whose logits are needed, after the sampled ones: prompt positions for input logprobs.
     logprob_rows: torch.Tensor | None = None
+    # Rows whose final hidden state (but no logits) is needed, after those: prompt positions of
+    # requests that return hidden states.
+    hidden_rows: torch.Tensor | None = None
     extend: list[ExtendSegment] | None = None
     decode: DecodeLayout | None = None
     # Rows whose input is a given vector rather than a token id's embedding: (first row, [n, H]).

@@ -130,10 +130,11 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_pool: KVCachePool) -> tuple[torch.Tensor, torch.Tensor]:
-        """float32 logits for `batch.sample_rows`, then `batch.logprob_rows` if any, and the
-        normed hidden states they came from."""
+        """float32 logits for `batch.sample_rows`, then `batch.logprob_rows` if any; and the normed
+        hidden states of those rows, then of `batch.hidden_rows`."""
         hidden = self.final_hidden(batch, kv_pool)
-        return self.lm_head.logits(hidden).float(), hidden
+        with_logits = hidden.shape[0] - (0 if batch.hidden_rows is None else len(batch.hidden_rows))
+        return self.lm_head.logits(hidden[:with_logits]).float(), hidden
 
     @torch.inference_mode()
     def final_hidden(self, batch: ForwardBatch, kv_pool: KVCachePool) -> torch.Tensor:
@@ -150,8 +151,9 @@ class CausalLM(nn.Module):
             hidden = layer(hidden, batch, kv_pool, rope)
         # Only the rows that sample need the final norm and the (large) vocabulary projection.
         rows = batch.sample_rows
-        if batch.logprob_rows is not None:
-            rows = torch.cat([rows, batch.logprob_rows])
+        extra = [r for r in (batch.logprob_rows, batch.hidden_rows) if r is not None]
+        if extra:
+            rows = torch.cat([rows, *extra])
         normed: torch.Tensor = self.norm(hidden[rows])
         return normed
 

@@ -97,6 +97,7 @@ def build_extend_batch(reqs: list[Req], kv: KVContext) -> ForwardBatch:
     segments: list[ExtendSegment] = []
     sample_rows: list[int] = []
     logprob_rows: list[int] = []
+    hidden_rows: list[int] = []
     given_embeds: list[tuple[int, torch.Tensor]] = []
     offset = 0
     for req, start, n in zip(reqs, prefix_lens, extend_lens, strict=True):
@@ -119,6 +120,16 @@ def build_extend_batch(reqs: list[Req], kv: KVContext) -> ForwardBatch:
             if first < end:
                 req.input_logprob_positions = (first, end)
                 logprob_rows.extend(range(offset + first - start, offset + end - start))
+        req.prompt_hidden_positions = None
+        if req.needs_prompt_hidden_states:
+            # Every prompt position but the last (whose state comes with the first output token).
+            first, end = (
+                max(start, len(req.prompt_hidden_states)),
+                min(start + n, len(req.origin_input_ids) - 1),
+            )
+            if first < end:
+                req.prompt_hidden_positions = (first, end)
+                hidden_rows.extend(range(offset + first - start, offset + end - start))
         offset += n
 
     device = kv.device
@@ -129,6 +140,7 @@ def build_extend_batch(reqs: list[Req], kv: KVContext) -> ForwardBatch:
         out_cache_loc=out_cache_loc.to(device),
         sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=device),
         logprob_rows=torch.tensor(logprob_rows, dtype=torch.int64, device=device) if logprob_rows else None,
+        hidden_rows=torch.tensor(hidden_rows, dtype=torch.int64, device=device) if hidden_rows else None,
         extend=segments,
         input_embeds=given_embeds or None,
     )

@@ -53,3 +53,15 @@ def pick_next_tokens(
                 req.hidden_states.append(vector.float().tolist())
     ids: list[int] = next_tokens.tolist()
     return ids
+
+
+def record_prompt_hidden_states(reqs: list[Req], hidden: torch.Tensor) -> None:
+    """hidden: the rows of every request's prompt_hidden_positions, in batch order."""
+    row = 0
+    for req in reqs:
+        if req.prompt_hidden_positions is None:
+            continue
+        first, end = req.prompt_hidden_positions
+        req.prompt_hidden_states += hidden[row : row + end - first].float().tolist()
+        row += end - first
+        req.prompt_hidden_positions = None

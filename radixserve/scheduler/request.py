@@ -72,8 +72,13 @@ class Req:
     # no real token or other request shares (see Scheduler.add_request), so the radix cache keeps
     # such a prompt to itself.
     input_embeds: torch.Tensor | None = None
-    # With return_hidden_states: the final hidden state behind each output token.
+    # With return_hidden_states: the final hidden state at every prompt position but the last
+    # (collected while prefilling; positions [start, end) of the current extend), and the one
+    # behind each output token (the last prompt position's comes first).
     return_hidden_states: bool = False
+    prompt_hidden_states: list[list[float]] = field(default_factory=list)
+    prompt_hidden_positions: tuple[int, int] | None = None
+    prompt_hidden_sent: bool = False
     hidden_states: list[list[float]] = field(default_factory=list)
     # A custom logit processor (scheduler/logit_processors.py), when the request names one.
     logit_processor: LogitProcessor | None = None
@@ -89,6 +94,10 @@ class Req:
         return [] if self.input_embeds is not None else self.origin_input_ids
 
     @property
+    def needs_prompt_hidden_states(self) -> bool:
+        return self.return_hidden_states and len(self.prompt_hidden_states) < len(self.origin_input_ids) - 1
+
+    @property
     def needs_input_logprobs(self) -> bool:
         return self.input_logprobs is not None and self.input_logprob_next < len(self.origin_input_ids)
 
@@ -98,6 +107,9 @@ class Req:
         limit = self.seq_len - 1
         if self.needs_input_logprobs:
             limit = min(limit, max(0, self.input_logprob_next - 1))
+        if self.needs_prompt_hidden_states:
+            # A cached position has its K/V but not its hidden state: recompute from there on.
+            limit = min(limit, len(self.prompt_hidden_states))
         return self.fill_ids[:limit]
 
     @property

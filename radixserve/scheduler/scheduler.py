@@ -39,7 +39,7 @@ from radixserve.scheduler.control import handle_control
 from radixserve.scheduler.grammar import GrammarQueue, InvalidGrammarError, grammar_key
 from radixserve.scheduler.logit_processors import ProcessorRegistry
 from radixserve.scheduler.logprobs import record_input_logprobs
-from radixserve.scheduler.next_tokens import pick_next_tokens
+from radixserve.scheduler.next_tokens import pick_next_tokens, record_prompt_hidden_states
 from radixserve.scheduler.policy import CLIP_MAX_NEW_TOKENS_ESTIMATE, AddResult, PrefillAdder, SchedulePolicy
 from radixserve.scheduler.profiler import StepProfiler
 from radixserve.scheduler.request import Req
@@ -299,6 +299,8 @@ class Scheduler:
         if batch.forward.logprob_rows is not None:
             record_input_logprobs(batch.reqs, logits[len(sampling_reqs) :])
             logits = logits[: len(sampling_reqs)]
+        if batch.forward.hidden_rows is not None:
+            record_prompt_hidden_states(batch.reqs, hidden[len(hidden) - len(batch.forward.hidden_rows) :])
         next_ids: list[int] = []
         if sampling_reqs:
             next_ids = pick_next_tokens(
@@ -524,7 +526,15 @@ class Scheduler:
             input_logprobs=self._unsent_input_logprobs(req),
             embedding=req.embedding,
             hidden_states=req.hidden_states[start:] if req.return_hidden_states else None,
+            prompt_hidden_states=self._unsent_prompt_hidden_states(req),
         )
+
+    def _unsent_prompt_hidden_states(self, req: Req) -> list[list[float]] | None:
+        # Complete once the prompt is prefilled, which is before the first output.
+        if not req.return_hidden_states or req.prompt_hidden_sent:
+            return None
+        req.prompt_hidden_sent = True
+        return req.prompt_hidden_states
 
     def _unsent_input_logprobs(self, req: Req) -> TokenLogprobs | None:
         # Complete once the prompt is prefilled, which is before the first output.

@@ -155,6 +155,7 @@ class DetokenizerManager:
                     out.input_logprobs,
                     out.embedding,
                     out.hidden_states,
+                    out.prompt_hidden_states,
                 )
             )
         return TextBatch(texts)

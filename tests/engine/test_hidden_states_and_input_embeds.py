@@ -22,7 +22,7 @@ def results(out: Any) -> list[dict[str, Any]]:
     return out
 
 
-def test_hidden_states_match_transformers_under_retraction_and_chunking(
+def test_hidden_states_match_transformers_under_retraction_chunking_and_caching(
     tiny_model_dir: Callable[[str], Path],
     oracle: Callable[[str], GreedyOracle],
     make_engine: Callable[..., Engine],
@@ -32,18 +32,20 @@ def test_hidden_states_match_transformers_under_retraction_and_chunking(
     )
     prompts = random_prompts(6, [20, 25, 30, 18, 22, 27], seed=3)
     params = {**GREEDY, "max_new_tokens": MAX_NEW}
+    # The first prompt's prefix is cached already: its hidden states must be recomputed anyway.
+    engine.generate(input_ids=prompts[0][:15], sampling_params={**params, "max_new_tokens": 1})
     outs = results(engine.generate(input_ids=prompts, sampling_params=params, return_hidden_states=True))
     assert engine.get_stats()["retracted_reqs"] > 0
     model = oracle("llama").model
     for prompt, out in zip(prompts, outs, strict=True):
         assert out["output_ids"] == oracle("llama").continue_(prompt, MAX_NEW)
-        hidden = torch.tensor(out["meta_info"]["hidden_states"])
-        assert hidden.shape == (MAX_NEW, 64)
+        # SGLang's shape: every prompt position's state, then one per output token but the last.
+        prompt_part, *output_part = out["meta_info"]["hidden_states"]
+        assert len(prompt_part) == len(prompt) and len(output_part) == MAX_NEW - 1
+        hidden = torch.tensor(prompt_part + output_part)
         with torch.no_grad():
             reference = model.model(torch.tensor([prompt + out["output_ids"]])).last_hidden_state[0]
-        # The state at position p produced the token at p + 1.
-        expected = reference[len(prompt) - 1 : len(prompt) - 1 + MAX_NEW]
-        torch.testing.assert_close(hidden, expected, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(hidden, reference[: len(prompt) + MAX_NEW - 1], atol=1e-4, rtol=1e-4)
     plain = engine.generate(input_ids=prompts[0], sampling_params=params)
     assert isinstance(plain, dict) and "hidden_states" not in plain["meta_info"]
 

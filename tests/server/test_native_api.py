@@ -152,7 +152,8 @@ def test_generate_from_input_embeds_with_hidden_states(server: LiveServer, tiny_
         body = {"input_embeds": vectors, "sampling_params": params, "return_hidden_states": True}
         by_vectors = client.post("/generate", json=body).json()
         assert by_vectors["output_ids"] == by_ids["output_ids"]
-        hidden = by_vectors["meta_info"]["hidden_states"]
-        assert len(hidden) == 5 and all(len(h) == 64 for h in hidden)
+        prompt_part, *output_part = by_vectors["meta_info"]["hidden_states"]
+        assert len(prompt_part) == 4 and len(output_part) == 4
+        assert all(len(h) == 64 for h in prompt_part + output_part)
         bad = client.post("/generate", json={"input_embeds": [[0.0] * 3], "sampling_params": params})
         assert bad.status_code == 400 and "vectors of 64 numbers" in bad.json()["error"]["message"]

@@ -11,6 +11,7 @@ SchedulePolicyName = Literal["fcfs", "lpm", "dfs-weight", "lof", "random"]
 SCHEDULE_POLICIES: tuple[str, ...] = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16")
 GRAMMAR_BACKENDS: tuple[str, ...] = ("xgrammar", "none")
+LOAD_BALANCE_METHODS: tuple[str, ...] = ("round_robin", "shortest_queue", "cache_aware")
 
 
 class InvalidArgumentError(ValueError):
@@ -65,8 +66,11 @@ class ServerArgs:
     # Idle children wake up every 5 s instead of every 0.5 s (to check that the server still runs).
     sleep_on_idle: bool = False
 
-    # Parallelism: written tensor-parallel-ready, only 1 supported for now.
+    # Parallelism: written tensor-parallel-ready, only tp 1 supported for now; data parallelism
+    # runs dp_size scheduler replicas (server/router.py).
     tp_size: int = 1
+    dp_size: int = 1
+    load_balance_method: str = "round_robin"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -112,6 +116,13 @@ class ServerArgs:
             raise InvalidArgumentError("--max-queued-requests must be >= 1")
         if self.max_request_body_mb <= 0:
             raise InvalidArgumentError("--max-request-body-mb must be > 0")
+        if self.dp_size < 1:
+            raise InvalidArgumentError(f"--dp-size must be >= 1, got {self.dp_size}")
+        if self.load_balance_method not in LOAD_BALANCE_METHODS:
+            methods = ", ".join(LOAD_BALANCE_METHODS)
+            raise InvalidArgumentError(
+                f"--load-balance-method must be one of {methods}, got {self.load_balance_method!r}"
+            )
         if self.tp_size != 1:
             raise InvalidArgumentError("--tp-size > 1 is not supported yet; tensor parallelism is planned")
 
@@ -206,6 +217,13 @@ class ServerArgs:
 
         parallel = parser.add_argument_group("parallelism")
         parallel.add_argument("--tp-size", type=int, default=1)
+        parallel.add_argument("--dp-size", type=int, default=1, help="scheduler replicas (data parallelism)")
+        parallel.add_argument(
+            "--load-balance-method",
+            default="round_robin",
+            choices=LOAD_BALANCE_METHODS,
+            help="how requests are spread over the --dp-size replicas",
+        )
 
     @staticmethod
     def _add_http_args(parser: argparse.ArgumentParser) -> None:

@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import math
 import queue
 import threading
 import time
@@ -35,10 +34,11 @@ from radixserve.messages import (
     TextOutput,
 )
 from radixserve.model.loader import ModelSource, load_tokenizer, resolve_model_source
-from radixserve.prompts import InputEmbeds, InputIds, Prompt, split_prompts
+from radixserve.prompts import InputEmbeds, InputIds, Prompt, PromptLimits, check_input_embeds, split_prompts
 from radixserve.sampling_params import InvalidRequestError, SamplingParams
 from radixserve.server.launch import POLL_MS, EngineDeadError, Runtime
 from radixserve.server.metrics import EngineMetrics
+from radixserve.server.router import Router, merge_replica_payloads
 from radixserve.sessions import SessionParams, SessionStore
 
 logger = logging.getLogger("radixserve")
@@ -94,6 +94,7 @@ class Engine(EngineControl):
         self.log_requests = False
         self.sessions = SessionStore()
 
+        self.router = Router(self.args.dp_size, self.args.load_balance_method)
         self.runtime = Runtime(self.args, self.tokenizer)
         try:
             ready = self.runtime.wait_ready()
@@ -105,6 +106,7 @@ class Engine(EngineControl):
         self.vocab_size = ready.vocab_size
         self.is_embedding = ready.is_embedding
         self.hidden_size = ready.hidden_size
+        self._limits = PromptLimits(self.context_len, self.max_total_tokens, self.args.allow_auto_truncate)
         logger.info(
             "scheduler ready: KV cache holds %d tokens, context length %d",
             ready.max_total_tokens,
@@ -165,6 +167,8 @@ class Engine(EngineControl):
                 usage = (out.prompt_tokens, out.completion_tokens, out.cached_tokens)
                 aborted = finish is not None and finish.type == "abort"
                 self.metrics.output(out.rid, len(out.new_token_ids), finish is not None, usage, aborted)
+            if isinstance(out, TextOutput) and out.finished_reason is not None:
+                self.router.done(out.rid)
             with self._lock:
                 self._queued.discard(out.rid)
                 deliver = self._pending.get(out.rid)
@@ -181,11 +185,17 @@ class Engine(EngineControl):
 
     # ------------------------------------------------------------------ requests out
 
-    def _send(self, msg: SchedulerInput) -> None:
+    def _send(self, msg: SchedulerInput, replica: int = 0) -> None:
         with self._send_lock:
-            self.runtime.send(msg)
+            if isinstance(msg, AbortRequest):
+                # Every replica hears it: simpler than tracking where a rid went (unknown ones are ignored).
+                self.runtime.broadcast(msg)
+            else:
+                self.runtime.send(msg, replica)
 
-    def submit(self, msg: GenerateRequest | ControlRequest, deliver: Deliver) -> None:
+    def submit(self, msg: GenerateRequest | ControlRequest, deliver: Deliver, replica: int = 0) -> None:
+        """Sends msg and has its outputs delivered. A generation request goes to the replica the
+        router picks (--dp-size); a control request to the one named."""
         # Checked under the lock _fail takes, so a request is either refused here or failed there.
         with self._lock:
             if self._error is not None or self._closing:
@@ -207,8 +217,10 @@ class Engine(EngineControl):
                 if self.metrics is not None:
                     self.metrics.submitted(msg.rid)
             self._pending[msg.rid] = deliver
+            if isinstance(msg, GenerateRequest):
+                replica = self.router.pick(msg)
         try:
-            self._send(msg)
+            self._send(msg, replica)
         except EngineDeadError:
             self._forget(msg.rid)
             raise
@@ -217,6 +229,7 @@ class Engine(EngineControl):
         with self._lock:
             self._pending.pop(rid, None)
             self._queued.discard(rid)
+        self.router.done(rid)
 
     @property
     def num_queued(self) -> int:
@@ -298,14 +311,14 @@ class Engine(EngineControl):
                 raise InvalidRequestError(
                     "input_embeds replaces the prompt: it takes no input_ids, sessions or prompt logprobs"
                 )
-            self._check_input_embeds(input_embeds)
-            input_embeds = input_embeds[: self._allowed_prompt_len(len(input_embeds), embed)]
+            check_input_embeds(input_embeds, self.hidden_size)
+            input_embeds = input_embeds[: self._limits.allowed_prompt_len(len(input_embeds), embed)]
         else:
             if not ids:
                 raise InvalidRequestError("the prompt is empty")
             if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
                 raise InvalidRequestError(f"prompt token ids must be integers in [0, {self.vocab_size})")
-            ids = ids[: self._allowed_prompt_len(len(ids), embed)]
+            ids = ids[: self._limits.allowed_prompt_len(len(ids), embed)]
         if not isinstance(logprob_start_len, int) or not -1 <= logprob_start_len < max(len(ids), 1):
             raise InvalidRequestError(
                 f"logprob_start_len must be -1 (no prompt logprobs) or in [0, {len(ids)}) for this "
@@ -332,35 +345,6 @@ class Engine(EngineControl):
             bool(return_hidden_states),
             custom_logit_processor,
         )
-
-    def _allowed_prompt_len(self, length: int, embed: bool) -> int:
-        """How much of a prompt of this length is kept (all, unless --allow-auto-truncate cuts it)."""
-        # A generation request needs room for at least one new token.
-        longest = self.context_len if embed else self.context_len - 1
-        if length > longest and not self.args.allow_auto_truncate:
-            raise InvalidRequestError(
-                f"the prompt has {length} tokens, but the model's context length is "
-                f"{self.context_len} tokens; shorten the prompt (or start the server with "
-                "--allow-auto-truncate)"
-            )
-        length = min(length, longest)
-        if length + 1 > self.max_total_tokens:
-            raise InvalidRequestError(
-                f"the prompt has {length} tokens, more than the KV cache can ever hold "
-                f"({self.max_total_tokens} tokens); shorten it or raise --max-total-tokens"
-            )
-        return length
-
-    def _check_input_embeds(self, embeds: Any) -> None:
-        size = self.hidden_size
-        if (
-            not isinstance(embeds, list)
-            or not embeds
-            or any(not isinstance(row, list) or len(row) != size for row in embeds)
-        ):
-            raise InvalidRequestError(f"input_embeds must be a non-empty list of vectors of {size} numbers")
-        if any(not isinstance(x, (int, float)) or not math.isfinite(x) for row in embeds for x in row):
-            raise InvalidRequestError("input_embeds must hold finite numbers only")
 
     def _build_requests(
         self,
@@ -543,6 +527,7 @@ class Engine(EngineControl):
 
     def close_session(self, session_id: str) -> None:
         self.sessions.close(session_id)
+        self.router.forget_session(session_id)
 
     def _remember_session_turn(self, req: GenerateRequest, state: GenerateOutput) -> None:
         finish = state.finish_reason
@@ -557,18 +542,34 @@ class Engine(EngineControl):
     def control(
         self, command: str, timeout: float = 60.0, args: dict[str, Any] | None = None
     ) -> ControlResult:
+        """Runs a control command on every scheduler replica; with several (--dp-size), their
+        answers are merged (see server/router.py: merge_replica_payloads)."""
         box: queue.Queue[TextOutput | ControlResult] = queue.Queue()
         rid = f"ctl-{next(self._ids)}"
-        self.submit(ControlRequest(rid, command, dict(args or {})), box.put)
-        try:
-            out = box.get(timeout=timeout)
-        except queue.Empty:
-            self._forget(rid)
-            raise TimeoutError(f"the scheduler did not answer {command!r} within {timeout}s") from None
-        assert isinstance(out, ControlResult)
-        if out.rid == "" and not out.ok:
-            raise EngineDeadError(out.error or "engine stopped")
-        return out
+        replicas = range(self.runtime.num_replicas)
+        rids = [rid] if len(replicas) == 1 else [f"{rid}@{i}" for i in replicas]
+        for replica, replica_rid in zip(replicas, rids, strict=True):
+            self.submit(ControlRequest(replica_rid, command, dict(args or {})), box.put, replica)
+        results: dict[str, ControlResult] = {}
+        deadline = time.monotonic() + timeout
+        while len(results) < len(rids):
+            try:
+                out = box.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                for pending in rids:
+                    self._forget(pending)
+                raise TimeoutError(f"the scheduler did not answer {command!r} within {timeout}s") from None
+            assert isinstance(out, ControlResult)
+            if out.rid == "" and not out.ok:
+                raise EngineDeadError(out.error or "engine stopped")
+            results[out.rid] = out
+        if len(rids) == 1:
+            return results[rid]
+        answers = [results[r] for r in rids]
+        failed = [f"dp rank {i}: {a.error}" for i, a in enumerate(answers) if not a.ok]
+        if failed:
+            return ControlResult(rid, False, error="; ".join(failed))
+        return ControlResult(rid, True, payload=merge_replica_payloads([a.payload for a in answers]))
 
     @property
     def error(self) -> str | None:

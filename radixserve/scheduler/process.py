@@ -29,11 +29,26 @@ from radixserve.scheduler.watchdog import start_watchdog
 logger = logging.getLogger("radixserve.scheduler")
 
 
+def place_replica(args: ServerArgs, rank: int) -> None:
+    """A data-parallel replica gets a GPU of its own, or on a CPU its share of the cores (replicas
+    competing for every core run slower than each on its own share)."""
+    import torch
+
+    if args.device in ("auto", "cuda") and torch.cuda.is_available():
+        args.device = f"cuda:{rank % torch.cuda.device_count()}"
+    elif args.device in ("auto", "cpu"):
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.dp_size))
+
+
 def run_scheduler_process(server_args: dict[str, Any], child: ChildArgs) -> None:
     """Outputs go to the detokenizer (outbox), which passes on what is not token ids."""
     args = ServerArgs(**server_args)
-    configure_logging(args.log_level, prefix=" scheduler")
-    with child_channels("scheduler", child.inbox, child.outbox, bind_inbox=False) as (inbox, outbox):
+    rank = int(child.ns.dp_rank)
+    name = "scheduler" if args.dp_size == 1 else f"scheduler-dp{rank}"
+    configure_logging(args.log_level, prefix=f" {name}")
+    with child_channels(name, child.inbox, child.outbox, bind_inbox=False) as (inbox, outbox):
+        if args.dp_size > 1:
+            place_replica(args, rank)
         from transformers import AutoTokenizer
 
         from radixserve.scheduler.scheduler import Scheduler
@@ -83,7 +98,10 @@ def run_scheduler_process(server_args: dict[str, Any], child: ChildArgs) -> None
 def main() -> None:
     child = parse_child_args(
         "radixserve scheduler process (started by the engine)",
-        lambda parser: parser.add_argument("--server-args-json", required=True),
+        lambda parser: (
+            parser.add_argument("--server-args-json", required=True),
+            parser.add_argument("--dp-rank", type=int, default=0),
+        ),
     )
     run_scheduler_process(json.loads(child.ns.server_args_json), child)
 

@@ -169,6 +169,7 @@ def run_detokenizer_process(child: ChildArgs) -> None:
         manager = DetokenizerManager(
             AutoTokenizer.from_pretrained(child.tokenizer_dir, local_files_only=True)
         )
+        stopped = 0
         while True:
             msg = inbox.recv(child.idle_wait_ms)
             if msg is None:
@@ -181,8 +182,11 @@ def run_detokenizer_process(child: ChildArgs) -> None:
             elif isinstance(msg, (ControlResult, SchedulerFailed, SchedulerReady)):
                 outbox.send(msg)
             elif isinstance(msg, ShutdownRequest):
-                outbox.send(msg)
-                return
+                # Every scheduler replica says goodbye; the engine hears once, after the last.
+                stopped += 1
+                if stopped == child.ns.num_schedulers:
+                    outbox.send(msg)
+                    return
             else:
                 raise TypeError(f"unexpected detokenizer message {type(msg).__name__}")
 
@@ -190,7 +194,10 @@ def run_detokenizer_process(child: ChildArgs) -> None:
 def main() -> None:
     child = parse_child_args(
         "radixserve detokenizer process (started by the engine)",
-        lambda parser: parser.add_argument("--log-level", default="info"),
+        lambda parser: (
+            parser.add_argument("--log-level", default="info"),
+            parser.add_argument("--num-schedulers", type=int, default=1),
+        ),
     )
     configure_logging(child.ns.log_level, prefix=" detokenizer")
     run_detokenizer_process(child)

@@ -2,7 +2,10 @@
 
     engine ──GenerateRequest──▶ scheduler ──OutputBatch──▶ detokenizer ──TextBatch──▶ engine
 
-Both children are fresh interpreters (`python -m ...`), not multiprocessing forks: nothing is pickled,
+With --dp-size N there are N scheduler processes (replicas), each with its own inbox, all sending
+to the one detokenizer; the engine routes requests among them (server/router.py).
+
+The children are fresh interpreters (`python -m ...`), not multiprocessing forks: nothing is pickled,
 and the caller's __main__ is never re-imported. They talk over ZMQ IPC sockets in a private 0700
 directory, which also holds a copy of the tokenizer so that children load it in a fraction of a
 second instead of re-reading (for a GGUF, re-converting) the checkpoint's.
@@ -62,49 +65,59 @@ class Child:
 
 
 class Runtime:
-    """Owns the IPC directory, the sockets on the engine's side, and the two child processes."""
+    """Owns the IPC directory, the sockets on the engine's side, and the child processes."""
 
     def __init__(self, args: ServerArgs, tokenizer: Any):
         self.ipc = IpcDir()
         self.zmq: zmq.Context[Any] = zmq.Context()
         tokenizer_dir = os.path.join(self.ipc.path, "tokenizer")
         tokenizer.save_pretrained(tokenizer_dir)
-        to_scheduler = self.ipc.address("scheduler-in")
+        replicas = range(args.dp_size)
+        to_schedulers = [self.ipc.address(f"scheduler-in-{i}") for i in replicas]
         to_detokenizer = self.ipc.address("detokenizer-in")
         to_engine = self.ipc.address("engine-in")
-        self._to_scheduler = Channel(self.zmq, to_scheduler, send=True, bind=True)
+        self._to_schedulers = [Channel(self.zmq, address, send=True, bind=True) for address in to_schedulers]
         self._from_detokenizer = Channel(self.zmq, to_engine, send=False, bind=True)
         parent = str(os.getpid())
         # The API key stays in this process: children's command lines are visible to other users.
         child_args = {**args.to_dict(), "api_key": None}
         idle_wait = str(SLEEP_ON_IDLE_CHECK_MS if args.sleep_on_idle else PARENT_CHECK_MS)
-        scheduler_cmd = [
-            sys.executable, "-m", "radixserve.scheduler.process",
-            "--server-args-json", json.dumps(child_args), "--tokenizer-dir", tokenizer_dir,
-            "--inbox", to_scheduler, "--outbox", to_detokenizer, "--parent-pid", parent,
-            "--idle-wait-ms", idle_wait,
-        ]  # fmt: skip
         detokenizer_cmd = [
             sys.executable, "-m", "radixserve.server.detokenizer",
             "--tokenizer-dir", tokenizer_dir, "--inbox", to_detokenizer, "--outbox", to_engine,
             "--parent-pid", parent, "--log-level", args.log_level, "--idle-wait-ms", idle_wait,
+            "--num-schedulers", str(args.dp_size),
         ]  # fmt: skip
-        self.children = [
-            Child("detokenizer", subprocess.Popen(detokenizer_cmd)),
-            Child("scheduler", subprocess.Popen(scheduler_cmd)),
-        ]
+        self.children = [Child("detokenizer", subprocess.Popen(detokenizer_cmd))]
+        for rank, inbox in zip(replicas, to_schedulers, strict=True):
+            scheduler_cmd = [
+                sys.executable, "-m", "radixserve.scheduler.process",
+                "--server-args-json", json.dumps(child_args), "--tokenizer-dir", tokenizer_dir,
+                "--inbox", inbox, "--outbox", to_detokenizer, "--parent-pid", parent,
+                "--idle-wait-ms", idle_wait, "--dp-rank", str(rank),
+            ]  # fmt: skip
+            name = "scheduler" if args.dp_size == 1 else f"scheduler (dp rank {rank})"
+            self.children.append(Child(name, subprocess.Popen(scheduler_cmd)))
         self.closed = False
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self._to_schedulers)
 
     @property
     def scheduler(self) -> subprocess.Popen[bytes]:
         return self.children[1].process
 
     def wait_ready(self) -> SchedulerReady:
+        """Waits for every scheduler replica; returns the first one's report (they are alike)."""
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        ready: list[SchedulerReady] = []
         while time.monotonic() < deadline:
             msg = self.recv(POLL_MS)
             if isinstance(msg, SchedulerReady):
-                return msg
+                ready.append(msg)
+                if len(ready) == self.num_replicas:
+                    return ready[0]
             if isinstance(msg, SchedulerFailed):
                 raise EngineDeadError(f"the scheduler failed to start:\n{msg.error}")
             if (dead := self.dead_child()) is not None:
@@ -118,12 +131,16 @@ class Runtime:
     def recv(self, timeout_ms: int) -> Any | None:
         return self._from_detokenizer.recv(timeout_ms)
 
-    def send(self, msg: SchedulerInput) -> None:
+    def send(self, msg: SchedulerInput, replica: int = 0) -> None:
         """Not thread-safe; the engine serializes sends. A PUSH socket blocks while its peer is
         away, so wait in slices and give up if the scheduler died."""
-        while not self._to_scheduler.send(msg, timeout_ms=POLL_MS):
+        while not self._to_schedulers[replica].send(msg, timeout_ms=POLL_MS):
             if (dead := self.dead_child()) is not None:
                 raise EngineDeadError(dead)
+
+    def broadcast(self, msg: SchedulerInput) -> None:
+        for replica in range(self.num_replicas):
+            self.send(msg, replica)
 
     def shutdown(self) -> None:
         """Asks the scheduler to stop; it tells the detokenizer, which tells us. Then cleans up."""
@@ -131,7 +148,7 @@ class Runtime:
             return
         if self.dead_child() is None:
             with contextlib.suppress(EngineDeadError):
-                self.send(ShutdownRequest())
+                self.broadcast(ShutdownRequest())
         deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
         for child in self.children:
             try:
@@ -145,7 +162,8 @@ class Runtime:
         self.stop_children()
         if not self.closed:
             self.closed = True
-            self._to_scheduler.close()
+            for channel in self._to_schedulers:
+                channel.close()
             self._from_detokenizer.close()
             self.zmq.term()
             self.ipc.close()

@@ -140,3 +140,16 @@ def test_sessions_over_http(server: LiveServer) -> None:
             "/generate", json={"input_ids": [7], "sampling_params": params, "session_params": {"id": session}}
         )
         assert closed.status_code == 400 and "is not open" in closed.json()["error"]["message"]
+
+
+def test_a_data_parallel_server(tiny_model_dir: Any, start_server: Any) -> None:
+    live = start_server(tiny_model_dir("llama"), "--dp-size", "2", "--load-balance-method", "shortest_queue")
+    with live.client() as client:
+        body = {"input_ids": [[5, 6, i] for i in range(8)], "sampling_params": {"max_new_tokens": 4}}
+        results = client.post("/generate", json=body).json()
+        assert [r["meta_info"]["completion_tokens"] for r in results] == [4] * 8
+        info = live.server_info()
+        assert len(info["dp_replicas"]) == 2 and info["dp_size"] == 2
+        assert all(r["generated_tokens"] > 0 for r in info["dp_replicas"])
+        assert client.get("/get_load").status_code == 200
+    # finish(): both replicas idle with their KV intact, then a clean stop with no process left.

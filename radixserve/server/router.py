@@ -9,7 +9,9 @@ controller sits between its tokenizer and schedulers; here the tokenizer side is
   for every request sent there and not yet finished, its prompt plus the output it may still make.
   The engine keeps that count from what it sends and what comes back, so no polling is needed.
 - cache_aware: the replica that last served the longest prefix of the prompt (in 64-token blocks),
-  so that requests sharing a prefix meet its KV in one radix cache; shortest_queue otherwise.
+  so that requests sharing a prefix meet its KV in one radix cache; shortest_queue when none did,
+  or when that replica is too far ahead of the least loaded one (more than BALANCE_REL times its
+  outstanding tokens plus BALANCE_ABS): one shared prompt must not pile every request on one replica.
 
 Requests of one session always go to the replica of the session's earlier requests, where their
 history's KV is cached.
@@ -26,6 +28,8 @@ from radixserve.args import LOAD_BALANCE_METHODS
 from radixserve.messages import GenerateRequest
 
 PREFIX_BLOCK = 64
+BALANCE_ABS = 4096
+BALANCE_REL = 1.5
 # Prefix blocks remembered for cache-aware routing (least recently used ones are forgotten).
 MAX_REMEMBERED_PREFIXES = 100_000
 
@@ -81,12 +85,13 @@ class Router:
             replica = self._next
             self._next = (self._next + 1) % self.num_replicas
             return replica
-        if (
-            self.method == "cache_aware"
-            and (cached := self._longest_prefix_replica(req.input_ids)) is not None
-        ):
-            return cached
-        return min(range(self.num_replicas), key=lambda r: (self.outstanding[r], r))
+        least = min(range(self.num_replicas), key=lambda r: (self.outstanding[r], r))
+        if self.method == "cache_aware":
+            cached = self._longest_prefix_replica(req.input_ids)
+            limit = BALANCE_REL * self.outstanding[least] + BALANCE_ABS
+            if cached is not None and self.outstanding[cached] <= limit:
+                return cached
+        return least
 
     def _prefix_keys(self, ids: list[int]) -> list[int]:
         return [hash(tuple(ids[:end])) for end in range(PREFIX_BLOCK, len(ids) + 1, PREFIX_BLOCK)]

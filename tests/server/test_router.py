@@ -4,7 +4,7 @@ and merging the replicas' answers to a control command."""
 from __future__ import annotations
 
 from radixserve.messages import GenerateRequest
-from radixserve.server.router import PREFIX_BLOCK, Router, merge_replica_payloads
+from radixserve.server.router import BALANCE_ABS, PREFIX_BLOCK, Router, merge_replica_payloads
 
 
 def request(
@@ -82,3 +82,13 @@ def test_replica_answers_merge() -> None:
     assert merged["generated_tokens"] == 12 and merged["max_total_tokens"] == 100
     assert abs(merged["token_usage"] - 0.3) < 1e-9
     assert len(merged["dp_replicas"]) == 2
+
+
+def test_cache_aware_spills_over_when_one_replica_is_far_ahead() -> None:
+    router = Router(2, "cache_aware")
+    shared = list(range(100, 100 + 512))
+    picks = [router.pick(GenerateRequest(f"w{i}", [*shared, i], {"max_new_tokens": 32})) for i in range(32)]
+    # All share a prefix, but past BALANCE_ABS tokens of lead the other replica takes some, and
+    # from then on both replicas hold the prefix.
+    assert picks[:7] == [0] * 7 and 1 in picks
+    assert abs(router.outstanding[0] - router.outstanding[1]) <= BALANCE_ABS + 545

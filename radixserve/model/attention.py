@@ -10,7 +10,9 @@ lengths equal that is a single call per layer; with a wide mix, a few calls and 
 padding. (A fully flattened segment-softmax version was measured first: it materializes a copy
 of the queries per context token and was ~9x slower on CPU.)
 
-Cascade (CPU): when all requests of a bucket share a prefix of KV slots (the radix cache gives
+Cascade (CPU): in extend, requests whose cached prefixes are the same slots attend to that prefix
+in one call (their own new tokens in another) instead of each gathering it. In decode, when all
+requests of a bucket share a prefix of KV slots (the radix cache gives
 requests with a common prompt prefix the same slots), the shared part is gathered once and every
 query attends to it in one call; the per-request rest is attended separately, and the two partial
 results are merged by their log-sum-exp. Decode attention is memory-bound, so reading a 512-token
@@ -22,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from radixserve.model.forward_batch import DecodeBucket, DecodeLayout, ExtendSegment
+from radixserve.model.forward_batch import MIN_SHARED_PREFIX, DecodeBucket, DecodeLayout, ExtendSegment
 
 
 def extend_attention(
@@ -36,7 +38,14 @@ def extend_attention(
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D] for the new tokens. Returns [T, H, D]."""
     out = torch.empty_like(q)
-    for seg in segments:
+    done: set[int] = set()
+    if q.device.type == "cpu":
+        for group in _shared_prefix_groups(segments):
+            _cascade_extend(q, k, v, k_cache, v_cache, [segments[i] for i in group], scale, out)
+            done.update(group)
+    for index, seg in enumerate(segments):
+        if index in done:
+            continue
         rows = slice(seg.q_start, seg.q_start + seg.q_len)
         keys, values = k[rows], v[rows]
         if seg.prefix_len:
@@ -44,6 +53,81 @@ def extend_attention(
             values = torch.cat((v_cache.index_select(0, seg.prefix_slots), values))
         out[rows] = _causal_sdpa(q[rows], keys, values, seg.prefix_len, scale)
     return out
+
+
+def _shared_prefix_groups(segments: list[ExtendSegment]) -> list[list[int]]:
+    """Segments (two or more) whose cached prefixes are the very same KV slots."""
+    by_prefix: dict[tuple[int, int, int], list[int]] = {}
+    for index, seg in enumerate(segments):
+        if seg.prefix_len >= MIN_SHARED_PREFIX:
+            key = (seg.prefix_len, int(seg.prefix_slots[0]), int(seg.prefix_slots[-1]))
+            by_prefix.setdefault(key, []).append(index)
+    groups = []
+    for members in by_prefix.values():
+        first = segments[members[0]].prefix_slots
+        same = [i for i in members if torch.equal(segments[i].prefix_slots, first)]
+        if len(same) > 1:
+            groups.append(same)
+    return groups
+
+
+def _cascade_extend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    group: list[ExtendSegment],
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Segments sharing a cached prefix: all their new tokens attend to the prefix in one call
+    (every prefix position precedes them, so no mask), each segment causally to its own new
+    tokens, and the two parts are merged by log-sum-exp. Writes the rows of out."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    _, heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    per_head = heads // kv_heads
+    rows = torch.cat([torch.arange(s.q_start, s.q_start + s.q_len) for s in group])
+    count = int(rows.shape[0])
+    queries = q[rows]
+    # Shared part: queries grouped by their K/V head, [1, Hkv, rows * G, D] against the prefix.
+    slots = group[0].prefix_slots
+    prefix_k = k_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+    prefix_v = v_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+    stacked = queries.view(count, kv_heads, per_head, dim).permute(1, 0, 2, 3).reshape(1, kv_heads, -1, dim)
+    shared_out, shared_lse = flash(stacked, prefix_k, prefix_v, 0.0, False, scale=scale)
+    shared_out = (
+        shared_out.view(kv_heads, count, per_head, dim).permute(1, 0, 2, 3).reshape(count, heads, dim)
+    )
+    shared_lse = shared_lse.view(kv_heads, count, per_head).permute(1, 0, 2).reshape(count, heads)
+    # Own part: causal over the segment's new tokens (one call when they are all as long).
+    lengths = {s.q_len for s in group}
+    parts = [group] if len(lengths) == 1 else [[s] for s in group]
+    own_out, own_lse = [], []
+    for part in parts:
+        length = part[0].q_len
+        part_rows = torch.cat([torch.arange(s.q_start, s.q_start + s.q_len) for s in part])
+        shape = (len(part), length)
+        part_q = q[part_rows].view(*shape, heads, dim).transpose(1, 2)
+        part_k = k[part_rows].view(*shape, kv_heads, dim).transpose(1, 2).repeat_interleave(per_head, dim=1)
+        part_v = v[part_rows].view(*shape, kv_heads, dim).transpose(1, 2).repeat_interleave(per_head, dim=1)
+        o, lse = flash(part_q, part_k, part_v, 0.0, True, scale=scale)
+        own_out.append(o.transpose(1, 2).reshape(-1, heads, dim))
+        own_lse.append(lse.transpose(1, 2).reshape(-1, heads))
+    out[rows] = _merge_by_lse(shared_out, shared_lse, torch.cat(own_out), torch.cat(own_lse))
+
+
+def _merge_by_lse(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> torch.Tensor:
+    """Attention over the union of two key sets from each set's output and log-sum-exp: each part
+    weighted by its share of the total exp-sum. out: [..., D]; lse: [...]."""
+    top = torch.maximum(lse_a, lse_b)
+    weight_a = (lse_a - top).exp().unsqueeze(-1)
+    weight_b = (lse_b - top).exp().unsqueeze(-1)
+    merged = (out_a.float() * weight_a + out_b.float() * weight_b) / (weight_a + weight_b)
+    return merged.to(out_a.dtype)
 
 
 def _causal_sdpa(
@@ -131,9 +215,4 @@ def _cascade_attention(
         mask.masked_fill_(~bucket.mask, float("-inf"))
     own_out, own_lse = flash(grouped, own_k, own_v, 0.0, False, attn_mask=mask, scale=scale)
 
-    # Softmax over the union = each part weighted by its share of the total exp-sum.
-    top = torch.maximum(shared_lse, own_lse)
-    shared_w = (shared_lse - top).exp().unsqueeze(-1)
-    own_w = (own_lse - top).exp().unsqueeze(-1)
-    merged = (shared_out.float() * shared_w + own_out.float() * own_w) / (shared_w + own_w)
-    return merged.to(q.dtype).reshape(size, heads, dim)
+    return _merge_by_lse(shared_out, shared_lse, own_out, own_lse).reshape(size, heads, dim)

@@ -187,7 +187,8 @@ def _add_native_routes(app: FastAPI) -> None:
         # behind them (possibly a long prefill) and time out for no fault of the server.
         if engine.num_in_flight > 0 and time.monotonic() - engine.last_output_time < RECENT_OUTPUT_S:
             return Response(status_code=200)
-        req = engine.make_request([0], {"max_new_tokens": 1, "temperature": 0.0})
+        # One token (or, on an embedding model, one embedding) through the whole path.
+        req = engine.make_request([0], {"max_new_tokens": 1, "temperature": 0.0}, embed=engine.is_embedding)
         try:
             await asyncio.wait_for(_last(engine.stream(req)), HEALTH_GENERATE_TIMEOUT_S)
         except asyncio.TimeoutError:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from radixserve.model.attention import decode_attention, extend_attention
+from radixserve.model.attention import _shared_prefix_groups, decode_attention, extend_attention
 from radixserve.model.forward_batch import ExtendSegment, build_decode_layout
 
 HEADS, KV_HEADS, DIM = 6, 2, 8
@@ -80,3 +80,28 @@ def test_decode_attention_over_a_shared_prefix_matches_dense() -> None:
             slots = table[i, :n]
             expected = _reference(q[i : i + 1], k_cache[slots], v_cache[slots], prefix_len=n - 1)
             torch.testing.assert_close(out[i : i + 1], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_extend_attention_over_a_shared_prefix_matches_dense() -> None:
+    """Segments whose cached prefixes are the same slots take the cascade path."""
+    torch.manual_seed(3)
+    k_cache, v_cache = torch.randn(120, KV_HEADS, DIM), torch.randn(120, KV_HEADS, DIM)
+    shared = torch.randperm(120)[:40]
+    other = torch.randperm(120)[:35]
+    lengths = [5, 5, 3, 4]  # three segments on the shared prefix (two as long), one on its own
+    prefixes = [shared, shared, shared, other]
+    total = sum(lengths)
+    q = torch.randn(total, HEADS, DIM)
+    k, v = torch.randn(total, KV_HEADS, DIM), torch.randn(total, KV_HEADS, DIM)
+    segments, start = [], 0
+    for n, prefix in zip(lengths, prefixes, strict=True):
+        segments.append(ExtendSegment(q_start=start, q_len=n, prefix_len=len(prefix), prefix_slots=prefix))
+        start += n
+    assert _shared_prefix_groups(segments) == [[0, 1, 2]]
+    out = extend_attention(q, k, v, k_cache, v_cache, segments, DIM**-0.5)
+    for seg in segments:
+        rows = slice(seg.q_start, seg.q_start + seg.q_len)
+        keys = torch.cat((k_cache[seg.prefix_slots], k[rows]))
+        values = torch.cat((v_cache[seg.prefix_slots], v[rows]))
+        expected = _reference(q[rows], keys, values, seg.prefix_len)
+        torch.testing.assert_close(out[rows], expected, atol=1e-5, rtol=1e-5)

@@ -72,6 +72,7 @@ def test_native_encode(embed_server: LiveServer, reference: Callable[[str], torc
         ids = client.post("/encode", json={"input_ids": [101, 7592, 2088, 102]}).json()
         assert len(ids["embedding"]) == 384 and ids["meta_info"]["prompt_tokens"] == 4
         assert client.get("/get_model_info").json()["is_generation"] is False
+        assert client.get("/health_generate").status_code == 200
 
 
 @pytest.mark.parametrize(

@@ -96,9 +96,17 @@ class Channel:
 
     def send(self, msg: object, timeout_ms: int | None = None) -> bool:
         """Sends msg; with a timeout, gives up (returning False) if no peer takes it in time."""
-        if timeout_ms is not None and not self.socket.poll(timeout_ms, zmq.POLLOUT):
+        if timeout_ms is None:
+            self.socket.send_multipart(encode(msg))
+            return True
+        if not self.socket.poll(timeout_ms, zmq.POLLOUT):
             return False
-        self.socket.send_multipart(encode(msg))
+        try:
+            # Not blocking: a peer that dies between the poll and the send would otherwise leave
+            # this send waiting forever (seen when a test killed the scheduler).
+            self.socket.send_multipart(encode(msg), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return False
         return True
 
     def recv(self, timeout_ms: int | None = None) -> Any | None:

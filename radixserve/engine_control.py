@@ -3,19 +3,20 @@ command to the scheduler (see scheduler/control.py), answered once it has been c
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any
 
 from radixserve.messages import ControlResult
 from radixserve.sampling_params import InvalidRequestError
 
 
-class EngineControl:
+class EngineControl(ABC):
     """Mixed into Engine, which provides control()."""
 
+    @abstractmethod
     def control(
         self, command: str, timeout: float = 60.0, args: dict[str, Any] | None = None
-    ) -> ControlResult:
-        raise NotImplementedError
+    ) -> ControlResult: ...
 
     def update_weights_from_disk(self, model_path: str, timeout: float = 600.0) -> None:
         """Serves another checkpoint of the same architecture; requests in flight are aborted.

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 
 import pytest
 
@@ -18,13 +17,12 @@ def test_log_lines_report_cache_hit_rate_itl_and_ttft(caplog: pytest.LogCaptureF
         stats.record_first_token(0.040)
         for _ in range(4):
             stats.record_decode(batch_size=2)
-        time.sleep(0.02)
         stats.log_decode(running=2, used_tokens=48, usage=0.2, queued=0)
     prefill, decode = caplog.messages
     assert "#new-token: 30, #cached-token: 10, cache hit rate: 0.25" in prefill
     assert stats.time_to_first_token == pytest.approx(0.030)
     assert "TTFT (ms): 30.0" in decode
     # Four steps in the window: ITL is the window's time per step, throughput its tokens per second.
-    assert stats.inter_token_latency >= 0.02 / 4
+    assert stats.inter_token_latency > 0
     assert stats.gen_throughput == pytest.approx(8 / (4 * stats.inter_token_latency))
     assert f"ITL (ms): {1000 * stats.inter_token_latency:.1f}" in decode

@@ -18,6 +18,17 @@ class InvalidArgumentError(ValueError):
     """A server argument has a value the engine cannot work with."""
 
 
+def parse_host_port(address: str) -> tuple[str, int]:
+    """'host:port' or '[v6]:port' → (host, port)."""
+    host, sep, port = address.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidArgumentError(
+            f"--dist-init-addr must be HOST:PORT (e.g. 10.0.0.1:5000), got {address!r}"
+        )
+    return host, int(port)
+
+
 @dataclass
 class ServerArgs:
     # Model
@@ -47,6 +58,10 @@ class ServerArgs:
     grammar_backend: str = "xgrammar"
     grammar_timeout: float = 300.0
     enable_custom_logit_processor: bool = False
+    # Publish a step's results while the next forward runs (scheduler/outputs.py). Default: on
+    # CUDA only; these force it off or on.
+    disable_overlap_schedule: bool = False
+    enable_overlap_schedule: bool = False
 
     # HTTP server
     host: str = "127.0.0.1"
@@ -66,11 +81,15 @@ class ServerArgs:
     # Idle children wake up every 5 s instead of every 0.5 s (to check that the server still runs).
     sleep_on_idle: bool = False
 
-    # Parallelism: written tensor-parallel-ready, only tp 1 supported for now; data parallelism
-    # runs dp_size scheduler replicas (server/router.py).
+    # Parallelism (docs/parallelism.md): tp_size ranks share one model's weights; dp_size
+    # replicas each serve a whole model (server/router.py). A model's ranks may span nnodes
+    # machines, which meet at dist_init_addr (HOST:PORT, reachable from every node).
     tp_size: int = 1
     dp_size: int = 1
     load_balance_method: str = "round_robin"
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -123,8 +142,35 @@ class ServerArgs:
             raise InvalidArgumentError(
                 f"--load-balance-method must be one of {methods}, got {self.load_balance_method!r}"
             )
-        if self.tp_size != 1:
-            raise InvalidArgumentError("--tp-size > 1 is not supported yet; tensor parallelism is planned")
+        self._validate_parallelism()
+
+    def _validate_parallelism(self) -> None:
+        if self.tp_size < 1:
+            raise InvalidArgumentError(f"--tp-size must be >= 1, got {self.tp_size}")
+        if self.nnodes < 1:
+            raise InvalidArgumentError(f"--nnodes must be >= 1, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise InvalidArgumentError(
+                f"--node-rank must be in 0..{self.nnodes - 1} (--nnodes {self.nnodes}), got {self.node_rank}"
+            )
+        if self.dist_init_addr is not None:
+            parse_host_port(self.dist_init_addr)
+        if self.nnodes > 1:
+            if self.dist_init_addr is None:
+                raise InvalidArgumentError(
+                    "--nnodes > 1 needs --dist-init-addr HOST:PORT: an address of node 0 all nodes reach"
+                )
+            if self.tp_size % self.nnodes:
+                raise InvalidArgumentError(
+                    f"--tp-size ({self.tp_size}) must be a multiple of --nnodes ({self.nnodes}): "
+                    "each node runs the same number of ranks"
+                )
+            if self.dp_size != 1:
+                raise InvalidArgumentError("--nnodes > 1 supports --dp-size 1 only")
+
+    @property
+    def tp_ranks_per_node(self) -> int:
+        return self.tp_size // self.nnodes
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, http: bool = True) -> None:
@@ -196,6 +242,16 @@ class ServerArgs:
             action="store_true",
             help="let requests name a logit processor class importable on the server (module:Class)",
         )
+        sched.add_argument(
+            "--disable-overlap-schedule",
+            action="store_true",
+            help="publish each step's results before the next forward (overlap is on by default on CUDA)",
+        )
+        sched.add_argument(
+            "--enable-overlap-schedule",
+            action="store_true",
+            help="publish each step's results during the next forward, on a CPU too (off there by default)",
+        )
 
         if http:
             ServerArgs._add_http_args(parser)
@@ -216,13 +272,23 @@ class ServerArgs:
         )
 
         parallel = parser.add_argument_group("parallelism")
-        parallel.add_argument("--tp-size", type=int, default=1)
+        parallel.add_argument(
+            "--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1,
+            help="ranks that split one model's weights (tensor parallelism)",
+        )  # fmt: skip
         parallel.add_argument("--dp-size", type=int, default=1, help="scheduler replicas (data parallelism)")
         parallel.add_argument(
             "--load-balance-method",
             default="round_robin",
             choices=LOAD_BALANCE_METHODS,
             help="how requests are spread over the --dp-size replicas",
+        )
+        parallel.add_argument("--nnodes", type=int, default=1, help="machines the --tp-size ranks span")
+        parallel.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0..nnodes-1")
+        parallel.add_argument(
+            "--dist-init-addr",
+            default=None,
+            help="HOST:PORT where the ranks meet (node 0's address; default: a free local port)",
         )
 
     @staticmethod

@@ -129,7 +129,7 @@ SLEEP_ON_IDLE_CHECK_MS = 5000
 class ChildArgs:
     """What every child process is started with (see server/launch.py)."""
 
-    inbox: str
+    inbox: str | None  # None for a tensor-parallel rank > 0: its inputs come from rank 0
     outbox: str
     parent_pid: int
     tokenizer_dir: str
@@ -140,7 +140,7 @@ class ChildArgs:
 
 def parse_child_args(description: str, add_args: Callable[[argparse.ArgumentParser], object]) -> ChildArgs:
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--inbox", required=True)
+    parser.add_argument("--inbox", default=None)
     parser.add_argument("--outbox", required=True)
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--tokenizer-dir", required=True)
@@ -152,14 +152,14 @@ def parse_child_args(description: str, add_args: Callable[[argparse.ArgumentPars
 
 @contextmanager
 def child_channels(
-    name: str, inbox_address: str, outbox_address: str, *, bind_inbox: bool
-) -> Iterator[tuple[Channel, Channel]]:
+    name: str, inbox_address: str | None, outbox_address: str, *, bind_inbox: bool
+) -> Iterator[tuple[Channel | None, Channel]]:
     """A child's two sockets. An error that ends the child is sent on as its last word
     (SchedulerFailed with the traceback) before it propagates."""
     # Ctrl-C reaches the whole process group; the parent decides when children stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     context: zmq.Context[Any] = zmq.Context()
-    inbox = Channel(context, inbox_address, send=False, bind=bind_inbox)
+    inbox = None if inbox_address is None else Channel(context, inbox_address, send=False, bind=bind_inbox)
     outbox = Channel(context, outbox_address, send=True, bind=False, linger_ms=2000)
     try:
         yield inbox, outbox
@@ -168,6 +168,7 @@ def child_channels(
             outbox.send(SchedulerFailed(f"{name}: " + "".join(traceback.format_exception(exc))))
         raise
     finally:
-        inbox.close()
+        if inbox is not None:
+            inbox.close()
         outbox.close()
         context.term()

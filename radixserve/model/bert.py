@@ -18,14 +18,13 @@ from radixserve.cache.pools import KVCachePool
 from radixserve.model.config import ModelConfig
 from radixserve.model.forward_batch import ForwardBatch, ForwardMode
 from radixserve.model.layers import (
-    SINGLE,
     ColumnParallelLinear,
-    ParallelContext,
     RowParallelLinear,
     VocabParallelEmbedding,
     WeightTarget,
     copy_checked,
 )
+from radixserve.model.parallel import SINGLE, ParallelContext
 
 
 class LayerNorm(nn.LayerNorm):

@@ -1,13 +1,14 @@
-"""Building blocks of decoder models, written tensor-parallel-ready.
+"""Building blocks of decoder models, tensor-parallel.
 
 Each parallel layer holds only its own shard of the weight and knows how to cut that shard out of
-a full checkpoint tensor (`load`). With tp_size == 1 the shard is the whole tensor; the collective
-that a row-parallel layer or the vocab-parallel embedding would need is marked where it belongs.
+a full checkpoint tensor (`load`). With tp_size == 1 the shard is the whole tensor and the
+collectives (model/parallel.py) do nothing.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,26 +16,47 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-@dataclass(frozen=True)
-class ParallelContext:
-    tp_rank: int = 0
-    tp_size: int = 1
+from radixserve.model.parallel import SINGLE, ParallelContext, all_reduce, gather_last_dim
 
 
-SINGLE = ParallelContext()
+class ShardingError(ValueError):
+    """The model's shapes cannot be split over --tp-size ranks."""
 
 
-def _divide(numerator: int, denominator: int, what: str) -> int:
+def divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator:
-        raise ValueError(f"{what} ({numerator}) is not divisible by tp_size ({denominator})")
+        raise ShardingError(f"{what} ({numerator}) is not divisible by --tp-size ({denominator})")
     return numerator // denominator
 
 
-def _all_reduce(x: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
-    if ctx.tp_size == 1:
-        return x
-    raise NotImplementedError("tensor parallelism > 1 needs torch.distributed; it is not wired up yet")
+@dataclass(frozen=True)
+class OutputShard:
+    """Rows [start, start + local) of a logical matrix of `full` rows live on this rank."""
+
+    full: int
+    local: int
+    start: int
+
+
+def split_evenly(full: int, ctx: ParallelContext, what: str = "output size") -> OutputShard:
+    local = divide(full, ctx.tp_size, what)
+    return OutputShard(full, local, ctx.tp_rank * local)
+
+
+def split_kv_heads(num_kv_heads: int, head_dim: int, ctx: ParallelContext) -> OutputShard:
+    """K/V heads are split like the query heads; with fewer KV heads than ranks, each rank keeps
+    a copy of the one KV head its query heads attend with."""
+    if num_kv_heads >= ctx.tp_size:
+        local_heads = divide(num_kv_heads, ctx.tp_size, "num_key_value_heads")
+        first = ctx.tp_rank * local_heads
+    else:
+        if ctx.tp_size % num_kv_heads:
+            raise ShardingError(
+                f"--tp-size ({ctx.tp_size}) must be a multiple of num_key_value_heads ({num_kv_heads}) "
+                "when it is larger"
+            )
+        local_heads, first = 1, ctx.tp_rank * num_kv_heads // ctx.tp_size
+    return OutputShard(num_kv_heads * head_dim, local_heads * head_dim, first * head_dim)
 
 
 def cpu_packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
@@ -92,14 +114,22 @@ class _Linear(nn.Module):
 class ColumnParallelLinear(_Linear):
     """y = x W^T + b with W split by output rows across ranks.
 
-    `output_sizes` lists the logical sub-matrices stacked in this layer (q, k, v or gate, up),
-    so that each is sharded separately and loaded by shard id.
+    `outputs` lists the logical sub-matrices stacked in this layer (q, k, v or gate, up), so that
+    each is sharded separately and loaded by shard id: a size is split evenly over the ranks, an
+    OutputShard says which rows this rank keeps.
     """
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool, ctx: ParallelContext = SINGLE):
+    def __init__(
+        self,
+        input_size: int,
+        outputs: Sequence[int | OutputShard],
+        bias: bool,
+        ctx: ParallelContext = SINGLE,
+    ):
         super().__init__()
         self.ctx = ctx
-        self.local_sizes = [_divide(size, ctx.tp_size, "output size") for size in output_sizes]
+        self.shards = [o if isinstance(o, OutputShard) else split_evenly(o, ctx) for o in outputs]
+        self.local_sizes = [s.local for s in self.shards]
         self.offsets = [sum(self.local_sizes[:i]) for i in range(len(self.local_sizes))]
         out = sum(self.local_sizes)
         self.weight = nn.Parameter(torch.empty(out, input_size), requires_grad=False)
@@ -109,13 +139,11 @@ class ColumnParallelLinear(_Linear):
         target = self.weight if name == "weight" else self.bias
         if target is None:
             raise ValueError(f"this layer has no {name}")
-        size = self.local_sizes[shard]
-        if tensor.shape[0] != size * self.ctx.tp_size:
-            raise ValueError(
-                f"{name} shard {shard}: expected {size * self.ctx.tp_size} rows, got {tensor.shape[0]}"
-            )
-        piece = tensor.narrow(0, self.ctx.tp_rank * size, size)
-        copy_checked(target.data.narrow(0, self.offsets[shard], size), piece, f"{name} shard {shard}")
+        spec = self.shards[shard]
+        if tensor.shape[0] != spec.full:
+            raise ValueError(f"{name} shard {shard}: expected {spec.full} rows, got {tensor.shape[0]}")
+        piece = tensor.narrow(0, spec.start, spec.local)
+        copy_checked(target.data.narrow(0, self.offsets[shard], spec.local), piece, f"{name} shard {shard}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -127,7 +155,7 @@ class RowParallelLinear(_Linear):
     def __init__(self, input_size: int, output_size: int, bias: bool, ctx: ParallelContext = SINGLE):
         super().__init__()
         self.ctx = ctx
-        self.local_input = _divide(input_size, ctx.tp_size, "input size")
+        self.local_input = divide(input_size, ctx.tp_size, "input size")
         self.weight = nn.Parameter(torch.empty(output_size, self.local_input), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
 
@@ -145,7 +173,7 @@ class RowParallelLinear(_Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, after the reduction, so that it is not counted tp_size times.
-        y = _all_reduce(self.matmul(x, None), self.ctx)
+        y = all_reduce(self.matmul(x, None), self.ctx)
         return y if self.bias is None else y + self.bias
 
 
@@ -155,6 +183,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, ctx: ParallelContext = SINGLE):
         super().__init__()
         self.ctx = ctx
+        self.vocab_size = vocab_size
         self.vocab_per_rank = math.ceil(vocab_size / ctx.tp_size)
         self.start = ctx.tp_rank * self.vocab_per_rank
         self.end = min(vocab_size, self.start + self.vocab_per_rank)
@@ -169,7 +198,7 @@ class VocabParallelEmbedding(nn.Module):
         owned = (ids >= self.start) & (ids < self.end)
         local = torch.where(owned, ids - self.start, torch.zeros_like(ids))
         out = F.embedding(local, self.weight) * owned.unsqueeze(-1)
-        return _all_reduce(out, self.ctx)
+        return all_reduce(out, self.ctx)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -189,9 +218,8 @@ class ParallelLMHead(VocabParallelEmbedding):
             out = torch.ops.mkldnn._linear_pointwise(hidden, self.packed, None, "none", [], "")
         else:
             out = F.linear(hidden, self.weight)
-        if self.ctx.tp_size > 1:
-            raise NotImplementedError("gathering vocab-parallel logits needs torch.distributed")
-        return out
+        # Every rank gets the whole vocabulary's logits, so every rank takes the same decisions.
+        return gather_last_dim(out, self.vocab_size, self.ctx)
 
 
 class RMSNorm(nn.Module):

@@ -17,17 +17,19 @@ from radixserve.model.attention import decode_attention, extend_attention
 from radixserve.model.config import ModelConfig
 from radixserve.model.forward_batch import ForwardBatch, ForwardMode
 from radixserve.model.layers import (
-    SINGLE,
     ColumnParallelLinear,
-    ParallelContext,
     ParallelLMHead,
     RMSNorm,
     RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
     WeightTarget,
+    divide,
     silu_and_mul,
+    split_evenly,
+    split_kv_heads,
 )
+from radixserve.model.parallel import SINGLE, ParallelContext
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin for the batch's positions
 
@@ -37,14 +39,13 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.head_dim = config.head_dim
-        self.num_heads = config.num_attention_heads // ctx.tp_size
-        # With more ranks than KV heads each rank keeps one (replicated) KV head.
-        self.num_kv_heads = max(1, config.num_key_value_heads // ctx.tp_size)
+        self.num_heads = divide(config.num_attention_heads, ctx.tp_size, "num_attention_heads")
         self.scale = self.head_dim**-0.5
         q_size = config.num_attention_heads * self.head_dim
-        kv_size = config.num_key_value_heads * self.head_dim
+        kv = split_kv_heads(config.num_key_value_heads, self.head_dim, ctx)
+        self.num_kv_heads = kv.local // self.head_dim
         self.qkv_proj = ColumnParallelLinear(
-            config.hidden_size, [q_size, kv_size, kv_size], bias=config.attention_bias, ctx=ctx
+            config.hidden_size, [split_evenly(q_size, ctx), kv, kv], bias=config.attention_bias, ctx=ctx
         )
         self.o_proj = RowParallelLinear(q_size, config.hidden_size, bias=False, ctx=ctx)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None

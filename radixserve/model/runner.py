@@ -14,9 +14,10 @@ from radixserve.cache.pools import KVCachePool
 from radixserve.model.bert import Encoder
 from radixserve.model.config import ModelConfig, ModelLoadError
 from radixserve.model.forward_batch import ForwardBatch
-from radixserve.model.layers import cpu_packing_supported
+from radixserve.model.layers import cpu_packing_supported, split_kv_heads
 from radixserve.model.llama import ARCHITECTURES, CausalLM
 from radixserve.model.loader import ModelSource, iter_weights, load_model_config, resolve_model_source
+from radixserve.model.parallel import SINGLE, ParallelContext, broadcast_from_leader, min_over_ranks
 from radixserve.model.pooling import PoolingConfig, finish_embeddings, pool_segments, read_pooling_config
 from radixserve.model.sampler import SamplingBatch, sample
 from radixserve.model.weight_updates import WeightStash, read_weight, repack, update_weights
@@ -85,8 +86,13 @@ class RunnerInfo:
 
 
 class ModelRunner:
-    def __init__(self, args: ServerArgs, source: ModelSource | None = None):
+    """With tensor parallelism, one runner per rank holds that rank's shard (`parallel`)."""
+
+    def __init__(
+        self, args: ServerArgs, source: ModelSource | None = None, parallel: ParallelContext = SINGLE
+    ):
         self.args = args
+        self.parallel = parallel
         self.device = pick_device(args.device)
         self.dtype = pick_dtype(args.dtype, self.device)
         self.source = source or resolve_model_source(args.model_path)
@@ -97,6 +103,9 @@ class ModelRunner:
         self.context_len = self._context_len(self.config, args)
         # An embedding model answers embedding requests only (like SGLang's --is-embedding).
         self.is_embedding = args.is_embedding or self.config.is_encoder
+        if self.config.is_encoder and parallel.tp_size > 1:
+            raise InvalidArgumentError("encoder (BERT) models run with --tp-size 1 only")
+        self.local_kv_heads = split_kv_heads(self.config.num_key_value_heads, 1, parallel).local
         self.pooling: PoolingConfig | None = None
         if self.is_embedding:
             model_dir = self.source.path if self.source.kind == "hf_dir" else None
@@ -113,12 +122,13 @@ class ModelRunner:
             self.dtype,
             self.device,
         )
-        self.max_total_tokens = self._kv_capacity()
+        # Ranks see different free memory; their schedulers must count the same slots.
+        self.max_total_tokens = min_over_ranks(self._kv_capacity(), parallel)
         self.kv_pool = KVCachePool(
             num_slots=self.max_total_tokens,
             # An encoder keeps no K/V between steps: its slots are only accounting.
             num_layers=0 if self.config.is_encoder else self.config.num_hidden_layers,
-            num_kv_heads=max(1, self.config.num_key_value_heads // args.tp_size),
+            num_kv_heads=self.local_kv_heads,
             head_dim=self.config.head_dim,
             dtype=self.dtype,
             device=self.device,
@@ -144,7 +154,7 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                model = model_cls(self.config, max_positions=self.context_len)
+                model = model_cls(self.config, self.context_len, self.parallel)
         finally:
             torch.set_default_dtype(previous)
         model.load_weights(iter_weights(self.source, self.config))
@@ -155,7 +165,7 @@ class ModelRunner:
     def _kv_capacity(self) -> int:
         per_slot = KVCachePool.bytes_per_slot(
             self.config.num_hidden_layers,
-            max(1, self.config.num_key_value_heads // self.args.tp_size),
+            self.local_kv_heads,
             self.config.head_dim,
             self.dtype,
         )
@@ -275,4 +285,12 @@ class ModelRunner:
         return finish_embeddings(pooled, self.pooling)
 
     def sample(self, logits: torch.Tensor, sampling: SamplingBatch) -> torch.Tensor:
-        return sample(logits, sampling)
+        """With tensor parallelism rank 0 samples and the others take its tokens: one broadcast of
+        a few ids keeps the ranks in step, whatever the seeds and the random state."""
+        if self.parallel.tp_size == 1:
+            return sample(logits, sampling)
+        if self.parallel.is_leader:
+            tokens = sample(logits, sampling)
+        else:
+            tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+        return broadcast_from_leader(tokens, self.parallel)

@@ -176,7 +176,17 @@ class GrammarMatcher:
 class GrammarQueue:
     """Requests whose grammar is still compiling. The scheduler polls it every step."""
 
-    def __init__(self, backend_name: str, timeout_s: float, tokenizer: Callable[[], Any], vocab_size: int):
+    def __init__(
+        self,
+        backend_name: str,
+        timeout_s: float,
+        tokenizer: Callable[[], Any],
+        vocab_size: int,
+        agree: Callable[[list[int]], list[int]] = lambda settled: settled,
+    ):
+        """`agree` makes tensor-parallel ranks settle the same requests in the same step (rank 0's
+        view wins: scheduler/rank_sync.py); alone, a scheduler trusts its own clock."""
+        self.agree = agree
         self.backend_name = backend_name
         self.timeout_s = timeout_s
         self._tokenizer = tokenizer
@@ -206,12 +216,22 @@ class GrammarQueue:
         """(requests whose grammar is ready, now with a matcher; requests that failed, with why)."""
         ready: list[Req] = []
         failed: list[tuple[Req, str]] = []
-        still: list[Req] = []
         now = time.monotonic()
-        for req in self.pending:
+        # Settled requests as 2 * index, plus one when the deadline passed before the compile ended.
+        settled = []
+        for index, req in enumerate(self.pending):
+            assert req.grammar_job is not None
+            if req.grammar_job.done():
+                settled.append(2 * index)
+            elif now > req.grammar_deadline:
+                settled.append(2 * index + 1)
+        settled = self.agree(settled)
+        for code in settled:
+            req, timed_out = self.pending[code // 2], code % 2 == 1
             job = req.grammar_job
             assert job is not None
-            if job.done():
+            if not timed_out:
+                # Done here, or on rank 0 and soon here too: the same compile on the same inputs.
                 result = job.result()
                 if result.error is not None:
                     failed.append((req, result.error))
@@ -219,15 +239,13 @@ class GrammarQueue:
                     assert req.grammar_key is not None
                     req.grammar = self.backend.matcher(result.grammar, req.grammar_key[0])
                     ready.append(req)
-                req.grammar_job = None
-            elif now > req.grammar_deadline:
+            else:
                 failed.append(
                     (req, f"the grammar did not compile within {self.timeout_s:g}s (--grammar-timeout)")
                 )
-                req.grammar_job = None
-            else:
-                still.append(req)
-        self.pending = still
+            req.grammar_job = None
+        gone = {code // 2 for code in settled}
+        self.pending = [req for index, req in enumerate(self.pending) if index not in gone]
         return ready, failed
 
     def wait(self, timeout_s: float) -> None:

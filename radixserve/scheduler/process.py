@@ -29,60 +29,92 @@ from radixserve.scheduler.watchdog import start_watchdog
 logger = logging.getLogger("radixserve.scheduler")
 
 
-def place_replica(args: ServerArgs, rank: int) -> None:
-    """A data-parallel replica gets a GPU of its own, or on a CPU its share of the cores (replicas
+def place_rank(args: ServerArgs, dp_rank: int, tp_rank: int) -> None:
+    """Each rank on this machine gets a GPU of its own, or on a CPU its share of the cores (ranks
     competing for every core run slower than each on its own share)."""
     import torch
 
+    per_node = args.tp_ranks_per_node
+    local_ranks = args.dp_size * per_node
+    if local_ranks == 1:
+        return
     if args.device in ("auto", "cuda") and torch.cuda.is_available():
-        args.device = f"cuda:{rank % torch.cuda.device_count()}"
+        args.device = f"cuda:{(dp_rank * per_node + tp_rank % per_node) % torch.cuda.device_count()}"
     elif args.device in ("auto", "cpu"):
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.dp_size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
+
+
+def scheduler_name(args: ServerArgs, dp_rank: int, tp_rank: int) -> str:
+    parts = [f"dp{dp_rank}"] if args.dp_size > 1 else []
+    parts += [f"tp{tp_rank}"] if args.tp_size > 1 else []
+    return "-".join(["scheduler", *parts])
 
 
 def run_scheduler_process(server_args: dict[str, Any], child: ChildArgs) -> None:
-    """Outputs go to the detokenizer (outbox), which passes on what is not token ids."""
+    """Outputs go to the detokenizer (outbox), which passes on what is not token ids. A
+    tensor-parallel rank > 0 has no inbox and sends nothing but its last word if it fails."""
     args = ServerArgs(**server_args)
-    rank = int(child.ns.dp_rank)
-    name = "scheduler" if args.dp_size == 1 else f"scheduler-dp{rank}"
+    dp_rank, tp_rank = int(child.ns.dp_rank), int(child.ns.tp_rank)
+    name = scheduler_name(args, dp_rank, tp_rank)
     configure_logging(args.log_level, prefix=f" {name}")
     with child_channels(name, child.inbox, child.outbox, bind_inbox=False) as (inbox, outbox):
-        if args.dp_size > 1:
-            place_replica(args, rank)
+        place_rank(args, dp_rank, tp_rank)
         from transformers import AutoTokenizer
 
+        from radixserve.model.parallel import barrier, destroy, init_tensor_parallel
+        from radixserve.model.runner import pick_device
         from radixserve.scheduler.scheduler import Scheduler
 
-        tokenizer = AutoTokenizer.from_pretrained(child.tokenizer_dir, local_files_only=True)
-        scheduler = Scheduler(args, tokenizer=tokenizer)
-        outbox.send(
-            SchedulerReady(
-                scheduler.max_total_tokens,
-                scheduler.context_len,
-                scheduler.config.vocab_size,
-                scheduler.runner.is_embedding,
-                scheduler.config.hidden_size,
-            )
+        parallel = init_tensor_parallel(
+            tp_rank, args.tp_size, child.ns.dist_init_addr or "", pick_device(args.device)
         )
+        tokenizer = AutoTokenizer.from_pretrained(child.tokenizer_dir, local_files_only=True)
+        scheduler = Scheduler(args, tokenizer=tokenizer, parallel=parallel)
+        # Ready only when every rank has its weights: the first broadcast would wait for them anyway.
+        barrier(parallel)
+        if inbox is not None:
+            outbox.send(
+                SchedulerReady(
+                    scheduler.max_total_tokens,
+                    scheduler.context_len,
+                    scheduler.config.vocab_size,
+                    scheduler.runner.is_embedding,
+                    scheduler.config.hidden_size,
+                )
+            )
         if args.watchdog_timeout is not None:
             start_watchdog(scheduler, args.watchdog_timeout)
 
-        def receive(block: bool) -> list[SchedulerInput]:
+        def check_parent() -> None:
+            # Checked on every step, busy or not: an orphaned scheduler must not keep computing.
+            if os.getppid() != child.parent_pid:
+                logger.warning("parent process is gone; scheduler exiting")
+                sys.exit(0)
+
+        def receive_own(block: bool) -> list[SchedulerInput]:
+            assert inbox is not None
             messages: list[SchedulerInput] = []
             while True:
-                # Checked on every step, busy or not: an orphaned scheduler must not keep computing.
-                if os.getppid() != child.parent_pid:
-                    logger.warning("parent process is gone; scheduler exiting")
-                    sys.exit(0)
+                check_parent()
                 if not block or messages:
                     break
                 if (first := inbox.recv(child.idle_wait_ms)) is not None:
                     messages.append(first)
+                elif args.tp_size > 1:
+                    break  # an empty share now and then keeps the other ranks' collective alive
             while (msg := inbox.recv(0)) is not None:
                 messages.append(msg)
             return messages
 
+        def receive(block: bool) -> list[SchedulerInput]:
+            if inbox is None:
+                check_parent()
+                return scheduler.rank_sync.share_messages([])
+            return scheduler.rank_sync.share_messages(receive_own(block))
+
         def emit(outputs: list[SchedulerOutput]) -> None:
+            if inbox is None:
+                return  # rank 0 answers for the group
             # One message per step for all token outputs; control results keep their place after them.
             tokens = [out for out in outputs if isinstance(out, ReqOutput)]
             if tokens:
@@ -92,7 +124,9 @@ def run_scheduler_process(server_args: dict[str, Any], child: ChildArgs) -> None
                     outbox.send(out)
 
         scheduler.event_loop(receive, emit)
-        outbox.send(ShutdownRequest())
+        if inbox is not None:
+            outbox.send(ShutdownRequest())
+        destroy(parallel)
 
 
 def main() -> None:
@@ -101,6 +135,8 @@ def main() -> None:
         lambda parser: (
             parser.add_argument("--server-args-json", required=True),
             parser.add_argument("--dp-rank", type=int, default=0),
+            parser.add_argument("--tp-rank", type=int, default=0),
+            parser.add_argument("--dist-init-addr", default=None),
         ),
     )
     run_scheduler_process(json.loads(child.ns.server_args_json), child)

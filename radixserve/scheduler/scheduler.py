@@ -22,7 +22,6 @@ from radixserve.cache.radix_cache import ChunkCache, PrefixCache, RadixCache
 from radixserve.messages import (
     AbortRequest,
     ControlRequest,
-    DetokenizeParams,
     FinishReason,
     GenerateRequest,
     ReqOutput,
@@ -32,6 +31,7 @@ from radixserve.messages import (
     TokenLogprobs,
 )
 from radixserve.model.forward_batch import ForwardBatch
+from radixserve.model.parallel import SINGLE, ParallelContext
 from radixserve.model.runner import ModelRunner
 from radixserve.sampling_params import InvalidRequestError, SamplingParams
 from radixserve.scheduler.batch import KVContext, KVExhaustedError, build_decode_batch, build_extend_batch
@@ -40,8 +40,10 @@ from radixserve.scheduler.grammar import GrammarQueue, InvalidGrammarError, gram
 from radixserve.scheduler.logit_processors import ProcessorRegistry
 from radixserve.scheduler.logprobs import record_input_logprobs
 from radixserve.scheduler.next_tokens import pick_next_tokens, record_prompt_hidden_states
+from radixserve.scheduler.outputs import Decided, OutputBuilder, OverlappedPublisher, overlap_enabled
 from radixserve.scheduler.policy import CLIP_MAX_NEW_TOKENS_ESTIMATE, AddResult, PrefillAdder, SchedulePolicy
 from radixserve.scheduler.profiler import StepProfiler
+from radixserve.scheduler.rank_sync import RankSync
 from radixserve.scheduler.request import Req
 from radixserve.scheduler.stats import SchedulerStats
 
@@ -67,10 +69,17 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, args: ServerArgs, runner: ModelRunner | None = None, tokenizer: Any = None):
+    def __init__(
+        self,
+        args: ServerArgs,
+        runner: ModelRunner | None = None,
+        tokenizer: Any = None,
+        parallel: ParallelContext = SINGLE,
+    ):
         # Only stop strings need text here; without a tokenizer one is loaded when first needed.
         self._tokenizer = tokenizer
-        self.runner = runner or ModelRunner(args)
+        self.runner = runner or ModelRunner(args, parallel=parallel)
+        self.rank_sync = RankSync(parallel)
         if self.runner.config.is_encoder:
             # Bidirectional attention: a text runs whole, and its K/V cannot serve another text.
             args = dataclasses.replace(args, chunked_prefill_size=None, disable_radix_cache=True)
@@ -99,11 +108,19 @@ class Scheduler:
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.grammar_queue = GrammarQueue(
-            args.grammar_backend, args.grammar_timeout, self._get_tokenizer, self.config.vocab_size
+            args.grammar_backend,
+            args.grammar_timeout,
+            self._get_tokenizer,
+            self.config.vocab_size,
+            agree=self.rank_sync.agree,
         )
         self.chunked_req: Req | None = None
         self.reqs: dict[str, Req] = {}
-        self._emitted: dict[str, int] = {}
+        self.outputs = OutputBuilder()
+        # --enable/--disable-overlap-schedule: publish a step's results during the next forward.
+        self.publisher = OverlappedPublisher() if overlap_enabled(args, device) else None
+        # The last step's results, decided but not yet published (overlap schedule only).
+        self._unpublished: Decided | None = None
 
         self.reset_new_token_ratio()
         self.stats = SchedulerStats()
@@ -127,6 +144,12 @@ class Scheduler:
     # ------------------------------------------------------------------ requests in
 
     def handle(self, msg: SchedulerInput) -> list[SchedulerOutput]:
+        # Published first: an abort must come after the last output, and a session's next turn
+        # after its previous one's KV is in the cache.
+        published: list[SchedulerOutput] = list(self._publish_unpublished())
+        return published + self._handle(msg)
+
+    def _handle(self, msg: SchedulerInput) -> list[SchedulerOutput]:
         if isinstance(msg, GenerateRequest):
             return list(self.add_request(msg))
         if isinstance(msg, AbortRequest):
@@ -153,7 +176,7 @@ class Scheduler:
                 ids = self._stand_in_ids(len(vectors))
             self._validate_input(msg.rid, ids, real_ids=vectors is None)
         except InvalidRequestError as exc:
-            return [self._error_output(msg.rid, len(ids), str(exc))]
+            return [self.outputs.error(msg.rid, len(ids), str(exc))]
         prompt_len = len(ids)
         if self.runner.is_embedding:
             params.max_new_tokens = 0  # the prompt's pass gives the embedding; nothing is sampled
@@ -182,7 +205,7 @@ class Scheduler:
                 req.input_logprob_next = max(1, msg.logprob_start_len)
         if params.max_new_tokens == 0 and not req.needs_input_logprobs and not self.runner.is_embedding:
             req.finished_reason = FinishReason("length")
-            return [self._output(req)]
+            return [self.outputs.final(req)]
         self.reqs[req.rid] = req
         self._idle_checked = False
         if (key := grammar_key(params)) is not None:
@@ -190,7 +213,7 @@ class Scheduler:
                 self.grammar_queue.add(req, key)
             except InvalidGrammarError as exc:
                 del self.reqs[req.rid]
-                return [self._error_output(msg.rid, prompt_len, str(exc))]
+                return [self.outputs.error(msg.rid, prompt_len, str(exc))]
             return self._move_ready_grammar_requests()
         self.waiting.append(req)
         return []
@@ -266,10 +289,13 @@ class Scheduler:
     # ------------------------------------------------------------------ one step
 
     def step(self) -> list[SchedulerOutput]:
+        started, steps = time.perf_counter(), self.stats.forward_steps
         outputs: list[SchedulerOutput] = []
         if self.grammar_queue.pending:
             outputs += self._move_ready_grammar_requests()
         outputs += self._run_one_batch()
+        if self.stats.forward_steps > steps:
+            self.stats.step_time_s += time.perf_counter() - started
         if self.idle_waiters and self.is_idle:
             waiters, self.idle_waiters = self.idle_waiters, []
             for msg in waiters:
@@ -279,12 +305,13 @@ class Scheduler:
     def _run_one_batch(self) -> list[ReqOutput]:
         batch = self._next_batch()
         if batch is None:
+            published = self._publish_unpublished()
             if self.grammar_queue.pending:
                 # Only grammars are left to wait for: sleep on them instead of spinning.
                 self.grammar_queue.wait(GRAMMAR_POLL_S)
-                return []
+                return published
             self._check_idle()
-            return []
+            return published
         self.stats.forward_steps += 1
         self.profiler.before_step(batch.is_prefill)
         self.step_started = time.monotonic()
@@ -292,7 +319,18 @@ class Scheduler:
             time.sleep(self.forward_sleep_s)
         if self.runner.is_embedding:
             return self._run_embedding_batch(batch)
-        logits, hidden = self.runner.forward(batch.forward)
+        unpublished, self._unpublished = self._unpublished, None
+        publishing = None
+        if unpublished is not None and self.publisher is not None:
+            publishing = self.publisher.start(lambda: self._publish(unpublished))
+            self.stats.overlapped_steps += 1
+        forward_started = time.perf_counter()
+        try:
+            logits, hidden = self.runner.forward(batch.forward)
+        finally:
+            # Joined even when the forward fails: nothing may touch the cache while it runs.
+            published = [] if publishing is None else publishing.result()
+        self.stats.forward_time_s += time.perf_counter() - forward_started
         self.step_started = None
         self.profiler.after_step(batch.is_prefill)
         sampling_reqs = [r for r in batch.reqs if r.kv_len == r.seq_len]
@@ -306,7 +344,11 @@ class Scheduler:
             next_ids = pick_next_tokens(
                 sampling_reqs, logits, hidden, self.config.vocab_size, self.runner.sample, self._grammar_mask
             )
-        return self._process_result(batch, dict(zip(map(id, sampling_reqs), next_ids, strict=True)))
+        decided = self._decide(batch, dict(zip(map(id, sampling_reqs), next_ids, strict=True)))
+        if self.publisher is None:
+            return published + self._publish(decided)
+        self._unpublished = decided
+        return published
 
     def _run_embedding_batch(self, batch: ScheduledBatch) -> list[ReqOutput]:
         """Embedding requests finish with their prompt's pass (a chunk of a long one only fills KV)."""
@@ -316,7 +358,7 @@ class Scheduler:
         done = [r for r in batch.reqs if r.kv_len == r.seq_len]
         for req, vector in zip(done, embeddings, strict=True):
             req.embedding = vector
-        return self._process_result(batch, {})
+        return self._publish(self._decide(batch, {}))
 
     def _grammar_mask(self, reqs: list[Req], device: torch.device) -> torch.Tensor | None:
         if all(r.grammar is None for r in reqs):
@@ -325,7 +367,13 @@ class Scheduler:
 
     @property
     def is_idle(self) -> bool:
-        return not (self.waiting or self.running or self.chunked_req or self.grammar_queue.pending)
+        return not (
+            self.waiting
+            or self.running
+            or self.chunked_req
+            or self.grammar_queue.pending
+            or self._unpublished is not None
+        )
 
     def _next_batch(self) -> ScheduledBatch | None:
         prefill = self._prefill_batch()
@@ -444,8 +492,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ results out
 
-    def _process_result(self, batch: ScheduledBatch, next_ids: dict[int, int]) -> list[ReqOutput]:
-        outputs: list[ReqOutput] = []
+    def _decide(self, batch: ScheduledBatch, next_ids: dict[int, int]) -> Decided:
+        """Everything about the step's results that the next batch depends on (outputs.py)."""
+        decided = Decided()
         # Sets, not list scans: this runs for every request on every step.
         running = {id(r) for r in self.running}
         finished: set[int] = set()
@@ -467,19 +516,35 @@ class Scheduler:
                         req.finished_reason = FinishReason("stop", matched=req.output_ids[-1])
             req.check_finished(self.context_len, self._decode if req.sampling_params.stop else None)
             if req.finished:
-                self._release_kv(req)
+                # Out of reach of aborts now; its KV is released when it is published.
+                self.reqs.pop(req.rid, None)
                 finished.add(id(req))
-                outputs.append(self._finish(req))
+                decided.reqs.append((req, True))
                 continue
             if batch.is_prefill and id(req) not in running:
                 self.tree_cache.cache_unfinished_req(req, req.fill_ids)
                 self.running.append(req)
-            if len(req.output_ids) - self._emitted.get(req.rid, 0) >= self.args.stream_interval:
-                outputs.append(self._output(req))
+            if self.outputs.unsent_tokens(req) >= self.args.stream_interval:
+                decided.reqs.append((req, False))
         if finished:
             self.running = [r for r in self.running if id(r) not in finished]
         self.stats.generated_tokens += len(next_ids)
+        return decided
+
+    def _publish(self, decided: Decided) -> list[ReqOutput]:
+        """Releases finished requests' KV into the cache and builds the outputs (outputs.py)."""
+        outputs = []
+        for req, finished in decided.reqs:
+            if finished:
+                self._release_kv(req)
+                outputs.append(self.outputs.final(req))
+            else:
+                outputs.append(self.outputs.progress(req))
         return outputs
+
+    def _publish_unpublished(self) -> list[ReqOutput]:
+        unpublished, self._unpublished = self._unpublished, None
+        return [] if unpublished is None else self._publish(unpublished)
 
     def _get_tokenizer(self) -> Any:
         if self._tokenizer is None:
@@ -501,50 +566,7 @@ class Scheduler:
 
     def _finish(self, req: Req) -> ReqOutput:
         self.reqs.pop(req.rid, None)
-        out = self._output(req)
-        self._emitted.pop(req.rid, None)
-        return out
-
-    def _output(self, req: Req) -> ReqOutput:
-        start = self._emitted.get(req.rid, 0)
-        self._emitted[req.rid] = len(req.output_ids)
-        params = req.sampling_params
-        return ReqOutput(
-            rid=req.rid,
-            new_token_ids=req.output_ids[start:],
-            finished_reason=req.finished_reason,
-            prompt_tokens=len(req.origin_input_ids),
-            completion_tokens=len(req.output_ids),
-            cached_tokens=req.cached_tokens,
-            detokenize=DetokenizeParams(
-                params.stop,
-                params.skip_special_tokens,
-                params.no_stop_trim,
-                params.spaces_between_special_tokens,
-            ),
-            logprobs=None if req.logprobs is None else req.logprobs.since(start),
-            input_logprobs=self._unsent_input_logprobs(req),
-            embedding=req.embedding,
-            hidden_states=req.hidden_states[start:] if req.return_hidden_states else None,
-            prompt_hidden_states=self._unsent_prompt_hidden_states(req),
-        )
-
-    def _unsent_prompt_hidden_states(self, req: Req) -> list[list[float]] | None:
-        # Complete once the prompt is prefilled, which is before the first output.
-        if not req.return_hidden_states or req.prompt_hidden_sent:
-            return None
-        req.prompt_hidden_sent = True
-        return req.prompt_hidden_states
-
-    def _unsent_input_logprobs(self, req: Req) -> TokenLogprobs | None:
-        # Complete once the prompt is prefilled, which is before the first output.
-        if req.input_logprobs is None or req.input_logprobs_sent:
-            return None
-        req.input_logprobs_sent = True
-        return req.input_logprobs
-
-    def _error_output(self, rid: str, prompt_tokens: int, message: str) -> ReqOutput:
-        return ReqOutput(rid, [], FinishReason("abort", message=message), prompt_tokens, 0, 0)
+        return self.outputs.final(req)
 
     # ------------------------------------------------------------------ accounting
 
@@ -586,6 +608,8 @@ class Scheduler:
             for msg in receive(self.is_idle):
                 if isinstance(msg, ShutdownRequest):
                     self.grammar_queue.shutdown()
+                    if self.publisher is not None:
+                        self.publisher.shutdown()
                     self.runner.close()
                     return
                 outputs += self.handle(msg)

@@ -15,6 +15,12 @@ class SchedulerStats:
     prefill_batches: int = 0
     decode_steps: int = 0
     retracted_reqs: int = 0
+    # Steps whose previous results were published while their forward ran (overlap schedule).
+    overlapped_steps: int = 0
+    # Seconds inside step() and, of those, inside the model's forward (with the publish it
+    # overlaps): the difference is the scheduler's own time.
+    step_time_s: float = 0.0
+    forward_time_s: float = 0.0
     aborted_reqs: int = 0
     prompt_tokens_computed: int = 0
     cached_tokens: int = 0

@@ -164,6 +164,7 @@ class DetokenizerManager:
 def run_detokenizer_process(child: ChildArgs) -> None:
     # The scheduler connects to our inbox; the engine bound the socket we send to.
     with child_channels("detokenizer", child.inbox, child.outbox, bind_inbox=True) as (inbox, outbox):
+        assert inbox is not None
         from transformers import AutoTokenizer
 
         manager = DetokenizerManager(

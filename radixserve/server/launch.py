@@ -3,7 +3,10 @@
     engine ──GenerateRequest──▶ scheduler ──OutputBatch──▶ detokenizer ──TextBatch──▶ engine
 
 With --dp-size N there are N scheduler processes (replicas), each with its own inbox, all sending
-to the one detokenizer; the engine routes requests among them (server/router.py).
+to the one detokenizer; the engine routes requests among them (server/router.py). With --tp-size M
+each replica is M scheduler processes, one per rank; only rank 0 has an inbox and talks to the
+detokenizer, and it shares its inputs with the other ranks (scheduler/rank_sync.py). Ranks on
+other machines (--nnodes) are started there by `radixserve serve --node-rank N` (WorkerNode).
 
 The children are fresh interpreters (`python -m ...`), not multiprocessing forks: nothing is pickled,
 and the caller's __main__ is never re-imported. They talk over ZMQ IPC sockets in a private 0700
@@ -18,6 +21,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -26,7 +30,7 @@ from typing import Any
 
 import zmq
 
-from radixserve.args import ServerArgs
+from radixserve.args import ServerArgs, parse_host_port
 from radixserve.ipc import PARENT_CHECK_MS, SLEEP_ON_IDLE_CHECK_MS, Channel, IpcDir
 from radixserve.messages import SchedulerFailed, SchedulerInput, SchedulerReady, ShutdownRequest
 
@@ -54,6 +58,49 @@ def describe_exit(name: str, code: int) -> str:
     return f"the {name} process exited with code {code}"
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def dist_init_addr(args: ServerArgs, replica: int) -> str | None:
+    """Where the tensor-parallel ranks of one replica meet: --dist-init-addr (its port plus the
+    replica's index), else a free local port."""
+    if args.tp_size == 1:
+        return None
+    if args.dist_init_addr is None:
+        return f"127.0.0.1:{free_port()}"
+    host, port = parse_host_port(args.dist_init_addr)
+    return f"{host}:{port + replica}"
+
+
+def scheduler_command(
+    child_args: dict[str, Any],
+    tokenizer_dir: str,
+    outbox: str,
+    parent: str,
+    idle_wait: str,
+    replica: int,
+    tp_rank: int,
+    init_addr: str | None,
+) -> list[str]:
+    command = [
+        sys.executable, "-m", "radixserve.scheduler.process",
+        "--server-args-json", json.dumps(child_args), "--tokenizer-dir", tokenizer_dir,
+        "--outbox", outbox, "--parent-pid", parent, "--idle-wait-ms", idle_wait,
+        "--dp-rank", str(replica), "--tp-rank", str(tp_rank),
+    ]  # fmt: skip
+    return command + (["--dist-init-addr", init_addr] if init_addr else [])
+
+
+def rank_name(args: ServerArgs, replica: int, tp_rank: int) -> str:
+    where = [f"dp rank {replica}"] if args.dp_size > 1 else []
+    where += [f"tp rank {tp_rank}"] if args.tp_size > 1 else []
+    return "scheduler" + (f" ({', '.join(where)})" if where else "")
+
+
 @dataclass
 class Child:
     name: str
@@ -74,6 +121,7 @@ class Runtime:
         tokenizer.save_pretrained(tokenizer_dir)
         replicas = range(args.dp_size)
         to_schedulers = [self.ipc.address(f"scheduler-in-{i}") for i in replicas]
+        init_addrs = [dist_init_addr(args, replica) for replica in replicas]
         to_detokenizer = self.ipc.address("detokenizer-in")
         to_engine = self.ipc.address("engine-in")
         self._to_schedulers = [Channel(self.zmq, address, send=True, bind=True) for address in to_schedulers]
@@ -89,15 +137,15 @@ class Runtime:
             "--num-schedulers", str(args.dp_size),
         ]  # fmt: skip
         self.children = [Child("detokenizer", subprocess.Popen(detokenizer_cmd))]
-        for rank, inbox in zip(replicas, to_schedulers, strict=True):
-            scheduler_cmd = [
-                sys.executable, "-m", "radixserve.scheduler.process",
-                "--server-args-json", json.dumps(child_args), "--tokenizer-dir", tokenizer_dir,
-                "--inbox", inbox, "--outbox", to_detokenizer, "--parent-pid", parent,
-                "--idle-wait-ms", idle_wait, "--dp-rank", str(rank),
-            ]  # fmt: skip
-            name = "scheduler" if args.dp_size == 1 else f"scheduler (dp rank {rank})"
-            self.children.append(Child(name, subprocess.Popen(scheduler_cmd)))
+        for replica, inbox, init_addr in zip(replicas, to_schedulers, init_addrs, strict=True):
+            # This node's ranks: node 0 holds rank 0, which receives the replica's requests.
+            for tp_rank in range(args.tp_ranks_per_node):
+                command = scheduler_command(
+                    child_args, tokenizer_dir, to_detokenizer, parent, idle_wait, replica, tp_rank, init_addr
+                )
+                if tp_rank == 0:
+                    command += ["--inbox", inbox]
+                self.children.append(Child(rank_name(args, replica, tp_rank), subprocess.Popen(command)))
         self.closed = False
 
     @property

@@ -28,6 +28,10 @@ GRACEFUL_SHUTDOWN_S = 5
 
 def serve(args: ServerArgs) -> int:
     configure_logging(args.log_level)
+    if args.node_rank > 0:
+        from radixserve.server.worker_node import serve_worker_node
+
+        return serve_worker_node(args)
     engines: list[Engine] = []
 
     def on_fatal(error: str) -> None:

@@ -1,0 +1,108 @@
+"""From requests to ReqOutput messages, and the overlap of publishing them with the next forward.
+
+A step's results are handled in two parts. Deciding (scheduler.py) appends each sampled token,
+advances grammars, checks stops and updates the running list: the next batch depends on it.
+Publishing (here) releases the KV of finished requests into the cache and builds the outputs:
+nothing in the next batch depends on it, so with the overlap schedule it runs in a helper thread
+while the main thread runs the next forward (torch releases the GIL inside its kernels).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from radixserve.args import ServerArgs
+from radixserve.messages import DetokenizeParams, FinishReason, ReqOutput, TokenLogprobs
+from radixserve.scheduler.request import Req
+
+
+class OutputBuilder:
+    """Builds each request's ReqOutput from what it has not been sent yet."""
+
+    def __init__(self) -> None:
+        self._sent: dict[str, int] = {}
+
+    def unsent_tokens(self, req: Req) -> int:
+        return len(req.output_ids) - self._sent.get(req.rid, 0)
+
+    def final(self, req: Req) -> ReqOutput:
+        out = self.progress(req)
+        self._sent.pop(req.rid, None)
+        return out
+
+    def progress(self, req: Req) -> ReqOutput:
+        start = self._sent.get(req.rid, 0)
+        self._sent[req.rid] = len(req.output_ids)
+        params = req.sampling_params
+        return ReqOutput(
+            rid=req.rid,
+            new_token_ids=req.output_ids[start:],
+            finished_reason=req.finished_reason,
+            prompt_tokens=len(req.origin_input_ids),
+            completion_tokens=len(req.output_ids),
+            cached_tokens=req.cached_tokens,
+            detokenize=DetokenizeParams(
+                params.stop,
+                params.skip_special_tokens,
+                params.no_stop_trim,
+                params.spaces_between_special_tokens,
+            ),
+            logprobs=None if req.logprobs is None else req.logprobs.since(start),
+            input_logprobs=_unsent_input_logprobs(req),
+            embedding=req.embedding,
+            hidden_states=req.hidden_states[start:] if req.return_hidden_states else None,
+            prompt_hidden_states=_unsent_prompt_hidden_states(req),
+        )
+
+    @staticmethod
+    def error(rid: str, prompt_tokens: int, message: str) -> ReqOutput:
+        return ReqOutput(rid, [], FinishReason("abort", message=message), prompt_tokens, 0, 0)
+
+
+def _unsent_prompt_hidden_states(req: Req) -> list[list[float]] | None:
+    # Complete once the prompt is prefilled, which is before the first output.
+    if not req.return_hidden_states or req.prompt_hidden_sent:
+        return None
+    req.prompt_hidden_sent = True
+    return req.prompt_hidden_states
+
+
+def _unsent_input_logprobs(req: Req) -> TokenLogprobs | None:
+    # Complete once the prompt is prefilled, which is before the first output.
+    if req.input_logprobs is None or req.input_logprobs_sent:
+        return None
+    req.input_logprobs_sent = True
+    return req.input_logprobs
+
+
+@dataclass
+class Decided:
+    """One step's requests to publish, in batch order: (request, whether it finished)."""
+
+    reqs: list[tuple[Req, bool]] = field(default_factory=list)
+
+
+def overlap_enabled(args: ServerArgs, device: torch.device) -> bool:
+    """On by default on CUDA. Off by default on a CPU, where it measured slower (docs/parallelism.md):
+    the forward's threads already use every core, so the helper only takes time from them."""
+    if args.disable_overlap_schedule:
+        return False
+    return args.enable_overlap_schedule or device.type == "cuda"
+
+
+class OverlappedPublisher:
+    """Runs one publish job at a time in a helper thread; the caller joins it before it touches
+    the cache or the requests again."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radixserve-publish")
+
+    def start(self, publish: Callable[[], list[ReqOutput]]) -> Future[list[ReqOutput]]:
+        return self._pool.submit(publish)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True)

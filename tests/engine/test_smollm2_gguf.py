@@ -40,7 +40,7 @@ def test_first_step_logits_match_transformers(smollm2_gguf_path: Path) -> None:
     batch = scheduler._next_batch()
     assert batch is not None
     ours = scheduler.runner.forward(batch.forward)[0][0]
-    scheduler._process_result(batch, {id(batch.reqs[0]): int(ours.argmax())})
+    scheduler._publish(scheduler._decide(batch, {id(batch.reqs[0]): int(ours.argmax())}))
     scheduler.check_kv_invariant()
 
     assert int(ours.argmax()) == int(expected.argmax())

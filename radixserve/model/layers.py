@@ -99,10 +99,13 @@ class _Linear(nn.Module):
         # The packed copy replaces the plain one; keep memory at one copy of the weights.
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
+    def dense_weight(self) -> torch.Tensor:
+        return self.weight.data if self.packed is None else self.packed.to_dense()
+
     def unpack(self) -> None:
         """Back to a plain weight, which loading and reading need; pack_for_cpu() packs again."""
         if self.packed is not None:
-            self.weight = nn.Parameter(self.packed.to_dense(), requires_grad=False)
+            self.weight = nn.Parameter(self.dense_weight(), requires_grad=False)
             self.packed = None
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -171,10 +174,23 @@ class RowParallelLinear(_Linear):
         piece = tensor.narrow(1, self.ctx.tp_rank * self.local_input, self.local_input)
         copy_checked(self.weight.data, piece, "weight")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x W^T (+ bias) (+ residual).
+
+        A packed weight adds the residual in oneDNN's epilogue, on the fp32 accumulator before
+        rounding: one pass less, and closer to the fp32 result. Measured on SmolLM2-135M bf16,
+        first-step logits against fp32: mean |error| 0.07-0.27 with it, 0.05-0.41 without. (A fused
+        SiLU-and-multiply for gate/up was 15% faster in prefill but less accurate, 0.07-0.28, and
+        derailed the chat answer tests/engine/test_smollm2_gguf.py guards, so it is not used.)"""
+        if residual is not None and self.packed is not None and self.bias is None and self.ctx.tp_size == 1:
+            fused = torch.ops.mkldnn._linear_pointwise.binary
+            out: torch.Tensor = fused(x, residual, self.packed, None, "add")
+            return out
         # The bias is added once, after the reduction, so that it is not counted tp_size times.
         y = all_reduce(self.matmul(x, None), self.ctx)
-        return y if self.bias is None else y + self.bias
+        if self.bias is not None:
+            y = y + self.bias
+        return y if residual is None else residual + y
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -259,20 +275,21 @@ class RotaryEmbedding(nn.Module):
         self.sin: torch.Tensor
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin rows for these positions, shaped to broadcast over heads; done once per forward.
-
-        The rotation then runs in the model's dtype, as in the reference implementation.
-        """
-        cos = self.cos[positions].unsqueeze(1).to(dtype)
-        sin = self.sin[positions].unsqueeze(1).to(dtype)
-        return cos, sin
+        """[cos, cos] and [-sin, sin] rows for these positions, shaped to broadcast over heads;
+        done once per forward. The rotation then runs in the model's dtype, as in the reference."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
 
     @staticmethod
     def rotate(rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, head_dim] (query heads, key heads, or both stacked)."""
-        cos, sin = rope
+        """x: [T, heads, head_dim] (query heads, key heads, or both stacked).
+
+        (x1, x2) → (x1·cos − x2·sin, x2·cos + x1·sin) in four passes over x instead of seven, and
+        bit for bit the same: the sign sits in the table, and a + (−b) rounds as a − b."""
+        cos, signed_sin = rope
         x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return x * cos + torch.cat((x2, x1), dim=-1) * signed_sin
 
 
 def _apply_rope_scaling(inv_freq: torch.Tensor, scaling: dict[str, Any] | None) -> torch.Tensor:

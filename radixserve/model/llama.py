@@ -52,8 +52,14 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(
-        self, hidden: torch.Tensor, batch: ForwardBatch, kv_pool: KVCachePool, rope: Rope
+        self,
+        hidden: torch.Tensor,
+        batch: ForwardBatch,
+        kv_pool: KVCachePool,
+        rope: Rope,
+        residual: torch.Tensor,
     ) -> torch.Tensor:
+        """The attention's output added to residual."""
         tokens = hidden.shape[0]
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
@@ -77,7 +83,7 @@ class Attention(nn.Module):
         else:
             assert batch.extend is not None
             out = extend_attention(q, k, v, k_cache, v_cache, batch.extend, self.scale)
-        return self.o_proj(out.reshape(tokens, q_size))
+        return self.o_proj(out.reshape(tokens, q_size), residual)
 
 
 class MLP(nn.Module):
@@ -87,8 +93,9 @@ class MLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [size, size], bias=False, ctx=ctx)
         self.down_proj = RowParallelLinear(size, config.hidden_size, bias=False, ctx=ctx)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The MLP's output added to residual."""
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)), residual)
 
 
 class DecoderLayer(nn.Module):
@@ -102,8 +109,8 @@ class DecoderLayer(nn.Module):
     def forward(
         self, hidden: torch.Tensor, batch: ForwardBatch, kv_pool: KVCachePool, rope: Rope
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), batch, kv_pool, rope)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        hidden = self.self_attn(self.input_layernorm(hidden), batch, kv_pool, rope, residual=hidden)
+        return self.mlp(self.post_attention_layernorm(hidden), residual=hidden)
 
 
 # checkpoint name → (our module path, shard index within a stacked layer)

@@ -86,6 +86,24 @@ def gather_last_dim(local: torch.Tensor, full_size: int, ctx: ParallelContext) -
     return torch.cat(pieces, dim=-1)[..., :full_size]
 
 
+def gather_shards(local: torch.Tensor, dim: int, start: int, full: int, ctx: ParallelContext) -> torch.Tensor:
+    """The whole tensor from every rank's slice [start, start + len) along dim; slices that ranks
+    hold in copies (replicated KV heads) land on the same place."""
+    places = [torch.empty(2, dtype=torch.int64) for _ in range(ctx.tp_size)]
+    dist.all_gather(places, torch.tensor([start, local.shape[dim]]), group=ctx.cpu_group)
+    width = max(int(p[1]) for p in places)
+    pad = [0, 0] * (local.dim() - 1 - dim) + [0, width - local.shape[dim]]
+    padded = torch.nn.functional.pad(local, pad).contiguous()
+    pieces = [torch.empty_like(padded) for _ in range(ctx.tp_size)]
+    dist.all_gather(pieces, padded, group=ctx.group)
+    shape = list(local.shape)
+    shape[dim] = full
+    out = local.new_empty(shape)
+    for (first, length), piece in zip((p.tolist() for p in places), pieces, strict=True):
+        out.narrow(dim, first, length).copy_(piece.narrow(dim, 0, length))
+    return out
+
+
 def broadcast_from_leader(x: torch.Tensor, ctx: ParallelContext, cpu: bool = False) -> torch.Tensor:
     """Rank 0's x on every rank (x must have the same shape and dtype everywhere)."""
     if ctx.tp_size > 1:

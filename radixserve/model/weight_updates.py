@@ -18,7 +18,15 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from radixserve.model.layers import ColumnParallelLinear, ParallelLMHead, WeightTarget, _Linear
+from radixserve.model.layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    WeightTarget,
+    _Linear,
+)
+from radixserve.model.parallel import SINGLE, ParallelContext, gather_shards
 
 Packable = _Linear | ParallelLMHead
 
@@ -65,19 +73,37 @@ def update_weights(model: ResolvingModel, named: list[tuple[str, torch.Tensor]],
 
 
 def read_weight(model: ResolvingModel, name: str) -> torch.Tensor:
-    """A weight as the checkpoint names it: a stacked layer gives back only that name's rows."""
+    """A weight as the checkpoint names it: a stacked layer gives back only that name's rows. With
+    tensor parallelism every rank must call this together: the ranks' shards are gathered."""
     target = model.resolve(name) or model.resolve(name.removeprefix("model."))
     if target is None:
         raise KeyError(f"{name} is not stored separately in this model (tied to another weight?)")
     module = target.module
     tensor = getattr(module, target.param)
-    if isinstance(module, _Linear) and target.param == "weight" and module.packed is not None:
-        tensor = module.packed.to_dense()
+    if isinstance(module, _Linear) and target.param == "weight":
+        tensor = module.dense_weight()
     if isinstance(module, ColumnParallelLinear):
         tensor = tensor.narrow(0, module.offsets[target.shard], module.local_sizes[target.shard])
     if tensor.numel() == 0:
         raise KeyError(f"{name} is not in memory now (released by /release_memory_occupation)")
+    place = _shard_place(target)
+    ctx: ParallelContext = getattr(module, "ctx", SINGLE)
+    if place is not None and ctx.tp_size > 1:
+        tensor = gather_shards(tensor.contiguous(), *place, ctx)
     return tensor.detach()
+
+
+def _shard_place(target: WeightTarget) -> tuple[int, int, int] | None:
+    """(dim, this rank's first index, full size) of a split weight; None for a copied one."""
+    module = target.module
+    if isinstance(module, ColumnParallelLinear):
+        spec = module.shards[target.shard]
+        return 0, spec.start, spec.full
+    if isinstance(module, RowParallelLinear) and target.param == "weight":
+        return 1, module.ctx.tp_rank * module.local_input, module.local_input * module.ctx.tp_size
+    if isinstance(module, VocabParallelEmbedding):
+        return 0, module.start, module.vocab_size
+    return None
 
 
 class WeightStash:

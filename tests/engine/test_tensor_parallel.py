@@ -61,6 +61,17 @@ def test_two_ranks_batched_cached_chunked_and_sampled(
     # are split; tests/model/test_tensor_parallel_layers.py checks the split exactly.
     weights = [e.get_stats()["resident_bytes"]["weights"] for e in (single, engine)]
     assert 0.5 * weights[0] < weights[1] < 0.6 * weights[0]
+    # Reading a weight gathers the ranks' shards: rows, columns or vocabulary split alike.
+    for name in (
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.1.self_attn.v_proj.weight",
+        "model.layers.0.self_attn.o_proj.weight",
+        "model.layers.1.mlp.down_proj.weight",
+        "model.layers.1.mlp.up_proj.weight",
+        "model.embed_tokens.weight",
+        "model.norm.weight",
+    ):
+        assert engine.get_weights_by_name(name, 10**6) == single.get_weights_by_name(name, 10**6), name
 
 
 def test_two_ranks_retract_under_a_tiny_kv_pool(

@@ -16,10 +16,9 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import time
 from typing import Any
 
-from radixserve.bench.workloads import Workload, make_workload
+from radixserve.bench.workloads import Workload, make_workload, time_engine_runs
 from radixserve.engine import Engine
 
 SETUPS = [(1, "round_robin"), (2, "round_robin"), (2, "shortest_queue"), (2, "cache_aware")]
@@ -39,25 +38,11 @@ def run(model: str, dp_size: int, method: str, repeats: int) -> dict[str, Any]:
         schedule_policy="lpm", log_level="warning",
     ) as engine:  # fmt: skip
         for workload in (make_workload("W1"), make_workload("W2"), grouped_workload()):
-            name = workload.name
-            params = {"temperature": 0.0, "max_new_tokens": workload.max_new_tokens, "ignore_eos": True}
-            engine.generate(
-                input_ids=[p[:16] for p in workload.prompts], sampling_params={**params, "max_new_tokens": 2}
-            )
-            seconds, hit_rates = [], []
-            for _ in range(repeats):
-                engine.flush_cache()
-                before = engine.get_stats()
-                start = time.perf_counter()
-                engine.generate(input_ids=workload.prompts, sampling_params=params)
-                seconds.append(time.perf_counter() - start)
-                after = engine.get_stats()
-                cached = after["cached_tokens"] - before["cached_tokens"]
-                hit_rates.append(cached / workload.in_tokens)
+            runs = time_engine_runs(engine, workload, repeats)
             tokens = workload.in_tokens + workload.out_tokens
-            results[name] = {
-                "tok_s": tokens / statistics.median(seconds),
-                "cache_hit": statistics.median(hit_rates),
+            results[workload.name] = {
+                "tok_s": tokens / statistics.median(r.seconds for r in runs),
+                "cache_hit": statistics.median(r.delta("cached_tokens") / workload.in_tokens for r in runs),
             }
     return results
 

@@ -16,12 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
 from radixserve.bench.model import ensure_random_smollm2
-from radixserve.bench.workloads import make_workload
+from radixserve.bench.workloads import make_workload, time_engine_runs
 from radixserve.engine import Engine
 
 SETUPS = [(1, False), (1, True), (2, False), (2, True)]
@@ -53,27 +52,15 @@ def run(model: Path, tp_size: int, overlap: bool, repeats: int) -> dict[str, Any
         log_level="warning", **{flag: True},
     ) as engine:  # fmt: skip
         for workload in (make_workload("W1"), make_workload("W2")):
-            params = {"temperature": 0.0, "max_new_tokens": workload.max_new_tokens, "ignore_eos": True}
-            engine.generate(
-                input_ids=[p[:16] for p in workload.prompts], sampling_params={**params, "max_new_tokens": 2}
-            )
-            seconds, sched_ms, fwd_ms = [], [], []
-            for _ in range(repeats):
-                engine.flush_cache()
-                before = engine.get_stats()
-                start = time.perf_counter()
-                engine.generate(input_ids=workload.prompts, sampling_params=params)
-                seconds.append(time.perf_counter() - start)
-                after = engine.get_stats()
-                steps = after["forward_steps"] - before["forward_steps"]
-                step_s = after["step_time_s"] - before["step_time_s"]
-                forward_s = after["forward_time_s"] - before["forward_time_s"]
-                sched_ms.append(1000 * (step_s - forward_s) / steps)
-                fwd_ms.append(1000 * forward_s / steps)
+            runs = time_engine_runs(engine, workload, repeats)
+            steps = [r.delta("forward_steps") for r in runs]
+            forward_s = [r.delta("forward_time_s") for r in runs]
+            sched_s = [r.delta("step_time_s") - f for r, f in zip(runs, forward_s, strict=True)]
             results[workload.name] = {
-                "tok_s": (workload.in_tokens + workload.out_tokens) / statistics.median(seconds),
-                "sched_ms": statistics.median(sched_ms),
-                "fwd_ms": statistics.median(fwd_ms),
+                "tok_s": (workload.in_tokens + workload.out_tokens)
+                / statistics.median(r.seconds for r in runs),
+                "sched_ms": statistics.median(1000 * s / n for s, n in zip(sched_s, steps, strict=True)),
+                "fwd_ms": statistics.median(1000 * f / n for f, n in zip(forward_s, steps, strict=True)),
             }
     return results
 

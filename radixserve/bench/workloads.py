@@ -11,6 +11,7 @@ draw order), so throughput figures are comparable with numbers their scripts pro
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,3 +100,32 @@ def parse_workload_names(spec: str) -> list[str]:
     if bad or not names:
         raise ValueError(f"workloads must be a comma list of {', '.join(WORKLOAD_NAMES)}, got {spec!r}")
     return names
+
+
+@dataclass
+class EngineRun:
+    """One timed run of a workload through an Engine, with its stats before and after."""
+
+    seconds: float
+    before: dict[str, Any]
+    after: dict[str, Any]
+
+    def delta(self, stat: str) -> float:
+        return float(self.after[stat] - self.before[stat])
+
+
+def time_engine_runs(engine: Any, workload: Workload, repeats: int) -> list[EngineRun]:
+    """Greedy runs of the workload through an Engine: one short warm-up on the prompts' first 16
+    tokens, then `repeats` timed runs, each on a cold prefix cache."""
+    params = {"temperature": 0.0, "max_new_tokens": workload.max_new_tokens, "ignore_eos": True}
+    warm_up = {**params, "max_new_tokens": 2}
+    engine.generate(input_ids=[p[:16] for p in workload.prompts], sampling_params=warm_up)
+    runs = []
+    for _ in range(repeats):
+        engine.flush_cache()
+        before = engine.get_stats()
+        start = time.perf_counter()
+        engine.generate(input_ids=workload.prompts, sampling_params=params)
+        seconds = time.perf_counter() - start
+        runs.append(EngineRun(seconds, before, engine.get_stats()))
+    return runs

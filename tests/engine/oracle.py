@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import queue
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -68,3 +70,11 @@ def run_scheduler(scheduler: Scheduler, request: GenerateRequest) -> Collected:
     while result.finished_reason is None:
         take(list(scheduler.step()))
     return result
+
+
+def final_output(box: queue.Queue[Any], timeout: float = 60) -> Any:
+    """The output that ends a request's stream (the callback puts each output in box)."""
+    out = box.get(timeout=timeout)
+    while out.finished_reason is None:
+        out = box.get(timeout=timeout)
+    return out

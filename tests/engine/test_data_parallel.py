@@ -11,7 +11,7 @@ from typing import Any
 
 from radixserve.engine import Engine
 from radixserve.messages import ControlResult, TextOutput
-from tests.engine.oracle import GREEDY, random_prompts
+from tests.engine.oracle import GREEDY, final_output, random_prompts
 
 
 def test_two_replicas_serve_64_requests_like_one(
@@ -51,7 +51,4 @@ def test_abort_all_reaches_every_replica(
     assert all(n > 0 for n in running), running
     engine.abort(abort_all=True)
     for box in boxes:
-        out = box.get(timeout=60)
-        while out.finished_reason is None:
-            out = box.get(timeout=60)
-        assert out.finished_reason.type == "abort"
+        assert final_output(box).finished_reason.type == "abort"

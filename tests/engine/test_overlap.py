@@ -12,7 +12,7 @@ import pytest
 
 from radixserve.engine import Engine
 from radixserve.messages import ControlResult, TextOutput
-from tests.engine.oracle import GREEDY, GreedyOracle, random_prompts
+from tests.engine.oracle import GREEDY, GreedyOracle, final_output, random_prompts
 
 
 def _requests() -> tuple[list[list[int]], list[dict[str, Any]]]:
@@ -81,10 +81,7 @@ def test_overlap_streams_every_token_and_aborts_cleanly(
             got += len(box.get(timeout=60).new_token_ids)
     engine.abort(abort_all=True)
     for box in boxes:
-        out = box.get(timeout=60)
-        while out.finished_reason is None:
-            out = box.get(timeout=60)
-        assert out.finished_reason.type == "abort"
+        assert final_output(box).finished_reason.type == "abort"
         # Nothing arrives after the final output.
         with pytest.raises(queue.Empty):
             box.get(timeout=0.5)

@@ -33,6 +33,7 @@ from radixserve.messages import (
 from radixserve.model.forward_batch import ForwardBatch
 from radixserve.model.parallel import SINGLE, ParallelContext
 from radixserve.model.runner import ModelRunner
+from radixserve.prompts import PromptLimits
 from radixserve.sampling_params import InvalidRequestError, SamplingParams
 from radixserve.scheduler.batch import KVContext, KVExhaustedError, build_decode_batch, build_extend_batch
 from radixserve.scheduler.control import handle_control
@@ -88,6 +89,7 @@ class Scheduler:
         self.context_len = self.runner.context_len
         self.max_total_tokens = self.runner.max_total_tokens
         self.max_running = args.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
+        self.prompt_limits = PromptLimits(self.context_len, self.max_total_tokens, allow_auto_truncate=False)
         device = self.runner.device
         # One spare request slot: a request being prefilled in chunks is not counted as running.
         self.req_to_token_pool = ReqToTokenPool(
@@ -249,16 +251,8 @@ class Scheduler:
         vocab = self.config.vocab_size
         if real_ids and (min(ids) < 0 or max(ids) >= vocab):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
-        if len(ids) > self.context_len - (0 if self.runner.is_embedding else 1):
-            raise InvalidRequestError(
-                f"the prompt has {len(ids)} tokens, but the context length is {self.context_len}; "
-                "shorten the prompt"
-            )
-        if len(ids) + 1 > self.max_total_tokens:
-            raise InvalidRequestError(
-                f"the prompt has {len(ids)} tokens, more than the KV cache can ever hold "
-                f"({self.max_total_tokens} tokens); shorten it or raise --max-total-tokens"
-            )
+        # The engine checked (or cut) the length already; the scheduler can be driven directly.
+        self.prompt_limits.allowed_prompt_len(len(ids), embed=self.runner.is_embedding)
 
     def abort_all_and_flush(self) -> list[SchedulerOutput]:
         """After a weight change: requests in flight hold KV of the old weights, and so does the cache."""

@@ -16,8 +16,11 @@ from tests.engine.oracle import GREEDY, GreedyOracle, final_output, random_promp
 
 
 def _requests() -> tuple[list[list[int]], list[dict[str, Any]]]:
+    # On and off batch differently, and fp32 sums in another order differ by ~1e-5. The seeds give
+    # greedy continuations whose top-2 logit gap stays >= 5e-3 in transformers (seed 32's tails had
+    # a 1e-4 near-tie, which flipped between the two runs), so the noise cannot decide a token.
     prefix = random_prompts(1, [48], seed=30)[0]
-    prompts = random_prompts(10, seed=31) + [prefix + tail for tail in random_prompts(4, seed=32)]
+    prompts = random_prompts(10, seed=31) + [prefix + tail for tail in random_prompts(4, seed=37)]
     prompts += random_prompts(2, [150, 90], seed=33)  # chunked at 32 tokens
     params: list[dict[str, Any]] = [{**GREEDY, "max_new_tokens": 24} for _ in prompts]
     for i, seed in enumerate(range(4)):

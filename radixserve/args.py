@@ -46,6 +46,9 @@ class ServerArgs:
     mem_fraction_static: float = 0.85
     max_running_requests: int | None = None
     page_size: int = 1
+    # Tokens of the running requests' K/V that decode attention may keep contiguous between steps,
+    # on top of the pool (model/decode_staging.py). None: a default per device; 0: off.
+    decode_staging_tokens: int | None = None
 
     # Scheduling
     schedule_policy: str = "fcfs"
@@ -109,6 +112,8 @@ class ServerArgs:
             raise InvalidArgumentError("--mem-fraction-static must be in (0, 1]")
         if self.max_running_requests is not None and self.max_running_requests < 1:
             raise InvalidArgumentError("--max-running-requests must be >= 1")
+        if self.decode_staging_tokens is not None and self.decode_staging_tokens < 0:
+            raise InvalidArgumentError("--decode-staging-tokens must be >= 0 (0 turns staging off)")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size <= 0:
             # SGLang uses -1 to switch chunking off.
             self.chunked_prefill_size = None
@@ -214,6 +219,13 @@ class ServerArgs:
         )
         memory.add_argument("--max-running-requests", type=int, default=None)
         memory.add_argument("--page-size", type=int, default=1)
+        memory.add_argument(
+            "--decode-staging-tokens",
+            type=int,
+            default=None,
+            help="K/V tokens decode keeps contiguous between steps, beyond the KV cache "
+            "(default: the KV cache size up to 32768 on a CPU, 0 on CUDA; 0 turns it off)",
+        )
 
         sched = parser.add_argument_group("scheduling")
         sched.add_argument("--schedule-policy", default="fcfs", choices=SCHEDULE_POLICIES)

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from radixserve.model.decode_staging import StagedBucket
 
 
 class ForwardMode(Enum):
@@ -39,13 +43,17 @@ class DecodeBucket:
     mask: torch.Tensor | None  # [size, 1, 1, max_len] True where a slot is real; None when nothing is padded
     size: int
     max_len: int
+    own_lens: torch.Tensor  # [size] context length of each row after the shared prefix
     shared_slots: torch.Tensor | None = None  # [shared_len] slots every request's context starts with
+    # Set by DecodeStaging just before the forward: the bucket's K/V kept contiguous across steps.
+    staged: StagedBucket | None = None
 
 
 @dataclass
 class DecodeLayout:
     buckets: list[DecodeBucket]
     batch_size: int
+    req_pool_indices: torch.Tensor  # [batch_size] each row's request slot
 
 
 @dataclass
@@ -124,10 +132,11 @@ def build_decode_layout(
                 mask=mask,
                 size=len(group),
                 max_len=max_len,
+                own_lens=group_lens,
                 shared_slots=shared_slots,
             )
         )
-    return DecodeLayout(buckets=buckets, batch_size=batch_size)
+    return DecodeLayout(buckets=buckets, batch_size=batch_size, req_pool_indices=req_pool_indices)
 
 
 def _shared_prefix_len(slots: torch.Tensor, shortest: int) -> int:

@@ -79,7 +79,7 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_pool.k_buffers[self.layer_id], kv_pool.v_buffers[self.layer_id]
         if batch.mode is ForwardMode.DECODE:
             assert batch.decode is not None
-            out = decode_attention(q, k_cache, v_cache, batch.decode, self.scale)
+            out = decode_attention(q, k, v, k_cache, v_cache, batch.decode, self.layer_id, self.scale)
         else:
             assert batch.extend is not None
             out = extend_attention(q, k, v, k_cache, v_cache, batch.extend, self.scale)

@@ -13,7 +13,8 @@ from radixserve.args import InvalidArgumentError, ServerArgs
 from radixserve.cache.pools import KVCachePool
 from radixserve.model.bert import Encoder
 from radixserve.model.config import ModelConfig, ModelLoadError
-from radixserve.model.forward_batch import ForwardBatch
+from radixserve.model.decode_staging import DecodeStaging
+from radixserve.model.forward_batch import ForwardBatch, ForwardMode
 from radixserve.model.layers import cpu_packing_supported, split_kv_heads
 from radixserve.model.llama import ARCHITECTURES, CausalLM
 from radixserve.model.loader import ModelSource, iter_weights, load_model_config, resolve_model_source
@@ -35,6 +36,8 @@ class MemoryReleasedError(RuntimeError):
 
 # Default KV capacity cap on a CPU when --max-total-tokens is not given.
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 65536
+# Default cap on decode staging (model/decode_staging.py) on a CPU, in K/V tokens.
+CPU_DEFAULT_STAGING_TOKENS = 32768
 
 
 def pick_device(name: str) -> torch.device:
@@ -133,6 +136,22 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
         )
+        self.staging = DecodeStaging(
+            max_tokens=self._staging_tokens(),
+            num_layers=self.kv_pool.num_layers,
+            num_kv_heads=self.local_kv_heads,
+            head_dim=self.config.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+
+    def _staging_tokens(self) -> int:
+        if self.args.decode_staging_tokens is not None:
+            return self.args.decode_staging_tokens
+        # On CUDA the gather it saves is cheap next to the memory it would take from the pool.
+        if self.device.type != "cpu" or self.config.is_encoder:
+            return 0
+        return min(self.max_total_tokens, CPU_DEFAULT_STAGING_TOKENS)
 
     @staticmethod
     def _context_len(config: ModelConfig, args: ServerArgs) -> int:
@@ -175,6 +194,9 @@ class ModelRunner:
         else:
             budget = free_memory_bytes(self.device) * self.args.mem_fraction_static
             tokens = int(budget // per_slot)
+            if self.device.type == "cpu" and self.args.decode_staging_tokens is None:
+                # The default decode staging lives in the same budget.
+                tokens -= min(tokens // 2, CPU_DEFAULT_STAGING_TOKENS)
             # More slots than every running request at full context can never be used.
             max_running = self.args.max_running_requests or 256
             tokens = min(tokens, max_running * self.context_len)
@@ -225,6 +247,7 @@ class ModelRunner:
         """Frees the weights (kept on host, or on disk for a CPU) and/or the KV cache's buffers."""
         if "kv_cache" in tags - self.released:
             self.kv_pool.release()
+            self.staging.reset()
         if "weights" in tags - self.released:
             self._stash = WeightStash(self.model, self.device, self.packed)
             self._stash.release()
@@ -270,8 +293,18 @@ class ModelRunner:
         self._check_resident("forward")
         if isinstance(self.model, Encoder):
             raise TypeError("an encoder model only embeds; this is a bug in the caller")
+        if batch.mode is ForwardMode.DECODE and self.staging.max_tokens:
+            assert batch.decode is not None
+            self.staging.prepare(batch.decode)
+        else:
+            # A forward of any other kind may change what requests and slots the next decode sees.
+            self.staging.reset()
         logits, hidden = self.model(batch, self.kv_pool)
         return logits, hidden
+
+    def idle(self) -> None:
+        """Nothing runs: gives back the memory decode staging holds."""
+        self.staging.reset()
 
     def embed(self, batch: ForwardBatch) -> torch.Tensor:
         """One fp32 embedding per request that completes its prompt in this batch, in row order."""

@@ -87,6 +87,10 @@ def get_stats(scheduler: Scheduler, args: dict[str, Any]) -> Reply:
             "overlapped_steps": s.stats.overlapped_steps,
             "step_time_s": s.stats.step_time_s,
             "forward_time_s": s.stats.forward_time_s,
+            # Decode buckets served from their staged K/V (appends) or refilled from the pool.
+            "decode_staging_tokens": s.runner.staging.max_tokens,
+            "decode_staging_appends": s.runner.staging.appends,
+            "decode_staging_refills": s.runner.staging.refills,
             "aborted_reqs": s.stats.aborted_reqs,
             "cached_tokens": s.stats.cached_tokens,
             "generated_tokens": s.stats.generated_tokens,

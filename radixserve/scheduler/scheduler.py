@@ -570,6 +570,7 @@ class Scheduler:
     def _check_idle(self) -> None:
         if self._idle_checked:
             return
+        self.runner.idle()
         self.check_kv_invariant()
         self._idle_checked = True
 

@@ -132,7 +132,23 @@ def test_retraction_under_a_tiny_kv_pool(
     prompts = random_prompts(8, [20, 25, 30, 18, 22, 27, 31, 19], seed=5)
     max_new = 40
     _assert_matches(_run(engine, prompts, max_new), prompts, oracle("llama"), max_new)
-    assert engine.get_stats()["retracted_reqs"] > 0
+    stats = engine.get_stats()
+    assert stats["retracted_reqs"] > 0
+    # Decode staging (model/decode_staging.py) kept K/V across steps and refilled after changes.
+    assert stats["decode_staging_appends"] > 0 and stats["decode_staging_refills"] > 1
+
+
+def test_decode_attention_without_staging(
+    tiny_model_dir: Callable[[str], Path],
+    oracle: Callable[[str], GreedyOracle],
+    make_engine: Callable[..., Any],
+) -> None:
+    """--decode-staging-tokens 0: every decode step gathers its K/V from the pool."""
+    engine = make_engine(tiny_model_dir("llama"), decode_staging_tokens=0, schedule_policy="lpm")
+    prompts = random_prompts(8, seed=1) + _shared_prefix_prompts(4)
+    _assert_matches(_run(engine, prompts), prompts, oracle("llama"))
+    stats = engine.get_stats()
+    assert stats["decode_staging_appends"] == stats["decode_staging_refills"] == 0
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "lpm", "dfs-weight", "lof", "random"])

@@ -35,7 +35,7 @@ def test_decode_attention_matches_dense_for_mixed_lengths() -> None:
         offset += n
     layout = build_decode_layout(table, torch.arange(len(lengths)), torch.tensor(lengths))
     q = torch.randn(len(lengths), HEADS, DIM)
-    out = decode_attention(q, k_cache, v_cache, layout, DIM**-0.5)
+    out = decode_attention(q, q[:, :KV_HEADS], q[:, :KV_HEADS], k_cache, v_cache, layout, 0, DIM**-0.5)
     for i, n in enumerate(lengths):
         slots = table[i, :n]
         expected = _reference(q[i : i + 1], k_cache[slots], v_cache[slots], prefix_len=n - 1)
@@ -75,7 +75,7 @@ def test_decode_attention_over_a_shared_prefix_matches_dense() -> None:
     for share in (True, False):
         layout = build_decode_layout(table, torch.arange(len(own_lengths)), lengths, share_prefixes=share)
         assert (layout.buckets[0].shared_slots is not None) == share
-        out = decode_attention(q, k_cache, v_cache, layout, DIM**-0.5)
+        out = decode_attention(q, q[:, :KV_HEADS], q[:, :KV_HEADS], k_cache, v_cache, layout, 0, DIM**-0.5)
         for i, n in enumerate(lengths.tolist()):
             slots = table[i, :n]
             expected = _reference(q[i : i + 1], k_cache[slots], v_cache[slots], prefix_len=n - 1)

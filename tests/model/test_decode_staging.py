@@ -1,0 +1,106 @@
+"""Decode staging keeps each bucket's K/V contiguous across steps: attention over the staged blocks
+must equal attention that gathers from the pool every step, through appends, refills, requests
+leaving, shared prefixes, a full block and a budget too small to stage."""
+
+from __future__ import annotations
+
+import torch
+
+from radixserve.model.attention import decode_attention
+from radixserve.model.decode_staging import DecodeStaging
+from radixserve.model.forward_batch import build_decode_layout
+
+LAYERS, HEADS, KV_HEADS, DIM = 2, 4, 2, 8
+SLOTS = 2048
+
+
+class _Run:
+    """Requests decoding step by step over one pool, with and without staging."""
+
+    def __init__(self, staging_tokens: int, prompts: list[list[int]]):
+        self.k = [torch.randn(SLOTS, KV_HEADS, DIM) for _ in range(LAYERS)]
+        self.v = [torch.randn(SLOTS, KV_HEADS, DIM) for _ in range(LAYERS)]
+        self.table = torch.zeros(8, 512, dtype=torch.int64)
+        self.lens: dict[int, int] = {}
+        self.next_slot = 1000
+        for row, slots in enumerate(prompts):
+            self.table[row, : len(slots)] = torch.tensor(slots)
+            self.lens[row] = len(slots)
+        self.staging = DecodeStaging(
+            staging_tokens, LAYERS, KV_HEADS, DIM, torch.float32, torch.device("cpu")
+        )
+
+    def step(self, rows: list[int], share_prefixes: bool = False) -> None:
+        """One decode step of these request rows: the staged result must equal the gathered one."""
+        indices = torch.tensor(rows)
+        new_slots = torch.arange(self.next_slot, self.next_slot + len(rows))
+        self.next_slot += len(rows)
+        for i, row in enumerate(rows):
+            self.table[row, self.lens[row]] = new_slots[i]
+            self.lens[row] += 1
+        lens = torch.tensor([self.lens[r] for r in rows])
+        staged_layout = build_decode_layout(self.table, indices, lens, share_prefixes=share_prefixes)
+        plain_layout = build_decode_layout(self.table, indices, lens, share_prefixes=share_prefixes)
+        self.staging.prepare(staged_layout)
+        q = torch.randn(len(rows), HEADS, DIM)
+        for layer in range(LAYERS):
+            new_k, new_v = torch.randn(len(rows), KV_HEADS, DIM), torch.randn(len(rows), KV_HEADS, DIM)
+            self.k[layer][new_slots], self.v[layer][new_slots] = new_k, new_v
+            args = (self.k[layer], self.v[layer])
+            staged = decode_attention(q, new_k, new_v, *args, staged_layout, layer, DIM**-0.5)
+            plain = decode_attention(q, new_k, new_v, *args, plain_layout, layer, DIM**-0.5)
+            torch.testing.assert_close(staged, plain, atol=1e-6, rtol=1e-6)
+
+
+def _fresh(first: int, n: int) -> list[int]:
+    return list(range(first, first + n))
+
+
+def test_appends_after_one_refill_and_refills_when_requests_change() -> None:
+    torch.manual_seed(0)
+    run = _Run(4096, [_fresh(0, 30), _fresh(100, 28), _fresh(200, 25), _fresh(300, 10)])
+    # Lengths 30/28/25 share a bucket, 10 has its own: two buckets, masked and unmasked.
+    run.step([0, 1, 2, 3])
+    assert (run.staging.refills, run.staging.appends) == (2, 0)
+    for _ in range(5):
+        run.step([0, 1, 2, 3])
+    assert (run.staging.refills, run.staging.appends) == (2, 10)
+    run.step([0, 2, 3])  # request 1 left: its bucket is refilled, the other keeps appending
+    assert (run.staging.refills, run.staging.appends) == (3, 11)
+    run.step([0, 2, 3])
+    assert (run.staging.refills, run.staging.appends) == (3, 13)
+    run.staging.reset()  # e.g. a prefill ran in between
+    run.step([0, 2, 3])
+    assert (run.staging.refills, run.staging.appends) == (5, 13)
+
+
+def test_a_full_block_is_refilled_larger() -> None:
+    torch.manual_seed(1)
+    run = _Run(4096, [_fresh(0, 8), _fresh(100, 8)])
+    run.step([0, 1])
+    capacity = run.staging.staged_tokens // 2
+    for _ in range(capacity + 3 - 9):
+        run.step([0, 1])
+    assert run.staging.refills == 2
+    assert run.staging.staged_tokens // 2 > capacity
+
+
+def test_shared_prefix_is_staged_once() -> None:
+    torch.manual_seed(2)
+    prefix = _fresh(0, 40)
+    run = _Run(4096, [prefix + _fresh(100, 3), prefix + _fresh(200, 6), prefix + _fresh(300, 5)])
+    for _ in range(4):
+        run.step([0, 1, 2], share_prefixes=True)
+    assert (run.staging.refills, run.staging.appends) == (1, 3)
+    # 40 shared tokens once, plus three rows of (the longest own part, 7, + headroom).
+    assert run.staging.staged_tokens == 40 + 3 * (7 + 32)
+
+
+def test_buckets_over_the_budget_gather_from_the_pool() -> None:
+    torch.manual_seed(3)
+    run = _Run(60, [_fresh(0, 30), _fresh(100, 10)])
+    for _ in range(3):
+        run.step([0, 1])
+    # The 10-token request's bucket fits (11 + 32 slots), the 30-token one never does.
+    assert (run.staging.refills, run.staging.appends) == (1, 2)
+    assert run.staging.staged_tokens == 1 * (11 + 32)

@@ -148,56 +148,63 @@ def _check_outputs(outputs: list[dict[str, Any]], workload: Workload, system: st
             )
 
 
-def run_radixserve(
-    target: ModelTarget, dtype: str, workloads: list[Workload], cfg: BenchConfig, log: Log
-) -> list[dict[str, Any]]:
-    from radixserve.engine import Engine
+class RadixserveSystem:
+    """radixserve's Engine on one dtype; every run starts from a cold prefix cache."""
 
-    need = max(w.kv_tokens_needed() for w in workloads) + _KV_MARGIN_TOKENS
-    engine = Engine(
-        target.engine_path,
-        dtype=dtype,
-        max_total_tokens=cfg.max_total_tokens or need,
-        schedule_policy=cfg.schedule_policy,
-        log_level="warning",
-    )
-    results: list[dict[str, Any]] = []
-    try:
-        for wl in workloads:
-            params = {"max_new_tokens": wl.max_new_tokens, "temperature": 0.0, "ignore_eos": True}
-            warm = dict(params, max_new_tokens=_WARMUP_NEW_TOKENS)
-            engine.generate(input_ids=_warmup_prompts(wl, cfg.hf_batch), sampling_params=warm)
-            times: list[float] = []
-            cached: list[int] = []
-            deltas: dict[str, int] = {}
-            for rep in range(cfg.repeats):
-                # Cold cache every repeat: W2's gain must come from sharing inside one run.
-                _flush(engine)
-                before = engine.get_stats()
-                t0 = time.perf_counter()
-                outputs = engine.generate(input_ids=wl.prompts, sampling_params=params)
-                times.append(time.perf_counter() - t0)
-                assert isinstance(outputs, list)
-                _check_outputs(outputs, wl, RADIXSERVE)
-                after = engine.get_stats()
-                deltas = {k: int(after[k]) - int(before[k]) for k in _STAT_KEYS if k in after}
-                cached.append(sum(int(o["meta_info"]["cached_tokens"]) for o in outputs))
-                log(
-                    f"  {RADIXSERVE} {dtype} {wl.name} rep {rep}: {times[-1]:.2f}s cached_tokens={cached[-1]}"
-                )
-            extra: dict[str, Any] = {
-                "model": target.label,
-                "cached_tokens": cached,
-                "engine_stats": deltas,
-                "max_total_tokens": engine.max_total_tokens,
-                "schedule_policy": cfg.schedule_policy,
-            }
-            results.append(_median_result(RADIXSERVE, dtype, wl, times, extra))
-            log("RESULT " + json.dumps(results[-1]))
-        engine.check_kv_invariant()
-    finally:
-        engine.shutdown()
-    return results
+    name = RADIXSERVE
+
+    def __init__(self, target: ModelTarget, dtype: str, workloads: list[Workload], cfg: BenchConfig):
+        from radixserve.engine import Engine
+
+        need = max(w.kv_tokens_needed() for w in workloads) + _KV_MARGIN_TOKENS
+        self.target, self.cfg = target, cfg
+        self.engine = Engine(
+            target.engine_path,
+            dtype=dtype,
+            max_total_tokens=cfg.max_total_tokens or need,
+            schedule_policy=cfg.schedule_policy,
+            log_level="warning",
+        )
+        self.cached: dict[str, list[int]] = {}
+        self.deltas: dict[str, dict[str, int]] = {}
+
+    @staticmethod
+    def _params(max_new_tokens: int) -> dict[str, Any]:
+        return {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}
+
+    def warmup(self, wl: Workload) -> None:
+        warm = self._params(_WARMUP_NEW_TOKENS)
+        self.engine.generate(input_ids=_warmup_prompts(wl, self.cfg.hf_batch), sampling_params=warm)
+
+    def run(self, wl: Workload) -> tuple[float, str]:
+        # Cold cache every repeat: W2's gain must come from sharing inside one run.
+        _flush(self.engine)
+        before = self.engine.get_stats()
+        t0 = time.perf_counter()
+        outputs = self.engine.generate(input_ids=wl.prompts, sampling_params=self._params(wl.max_new_tokens))
+        seconds = time.perf_counter() - t0
+        assert isinstance(outputs, list)
+        _check_outputs(outputs, wl, RADIXSERVE)
+        after = self.engine.get_stats()
+        self.deltas[wl.name] = {k: int(after[k]) - int(before[k]) for k in _STAT_KEYS if k in after}
+        cached = sum(int(o["meta_info"]["cached_tokens"]) for o in outputs)
+        self.cached.setdefault(wl.name, []).append(cached)
+        return seconds, f"cached_tokens={cached}"
+
+    def extra(self, wl: Workload) -> dict[str, Any]:
+        return {
+            "model": self.target.label,
+            "cached_tokens": self.cached.get(wl.name, []),
+            "engine_stats": self.deltas.get(wl.name, {}),
+            "max_total_tokens": self.engine.max_total_tokens,
+            "schedule_policy": self.cfg.schedule_policy,
+        }
+
+    def close(self) -> None:
+        try:
+            self.engine.check_kv_invariant()
+        finally:
+            self.engine.shutdown()
 
 
 # ---------------------------------------------------------------------------------- transformers
@@ -230,35 +237,38 @@ def _hf_generate(model: Any, prompts: list[list[int]], max_new_tokens: int, batc
     return n_out
 
 
-def run_transformers(
-    hf_dir: Path, dtype: str, workloads: list[Workload], cfg: BenchConfig, log: Log
-) -> list[dict[str, Any]]:
-    import torch
-    from transformers import AutoModelForCausalLM
+class TransformersSystem:
+    """transformers `generate` with static batches of cfg.hf_batch, as the peers' hf_static.py."""
 
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=getattr(torch, dtype)).eval()
-    attn = getattr(model.config, "_attn_implementation", None)
-    results: list[dict[str, Any]] = []
-    try:
-        for wl in workloads:
-            _hf_generate(model, _warmup_prompts(wl, cfg.hf_batch), _WARMUP_NEW_TOKENS, cfg.hf_batch)
-            times: list[float] = []
-            for rep in range(cfg.repeats):
-                t0 = time.perf_counter()
-                n_out = _hf_generate(model, wl.prompts, wl.max_new_tokens, cfg.hf_batch)
-                times.append(time.perf_counter() - t0)
-                if n_out != wl.out_tokens:
-                    raise BenchmarkError(
-                        f"{TRANSFORMERS} {wl.name}: {n_out} output tokens != {wl.out_tokens}"
-                    )
-                log(f"  {TRANSFORMERS} {dtype} {wl.name} rep {rep}: {times[-1]:.2f}s")
-            extra = {"model": str(hf_dir), "batch": cfg.hf_batch, "attn_implementation": attn}
-            results.append(_median_result(TRANSFORMERS, dtype, wl, times, extra))
-            log("RESULT " + json.dumps(results[-1]))
-    finally:
-        del model
+    name = TRANSFORMERS
+
+    def __init__(self, hf_dir: Path, dtype: str, cfg: BenchConfig):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.hf_dir, self.cfg = hf_dir, cfg
+        self.model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=getattr(torch, dtype)).eval()
+        self.attn = getattr(self.model.config, "_attn_implementation", None)
+
+    def warmup(self, wl: Workload) -> None:
+        _hf_generate(
+            self.model, _warmup_prompts(wl, self.cfg.hf_batch), _WARMUP_NEW_TOKENS, self.cfg.hf_batch
+        )
+
+    def run(self, wl: Workload) -> tuple[float, str]:
+        t0 = time.perf_counter()
+        n_out = _hf_generate(self.model, wl.prompts, wl.max_new_tokens, self.cfg.hf_batch)
+        seconds = time.perf_counter() - t0
+        if n_out != wl.out_tokens:
+            raise BenchmarkError(f"{TRANSFORMERS} {wl.name}: {n_out} output tokens != {wl.out_tokens}")
+        return seconds, ""
+
+    def extra(self, wl: Workload) -> dict[str, Any]:
+        return {"model": str(self.hf_dir), "batch": self.cfg.hf_batch, "attn_implementation": self.attn}
+
+    def close(self) -> None:
+        del self.model
         gc.collect()
-    return results
 
 
 # ---------------------------------------------------------------------------------- report
@@ -269,7 +279,10 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def compare(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per (workload, dtype): both systems' throughput and radixserve / transformers."""
+    """One row per (workload, dtype): both systems' throughput and radixserve / transformers.
+
+    The systems alternate repeat by repeat, so `paired_ratios` compares runs made moments apart,
+    and their median (`ratio_paired`) is the figure least moved by a machine that drifts."""
     keyed = {(r["system"], r["workload"], r["dtype"]): r for r in results}
     rows: list[dict[str, Any]] = []
     for r in results:
@@ -278,6 +291,9 @@ def compare(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         base = keyed.get((TRANSFORMERS, r["workload"], r["dtype"]))
         hf_total = base["total_tok_s"] if base else None
         hf_out = base["out_tok_s"] if base else None
+        # Same tokens on both sides, so a throughput ratio is the inverse ratio of the seconds.
+        ours = r["all_seconds"]
+        paired = [round(h / o, 3) for h, o in zip(base["all_seconds"], ours, strict=True)] if base else []
         rows.append(
             {
                 "workload": r["workload"],
@@ -288,6 +304,8 @@ def compare(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "radixserve_out_tok_s": r["out_tok_s"],
                 "transformers_out_tok_s": hf_out,
                 "ratio_out": _ratio(r["out_tok_s"], hf_out),
+                "paired_ratios": paired,
+                "ratio_paired": round(statistics.median(paired), 3) if paired else None,
             }
         )
     return rows
@@ -300,14 +318,20 @@ def _fmt(x: float | None, spec: str = ".1f") -> str:
 def format_table(rows: list[dict[str, Any]]) -> str:
     """Total tok/s = (input + output) / wall; W3 also shows decode (output) tok/s of one stream."""
     head = (
-        f"{'workload':<8} {'dtype':<9} {'radixserve':>11} {'transformers':>12} {'ratio':>6}"
+        f"{'workload':<8} {'dtype':<9} {'radixserve':>11} {'transformers':>12} {'ratio':>6} {'paired':>6}"
         f"   {'rs decode':>9} {'hf decode':>9} {'ratio':>6}"
     )
-    lines = ["total tok/s ((in+out)/wall, median); decode tok/s for W3 only", head, "-" * len(head)]
+    lines = [
+        "total tok/s ((in+out)/wall, median); decode tok/s for W3 only; "
+        "paired: median of the per-repeat ratios",
+        head,
+        "-" * len(head),
+    ]
     for r in rows:
         line = (
             f"{r['workload']:<8} {r['dtype']:<9} {_fmt(r['radixserve_total_tok_s']):>11} "
             f"{_fmt(r['transformers_total_tok_s']):>12} {_fmt(r['ratio_total'], '.2f'):>6}"
+            f" {_fmt(r['ratio_paired'], '.2f'):>6}"
         )
         if r["workload"] == "W3":
             line += (
@@ -319,7 +343,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 
 def run_benchmark(cfg: BenchConfig, log: Log = print) -> dict[str, Any]:
-    """Run every (dtype, workload) on radixserve, then on transformers; return the full report."""
+    """Run every (dtype, workload) on radixserve and on transformers, alternating repeat by repeat;
+    return the full report."""
     cfg.validate()
     env = environment_info()
     log(
@@ -331,17 +356,45 @@ def run_benchmark(cfg: BenchConfig, log: Log = print) -> dict[str, Any]:
         target = resolve_target(cfg, dtype)
         workloads = [make_workload(name, cfg.scale, target.vocab_limit) for name in cfg.workloads]
         log(f"model: {target.label} dtype={dtype}")
-        results += run_radixserve(target, dtype, workloads, cfg, log)
-        # Free the engine's weights and KV pool before the baseline loads its own copy.
-        gc.collect()
-        if cfg.baseline and target.hf_dir is not None:
-            results += run_transformers(target.hf_dir, dtype, workloads, cfg, log)
-        elif cfg.baseline:
+        if cfg.baseline and target.hf_dir is None:
             log(f"  transformers baseline skipped: {target.label} is not a transformers directory")
+        systems: list[RadixserveSystem | TransformersSystem] = []
+        try:
+            systems.append(RadixserveSystem(target, dtype, workloads, cfg))
+            if cfg.baseline and target.hf_dir is not None:
+                systems.append(TransformersSystem(target.hf_dir, dtype, cfg))
+            results += _run_alternating(systems, dtype, workloads, cfg.repeats, log)
+        finally:
+            for system in systems:
+                system.close()
     rows = compare(results)
     config = asdict(cfg)
     config["work_dir"] = str(cfg.work_dir)
     return {"config": config, "environment": env, "results": results, "comparisons": rows}
+
+
+def _run_alternating(
+    systems: list[RadixserveSystem | TransformersSystem],
+    dtype: str,
+    workloads: list[Workload],
+    repeats: int,
+    log: Log,
+) -> list[dict[str, Any]]:
+    """Each repeat runs every system once, so a slow spell of the machine hits them alike."""
+    results: list[dict[str, Any]] = []
+    for wl in workloads:
+        for system in systems:
+            system.warmup(wl)
+        times: dict[str, list[float]] = {system.name: [] for system in systems}
+        for rep in range(repeats):
+            for system in systems:
+                seconds, note = system.run(wl)
+                times[system.name].append(seconds)
+                log(f"  {system.name} {dtype} {wl.name} rep {rep}: {seconds:.2f}s {note}".rstrip())
+        for system in systems:
+            results.append(_median_result(system.name, dtype, wl, times[system.name], system.extra(wl)))
+            log("RESULT " + json.dumps(results[-1]))
+    return results
 
 
 def write_report(report: dict[str, Any], path: Path) -> None:

@@ -82,25 +82,34 @@ class DecodeStaging:
     def prepare(self, layout: DecodeLayout) -> None:
         """Gives each bucket of this decode step its staged block (bucket.staged), reusing the
         previous step's block where the bucket is the same requests one token further on."""
-        previous, self._blocks = self._blocks, {}
-        budget = self.max_tokens
-        for bucket in layout.buckets:
-            indices = layout.req_pool_indices
-            rows = indices if bucket.rows is None else indices[bucket.rows]
-            shared_len = 0 if bucket.shared_slots is None else int(bucket.shared_slots.shape[0])
-            key = (tuple(rows.tolist()), shared_len)
-            block = previous.pop(key, None)
+        keys = [self._key(layout, bucket) for bucket in layout.buckets]
+        kept: dict[tuple[tuple[int, ...], int], StagedBucket] = {}
+        for key, bucket in zip(keys, layout.buckets, strict=True):
+            block = self._blocks.get(key)
             if block is not None and self._can_append(block, bucket):
                 self._advance(block, bucket)
-            else:
-                capacity = bucket.max_len + max(MIN_HEADROOM, int(bucket.max_len * HEADROOM_FRACTION))
-                if bucket.size * capacity + shared_len > budget:
-                    bucket.staged = None
-                    continue
-                block = self._refill(bucket, capacity, shared_len)
+                kept[key] = bucket.staged = block
+        # Blocks no bucket continues are let go before new ones are allocated.
+        self._blocks = kept
+        budget = self.max_tokens - self.staged_tokens
+        for key, bucket in zip(keys, layout.buckets, strict=True):
+            if key in kept:
+                continue
+            shared_len = 0 if bucket.shared_slots is None else int(bucket.shared_slots.shape[0])
+            capacity = bucket.max_len + max(MIN_HEADROOM, int(bucket.max_len * HEADROOM_FRACTION))
+            if bucket.size * capacity + shared_len > budget:
+                bucket.staged = None
+                continue
+            block = self._refill(bucket, capacity, shared_len)
             budget -= block.num_tokens
-            bucket.staged = block
-            self._blocks[key] = block
+            kept[key] = bucket.staged = block
+
+    @staticmethod
+    def _key(layout: DecodeLayout, bucket: DecodeBucket) -> tuple[tuple[int, ...], int]:
+        indices = layout.req_pool_indices
+        rows = indices if bucket.rows is None else indices[bucket.rows]
+        shared_len = 0 if bucket.shared_slots is None else int(bucket.shared_slots.shape[0])
+        return tuple(rows.tolist()), shared_len
 
     def _can_append(self, block: StagedBucket, bucket: DecodeBucket) -> bool:
         return bucket.max_len <= block.capacity and torch.equal(block.own_lens + 1, bucket.own_lens)

@@ -54,7 +54,14 @@ def test_bench_tiny_model_end_to_end(
         assert row["ratio_total"] == pytest.approx(
             row["radixserve_total_tok_s"] / row["transformers_total_tok_s"], abs=1e-3
         )
+        # One repeat: the paired ratio is that repeat's transformers seconds / radixserve seconds.
+        seconds = {r["system"]: r["all_seconds"][0] for r in results if r["workload"] == row["workload"]}
+        assert row["paired_ratios"] == [round(seconds["transformers-static"] / seconds["radixserve"], 3)]
+        assert row["ratio_paired"] == row["paired_ratios"][0]
 
     printed = capsys.readouterr().out
     assert sum(line.startswith("RESULT {") for line in printed.splitlines()) == 6
+    # The systems alternate repeat by repeat: each workload's runs are radixserve, then transformers.
+    runs = [line.split()[0] for line in printed.splitlines() if " rep 0: " in line]
+    assert runs == ["radixserve", "transformers-static"] * 3
     assert "ratio" in printed and "W3" in printed

@@ -8,19 +8,23 @@ step to the next only gains one token per request, so its dense block is kept be
 (staged) and receives just the new token's K/V; attention reads it in place.
 
 The pool stays the source of truth (the radix cache owns its slots). A staged block is refilled
-from the pool whenever its bucket is not exactly the previous step's bucket one token further:
-other requests, another shared prefix, or any non-decode forward in between (a prefill may write
-slots and re-admit requests; DecodeStaging.reset). The staged bytes come on top of the pool, so
-they are capped (--decode-staging-tokens); buckets beyond the cap gather as before.
+from the pool whenever its bucket is not exactly the block's requests one token further on: a
+request joined or left, the shared prefix changed, or a request's length did not advance by exactly
+one (it took part in a mixed prefill). Blocks are keyed by each request's admission serial, which
+is new after a retraction, the only event that changes the slots of a running request's context;
+so a prefill of other requests in between leaves the blocks valid. The staged bytes come on top of
+the pool, so they are capped (--decode-staging-tokens); buckets beyond the cap gather as before.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from radixserve.model.forward_batch import DecodeBucket, DecodeLayout
+from radixserve.model.layers import round_up_to_eighth
 
 # A refilled block leaves room for this share of its length (at least MIN_HEADROOM tokens) of
 # further decode steps before it must be refilled at a larger size.
@@ -42,6 +46,8 @@ class StagedBucket:
     refill_slots: torch.Tensor | None
     # ... or write only each row's new token, at these flat rows of `keys` ([size]).
     append_rows: torch.Tensor | None
+    # The flat allocations the tensors above are views of, for reuse once the block is dropped.
+    buffers: list[torch.Tensor]
 
     @property
     def num_tokens(self) -> int:
@@ -66,8 +72,11 @@ class DecodeStaging:
         self.kv_shape = (num_kv_heads, head_dim)
         self.dtype = dtype
         self.device = device
-        # Keyed by the bucket's request pool indices (in row order) and its shared prefix length.
+        # Keyed by the bucket's request ids (in row order) and its shared prefix length.
         self._blocks: dict[tuple[tuple[int, ...], int], StagedBucket] = {}
+        # Buffers of blocks that no bucket continues, for refills to reuse: fresh memory costs page
+        # faults on first touch (~30 ms for a 120 MB block here, against ~15 ms to fill reused memory).
+        self._spares: list[torch.Tensor] = []
         self.refills = 0
         self.appends = 0
 
@@ -75,9 +84,9 @@ class DecodeStaging:
     def staged_tokens(self) -> int:
         return sum(block.num_tokens for block in self._blocks.values())
 
-    def reset(self) -> None:
-        """Drops every block: after any forward that is not a decode step, and when idle."""
-        self._blocks = {}
+    def release(self) -> None:
+        """Frees every block and spare buffer (when idle or when the KV cache is released)."""
+        self._blocks, self._spares = {}, []
 
     def prepare(self, layout: DecodeLayout) -> None:
         """Gives each bucket of this decode step its staged block (bucket.staged), reusing the
@@ -89,7 +98,7 @@ class DecodeStaging:
             if block is not None and self._can_append(block, bucket):
                 self._advance(block, bucket)
                 kept[key] = bucket.staged = block
-        # Blocks no bucket continues are let go before new ones are allocated.
+        self._spares += [t for key, b in self._blocks.items() if key not in kept for t in b.buffers]
         self._blocks = kept
         budget = self.max_tokens - self.staged_tokens
         for key, bucket in zip(keys, layout.buckets, strict=True):
@@ -103,13 +112,14 @@ class DecodeStaging:
             block = self._refill(bucket, capacity, shared_len)
             budget -= block.num_tokens
             kept[key] = bucket.staged = block
+        self._spares = []
 
     @staticmethod
     def _key(layout: DecodeLayout, bucket: DecodeBucket) -> tuple[tuple[int, ...], int]:
-        indices = layout.req_pool_indices
-        rows = indices if bucket.rows is None else indices[bucket.rows]
+        ids = layout.request_ids
+        rows = ids if bucket.rows is None else [ids[i] for i in bucket.rows.tolist()]
         shared_len = 0 if bucket.shared_slots is None else int(bucket.shared_slots.shape[0])
-        return tuple(rows.tolist()), shared_len
+        return tuple(rows), shared_len
 
     def _can_append(self, block: StagedBucket, bucket: DecodeBucket) -> bool:
         return bucket.max_len <= block.capacity and torch.equal(block.own_lens + 1, bucket.own_lens)
@@ -121,25 +131,38 @@ class DecodeStaging:
         block.refill_slots = None
         self.appends += 1
 
-    def _empty(self, shape: tuple[int, ...]) -> torch.Tensor:
-        return torch.empty(shape, dtype=self.dtype, device=self.device)
+    def _buffer(self, elements: int) -> torch.Tensor:
+        """A flat buffer of at least this many elements: the smallest spare that holds it, else fresh
+        memory (the spares, too small for this one, are let go first). Fresh sizes are rounded up to
+        eight per power of two, so that a bucket a few tokens longer than before fits its old buffers."""
+        fitting = [i for i, t in enumerate(self._spares) if t.numel() >= elements]
+        if fitting:
+            return self._spares.pop(min(fitting, key=lambda i: self._spares[i].numel()))
+        self._spares = []
+        return torch.empty(round_up_to_eighth(elements), dtype=self.dtype, device=self.device)
 
     def _refill(self, bucket: DecodeBucket, capacity: int, shared_len: int) -> StagedBucket:
         slots = bucket.kv_slots.view(bucket.size, bucket.max_len)
         # Rows are padded past their length with their own first slot: real data, masked out.
         padding = slots[:, :1].expand(bucket.size, capacity - bucket.max_len)
-        shape = (self.num_layers, bucket.size * capacity, *self.kv_shape)
-        shared_shape = (self.num_layers, shared_len, *self.kv_shape)
+        buffers: list[torch.Tensor] = []
+
+        def carve(tokens: int) -> torch.Tensor:
+            shape = (self.num_layers, tokens, *self.kv_shape)
+            buffers.append(self._buffer(math.prod(shape)))
+            return buffers[-1][: math.prod(shape)].view(shape)
+
         self.refills += 1
         return StagedBucket(
-            keys=self._empty(shape),
-            values=self._empty(shape),
-            shared_keys=self._empty(shared_shape) if shared_len else None,
-            shared_values=self._empty(shared_shape) if shared_len else None,
+            keys=carve(bucket.size * capacity),
+            values=carve(bucket.size * capacity),
+            shared_keys=carve(shared_len) if shared_len else None,
+            shared_values=carve(shared_len) if shared_len else None,
             capacity=capacity,
             own_lens=bucket.own_lens,
             refill_slots=torch.cat((slots, padding), dim=1).reshape(-1),
             append_rows=None,
+            buffers=buffers,
         )
 
 

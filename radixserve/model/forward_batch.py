@@ -53,7 +53,9 @@ class DecodeBucket:
 class DecodeLayout:
     buckets: list[DecodeBucket]
     batch_size: int
-    req_pool_indices: torch.Tensor  # [batch_size] each row's request slot
+    # Per row, an id that changes whenever the request's K/V may have changed (its admission serial,
+    # new after each retraction): what decode staging keys its blocks on.
+    request_ids: list[int]
 
 
 @dataclass
@@ -91,11 +93,13 @@ def build_decode_layout(
     req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,
     share_prefixes: bool = False,
+    request_ids: list[int] | None = None,
 ) -> DecodeLayout:
     """Groups requests by context length; each group becomes one batched attention call per layer.
 
     Padding every request to the longest context would make one 4k-token request cost every
     short request 4k tokens of attention; buckets keep the waste bounded with a handful of calls.
+    request_ids defaults to the request slots, which suits a caller that never reuses a slot.
     """
     batch_size = int(req_pool_indices.shape[0])
     lens = seq_lens.tolist()
@@ -136,7 +140,8 @@ def build_decode_layout(
                 shared_slots=shared_slots,
             )
         )
-    return DecodeLayout(buckets=buckets, batch_size=batch_size, req_pool_indices=req_pool_indices)
+    ids = req_pool_indices.tolist() if request_ids is None else list(request_ids)
+    return DecodeLayout(buckets=buckets, batch_size=batch_size, request_ids=ids)
 
 
 def _shared_prefix_len(slots: torch.Tensor, shortest: int) -> int:

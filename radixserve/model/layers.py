@@ -83,7 +83,7 @@ def packed_linear(
     nearly always new, so the rows are padded to one of eight sizes per power of two (at most 12.5%
     more rows) and each size is compiled once. Rows do not mix in a matmul: results are unchanged."""
     rows = x.shape[0]
-    padded = onednn_rows(rows)
+    padded = round_up_to_eighth(rows)
     if padded != rows:
         x = F.pad(x, (0, 0, 0, padded - rows))
         residual = None if residual is None else F.pad(residual, (0, 0, 0, padded - rows))
@@ -94,12 +94,13 @@ def packed_linear(
     return out if padded == rows else out[:rows]
 
 
-def onednn_rows(rows: int) -> int:
-    """rows rounded up to a multiple of 1/8 of its power of two (exact up to 16)."""
-    if rows <= 16:
-        return rows
-    step = 1 << (rows.bit_length() - 4)
-    return -(-rows // step) * step
+def round_up_to_eighth(n: int) -> int:
+    """n rounded up to a multiple of 1/8 of its power of two (exact up to 16): eight sizes per
+    octave, at most 12.5% more than n."""
+    if n <= 16:
+        return n
+    step = 1 << (n.bit_length() - 4)
+    return -(-n // step) * step
 
 
 @dataclass

@@ -247,7 +247,7 @@ class ModelRunner:
         """Frees the weights (kept on host, or on disk for a CPU) and/or the KV cache's buffers."""
         if "kv_cache" in tags - self.released:
             self.kv_pool.release()
-            self.staging.reset()
+            self.staging.release()
         if "weights" in tags - self.released:
             self._stash = WeightStash(self.model, self.device, self.packed)
             self._stash.release()
@@ -296,15 +296,12 @@ class ModelRunner:
         if batch.mode is ForwardMode.DECODE and self.staging.max_tokens:
             assert batch.decode is not None
             self.staging.prepare(batch.decode)
-        else:
-            # A forward of any other kind may change what requests and slots the next decode sees.
-            self.staging.reset()
         logits, hidden = self.model(batch, self.kv_pool)
         return logits, hidden
 
     def idle(self) -> None:
         """Nothing runs: gives back the memory decode staging holds."""
-        self.staging.reset()
+        self.staging.release()
 
     def embed(self, batch: ForwardBatch) -> torch.Tensor:
         """One fp32 embedding per request that completes its prompt in this batch, in row order."""

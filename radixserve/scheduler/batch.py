@@ -8,6 +8,7 @@ rule covers prefill, chunked prefill, resumed requests and mixed prefill+decode 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,9 @@ from radixserve.model.forward_batch import (
     build_decode_layout,
 )
 from radixserve.scheduler.request import Req
+
+# Admission serials (Req.admission), unique within the process.
+_admissions = itertools.count()
 
 
 class KVExhaustedError(RuntimeError):
@@ -68,6 +72,7 @@ def _assign_request_slot(req: Req, kv: KVContext) -> None:
     prefix_len = int(req.prefix_slots.shape[0])
     kv.req_to_token_pool.req_to_token[idx, :prefix_len] = req.prefix_slots
     req.req_pool_idx = idx
+    req.admission = next(_admissions)
     req.cached_len = req.kv_len = prefix_len
     req.last_node = req.prefix_node
     # Count only tokens this request did not compute itself earlier (before a retraction or chunk).
@@ -169,5 +174,11 @@ def build_decode_batch(reqs: list[Req], kv: KVContext) -> ForwardBatch:
         out_cache_loc=out_cache_loc.to(device),
         sample_rows=torch.arange(len(reqs), device=device),
         # Cascade attention over shared prefixes uses a CPU kernel (see model/attention.py).
-        decode=build_decode_layout(table, pool_indices, lens + 1, share_prefixes=device.type == "cpu"),
+        decode=build_decode_layout(
+            table,
+            pool_indices,
+            lens + 1,
+            share_prefixes=device.type == "cpu",
+            request_ids=[r.admission for r in reqs],
+        ),
     )

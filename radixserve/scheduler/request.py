@@ -33,6 +33,9 @@ class Req:
     # KV ownership (see cache/radix_cache.py): positions [0, cached_len) belong to the radix tree
     # and are locked through last_node; [cached_len, kv_len) belong to this request.
     req_pool_idx: int | None = None
+    # A serial number taken with the request slot at each (re)admission: K/V copied while it holds
+    # (decode staging) stays valid, since only a retraction can change its KV slots.
+    admission: int = -1
     cached_len: int = 0
     kv_len: int = 0
     # The scheduler passes the cache's root; a node of its own only stands in until then.

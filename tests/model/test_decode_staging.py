@@ -22,6 +22,7 @@ class _Run:
         self.v = [torch.randn(SLOTS, KV_HEADS, DIM) for _ in range(LAYERS)]
         self.table = torch.zeros(8, 512, dtype=torch.int64)
         self.lens: dict[int, int] = {}
+        self.admission = list(range(8))  # per request row, as Req.admission
         self.next_slot = 1000
         for row, slots in enumerate(prompts):
             self.table[row, : len(slots)] = torch.tensor(slots)
@@ -29,6 +30,10 @@ class _Run:
         self.staging = DecodeStaging(
             staging_tokens, LAYERS, KV_HEADS, DIM, torch.float32, torch.device("cpu")
         )
+
+    def readmit(self, row: int) -> None:
+        """The request was retracted and admitted again: a new admission serial."""
+        self.admission[row] += 100
 
     def step(self, rows: list[int], share_prefixes: bool = False) -> None:
         """One decode step of these request rows: the staged result must equal the gathered one."""
@@ -39,8 +44,9 @@ class _Run:
             self.table[row, self.lens[row]] = new_slots[i]
             self.lens[row] += 1
         lens = torch.tensor([self.lens[r] for r in rows])
-        staged_layout = build_decode_layout(self.table, indices, lens, share_prefixes=share_prefixes)
-        plain_layout = build_decode_layout(self.table, indices, lens, share_prefixes=share_prefixes)
+        ids = [self.admission[r] for r in rows]
+        staged_layout = build_decode_layout(self.table, indices, lens, share_prefixes, ids)
+        plain_layout = build_decode_layout(self.table, indices, lens, share_prefixes, ids)
         self.staging.prepare(staged_layout)
         q = torch.randn(len(rows), HEADS, DIM)
         for layer in range(LAYERS):
@@ -69,9 +75,12 @@ def test_appends_after_one_refill_and_refills_when_requests_change() -> None:
     assert (run.staging.refills, run.staging.appends) == (3, 11)
     run.step([0, 2, 3])
     assert (run.staging.refills, run.staging.appends) == (3, 13)
-    run.staging.reset()  # e.g. a prefill ran in between
+    run.readmit(3)  # request 3 was retracted and admitted again: its K/V may be other slots now
     run.step([0, 2, 3])
-    assert (run.staging.refills, run.staging.appends) == (5, 13)
+    assert (run.staging.refills, run.staging.appends) == (4, 14)
+    run.lens[0] += 1  # request 0 took part in a mixed prefill: two tokens further, not one
+    run.step([0, 2, 3])
+    assert (run.staging.refills, run.staging.appends) == (5, 15)
 
 
 def test_a_full_block_is_refilled_larger() -> None:
@@ -104,3 +113,24 @@ def test_buckets_over_the_budget_gather_from_the_pool() -> None:
     # The 10-token request's bucket fits (11 + 32 slots), the 30-token one never does.
     assert (run.staging.refills, run.staging.appends) == (1, 2)
     assert run.staging.staged_tokens == 1 * (11 + 32)
+
+
+def _buffer_addresses(staging: DecodeStaging) -> set[int]:
+    return {t.data_ptr() for block in staging._blocks.values() for t in block.buffers}
+
+
+def test_refills_reuse_the_memory_of_blocks_no_bucket_continues() -> None:
+    torch.manual_seed(4)
+    prefix = _fresh(0, 40)
+    run = _Run(4096, [prefix + _fresh(100, 3), prefix + _fresh(200, 6), _fresh(300, 30)])
+    run.step([0, 1, 2], share_prefixes=True)
+    first = _buffer_addresses(run.staging)
+    for row in (0, 1, 2):
+        run.readmit(row)  # every block is refilled, into the same memory
+    run.step([0, 1, 2], share_prefixes=True)
+    assert _buffer_addresses(run.staging) == first
+    assert run.staging.refills == 4
+    run.step([0, 2], share_prefixes=True)  # request 1 left: its bucket refills into its old buffers
+    assert _buffer_addresses(run.staging) <= first
+    run.staging.release()
+    assert run.staging.staged_tokens == 0 and not run.staging._spares

@@ -6,16 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixserve.model.layers import cpu_packing_supported, onednn_rows, packed_linear
+from radixserve.model.layers import cpu_packing_supported, packed_linear, round_up_to_eighth
 
 
 def test_row_buckets_are_few_and_tight() -> None:
-    assert [onednn_rows(n) for n in range(1, 17)] == list(range(1, 17))
-    sizes = {onednn_rows(n) for n in range(1, 8193)}
+    assert [round_up_to_eighth(n) for n in range(1, 17)] == list(range(1, 17))
+    sizes = {round_up_to_eighth(n) for n in range(1, 8193)}
     assert len(sizes) <= 16 + 8 * 9  # exact up to 16, then eight sizes per power of two
     for n in range(1, 8193):
-        assert n <= onednn_rows(n) <= n * 1.125
-    assert onednn_rows(2048) == 2048 and onednn_rows(992) == 1024 and onednn_rows(33) == 36
+        assert n <= round_up_to_eighth(n) <= n * 1.125
+    assert (
+        round_up_to_eighth(2048) == 2048 and round_up_to_eighth(992) == 1024 and round_up_to_eighth(33) == 36
+    )
 
 
 @pytest.mark.skipif(

@@ -4,8 +4,10 @@ leaving, shared prefixes, a full block and a budget too small to stage."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from radixserve.args import InvalidArgumentError, ServerArgs
 from radixserve.model.attention import decode_attention
 from radixserve.model.decode_staging import DecodeStaging
 from radixserve.model.forward_batch import build_decode_layout
@@ -134,3 +136,8 @@ def test_refills_reuse_the_memory_of_blocks_no_bucket_continues() -> None:
     assert _buffer_addresses(run.staging) <= first
     run.staging.release()
     assert run.staging.staged_tokens == 0 and not run.staging._spares
+
+
+def test_a_negative_budget_is_refused() -> None:
+    with pytest.raises(InvalidArgumentError, match="--decode-staging-tokens must be >= 0"):
+        ServerArgs(decode_staging_tokens=-1)

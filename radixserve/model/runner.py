@@ -148,10 +148,16 @@ class ModelRunner:
     def _staging_tokens(self) -> int:
         if self.args.decode_staging_tokens is not None:
             return self.args.decode_staging_tokens
-        # On CUDA the gather it saves is cheap next to the memory it would take from the pool.
-        if self.device.type != "cpu" or self.config.is_encoder:
-            return 0
-        return min(self.max_total_tokens, CPU_DEFAULT_STAGING_TOKENS)
+        return min(self.max_total_tokens, CPU_DEFAULT_STAGING_TOKENS) if self._default_staging() else 0
+
+    def _default_staging(self) -> bool:
+        """Staging by default: on a CPU, for a decoder. On CUDA the gather it saves is cheap next to
+        the memory it would take from the pool."""
+        return (
+            self.args.decode_staging_tokens is None
+            and self.device.type == "cpu"
+            and not self.config.is_encoder
+        )
 
     @staticmethod
     def _context_len(config: ModelConfig, args: ServerArgs) -> int:
@@ -194,7 +200,7 @@ class ModelRunner:
         else:
             budget = free_memory_bytes(self.device) * self.args.mem_fraction_static
             tokens = int(budget // per_slot)
-            if self.device.type == "cpu" and self.args.decode_staging_tokens is None:
+            if self._default_staging():
                 # The default decode staging lives in the same budget.
                 tokens -= min(tokens // 2, CPU_DEFAULT_STAGING_TOKENS)
             # More slots than every running request at full context can never be used.

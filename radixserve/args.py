@@ -11,6 +11,7 @@ SchedulePolicyName = Literal["fcfs", "lpm", "dfs-weight", "lof", "random"]
 SCHEDULE_POLICIES: tuple[str, ...] = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16")
 GRAMMAR_BACKENDS: tuple[str, ...] = ("xgrammar", "none")
+CPU_KERNEL_CHOICES: tuple[str, ...] = ("auto", "native", "torch")
 LOAD_BALANCE_METHODS: tuple[str, ...] = ("round_robin", "shortest_queue", "cache_aware")
 
 
@@ -40,6 +41,8 @@ class ServerArgs:
     random_seed: int = 0
     # Serve a decoder model as an embedding model (last-token pooling); encoders always are.
     is_embedding: bool = False
+    # Native CPU kernels (radixserve/kernels): auto = when they build here; native = required.
+    cpu_kernels: str = "auto"
 
     # Memory
     max_total_tokens: int | None = None
@@ -104,6 +107,9 @@ class ServerArgs:
             choices = ", ".join(SCHEDULE_POLICIES)
             policy = self.schedule_policy
             raise InvalidArgumentError(f"--schedule-policy must be one of {choices}, got {policy!r}")
+        if self.cpu_kernels not in CPU_KERNEL_CHOICES:
+            choices = ", ".join(CPU_KERNEL_CHOICES)
+            raise InvalidArgumentError(f"--cpu-kernels must be one of {choices}, got {self.cpu_kernels!r}")
         if self.page_size < 1:
             raise InvalidArgumentError(f"--page-size must be >= 1, got {self.page_size}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
@@ -203,6 +209,13 @@ class ServerArgs:
             action="store_true",
             help="serve embeddings (/v1/embeddings, /encode) from a decoder model; encoders always do",
         )
+        model.add_argument(
+            "--cpu-kernels",
+            default="auto",
+            choices=CPU_KERNEL_CHOICES,
+            help="native CPU kernels, built once per machine with its C++ compiler: auto uses them when "
+            "they build, native requires them, torch uses torch ops only",
+        )
 
         memory = parser.add_argument_group("memory")
         memory.add_argument(
@@ -223,8 +236,9 @@ class ServerArgs:
             "--decode-staging-tokens",
             type=int,
             default=None,
-            help="K/V tokens decode keeps contiguous between steps, beyond the KV cache "
-            "(default: the KV cache size up to 32768 on a CPU, 0 on CUDA; 0 turns it off)",
+            help="K/V tokens the torch decode attention keeps contiguous between steps, beyond the KV "
+            "cache (default: the KV cache size up to 32768 on a CPU, 0 on CUDA; 0 turns it off; "
+            "unused when the native CPU kernel reads the pool in place)",
         )
 
         sched = parser.add_argument_group("scheduling")

@@ -21,11 +21,16 @@ shared prefix once instead of 32 times made the layer ~3x faster (32 requests, 5
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
 from radixserve.model.decode_staging import bucket_kv, shared_kv
 from radixserve.model.forward_batch import MIN_SHARED_PREFIX, DecodeBucket, DecodeLayout, ExtendSegment
+
+if TYPE_CHECKING:
+    from radixserve.kernels.cpu_ops import CpuKernels
 
 
 def extend_attention(
@@ -158,9 +163,16 @@ def decode_attention(
     layout: DecodeLayout,
     layer_id: int,
     scale: float,
+    kernels: CpuKernels | None = None,
 ) -> torch.Tensor:
     """q: [B, H, D], one query per request; k, v: [B, Hkv, D], the new tokens' (already written
     to the pool). Returns [B, H, D]."""
+    if kernels is not None:
+        native = kernels.decode_attention(
+            q, k_cache, v_cache, layout.req_to_token, layout.req_pool_indices, layout.seq_lens, scale
+        )
+        if native is not None:
+            return native
     if len(layout.buckets) == 1 and layout.buckets[0].rows is None:
         return _bucket_attention(q, k, v, k_cache, v_cache, layout.buckets[0], layer_id, scale)
     out = torch.empty_like(q)

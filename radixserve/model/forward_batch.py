@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING
@@ -51,11 +52,25 @@ class DecodeBucket:
 
 @dataclass
 class DecodeLayout:
-    buckets: list[DecodeBucket]
-    batch_size: int
+    """Where each decode request's context lies: request b's K/V are at the KV slots
+    req_to_token[req_pool_indices[b], :seq_lens[b]] (its new token's included). The native CPU
+    kernel reads them in place; the torch path reads them through `buckets`, built on first use."""
+
+    req_to_token: torch.Tensor
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
     # Per row, an id that changes whenever the request's K/V may have changed (its admission serial,
     # new after each retraction): what decode staging keys its blocks on.
     request_ids: list[int]
+    share_prefixes: bool = False
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.req_pool_indices.shape[0])
+
+    @functools.cached_property
+    def buckets(self) -> list[DecodeBucket]:
+        return _build_buckets(self.req_to_token, self.req_pool_indices, self.seq_lens, self.share_prefixes)
 
 
 @dataclass
@@ -95,11 +110,19 @@ def build_decode_layout(
     share_prefixes: bool = False,
     request_ids: list[int] | None = None,
 ) -> DecodeLayout:
+    """The layout of a decode batch. request_ids defaults to the request slots, which suits a caller
+    that never reuses a slot."""
+    ids = req_pool_indices.tolist() if request_ids is None else list(request_ids)
+    return DecodeLayout(req_to_token, req_pool_indices, seq_lens, ids, share_prefixes)
+
+
+def _build_buckets(
+    req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, share_prefixes: bool
+) -> list[DecodeBucket]:
     """Groups requests by context length; each group becomes one batched attention call per layer.
 
     Padding every request to the longest context would make one 4k-token request cost every
     short request 4k tokens of attention; buckets keep the waste bounded with a handful of calls.
-    request_ids defaults to the request slots, which suits a caller that never reuses a slot.
     """
     batch_size = int(req_pool_indices.shape[0])
     lens = seq_lens.tolist()
@@ -140,8 +163,7 @@ def build_decode_layout(
                 shared_slots=shared_slots,
             )
         )
-    ids = req_pool_indices.tolist() if request_ids is None else list(request_ids)
-    return DecodeLayout(buckets=buckets, batch_size=batch_size, request_ids=ids)
+    return buckets
 
 
 def _shared_prefix_len(slots: torch.Tensor, shortest: int) -> int:

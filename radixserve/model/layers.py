@@ -7,16 +7,20 @@ collectives (model/parallel.py) do nothing.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from radixserve.model.parallel import SINGLE, ParallelContext, all_reduce, gather_last_dim
+
+if TYPE_CHECKING:
+    from radixserve.kernels.cpu_ops import CpuKernels
 
 
 class ShardingError(ValueError):
@@ -270,22 +274,31 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
+    def __init__(self, size: int, eps: float, kernels: CpuKernels | None = None):
         super().__init__()
         self.eps = eps
+        self.kernels = kernels
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
 
     def load(self, name: str, tensor: torch.Tensor, shard: int = 0) -> None:
         copy_checked(self.weight.data, tensor, "norm weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            fused = self.kernels.rms_norm(x, self.weight, self.eps)
+            if fused is not None:
+                return fused
         # Normalize in fp32, round, then scale in the model dtype, as the reference implementation
         # does. F.rms_norm straight on bf16 derailed SmolLM2's greedy chat answer from the first token.
         normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
         return self.weight * normed.to(x.dtype)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(gate_up: torch.Tensor, kernels: CpuKernels | None = None) -> torch.Tensor:
+    if kernels is not None:
+        fused = kernels.silu_and_mul(gate_up)
+        if fused is not None:
+            return fused
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -305,20 +318,41 @@ class RotaryEmbedding(nn.Module):
         self.cos: torch.Tensor
         self.sin: torch.Tensor
 
-    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """[cos, cos] and [-sin, sin] rows for these positions, shaped to broadcast over heads;
-        done once per forward. The rotation then runs in the model's dtype, as in the reference."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype, kernels: CpuKernels | None = None) -> Rope:
+        """The rotation for one forward's positions."""
+        return Rope(positions, self.cos, self.sin, dtype, kernels)
 
-    @staticmethod
-    def rotate(rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, head_dim] (query heads, key heads, or both stacked).
+
+@dataclass
+class Rope:
+    """Rotary embedding of one batch's positions; the rotation runs in the model's dtype, as in the
+    reference implementation."""
+
+    positions: torch.Tensor
+    cos_table: torch.Tensor  # [max_positions, head_dim / 2], fp32
+    sin_table: torch.Tensor
+    dtype: torch.dtype
+    kernels: CpuKernels | None = None
+
+    @functools.cached_property
+    def _rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """[cos, cos] and [-sin, sin] rows for the positions, shaped to broadcast over heads; built
+        once per forward, and only by the torch path."""
+        cos = self.cos_table[self.positions].unsqueeze(1)
+        sin = self.sin_table[self.positions].unsqueeze(1)
+        return torch.cat((cos, cos), dim=-1).to(self.dtype), torch.cat((-sin, sin), dim=-1).to(self.dtype)
+
+    def rotate_(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, head_dim] (query heads, key heads, or both stacked), rotated. The native
+        kernel rotates x in place; the torch path returns a new tensor.
 
         (x1, x2) → (x1·cos − x2·sin, x2·cos + x1·sin) in four passes over x instead of seven, and
         bit for bit the same: the sign sits in the table, and a + (−b) rounds as a − b."""
-        cos, signed_sin = rope
+        if self.kernels is not None and self.kernels.rotary_(
+            x, self.cos_table, self.sin_table, self.positions
+        ):
+            return x
+        cos, signed_sin = self._rows
         x1, x2 = x.chunk(2, dim=-1)
         return x * cos + torch.cat((x2, x1), dim=-1) * signed_sin
 

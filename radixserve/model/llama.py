@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -20,6 +21,7 @@ from radixserve.model.layers import (
     ColumnParallelLinear,
     ParallelLMHead,
     RMSNorm,
+    Rope,
     RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -31,12 +33,14 @@ from radixserve.model.layers import (
 )
 from radixserve.model.parallel import SINGLE, ParallelContext
 
-Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin for the batch's positions
+if TYPE_CHECKING:
+    from radixserve.kernels.cpu_ops import CpuKernels
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, ctx: ParallelContext):
+    def __init__(self, config: ModelConfig, layer_id: int, ctx: ParallelContext, kernels: CpuKernels | None):
         super().__init__()
+        self.kernels = kernels
         self.layer_id = layer_id
         self.head_dim = config.head_dim
         self.num_heads = divide(config.num_attention_heads, ctx.tp_size, "num_attention_heads")
@@ -48,8 +52,8 @@ class Attention(nn.Module):
             config.hidden_size, [split_evenly(q_size, ctx), kv, kv], bias=config.attention_bias, ctx=ctx
         )
         self.o_proj = RowParallelLinear(q_size, config.hidden_size, bias=False, ctx=ctx)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels) if config.qk_norm else None
 
     def forward(
         self,
@@ -68,18 +72,20 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(qkv[:, :q_size].view(tokens, self.num_heads, self.head_dim))
             k = self.k_norm(qkv[:, q_size : q_size + kv_size].view(tokens, self.num_kv_heads, self.head_dim))
-            q, k = RotaryEmbedding.rotate(rope, q), RotaryEmbedding.rotate(rope, k)
+            q, k = rope.rotate_(q), rope.rotate_(k)
         else:
             # Query and key heads are adjacent columns: rotate them together in one pass.
             qk = qkv[:, : q_size + kv_size].view(tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-            qk = RotaryEmbedding.rotate(rope, qk)
+            qk = rope.rotate_(qk)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
 
         kv_pool.write(self.layer_id, batch.out_cache_loc, k, v)
         k_cache, v_cache = kv_pool.k_buffers[self.layer_id], kv_pool.v_buffers[self.layer_id]
         if batch.mode is ForwardMode.DECODE:
             assert batch.decode is not None
-            out = decode_attention(q, k, v, k_cache, v_cache, batch.decode, self.layer_id, self.scale)
+            out = decode_attention(
+                q, k, v, k_cache, v_cache, batch.decode, self.layer_id, self.scale, self.kernels
+            )
         else:
             assert batch.extend is not None
             out = extend_attention(q, k, v, k_cache, v_cache, batch.extend, self.scale)
@@ -87,24 +93,25 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, ctx: ParallelContext):
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, kernels: CpuKernels | None):
         super().__init__()
+        self.kernels = kernels
         size = config.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [size, size], bias=False, ctx=ctx)
         self.down_proj = RowParallelLinear(size, config.hidden_size, bias=False, ctx=ctx)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """The MLP's output added to residual."""
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)), residual)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.kernels), residual)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, ctx: ParallelContext):
+    def __init__(self, config: ModelConfig, layer_id: int, ctx: ParallelContext, kernels: CpuKernels | None):
         super().__init__()
-        self.self_attn = Attention(config, layer_id, ctx)
-        self.mlp = MLP(config, ctx)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_id, ctx, kernels)
+        self.mlp = MLP(config, ctx, kernels)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
 
     def forward(
         self, hidden: torch.Tensor, batch: ForwardBatch, kv_pool: KVCachePool, rope: Rope
@@ -125,13 +132,23 @@ _STACKED_NAME = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.")
 
 
 class CausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int, ctx: ParallelContext = SINGLE):
+    def __init__(
+        self,
+        config: ModelConfig,
+        max_positions: int,
+        ctx: ParallelContext = SINGLE,
+        kernels: CpuKernels | None = None,
+    ):
+        """kernels: the native CPU kernels to use where they apply (None: torch ops only)."""
         super().__init__()
         self.config = config
+        self.kernels = kernels
         self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, ctx) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, ctx, kernels) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, ctx)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -154,7 +171,7 @@ class CausalLM(nn.Module):
             hidden = self.embed_tokens(batch.input_ids.clamp(max=self.config.vocab_size - 1))
             for row, vectors in batch.input_embeds:
                 hidden[row : row + len(vectors)] = vectors
-        rope = self.rotary.lookup(batch.positions, hidden.dtype)
+        rope = self.rotary.lookup(batch.positions, hidden.dtype, self.kernels)
         for layer in self.layers:
             hidden = layer(hidden, batch, kv_pool, rope)
         # Only the rows that sample need the final norm and the (large) vocabulary projection.

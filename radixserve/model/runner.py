@@ -11,6 +11,8 @@ import torch
 
 from radixserve.args import InvalidArgumentError, ServerArgs
 from radixserve.cache.pools import KVCachePool
+from radixserve.kernels.cpu_ops import CpuKernels, select_cpu_kernels
+from radixserve.kernels.native import NativeKernelsUnavailable
 from radixserve.model.bert import Encoder
 from radixserve.model.config import ModelConfig, ModelLoadError
 from radixserve.model.decode_staging import DecodeStaging
@@ -109,6 +111,7 @@ class ModelRunner:
         if self.config.is_encoder and parallel.tp_size > 1:
             raise InvalidArgumentError("encoder (BERT) models run with --tp-size 1 only")
         self.local_kv_heads = split_kv_heads(self.config.num_key_value_heads, 1, parallel).local
+        self.kernels = self._select_kernels()
         self.pooling: PoolingConfig | None = None
         if self.is_embedding:
             model_dir = self.source.path if self.source.kind == "hf_dir" else None
@@ -145,18 +148,38 @@ class ModelRunner:
             device=self.device,
         )
 
+    def _select_kernels(self) -> CpuKernels | None:
+        if self.config.is_encoder:
+            return None
+        try:
+            return select_cpu_kernels(self.args.cpu_kernels, self.device)
+        except NativeKernelsUnavailable as error:
+            raise InvalidArgumentError(f"--cpu-kernels native: {error}") from error
+
+    @property
+    def native_decode_attention(self) -> bool:
+        """Whether decode attention reads the paged pool in place (native CPU kernel)."""
+        heads = self.config.num_attention_heads // self.parallel.tp_size
+        return self.kernels is not None and self.kernels.handles_decode_attention(
+            heads, self.local_kv_heads, self.config.head_dim, self.dtype
+        )
+
     def _staging_tokens(self) -> int:
+        if self.native_decode_attention:
+            return 0  # the native kernel reads the pool in place: staging would be unread copies
         if self.args.decode_staging_tokens is not None:
             return self.args.decode_staging_tokens
         return min(self.max_total_tokens, CPU_DEFAULT_STAGING_TOKENS) if self._default_staging() else 0
 
     def _default_staging(self) -> bool:
-        """Staging by default: on a CPU, for a decoder. On CUDA the gather it saves is cheap next to
-        the memory it would take from the pool."""
+        """Staging by default: on a CPU, for a decoder whose decode attention gathers its K/V (the
+        native kernel reads them in place). On CUDA the gather it saves is cheap next to the memory
+        it would take from the pool."""
         return (
             self.args.decode_staging_tokens is None
             and self.device.type == "cpu"
             and not self.config.is_encoder
+            and not self.native_decode_attention
         )
 
     @staticmethod
@@ -174,12 +197,16 @@ class ModelRunner:
         return limit
 
     def _load_model(self) -> CausalLM | Encoder:
-        model_cls = Encoder if self.config.is_encoder else ARCHITECTURES[self.config.architecture]
         previous = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                model = model_cls(self.config, self.context_len, self.parallel)
+                model: CausalLM | Encoder
+                if self.config.is_encoder:
+                    model = Encoder(self.config, self.context_len, self.parallel)
+                else:
+                    model_cls = ARCHITECTURES[self.config.architecture]
+                    model = model_cls(self.config, self.context_len, self.parallel, self.kernels)
         finally:
             torch.set_default_dtype(previous)
         model.load_weights(iter_weights(self.source, self.config))

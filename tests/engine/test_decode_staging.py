@@ -36,6 +36,8 @@ def test_blocks_outlive_prefills_of_other_requests(
         max_total_tokens=kv_tokens,
         schedule_conservativeness=0.1,
         disable_overlap_schedule=True,
+        # Staging serves the torch decode attention; the native kernel reads the pool in place.
+        cpu_kernels="torch",
     )
     scheduler = Scheduler(args)
     staging = scheduler.runner.staging

@@ -1,0 +1,5 @@
+"""Native CPU kernels (csrc/cpu_kernels.cpp), compiled on first use with the machine's C++ compiler.
+
+`--cpu-kernels auto` (the default) uses them on a CPU when they build, and the pure-torch path
+otherwise; `native` insists on them, `torch` never loads them.
+"""

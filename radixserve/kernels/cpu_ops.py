@@ -1,0 +1,132 @@
+"""Tensor-level entry points of the native CPU kernels.
+
+Each op returns None (or False) for an input it does not handle (another device or dtype, a memory
+layout the kernel cannot address, a head shape without a compiled kernel), and the caller runs its
+torch code instead: the native path is an accelerator, never the only way.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from radixserve.kernels.native import DTYPE_SUFFIXES, NativeKernelsUnavailable, load_library
+
+logger = logging.getLogger(__name__)
+
+
+class CpuKernels:
+    def __init__(self, library: ctypes.CDLL):
+        self._functions: dict[tuple[str, torch.dtype], Callable[..., Any]] = {
+            (name, dtype): getattr(library, f"{name}_{suffix}")
+            for name in ("rms_norm", "silu_and_mul", "rotary", "decode_attention")
+            for dtype, suffix in DTYPE_SUFFIXES.items()
+        }
+        self._decode_supported = library.decode_attention_supported
+
+    def handles_decode_attention(self, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
+        """Whether decode_attention has a kernel for this head shape and dtype."""
+        return (
+            dtype in DTYPE_SUFFIXES
+            and kv_heads > 0
+            and heads % kv_heads == 0
+            and bool(self._decode_supported(heads // kv_heads, head_dim))
+        )
+
+    def _function(self, name: str, x: torch.Tensor) -> Callable[..., Any] | None:
+        if x.device.type != "cpu":
+            return None
+        return self._functions.get((name, x.dtype))
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+        """RMSNorm of the rows of a 2-D x, normalized in fp32 and scaled in x's dtype."""
+        run = self._function("rms_norm", x)
+        if run is None or x.dim() != 2 or x.stride(1) != 1 or weight.dtype != x.dtype:
+            return None
+        weight = weight.contiguous()
+        out = torch.empty(x.shape, dtype=x.dtype)
+        run(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
+        return out
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up for x = [gate | up] on its last dimension (2-D)."""
+        run = self._function("silu_and_mul", x)
+        if run is None or x.dim() != 2 or x.stride(1) != 1 or x.shape[1] % 2:
+            return None
+        rows, size = x.shape[0], x.shape[1] // 2
+        out = torch.empty((rows, size), dtype=x.dtype)
+        run(x.data_ptr(), x.stride(0), out.data_ptr(), rows, size)
+        return out
+
+    def rotary_(
+        self, x: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor
+    ) -> bool:
+        """Rotates x ([tokens, heads, dim], half-split layout) in place; False if it did not."""
+        run = self._function("rotary", x)
+        if (
+            run is None
+            or x.dim() != 3
+            or x.stride(2) != 1
+            or x.stride(1) != x.shape[2]
+            or positions.dtype != torch.int64
+            or not positions.is_contiguous()
+            or cos_table.dtype != torch.float32
+            or not (cos_table.is_contiguous() and sin_table.is_contiguous())
+        ):
+            return False
+        tokens, heads, dim = x.shape
+        run(x.data_ptr(), x.stride(0), tokens, heads, dim, cos_table.data_ptr(), sin_table.data_ptr(),
+            positions.data_ptr())  # fmt: skip
+        return True
+
+    def decode_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        req_to_token: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor | None:
+        """One query per request (q: [B, H, D]) over its context, read in place from the paged pool:
+        request b's K/V are at slots req_to_token[req_pool_indices[b], :seq_lens[b]]."""
+        run = self._function("decode_attention", q)
+        if (
+            run is None
+            or q.dim() != 3
+            or q.stride(2) != 1
+            or q.stride(1) != q.shape[2]
+            or k_cache.dtype != q.dtype
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+            or req_to_token.dtype != torch.int64
+            or req_to_token.stride(1) != 1
+        ):
+            return None
+        rows = req_pool_indices.to(torch.int64).contiguous()
+        lens = seq_lens.to(torch.int64).contiguous()
+        batch, heads, dim = q.shape
+        out = torch.empty((batch, heads, dim), dtype=q.dtype)
+        table = req_to_token
+        status = run(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(),
+                     table.stride(0), rows.data_ptr(), lens.data_ptr(), out.data_ptr(), batch, heads,
+                     k_cache.shape[1], dim, scale)  # fmt: skip
+        return out if status == 0 else None
+
+
+def select_cpu_kernels(choice: str, device: torch.device) -> CpuKernels | None:
+    """--cpu-kernels: 'auto' uses the native kernels on a CPU when they build; 'native' requires them
+    (and raises NativeKernelsUnavailable with the reason); 'torch' never loads them."""
+    if choice == "torch" or device.type != "cpu":
+        return None
+    try:
+        return CpuKernels(load_library())
+    except NativeKernelsUnavailable as error:
+        if choice == "native":
+            raise
+        logger.warning("native CPU kernels unavailable, using torch ops: %s", error)
+        return None

@@ -1,0 +1,464 @@
+// Native CPU kernels of radixserve, loaded through ctypes (radixserve/kernels/native.py).
+//
+// Why native: on a CPU, a decode step of a small model is dominated by memory traffic and by the
+// per-op cost of many small torch calls. These kernels fuse what torch runs as several passes
+// (RMSNorm, SiLU·mul, rotary) and read paged K/V in place for decode attention.
+//
+// Numerics: the elementwise kernels round exactly where the torch reference does (an fp32
+// computation rounded to the model dtype after every op the reference runs in that dtype), so they
+// match torch bit for bit except where a reduction order or libm's exp differs in the last fp32 bit.
+// They are compiled with fp contraction off for that reason: a fused multiply-add rounds once
+// where the reference rounds twice.
+//
+// Threads: OpenMP, linked against the libgomp torch itself loads, so both share one thread pool.
+
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <algorithm>
+#include <vector>
+
+namespace {
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v4f __attribute__((vector_size(16)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+// Elementwise work below this many elements runs on one thread: waking the pool costs more.
+constexpr int64_t kParallelMin = 1 << 15;
+
+// ---- loads and stores of 16 lanes, bf16 <-> fp32 ------------------------------------------
+
+inline v16f load16(const uint16_t *p) {
+    v16h h;
+    memcpy(&h, p, 32);
+    v16u u = __builtin_convertvector(h, v16u) << 16;
+    v16f f;
+    memcpy(&f, &u, 64);
+    return f;
+}
+inline v16f load16(const float *p) {
+    v16f f;
+    memcpy(&f, p, 64);
+    return f;
+}
+inline void store16(float *p, v16f x) { memcpy(p, &x, 64); }
+// Round to nearest even, NaN kept NaN: what torch's float -> bfloat16 conversion does.
+inline void store16(uint16_t *p, v16f x) {
+    v16u u;
+    memcpy(&u, &x, 64);
+    v16u rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    v16u nan = (u >> 16) | 0x40u;
+    v16u out = (u & 0x7fffffffu) > 0x7f800000u ? nan : rounded;
+    v16h h = __builtin_convertvector(out, v16h);
+    memcpy(p, &h, 32);
+}
+
+inline float hsum(v16f v) {
+    v8f a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+            __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    v4f b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// 2^x for x <= 0 (x = -inf gives ~1e-38, which is 0 next to the terms it is added to); relative
+// error ~2e-7, about one fp32 ulp.
+inline v16f exp2_nonpositive(v16f x) {
+    const v16f lowest = v16f{} - 126.0f;
+    x = x < lowest ? lowest : x;
+    v16f whole = __builtin_convertvector(__builtin_convertvector(x, v16i), v16f);
+    whole = whole > x ? whole - 1.0f : whole;
+    const v16f f = x - whole;
+    v16f p = f * 1.535336188319500e-4f + 1.339887440266574e-3f;
+    p = p * f + 9.618437357674640e-3f;
+    p = p * f + 5.550332471162809e-2f;
+    p = p * f + 2.402264791363012e-1f;
+    p = p * f + 6.931472028550421e-1f;
+    p = p * f + 1.0f;
+    const v16i bits = (__builtin_convertvector(whole, v16i) + 127) << 23;
+    v16f scale;
+    memcpy(&scale, &bits, 64);
+    return p * scale;
+}
+
+// e^x, Cody-Waite range reduction and Cephes' polynomial: within ~1 fp32 ulp, like torch's own
+// vectorized exp. Overflows to +inf and underflows to 0 as expf does (bar denormals).
+inline v16f exp16(v16f x) {
+    const v16f n_real = x * 1.44269504088896341f + 0.5f;
+    v16f n = __builtin_convertvector(__builtin_convertvector(n_real, v16i), v16f);
+    n = n > n_real ? n - 1.0f : n;  // floor
+    const v16f hi = n * 0.693359375f, lo = n * -2.12194440e-4f;
+    const v16f r = (x - hi) - lo;
+    v16f p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = (p * r) * r + r + 1.0f;
+    const v16f clamped = n < -126.0f ? v16f{} - 126.0f : (n > 127.0f ? v16f{} + 127.0f : n);
+    const v16i bits = (__builtin_convertvector(clamped, v16i) + 127) << 23;
+    v16f scale;
+    memcpy(&scale, &bits, 64);
+    const v16f result = p * scale;
+    const v16f inf = v16f{} + INFINITY;
+    return x > 88.72283935546875f ? inf : (x < -87.33654475f ? v16f{} : result);
+}
+
+// x as the reference holds it after an op in dtype T: rounded to bf16, or unchanged for fp32.
+inline v16f as_dtype16(v16f x, const float *) { return x; }
+inline v16f as_dtype16(v16f x, const uint16_t *) {
+    v16u u;
+    memcpy(&u, &x, 64);
+    const v16u rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    const v16u nan = (u | 0x00400000u) & 0xffff0000u;
+    const v16u out = (u & 0x7fffffffu) > 0x7f800000u ? nan : rounded;
+    v16f f;
+    memcpy(&f, &out, 64);
+    return f;
+}
+
+// The first n (< 16) elements, zero-padded; and the store of the first n lanes. Tails of rows
+// go through these, so each kernel has one code path.
+template <typename T>
+inline v16f load_partial(const T *p, int64_t n) {
+    T buffer[16] = {};
+    memcpy(buffer, p, n * sizeof(T));
+    return load16(buffer);
+}
+template <typename T>
+inline void store_partial(T *p, v16f x, int64_t n) {
+    T buffer[16];
+    store16(buffer, x);
+    memcpy(p, buffer, n * sizeof(T));
+}
+template <typename T>
+inline v16f load_n(const T *p, int64_t n) { return n >= 16 ? load16(p) : load_partial(p, n); }
+template <typename T>
+inline void store_n(T *p, v16f x, int64_t n) {
+    if (n >= 16) store16(p, x); else store_partial(p, x, n);
+}
+
+// ---- RMSNorm -------------------------------------------------------------------------------
+// Reference: y = x.float() * rsqrt(mean(x.float()^2) + eps); out = weight * y.to(T).
+
+template <typename T>
+__attribute__((optimize("fp-contract=off"))) void rms_norm(const T *x, int64_t x_stride, const T *weight,
+                                                           T *out, int64_t rows, int64_t size, float eps) {
+#pragma omp parallel for if (rows * size >= kParallelMin)
+    for (int64_t r = 0; r < rows; r++) {
+        const T *row = x + r * x_stride;
+        T *dst = out + r * size;
+        v16f squares = v16f{};
+        for (int64_t i = 0; i < size; i += 16) {
+            const v16f v = load_n(row + i, size - i);
+            squares += v * v;
+        }
+        const float inv = 1.0f / sqrtf(hsum(squares) / static_cast<float>(size) + eps);
+        for (int64_t i = 0; i < size; i += 16) {
+            const v16f normed = as_dtype16(load_n(row + i, size - i) * inv, dst);
+            store_n(dst + i, load_n(weight + i, size - i) * normed, size - i);
+        }
+    }
+}
+
+// ---- SiLU(gate) * up -----------------------------------------------------------------------
+// Reference: silu(gate) = gate / (1 + exp(-gate)) in T, then times up in T. x: [rows, 2 * size].
+
+template <typename T>
+__attribute__((optimize("fp-contract=off"))) void silu_and_mul(const T *x, int64_t x_stride, T *out,
+                                                               int64_t rows, int64_t size) {
+#pragma omp parallel for if (rows * size >= kParallelMin)
+    for (int64_t r = 0; r < rows; r++) {
+        const T *gate = x + r * x_stride;
+        const T *up = gate + size;
+        T *dst = out + r * size;
+        for (int64_t i = 0; i < size; i += 16) {
+            const v16f g = load_n(gate + i, size - i);
+            const v16f silu = as_dtype16(g / (1.0f + exp16(v16f{} - g)), dst);
+            store_n(dst + i, silu * load_n(up + i, size - i), size - i);
+        }
+    }
+}
+
+// ---- Rotary embedding, half-split ("neox") layout, in place --------------------------------
+// Reference, all in T: (x1, x2) -> (x1*cos + x2*(-sin), x2*cos + x1*sin), with cos and sin
+// rounded to T first. x: [rows, heads, dim] rows apart by x_stride; tables: [positions, dim / 2].
+
+template <typename T>
+__attribute__((optimize("fp-contract=off"))) void rotary(T *x, int64_t x_stride, int64_t rows, int64_t heads,
+                                                         int64_t dim, const float *cos_table,
+                                                         const float *sin_table, const int64_t *positions) {
+    const int64_t half = dim / 2;
+#pragma omp parallel for if (rows * heads * dim >= kParallelMin)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *cos_row = cos_table + positions[r] * half;
+        const float *sin_row = sin_table + positions[r] * half;
+        for (int64_t i = 0; i < half; i += 16) {
+            const int64_t n = half - i;
+            const v16f c = as_dtype16(load_n(cos_row + i, n), x), s = as_dtype16(load_n(sin_row + i, n), x);
+            const v16f minus_s = v16f{} - s;
+            for (int64_t h = 0; h < heads; h++) {
+                T *head = x + r * x_stride + h * dim;
+                const v16f x1 = load_n(head + i, n), x2 = load_n(head + half + i, n);
+                const v16f first = as_dtype16(x1 * c, x) + as_dtype16(x2 * minus_s, x);
+                const v16f second = as_dtype16(x2 * c, x) + as_dtype16(x1 * s, x);
+                store_n(head + i, first, n);
+                store_n(head + half + i, second, n);
+            }
+        }
+    }
+}
+
+// ---- Decode attention over the paged KV pool -----------------------------------------------
+// One query token per request; its context is the KV slots req_to_token[row][0 : len). The G
+// query heads that share a K/V head are computed together, so each K/V row is read once per step.
+// Online softmax over blocks of kBlock tokens, in fp32, with exp2 on log2(e)-scaled scores.
+// A small batch splits each context into pieces, merged at the end, so that every thread works.
+
+constexpr int kBlock = 32;
+constexpr int kPrefetch = 32;  // tokens ahead
+constexpr int64_t kMinPieceTokens = 64;
+
+// G query rows of one K/V head and their dot products with key rows. fp32 in general; for bf16
+// with AVX512-BF16, the queries stay bf16 and each instruction multiplies 32 pairs exactly and
+// adds them in fp32, so keys need no conversion.
+template <typename T, int G, int DV, bool kBf16Dot = false>
+struct Queries {
+    v16f rows[G][DV];
+    float scale;
+    void load(const T *q, float q_scale) {
+        scale = q_scale;
+        for (int g = 0; g < G; g++)
+            for (int j = 0; j < DV; j++) rows[g][j] = load16(q + g * DV * 16 + 16 * j);
+    }
+    void scores(const T *key, float (*out)[kBlock], int t) const {
+        v16f k[DV];
+        for (int j = 0; j < DV; j++) k[j] = load16(key + 16 * j);
+        for (int g = 0; g < G; g++) {
+            v16f dot = rows[g][0] * k[0];
+            for (int j = 1; j < DV; j++) dot += rows[g][j] * k[j];
+            out[g][t] = hsum(dot) * scale;
+        }
+    }
+};
+
+#if defined(__AVX512BF16__)
+constexpr bool kHaveBf16Dot = true;
+template <int G, int DV>
+struct Queries<uint16_t, G, DV, true> {
+    static_assert(DV % 2 == 0, "32 bf16 per instruction");
+    __m512bh rows[G][DV / 2];
+    float scale;
+    void load(const uint16_t *q, float q_scale) {
+        scale = q_scale;
+        for (int g = 0; g < G; g++)
+            for (int j = 0; j < DV / 2; j++) rows[g][j] = (__m512bh)_mm512_loadu_si512(q + g * DV * 16 + 32 * j);
+    }
+    void scores(const uint16_t *key, float (*out)[kBlock], int t) const {
+        __m512bh k[DV / 2];
+        for (int j = 0; j < DV / 2; j++) k[j] = (__m512bh)_mm512_loadu_si512(key + 32 * j);
+        for (int g = 0; g < G; g++) {
+            __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), rows[g][0], k[0]);
+            for (int j = 1; j < DV / 2; j++) dot = _mm512_dpbf16_ps(dot, rows[g][j], k[j]);
+            out[g][t] = _mm512_reduce_add_ps(dot) * scale;
+        }
+    }
+};
+#else
+constexpr bool kHaveBf16Dot = false;
+#endif
+
+// Unnormalized attention of G queries over context positions [begin, end): per query, the
+// running max score (log2 units), the sum of 2^(score - max), and sum of 2^(score - max) * v.
+template <typename T, int G, int DV>
+void attend_range(const T *q, const T *k_cache, const T *v_cache, const int64_t *slots, int64_t begin,
+                  int64_t end, int64_t kv_heads, int64_t head, float q_scale, float *max_out, float *sum_out,
+                  float *acc_out) {
+    constexpr int64_t D = DV * 16;
+    Queries<T, G, DV, kHaveBf16Dot && sizeof(T) == 2 && DV % 2 == 0> queries;
+    queries.load(q, q_scale);
+    v16f acc[G][DV];
+    float running_max[G], running_sum[G];
+    for (int g = 0; g < G; g++) {
+        for (int j = 0; j < DV; j++) acc[g][j] = v16f{};
+        running_max[g] = -INFINITY;
+        running_sum[g] = 0.0f;
+    }
+    float scores[G][kBlock] __attribute__((aligned(64)));
+    for (int64_t start = begin; start < end; start += kBlock) {
+        const int n = end - start < kBlock ? static_cast<int>(end - start) : kBlock;
+        for (int t = 0; t < n; t++) {
+            const T *key = k_cache + (slots[start + t] * kv_heads + head) * D;
+            // The pool is paged: hardware prefetchers cannot guess the next slot, so ask for it.
+            if (start + t + kPrefetch < end) {
+                const int64_t ahead = (slots[start + t + kPrefetch] * kv_heads + head) * D;
+                for (int64_t line = 0; line < D * (int64_t)sizeof(T); line += 64) {
+                    __builtin_prefetch(reinterpret_cast<const char *>(k_cache + ahead) + line);
+                }
+            }
+            // This token's V row, used once the block's scores are known.
+            for (int64_t line = 0; line < D * (int64_t)sizeof(T); line += 64) {
+                __builtin_prefetch(reinterpret_cast<const char *>(v_cache + (key - k_cache)) + line);
+            }
+            queries.scores(key, scores, t);
+        }
+        for (int g = 0; g < G; g++) {
+            float block_max = running_max[g];
+            for (int t = 0; t < n; t++) block_max = scores[g][t] > block_max ? scores[g][t] : block_max;
+            const float rescale = exp2f(running_max[g] - block_max);
+            running_max[g] = block_max;
+            running_sum[g] *= rescale;
+            for (int j = 0; j < DV; j++) acc[g][j] *= rescale;
+            for (int t = n; t < kBlock; t++) scores[g][t] = -INFINITY;
+            v16f total = v16f{};
+            for (int t = 0; t < kBlock; t += 16) {
+                const v16f p = exp2_nonpositive(load16(&scores[g][t]) - block_max);
+                store16(&scores[g][t], p);
+                total += p;
+            }
+            running_sum[g] += hsum(total);
+        }
+        for (int t = 0; t < n; t++) {
+            const T *value = v_cache + (slots[start + t] * kv_heads + head) * D;
+            v16f v[DV];
+            for (int j = 0; j < DV; j++) v[j] = load16(value + 16 * j);
+            for (int g = 0; g < G; g++) {
+                const float p = scores[g][t];
+                for (int j = 0; j < DV; j++) acc[g][j] += p * v[j];
+            }
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        max_out[g] = running_max[g];
+        sum_out[g] = running_sum[g];
+        for (int j = 0; j < DV; j++) store16(acc_out + g * D + 16 * j, acc[g][j]);
+    }
+}
+
+template <typename T, int G, int DV>
+void decode_attention(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache,
+                      const int64_t *req_to_token, int64_t table_stride, const int64_t *req_rows,
+                      const int64_t *lens, T *out, int64_t batch, int64_t kv_heads, float scale) {
+    constexpr int64_t D = DV * 16;
+    const int64_t heads = kv_heads * G;
+    const float q_scale = scale * 1.4426950408889634f;  // log2(e): softmax through exp2
+    const int64_t items = batch * kv_heads;
+    const int64_t wanted = 4 * static_cast<int64_t>(omp_get_max_threads());
+    const int64_t pieces = items >= wanted ? 1 : (wanted + items - 1) / items;
+    // Per (request, K/V head, piece) and query: max, sum, then D accumulated values.
+    constexpr int64_t kStride = 2 + D;
+    std::vector<float> partial(static_cast<size_t>(items * pieces * G * kStride));
+    // Whole requests per grab when unsplit: a request's K/V rows then stay in one core's cache
+    // while its K/V heads are read one after another.
+    const int64_t chunk = pieces == 1 ? kv_heads : 1;
+#pragma omp parallel for schedule(dynamic, chunk)
+    for (int64_t work = 0; work < items * pieces; work++) {
+        const int64_t item = work / pieces, piece = work % pieces;
+        const int64_t b = item / kv_heads, head = item % kv_heads;
+        const int64_t len = lens[b];
+        const int64_t step = std::max(kMinPieceTokens, (len + pieces - 1) / pieces);
+        const int64_t begin = std::min(len, piece * step), end = std::min(len, begin + step);
+        float *slot = partial.data() + work * G * kStride;
+        float max_out[G], sum_out[G];
+        attend_range<T, G, DV>(q + b * q_stride + head * G * D, k_cache, v_cache,
+                               req_to_token + req_rows[b] * table_stride, begin, end, kv_heads, head, q_scale,
+                               max_out, sum_out, slot + 2 * G);
+        for (int g = 0; g < G; g++) {
+            slot[g] = max_out[g];
+            slot[G + g] = sum_out[g];
+        }
+    }
+    // Merge the pieces: each weighted by 2^(its max - the overall max).
+#pragma omp parallel for if (items * G * D >= kParallelMin)
+    for (int64_t item = 0; item < items; item++) {
+        const int64_t b = item / kv_heads, head = item % kv_heads;
+        const float *first = partial.data() + item * pieces * G * kStride;
+        for (int g = 0; g < G; g++) {
+            float top = -INFINITY;
+            for (int64_t p = 0; p < pieces; p++) top = std::max(top, first[p * G * kStride + g]);
+            float total = 0.0f;
+            v16f acc[DV] = {};
+            for (int64_t p = 0; p < pieces; p++) {
+                const float *slot = first + p * G * kStride;
+                if (slot[G + g] == 0.0f) continue;  // an empty piece
+                const float weight = exp2f(slot[g] - top);
+                total += slot[G + g] * weight;
+                for (int j = 0; j < DV; j++) acc[j] += load16(slot + 2 * G + g * D + 16 * j) * weight;
+            }
+            T *dst = out + (b * heads + head * G + g) * D;
+            for (int j = 0; j < DV; j++) store16(dst + 16 * j, acc[j] / total);
+        }
+    }
+}
+
+template <typename T>
+using DecodeKernel = void (*)(const T *, int64_t, const T *, const T *, const int64_t *, int64_t, const int64_t *,
+                              const int64_t *, T *, int64_t, int64_t, float);
+
+// The compiled (query heads per K/V head, head_dim) shapes; nullptr for any other.
+template <typename T>
+DecodeKernel<T> find_decode_kernel(int64_t group, int64_t head_dim) {
+#define RADIXSERVE_CASE(G, DV) \
+    if (group == G && head_dim == DV * 16) return decode_attention<T, G, DV>;
+#define RADIXSERVE_GROUPS(DV)                                                                   \
+    RADIXSERVE_CASE(1, DV) RADIXSERVE_CASE(2, DV) RADIXSERVE_CASE(3, DV) RADIXSERVE_CASE(4, DV) \
+    RADIXSERVE_CASE(5, DV) RADIXSERVE_CASE(6, DV) RADIXSERVE_CASE(7, DV) RADIXSERVE_CASE(8, DV)
+    // head_dim 16 and 32 are the tiny test models'; 64 and 128 are nearly every served model's.
+    RADIXSERVE_GROUPS(1) RADIXSERVE_GROUPS(2) RADIXSERVE_GROUPS(4) RADIXSERVE_GROUPS(8)
+#undef RADIXSERVE_GROUPS
+#undef RADIXSERVE_CASE
+    return nullptr;
+}
+
+template <typename T>
+int decode_attention_dispatch(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache,
+                              const int64_t *req_to_token, int64_t table_stride, const int64_t *req_rows,
+                              const int64_t *lens, T *out, int64_t batch, int64_t heads, int64_t kv_heads,
+                              int64_t head_dim, float scale) {
+    if (kv_heads <= 0 || heads % kv_heads) return 1;
+    const DecodeKernel<T> kernel = find_decode_kernel<T>(heads / kv_heads, head_dim);
+    if (kernel == nullptr) return 2;  // the caller uses torch
+    kernel(q, q_stride, k_cache, v_cache, req_to_token, table_stride, req_rows, lens, out, batch, kv_heads, scale);
+    return 0;
+}
+
+}  // namespace
+
+// ---- C ABI: one entry per kernel and dtype ("bf16": torch.bfloat16, "f32": torch.float32) -----
+
+#define RADIXSERVE_EXPORT(T, SUFFIX)                                                                     \
+    extern "C" void rms_norm_##SUFFIX(const T *x, int64_t x_stride, const T *weight, T *out, int64_t rows, \
+                                       int64_t size, float eps) {                                         \
+        rms_norm<T>(x, x_stride, weight, out, rows, size, eps);                                           \
+    }                                                                                                     \
+    extern "C" void silu_and_mul_##SUFFIX(const T *x, int64_t x_stride, T *out, int64_t rows, int64_t size) { \
+        silu_and_mul<T>(x, x_stride, out, rows, size);                                                    \
+    }                                                                                                     \
+    extern "C" void rotary_##SUFFIX(T *x, int64_t x_stride, int64_t rows, int64_t heads, int64_t dim,      \
+                                     const float *cos_table, const float *sin_table,                      \
+                                     const int64_t *positions) {                                          \
+        rotary<T>(x, x_stride, rows, heads, dim, cos_table, sin_table, positions);                        \
+    }                                                                                                     \
+    extern "C" int decode_attention_##SUFFIX(const T *q, int64_t q_stride, const T *k_cache,               \
+                                             const T *v_cache,                                            \
+                                             const int64_t *req_to_token, int64_t table_stride,           \
+                                             const int64_t *req_rows, const int64_t *lens, T *out,        \
+                                             int64_t batch, int64_t heads, int64_t kv_heads,              \
+                                             int64_t head_dim, float scale) {                             \
+        return decode_attention_dispatch<T>(q, q_stride, k_cache, v_cache, req_to_token, table_stride,   \
+                                            req_rows,                                                     \
+                                            lens, out, batch, heads, kv_heads, head_dim, scale);          \
+    }
+
+RADIXSERVE_EXPORT(uint16_t, bf16)
+RADIXSERVE_EXPORT(float, f32)
+
+extern "C" int decode_attention_supported(int64_t group, int64_t head_dim) {
+    return find_decode_kernel<float>(group, head_dim) != nullptr;
+}

@@ -1,0 +1,158 @@
+"""The native CPU kernels against the torch code they replace (radixserve/kernels)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from radixserve.kernels.cpu_ops import CpuKernels, select_cpu_kernels
+from radixserve.kernels.native import NativeKernelsUnavailable, load_library
+from radixserve.model.layers import RMSNorm, Rope, RotaryEmbedding, silu_and_mul
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def kernels() -> CpuKernels:
+    try:
+        return CpuKernels(load_library())
+    except NativeKernelsUnavailable as error:
+        pytest.skip(f"native kernels unavailable here: {error}")
+
+
+def mismatch_fraction(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a != b).float().mean())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("size", [576, 64, 37])
+def test_rms_norm_matches_torch(kernels: CpuKernels, dtype: torch.dtype, size: int) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(300, size + 5, dtype=dtype)[:, :size]  # rows apart by more than their size
+    norm = RMSNorm(size, 1e-5)
+    norm.weight.data = torch.randn(size, dtype=dtype)
+    expected = norm(x)
+    native = kernels.rms_norm(x, norm.weight, 1e-5)
+    assert native is not None and native.dtype == dtype
+    # The sum of squares is added in another order: the fp32 result may differ in its last bit,
+    # which after rounding to bf16 rarely shows (then as one bf16 step).
+    torch.testing.assert_close(native, expected, rtol=2e-6 if dtype == torch.float32 else 8e-3, atol=0)
+    if dtype == torch.bfloat16:
+        assert mismatch_fraction(native, expected) < 1e-3
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("size", [1536, 40])
+def test_silu_and_mul_matches_torch(kernels: CpuKernels, dtype: torch.dtype, size: int) -> None:
+    torch.manual_seed(1)
+    x = torch.randn(64, 2 * size, dtype=dtype) * 4
+    x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # exp's overflow and underflow
+    expected = silu_and_mul(x)
+    native = silu_and_mul(x, kernels)
+    # exp may differ from torch's in the last fp32 bit.
+    torch.testing.assert_close(native, expected, rtol=1e-6 if dtype == torch.float32 else 8e-3, atol=1e-30)
+    if dtype == torch.bfloat16:
+        assert mismatch_fraction(native, expected) < 1e-3
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128, 40])
+def test_rotary_is_bit_identical_to_torch(kernels: CpuKernels, dtype: torch.dtype, head_dim: int) -> None:
+    torch.manual_seed(2)
+    rotary = RotaryEmbedding(head_dim, 4096, 10000.0, None)
+    positions = torch.randint(0, 4096, (50,))
+    qkv = torch.randn(50, 7 * head_dim + 3, dtype=dtype)  # rows wider than the rotated heads
+    heads = qkv[:, : 6 * head_dim].view(50, 6, head_dim)
+    expected = rotary.lookup(positions, dtype).rotate_(heads.clone())
+    rope = rotary.lookup(positions, dtype, kernels)
+    assert rope.rotate_(heads) is heads  # rotated in place
+    assert torch.equal(heads, expected)
+
+
+def test_ops_decline_what_they_cannot_address(kernels: CpuKernels) -> None:
+    x = torch.randn(4, 8, dtype=torch.float16)
+    assert kernels.rms_norm(x, torch.ones(8, dtype=torch.float16), 1e-5) is None
+    assert kernels.silu_and_mul(torch.randn(4, 8).t()) is None  # not row-major
+    assert kernels.rms_norm(torch.randn(2, 3, 8), torch.ones(8), 1e-5) is None  # not 2-D
+    rope = Rope(torch.zeros(4, dtype=torch.int64), torch.ones(64, 4), torch.zeros(64, 4), torch.float32)
+    assert not kernels.rotary_(
+        torch.randn(4, 8, 2).transpose(1, 2), rope.cos_table, rope.sin_table, rope.positions
+    )
+    assert not kernels.handles_decode_attention(9, 3, 80, torch.float32)  # no kernel for head_dim 80
+    assert not kernels.handles_decode_attention(9, 3, 64, torch.float16)
+    assert kernels.handles_decode_attention(9, 3, 64, torch.bfloat16)
+
+
+def reference_decode(q, k_cache, v_cache, table, rows, lens, scale):  # type: ignore[no-untyped-def]
+    out = torch.empty_like(q)
+    heads, kv_heads = q.shape[1], k_cache.shape[1]
+    for b in range(q.shape[0]):
+        slots = table[rows[b], : lens[b]]
+        k = k_cache[slots].transpose(0, 1).float()
+        v = v_cache[slots].transpose(0, 1).float()
+        qq = q[b].float().view(kv_heads, heads // kv_heads, -1)
+        out[b] = F.scaled_dot_product_attention(qq, k, v, scale=scale).reshape(heads, -1).to(q.dtype)
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "lengths"),
+    [
+        (9, 3, 64, [300, 17, 1, 64, 65, 250]),  # SmolLM2's heads, mixed lengths
+        (4, 4, 128, [1000]),  # one long request: split into pieces across threads
+        (8, 1, 64, [33] * 40),  # many equal requests, one K/V head
+        (4, 2, 16, [5, 40, 129]),  # the tiny test models' heads
+        (6, 2, 32, [70, 3]),
+    ],
+)
+def test_decode_attention_matches_sdpa(
+    kernels: CpuKernels, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, lengths: list[int]
+) -> None:
+    torch.manual_seed(3)
+    slots_total = 4000
+    k_cache = torch.randn(slots_total, kv_heads, head_dim, dtype=dtype)
+    v_cache = torch.randn(slots_total, kv_heads, head_dim, dtype=dtype)
+    table = torch.zeros(64, 1200, dtype=torch.int64)
+    rows = torch.randperm(64)[: len(lengths)]
+    for row, length in zip(rows.tolist(), lengths, strict=True):
+        table[row, :length] = torch.randperm(slots_total)[:length]  # scattered, as in a paged pool
+    lens = torch.tensor(lengths)
+    # q as a view of a wider projection output, like the model's.
+    q = torch.randn(len(lengths), heads * head_dim + 32, dtype=dtype)[:, : heads * head_dim]
+    q = q.view(len(lengths), heads, head_dim)
+    scale = head_dim**-0.5
+    native = kernels.decode_attention(q, k_cache, v_cache, table, rows, lens, scale)
+    expected = reference_decode(q, k_cache, v_cache, table, rows, lens, scale)
+    assert native is not None
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(native, expected, rtol=tolerance, atol=tolerance)
+
+
+def test_select_torch_loads_nothing() -> None:
+    assert select_cpu_kernels("torch", torch.device("cpu")) is None
+
+
+def test_missing_compiler_is_reported(tmp_path: os.PathLike[str]) -> None:
+    """auto falls back to torch with a warning; native fails with the reason."""
+    script = (
+        "import torch\n"
+        "from radixserve.kernels.cpu_ops import select_cpu_kernels\n"
+        "from radixserve.kernels.native import NativeKernelsUnavailable\n"
+        "assert select_cpu_kernels('auto', torch.device('cpu')) is None\n"
+        "try:\n"
+        "    select_cpu_kernels('native', torch.device('cpu'))\n"
+        "except NativeKernelsUnavailable as error:\n"
+        "    print('REASON', error)\n"
+    )
+    env = {**os.environ, "CXX": "/nonexistent/g++", "RADIXSERVE_KERNEL_CACHE": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "REASON /nonexistent/g++ failed" in done.stdout

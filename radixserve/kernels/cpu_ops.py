@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,6 +18,17 @@ import torch
 from radixserve.kernels.native import DTYPE_SUFFIXES, NativeKernelsUnavailable, load_library
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SharedPrefixResult:
+    """Attention of every decode query over the context prefix all requests share, computed
+    beforehand: out is [Hkv, B * G, D] (row b * G + g: request b's query g of that K/V head, last
+    dimension contiguous), lse the matching natural-log log-sum-exp, [Hkv, B * G] fp32."""
+
+    length: int
+    out: torch.Tensor
+    lse: torch.Tensor
 
 
 class CpuKernels:
@@ -92,9 +104,11 @@ class CpuKernels:
         req_pool_indices: torch.Tensor,
         seq_lens: torch.Tensor,
         scale: float,
+        prefix: SharedPrefixResult | None = None,
     ) -> torch.Tensor | None:
         """One query per request (q: [B, H, D]) over its context, read in place from the paged pool:
-        request b's K/V are at slots req_to_token[req_pool_indices[b], :seq_lens[b]]."""
+        request b's K/V are at slots req_to_token[req_pool_indices[b], :seq_lens[b]]. With prefix,
+        the kernel reads only the positions after it and merges its result in."""
         run = self._function("decode_attention", q)
         if (
             run is None
@@ -107,6 +121,12 @@ class CpuKernels:
             or req_to_token.stride(1) != 1
         ):
             return None
+        length, prefix_out, head_stride, row_stride, prefix_lse = 0, 0, 0, 0, 0
+        if prefix is not None:
+            if prefix.out.dtype != q.dtype or prefix.out.stride(2) != 1 or not prefix.lse.is_contiguous():
+                return None
+            length, prefix_out, prefix_lse = prefix.length, prefix.out.data_ptr(), prefix.lse.data_ptr()
+            head_stride, row_stride = prefix.out.stride(0), prefix.out.stride(1)
         rows = req_pool_indices.to(torch.int64).contiguous()
         lens = seq_lens.to(torch.int64).contiguous()
         batch, heads, dim = q.shape
@@ -114,7 +134,8 @@ class CpuKernels:
         table = req_to_token
         status = run(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(),
                      table.stride(0), rows.data_ptr(), lens.data_ptr(), out.data_ptr(), batch, heads,
-                     k_cache.shape[1], dim, scale)  # fmt: skip
+                     k_cache.shape[1], dim, scale, length, prefix_out, head_stride, row_stride,
+                     prefix_lse)  # fmt: skip
         return out if status == 0 else None
 
 

@@ -37,7 +37,10 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "rms_norm": (None, [_P, _I, _P, _P, _I, _I, _F]),
     "silu_and_mul": (None, [_P, _I, _P, _I, _I]),
     "rotary": (None, [_P, _I, _I, _I, _I, _P, _P, _P]),
-    "decode_attention": (ctypes.c_int, [_P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _F]),
+    "decode_attention": (
+        ctypes.c_int,
+        [_P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _F, _I, _P, _I, _I, _P],
+    ),
 }
 DTYPE_SUFFIXES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 

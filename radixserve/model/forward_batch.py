@@ -69,6 +69,19 @@ class DecodeLayout:
         return int(self.req_pool_indices.shape[0])
 
     @functools.cached_property
+    def shared_prefix_slots(self) -> torch.Tensor | None:
+        """The KV slots every request's context starts with (at least MIN_SHARED_PREFIX of them,
+        short of each request's newest token), when prefix sharing is on; else None."""
+        if not self.share_prefixes or self.batch_size < 2:
+            return None
+        shortest = int(self.seq_lens.min())
+        if shortest - 1 < MIN_SHARED_PREFIX:
+            return None
+        slots = self.req_to_token[self.req_pool_indices, : shortest - 1]
+        shared = _shared_prefix_len(slots, shortest)
+        return slots[0, :shared] if shared >= MIN_SHARED_PREFIX else None
+
+    @functools.cached_property
     def buckets(self) -> list[DecodeBucket]:
         return _build_buckets(self.req_to_token, self.req_pool_indices, self.seq_lens, self.share_prefixes)
 

@@ -12,6 +12,8 @@ import torch.nn.functional as F
 
 from radixserve.kernels.cpu_ops import CpuKernels, select_cpu_kernels
 from radixserve.kernels.native import NativeKernelsUnavailable, load_library
+from radixserve.model.attention import decode_attention
+from radixserve.model.forward_batch import build_decode_layout
 from radixserve.model.layers import RMSNorm, Rope, RotaryEmbedding, silu_and_mul
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -156,3 +158,28 @@ def test_missing_compiler_is_reported(tmp_path: os.PathLike[str]) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "REASON /nonexistent/g++ failed" in done.stdout
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_attention_over_a_shared_prefix(kernels: CpuKernels, dtype: torch.dtype) -> None:
+    """Requests sharing their first 100 KV slots: the prefix is attended once for all of them
+    (cascade) and merged with each request's own part by log-sum-exp."""
+    torch.manual_seed(4)
+    heads, kv_heads, head_dim, shared = 9, 3, 64, 100
+    k_cache = torch.randn(3000, kv_heads, head_dim, dtype=dtype)
+    v_cache = torch.randn(3000, kv_heads, head_dim, dtype=dtype)
+    lengths = [101, 140, 333, 102]
+    table = torch.zeros(8, 400, dtype=torch.int64)
+    prefix = torch.randperm(3000)[:shared]
+    rows = torch.tensor([5, 0, 3, 6])
+    for row, length in zip(rows.tolist(), lengths, strict=True):
+        table[row, :shared] = prefix
+        table[row, shared:length] = 2000 + torch.randperm(1000)[: length - shared]
+    lens = torch.tensor(lengths)
+    layout = build_decode_layout(table, rows, lens, share_prefixes=True)
+    assert layout.shared_prefix_slots is not None and len(layout.shared_prefix_slots) == shared
+    q = torch.randn(len(lengths), heads, head_dim, dtype=dtype)
+    native = decode_attention(q, q, q, k_cache, v_cache, layout, 0, head_dim**-0.5, kernels)
+    expected = reference_decode(q, k_cache, v_cache, table, rows, lens, head_dim**-0.5)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(native, expected, rtol=tolerance, atol=tolerance)

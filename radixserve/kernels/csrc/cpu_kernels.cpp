@@ -341,10 +341,22 @@ void attend_range(const T *q, const T *k_cache, const T *v_cache, const int64_t 
     }
 }
 
+// Attention over a prefix that every request of the batch shares, computed beforehand (by a
+// batched GEMM-shaped call, which reads the prefix once for all requests): its normalized output
+// and natural-log log-sum-exp per (K/V head, request * G + query head in group).
+template <typename T>
+struct SharedPrefix {
+    int64_t length;  // context positions [0, length) of every request; 0: no shared prefix
+    const T *out;    // row (head, b * G + g) at out + head * head_stride + (b * G + g) * row_stride
+    int64_t head_stride, row_stride;
+    const float *lse;  // [kv_heads, batch * G]
+};
+
 template <typename T, int G, int DV>
 void decode_attention(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache,
                       const int64_t *req_to_token, int64_t table_stride, const int64_t *req_rows,
-                      const int64_t *lens, T *out, int64_t batch, int64_t kv_heads, float scale) {
+                      const int64_t *lens, T *out, int64_t batch, int64_t kv_heads, float scale,
+                      SharedPrefix<T> prefix) {
     constexpr int64_t D = DV * 16;
     const int64_t heads = kv_heads * G;
     const float q_scale = scale * 1.4426950408889634f;  // log2(e): softmax through exp2
@@ -361,29 +373,39 @@ void decode_attention(const T *q, int64_t q_stride, const T *k_cache, const T *v
     for (int64_t work = 0; work < items * pieces; work++) {
         const int64_t item = work / pieces, piece = work % pieces;
         const int64_t b = item / kv_heads, head = item % kv_heads;
-        const int64_t len = lens[b];
+        const int64_t len = lens[b] - prefix.length;
         const int64_t step = std::max(kMinPieceTokens, (len + pieces - 1) / pieces);
         const int64_t begin = std::min(len, piece * step), end = std::min(len, begin + step);
         float *slot = partial.data() + work * G * kStride;
         float max_out[G], sum_out[G];
         attend_range<T, G, DV>(q + b * q_stride + head * G * D, k_cache, v_cache,
-                               req_to_token + req_rows[b] * table_stride, begin, end, kv_heads, head, q_scale,
-                               max_out, sum_out, slot + 2 * G);
+                               req_to_token + req_rows[b] * table_stride + prefix.length, begin, end, kv_heads,
+                               head, q_scale, max_out, sum_out, slot + 2 * G);
         for (int g = 0; g < G; g++) {
             slot[g] = max_out[g];
             slot[G + g] = sum_out[g];
         }
     }
-    // Merge the pieces: each weighted by 2^(its max - the overall max).
+    // Merge the pieces (and the shared prefix's result): each weighted by 2^(its max - the top).
 #pragma omp parallel for if (items * G * D >= kParallelMin)
     for (int64_t item = 0; item < items; item++) {
         const int64_t b = item / kv_heads, head = item % kv_heads;
         const float *first = partial.data() + item * pieces * G * kStride;
         for (int g = 0; g < G; g++) {
-            float top = -INFINITY;
+            // The prefix's normalized output stands for an exp-sum of e^lse = 2^(lse * log2(e)).
+            const int64_t row = b * G + g;
+            const float prefix_max =
+                prefix.length ? prefix.lse[head * batch * G + row] * 1.4426950408889634f : -INFINITY;
+            float top = prefix_max;
             for (int64_t p = 0; p < pieces; p++) top = std::max(top, first[p * G * kStride + g]);
             float total = 0.0f;
             v16f acc[DV] = {};
+            if (prefix.length) {
+                const float weight = exp2f(prefix_max - top);
+                const T *shared = prefix.out + head * prefix.head_stride + row * prefix.row_stride;
+                total = weight;
+                for (int j = 0; j < DV; j++) acc[j] = load16(shared + 16 * j) * weight;
+            }
             for (int64_t p = 0; p < pieces; p++) {
                 const float *slot = first + p * G * kStride;
                 if (slot[G + g] == 0.0f) continue;  // an empty piece
@@ -399,7 +421,7 @@ void decode_attention(const T *q, int64_t q_stride, const T *k_cache, const T *v
 
 template <typename T>
 using DecodeKernel = void (*)(const T *, int64_t, const T *, const T *, const int64_t *, int64_t, const int64_t *,
-                              const int64_t *, T *, int64_t, int64_t, float);
+                              const int64_t *, T *, int64_t, int64_t, float, SharedPrefix<T>);
 
 // The compiled (query heads per K/V head, head_dim) shapes; nullptr for any other.
 template <typename T>
@@ -420,11 +442,15 @@ template <typename T>
 int decode_attention_dispatch(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache,
                               const int64_t *req_to_token, int64_t table_stride, const int64_t *req_rows,
                               const int64_t *lens, T *out, int64_t batch, int64_t heads, int64_t kv_heads,
-                              int64_t head_dim, float scale) {
+                              int64_t head_dim, float scale, SharedPrefix<T> prefix) {
     if (kv_heads <= 0 || heads % kv_heads) return 1;
     const DecodeKernel<T> kernel = find_decode_kernel<T>(heads / kv_heads, head_dim);
     if (kernel == nullptr) return 2;  // the caller uses torch
-    kernel(q, q_stride, k_cache, v_cache, req_to_token, table_stride, req_rows, lens, out, batch, kv_heads, scale);
+    for (int64_t b = 0; b < batch; b++) {
+        if (lens[b] <= prefix.length) return 3;  // every request needs a token of its own
+    }
+    kernel(q, q_stride, k_cache, v_cache, req_to_token, table_stride, req_rows, lens, out, batch, kv_heads, scale,
+           prefix);
     return 0;
 }
 
@@ -445,15 +471,17 @@ int decode_attention_dispatch(const T *q, int64_t q_stride, const T *k_cache, co
                                      const int64_t *positions) {                                          \
         rotary<T>(x, x_stride, rows, heads, dim, cos_table, sin_table, positions);                        \
     }                                                                                                     \
-    extern "C" int decode_attention_##SUFFIX(const T *q, int64_t q_stride, const T *k_cache,               \
-                                             const T *v_cache,                                            \
-                                             const int64_t *req_to_token, int64_t table_stride,           \
-                                             const int64_t *req_rows, const int64_t *lens, T *out,        \
-                                             int64_t batch, int64_t heads, int64_t kv_heads,              \
-                                             int64_t head_dim, float scale) {                             \
+    extern "C" int decode_attention_##SUFFIX(                                                           \
+        const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, const int64_t *req_to_token,    \
+        int64_t table_stride, const int64_t *req_rows, const int64_t *lens, T *out, int64_t batch,        \
+        int64_t heads, int64_t kv_heads, int64_t head_dim, float scale, int64_t prefix_length,            \
+        const T *prefix_out, int64_t prefix_head_stride, int64_t prefix_row_stride,                       \
+        const float *prefix_lse) {                                                                         \
+        const SharedPrefix<T> prefix{prefix_length, prefix_out, prefix_head_stride, prefix_row_stride,    \
+                                     prefix_lse};                                                          \
         return decode_attention_dispatch<T>(q, q_stride, k_cache, v_cache, req_to_token, table_stride,   \
-                                            req_rows,                                                     \
-                                            lens, out, batch, heads, kv_heads, head_dim, scale);          \
+                                            req_rows, lens, out, batch, heads, kv_heads, head_dim, scale, \
+                                            prefix);                                                      \
     }
 
 RADIXSERVE_EXPORT(uint16_t, bf16)

@@ -35,7 +35,7 @@ class CpuKernels:
     def __init__(self, library: ctypes.CDLL):
         self._functions: dict[tuple[str, torch.dtype], Callable[..., Any]] = {
             (name, dtype): getattr(library, f"{name}_{suffix}")
-            for name in ("rms_norm", "silu_and_mul", "rotary", "decode_attention")
+            for name in ("rms_norm", "silu_and_mul", "rotary", "merge_by_lse", "decode_attention")
             for dtype, suffix in DTYPE_SUFFIXES.items()
         }
         self._decode_supported = library.decode_attention_supported
@@ -94,6 +94,33 @@ class CpuKernels:
         run(x.data_ptr(), x.stride(0), tokens, heads, dim, cos_table.data_ptr(), sin_table.data_ptr(),
             positions.data_ptr())  # fmt: skip
         return True
+
+    def merge_by_lse(
+        self, out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+    ) -> torch.Tensor | None:
+        """Attention over the union of two key sets from each set's output ([N, A, B, D], any
+        strides but a contiguous last dimension) and natural-log log-sum-exp ([N, A, B], fp32).
+        Returns [N, A * B, D] in out_a's dtype."""
+        run = self._function("merge_by_lse", out_a)
+        if (
+            run is None
+            or out_a.dim() != 4
+            or out_b.shape != out_a.shape
+            or out_b.dtype != out_a.dtype
+            or lse_a.shape != out_a.shape[:3]
+            or lse_b.shape != out_a.shape[:3]
+            or lse_a.dtype != torch.float32
+            or lse_b.dtype != torch.float32
+            or out_a.stride(3) != 1
+            or out_b.stride(3) != 1
+        ):
+            return None
+        n, na, nb, dim = out_a.shape
+        out = torch.empty((n, na * nb, dim), dtype=out_a.dtype)
+        run(out_a.data_ptr(), *out_a.stride()[:3], lse_a.data_ptr(), *lse_a.stride(),
+            out_b.data_ptr(), *out_b.stride()[:3], lse_b.data_ptr(), *lse_b.stride(),
+            out.data_ptr(), n, na, nb, dim)  # fmt: skip
+        return out
 
     def decode_attention(
         self,

@@ -37,6 +37,8 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "rms_norm": (None, [_P, _I, _P, _P, _I, _I, _F]),
     "silu_and_mul": (None, [_P, _I, _P, _I, _I]),
     "rotary": (None, [_P, _I, _I, _I, _I, _P, _P, _P]),
+    # per part: its output and 3 leading strides, its lse and 3 strides; then out, n, a, b, dim
+    "merge_by_lse": (None, [_P, _I, _I, _I] * 4 + [_P, _I, _I, _I, _I]),
     "decode_attention": (
         ctypes.c_int,
         [_P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _F, _I, _P, _I, _I, _P],

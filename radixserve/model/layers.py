@@ -89,13 +89,21 @@ def packed_linear(
     rows = x.shape[0]
     padded = round_up_to_eighth(rows)
     if padded != rows:
-        x = F.pad(x, (0, 0, 0, padded - rows))
-        residual = None if residual is None else F.pad(residual, (0, 0, 0, padded - rows))
+        x = _pad_rows(x, padded)
+        residual = None if residual is None else _pad_rows(residual, padded)
     if residual is None:
         out = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     else:
         out = torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed, bias, "add")
     return out if padded == rows else out[:rows]
+
+
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x with zero rows appended up to `rows`; one pass over x (F.pad zero-fills everything first)."""
+    padded = x.new_empty((rows, x.shape[1]))
+    padded[: x.shape[0]] = x
+    padded[x.shape[0] :].zero_()
+    return padded
 
 
 def round_up_to_eighth(n: int) -> int:

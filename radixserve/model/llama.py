@@ -88,7 +88,7 @@ class Attention(nn.Module):
             )
         else:
             assert batch.extend is not None
-            out = extend_attention(q, k, v, k_cache, v_cache, batch.extend, self.scale)
+            out = extend_attention(q, k, v, k_cache, v_cache, batch.extend, self.scale, self.kernels)
         return self.o_proj(out.reshape(tokens, q_size), residual)
 
 

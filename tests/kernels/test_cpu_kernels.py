@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from radixserve.kernels.cpu_ops import CpuKernels, select_cpu_kernels
 from radixserve.kernels.native import NativeKernelsUnavailable, load_library
-from radixserve.model.attention import decode_attention
+from radixserve.model.attention import _merge_by_lse, decode_attention
 from radixserve.model.forward_batch import build_decode_layout
 from radixserve.model.layers import RMSNorm, Rope, RotaryEmbedding, silu_and_mul
 
@@ -182,4 +182,19 @@ def test_decode_attention_over_a_shared_prefix(kernels: CpuKernels, dtype: torch
     native = decode_attention(q, q, q, k_cache, v_cache, layout, 0, head_dim**-0.5, kernels)
     expected = reference_decode(q, k_cache, v_cache, table, rows, lens, head_dim**-0.5)
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(native, expected, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_merge_by_lse_matches_torch(kernels: CpuKernels, dtype: torch.dtype) -> None:
+    torch.manual_seed(5)
+    # Part a as attention returns it per K/V head ([Hkv, N * G, D] viewed as [N, Hkv, G, D]).
+    a = torch.randn(3, 50 * 3, 64, dtype=dtype).view(3, 50, 3, 64).permute(1, 0, 2, 3)
+    lse_a = (torch.randn(3, 50 * 3) * 3).view(3, 50, 3).permute(1, 0, 2)
+    b = torch.randn(50, 3, 3, 64, dtype=dtype)
+    lse_b = torch.randn(50, 3, 3) * 3
+    native = kernels.merge_by_lse(a, lse_a, b, lse_b)
+    expected = _merge_by_lse(a.reshape(50, 9, 64), lse_a.reshape(50, 9), b.view(50, 9, 64), lse_b.view(50, 9))
+    assert native is not None
+    tolerance = 1e-6 if dtype == torch.float32 else 8e-3
     torch.testing.assert_close(native, expected, rtol=tolerance, atol=tolerance)

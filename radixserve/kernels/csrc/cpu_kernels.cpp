@@ -215,6 +215,37 @@ __attribute__((optimize("fp-contract=off"))) void rotary(T *x, int64_t x_stride,
     }
 }
 
+// ---- Merge of two attention results over disjoint key sets ----------------------------------
+// out = (a * e^(lse_a - m) + b * e^(lse_b - m)) / (e^(lse_a - m) + e^(lse_b - m)), m = max(lse_a, lse_b),
+// in fp32, rounded once. a, b: [N, A, B, D] with any strides but a contiguous last dimension;
+// lse_a, lse_b: [N, A, B] fp32 with any strides; out: [N, A, B, D] contiguous.
+
+struct Strides3 {
+    int64_t n, a, b;
+    int64_t at(int64_t i, int64_t j, int64_t k) const { return i * n + j * a + k * b; }
+};
+
+template <typename T>
+void merge_by_lse(const T *out_a, Strides3 sa, const float *lse_a, Strides3 la, const T *out_b, Strides3 sb,
+                  const float *lse_b, Strides3 lb, T *out, int64_t n, int64_t na, int64_t nb, int64_t dim) {
+#pragma omp parallel for if (n * na * nb * dim >= kParallelMin)
+    for (int64_t i = 0; i < n; i++) {
+        for (int64_t j = 0; j < na; j++) {
+            for (int64_t k = 0; k < nb; k++) {
+                const float x = lse_a[la.at(i, j, k)], y = lse_b[lb.at(i, j, k)];
+                const float top = std::max(x, y);
+                const float wa = expf(x - top), wb = expf(y - top), total = wa + wb;
+                const T *a = out_a + sa.at(i, j, k), *b = out_b + sb.at(i, j, k);
+                T *dst = out + ((i * na + j) * nb + k) * dim;
+                for (int64_t d = 0; d < dim; d += 16) {
+                    const v16f merged = (load_n(a + d, dim - d) * wa + load_n(b + d, dim - d) * wb) / total;
+                    store_n(dst + d, merged, dim - d);
+                }
+            }
+        }
+    }
+}
+
 // ---- Decode attention over the paged KV pool -----------------------------------------------
 // One query token per request; its context is the KV slots req_to_token[row][0 : len). The G
 // query heads that share a K/V head are computed together, so each K/V row is read once per step.
@@ -486,6 +517,17 @@ int decode_attention_dispatch(const T *q, int64_t q_stride, const T *k_cache, co
 
 RADIXSERVE_EXPORT(uint16_t, bf16)
 RADIXSERVE_EXPORT(float, f32)
+
+#define RADIXSERVE_EXPORT_MERGE(T, SUFFIX)                                                               \
+    extern "C" void merge_by_lse_##SUFFIX(                                                                 \
+        const T *out_a, int64_t sa0, int64_t sa1, int64_t sa2, const float *lse_a, int64_t la0, int64_t la1, \
+        int64_t la2, const T *out_b, int64_t sb0, int64_t sb1, int64_t sb2, const float *lse_b, int64_t lb0, \
+        int64_t lb1, int64_t lb2, T *out, int64_t n, int64_t na, int64_t nb, int64_t dim) {                \
+        merge_by_lse<T>(out_a, {sa0, sa1, sa2}, lse_a, {la0, la1, la2}, out_b, {sb0, sb1, sb2}, lse_b,      \
+                        {lb0, lb1, lb2}, out, n, na, nb, dim);                                              \
+    }
+RADIXSERVE_EXPORT_MERGE(uint16_t, bf16)
+RADIXSERVE_EXPORT_MERGE(float, f32)
 
 extern "C" int decode_attention_supported(int64_t group, int64_t head_dim) {
     return find_decode_kernel<float>(group, head_dim) != nullptr;

@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -33,7 +34,7 @@ BUILD_TIMEOUT_S = 300
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 _F = ctypes.c_float
-SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
+SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "rms_norm": (None, [_P, _I, _P, _P, _I, _I, _F]),
     "silu_and_mul": (None, [_P, _I, _P, _I, _I]),
     "rotary": (None, [_P, _I, _I, _I, _I, _P, _P, _P]),

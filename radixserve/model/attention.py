@@ -187,7 +187,7 @@ def decode_attention(
     if kernels is not None:
         prefix = None
         if layout.shared_prefix_slots is not None and q.device.type == "cpu":
-            prefix = _shared_prefix_attention(q, k_cache, v_cache, layout.shared_prefix_slots, scale)
+            prefix = _shared_prefix_attention(q, k_cache, v_cache, layout, layer_id, scale)
         native = kernels.decode_attention(
             q, k_cache, v_cache, layout.req_to_token, layout.req_pool_indices, layout.seq_lens, scale, prefix
         )
@@ -204,7 +204,12 @@ def decode_attention(
 
 
 def _shared_prefix_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    layout: DecodeLayout,
+    layer_id: int,
+    scale: float,
 ) -> SharedPrefixResult:
     """Every query of the batch over the prefix all requests share, in one call per K/V head group:
     the prefix is read once instead of once per request, and the call is GEMM-shaped. The native
@@ -213,8 +218,13 @@ def _shared_prefix_attention(
     size, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     stacked = q.view(size, kv_heads, heads // kv_heads, dim).permute(1, 0, 2, 3).reshape(1, kv_heads, -1, dim)
-    keys = k_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)
-    values = v_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+    slots = layout.shared_prefix_slots
+    assert slots is not None
+    if layout.staged_prefix is not None:
+        keys, values = layout.staged_prefix.layer_kv(layer_id, k_cache, v_cache)
+    else:
+        keys, values = k_cache.index_select(0, slots), v_cache.index_select(0, slots)
+    keys, values = keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
     out, lse = flash(stacked, keys, values, 0.0, False, scale=scale)
     return SharedPrefixResult(int(slots.shape[0]), out[0], lse[0].contiguous())
 

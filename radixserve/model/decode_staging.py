@@ -166,6 +166,69 @@ class DecodeStaging:
         )
 
 
+# The shared prefix's staged K/V (all layers) may take at most this much memory; a longer prefix
+# is gathered from the pool every step instead.
+MAX_PREFIX_STAGING_BYTES = 64 * 2**20
+
+
+@dataclass
+class StagedPrefix:
+    """K/V of the prefix every request of a decode batch shares, contiguous, for all layers. Each
+    layer is gathered from the pool on its first use and reused while the prefix stays shared."""
+
+    slots: torch.Tensor  # [P]
+    keys: torch.Tensor  # [layers, P, Hkv, D]
+    values: torch.Tensor
+    filled: list[bool]
+    # The requests (admission serials) of the last decode step that used this block.
+    holders: set[int]
+
+    def layer_kv(
+        self, layer_id: int, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's [P, Hkv, D] keys and values."""
+        if not self.filled[layer_id]:
+            torch.index_select(k_cache, 0, self.slots, out=self.keys[layer_id])
+            torch.index_select(v_cache, 0, self.slots, out=self.values[layer_id])
+            self.filled[layer_id] = True
+        return self.keys[layer_id], self.values[layer_id]
+
+
+class PrefixStaging:
+    """Keeps the shared prefix's K/V between decode steps for the native decode kernel's cascade
+    (which reads everything else in place from the pool).
+
+    A block stays valid while some request that held the prefix in the previous decode step is
+    still running under the same admission serial: its lock on those slots in the radix cache
+    keeps their K/V unchanged. Otherwise the slots may have been freed and rewritten in between."""
+
+    def __init__(
+        self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+    ):
+        self.shape = (num_layers, num_kv_heads, head_dim)
+        self.dtype = dtype
+        self.device = device
+        self.max_tokens = MAX_PREFIX_STAGING_BYTES // (2 * math.prod(self.shape) * dtype.itemsize)
+        self._block: StagedPrefix | None = None
+
+    def release(self) -> None:
+        self._block = None
+
+    def prepare(self, layout: DecodeLayout) -> None:
+        slots = layout.shared_prefix_slots
+        ids = set(layout.request_ids)
+        if slots is None or len(slots) > self.max_tokens:
+            layout.staged_prefix = self._block = None
+            return
+        block = self._block
+        if block is None or not (block.holders & ids and torch.equal(block.slots, slots)):
+            layers, heads, dim = self.shape
+            kv = torch.empty((2, layers, len(slots), heads, dim), dtype=self.dtype, device=self.device)
+            block = StagedPrefix(slots.clone(), kv[0], kv[1], [False] * layers, ids)
+        block.holders = ids
+        layout.staged_prefix = self._block = block
+
+
 def bucket_kv(
     bucket: DecodeBucket,
     layer_id: int,

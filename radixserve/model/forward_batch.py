@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from radixserve.model.decode_staging import StagedBucket
+    from radixserve.model.decode_staging import StagedBucket, StagedPrefix
 
 
 class ForwardMode(Enum):
@@ -63,6 +63,8 @@ class DecodeLayout:
     # new after each retraction): what decode staging keys its blocks on.
     request_ids: list[int]
     share_prefixes: bool = False
+    # Set by PrefixStaging before the forward: the shared prefix's K/V kept between steps.
+    staged_prefix: StagedPrefix | None = None
 
     @property
     def batch_size(self) -> int:

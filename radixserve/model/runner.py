@@ -15,7 +15,7 @@ from radixserve.kernels.cpu_ops import CpuKernels, select_cpu_kernels
 from radixserve.kernels.native import NativeKernelsUnavailable
 from radixserve.model.bert import Encoder
 from radixserve.model.config import ModelConfig, ModelLoadError
-from radixserve.model.decode_staging import DecodeStaging
+from radixserve.model.decode_staging import DecodeStaging, PrefixStaging
 from radixserve.model.forward_batch import ForwardBatch, ForwardMode
 from radixserve.model.layers import cpu_packing_supported, split_kv_heads
 from radixserve.model.llama import ARCHITECTURES, CausalLM
@@ -146,6 +146,9 @@ class ModelRunner:
             head_dim=self.config.head_dim,
             dtype=self.dtype,
             device=self.device,
+        )
+        self.prefix_staging = PrefixStaging(
+            self.kv_pool.num_layers, self.local_kv_heads, self.config.head_dim, self.dtype, self.device
         )
 
     def _select_kernels(self) -> CpuKernels | None:
@@ -281,6 +284,7 @@ class ModelRunner:
         if "kv_cache" in tags - self.released:
             self.kv_pool.release()
             self.staging.release()
+            self.prefix_staging.release()
         if "weights" in tags - self.released:
             self._stash = WeightStash(self.model, self.device, self.packed)
             self._stash.release()
@@ -326,15 +330,19 @@ class ModelRunner:
         self._check_resident("forward")
         if isinstance(self.model, Encoder):
             raise TypeError("an encoder model only embeds; this is a bug in the caller")
-        if batch.mode is ForwardMode.DECODE and self.staging.max_tokens:
+        if batch.mode is ForwardMode.DECODE:
             assert batch.decode is not None
-            self.staging.prepare(batch.decode)
+            if self.staging.max_tokens:
+                self.staging.prepare(batch.decode)
+            if self.native_decode_attention:
+                self.prefix_staging.prepare(batch.decode)
         logits, hidden = self.model(batch, self.kv_pool)
         return logits, hidden
 
     def idle(self) -> None:
         """Nothing runs: gives back the memory decode staging holds."""
         self.staging.release()
+        self.prefix_staging.release()
 
     def embed(self, batch: ForwardBatch) -> torch.Tensor:
         """One fp32 embedding per request that completes its prompt in this batch, in row order."""

@@ -9,8 +9,8 @@ import torch
 
 from radixserve.args import InvalidArgumentError, ServerArgs
 from radixserve.model.attention import decode_attention
-from radixserve.model.decode_staging import DecodeStaging
-from radixserve.model.forward_batch import build_decode_layout
+from radixserve.model.decode_staging import DecodeStaging, PrefixStaging
+from radixserve.model.forward_batch import DecodeLayout, build_decode_layout
 
 LAYERS, HEADS, KV_HEADS, DIM = 2, 4, 2, 8
 SLOTS = 2048
@@ -141,3 +141,56 @@ def test_refills_reuse_the_memory_of_blocks_no_bucket_continues() -> None:
 def test_a_negative_budget_is_refused() -> None:
     with pytest.raises(InvalidArgumentError, match="--decode-staging-tokens must be >= 0"):
         ServerArgs(decode_staging_tokens=-1)
+
+
+class TestPrefixStaging:
+    """The shared prefix's K/V kept between steps for the native kernel's cascade."""
+
+    def _layout(self, table: torch.Tensor, rows: list[int], lens: list[int], ids: list[int]) -> DecodeLayout:
+        return build_decode_layout(table, torch.tensor(rows), torch.tensor(lens), True, ids)
+
+    def test_kept_while_a_holder_runs_and_dropped_otherwise(self) -> None:
+        table = torch.zeros(4, 128, dtype=torch.int64)
+        table[:, :40] = torch.arange(40)  # every row starts with the same 40 slots
+        for row in range(4):
+            table[row, 40:60] = 100 + 20 * row + torch.arange(20)
+        k_cache = torch.randn(200, KV_HEADS, DIM)
+        v_cache = torch.randn(200, KV_HEADS, DIM)
+        staging = PrefixStaging(LAYERS, KV_HEADS, DIM, torch.float32, torch.device("cpu"))
+
+        first = self._layout(table, [0, 1], [50, 50], [10, 11])
+        staging.prepare(first)
+        block = first.staged_prefix
+        assert block is not None and torch.equal(block.slots, torch.arange(40))
+        keys, values = block.layer_kv(1, k_cache, v_cache)
+        assert torch.equal(keys, k_cache[:40]) and torch.equal(values, v_cache[:40])
+
+        # Request 11 still runs, 12 joined: the slots stayed locked, the block is reused.
+        second = self._layout(table, [1, 2], [51, 45], [11, 12])
+        staging.prepare(second)
+        assert second.staged_prefix is block and block.filled[1]
+
+        # None of the previous holders runs any more: the slots may hold other K/V by now.
+        k_cache[:40] += 1.0
+        third = self._layout(table, [2, 3], [46, 45], [13, 14])
+        staging.prepare(third)
+        assert third.staged_prefix is not None and third.staged_prefix is not block
+        keys, _ = third.staged_prefix.layer_kv(1, k_cache, v_cache)
+        assert torch.equal(keys, k_cache[:40])
+
+        # No shared prefix (one request): nothing staged, and the block is let go.
+        fourth = self._layout(table, [3], [46], [14])
+        staging.prepare(fourth)
+        assert fourth.staged_prefix is None
+        staging.prepare(self._layout(table, [2, 3], [47, 47], [13, 14]))
+        assert staging._block is not None and not any(staging._block.filled)
+
+    def test_a_prefix_over_the_memory_cap_is_not_staged(self) -> None:
+        staging = PrefixStaging(LAYERS, KV_HEADS, DIM, torch.float32, torch.device("cpu"))
+        staging.max_tokens = 30
+        table = torch.zeros(2, 64, dtype=torch.int64)
+        table[:, :40] = torch.arange(40)
+        table[:, 40:50] = torch.stack([100 + torch.arange(10), 200 + torch.arange(10)])
+        layout = self._layout(table, [0, 1], [50, 50], [1, 2])
+        staging.prepare(layout)
+        assert layout.shared_prefix_slots is not None and layout.staged_prefix is None

@@ -208,7 +208,8 @@ class PrefixStaging:
         self.shape = (num_layers, num_kv_heads, head_dim)
         self.dtype = dtype
         self.device = device
-        self.max_tokens = MAX_PREFIX_STAGING_BYTES // (2 * math.prod(self.shape) * dtype.itemsize)
+        token_bytes = 2 * math.prod(self.shape) * dtype.itemsize  # 0 for an encoder: no K/V kept
+        self.max_tokens = MAX_PREFIX_STAGING_BYTES // token_bytes if token_bytes else 0
         self._block: StagedPrefix | None = None
 
     def release(self) -> None:

@@ -81,9 +81,7 @@ class CpuKernels:
         run = self._function("rotary", x)
         if (
             run is None
-            or x.dim() != 3
-            or x.stride(2) != 1
-            or x.stride(1) != x.shape[2]
+            or not _rows_of_packed_heads(x)
             or positions.dtype != torch.int64
             or not positions.is_contiguous()
             or cos_table.dtype != torch.float32
@@ -139,9 +137,7 @@ class CpuKernels:
         run = self._function("decode_attention", q)
         if (
             run is None
-            or q.dim() != 3
-            or q.stride(2) != 1
-            or q.stride(1) != q.shape[2]
+            or not _rows_of_packed_heads(q)
             or k_cache.dtype != q.dtype
             or not (k_cache.is_contiguous() and v_cache.is_contiguous())
             or req_to_token.dtype != torch.int64
@@ -164,6 +160,12 @@ class CpuKernels:
                      k_cache.shape[1], dim, scale, length, prefix_out, head_stride, row_stride,
                      prefix_lse)  # fmt: skip
         return out if status == 0 else None
+
+
+def _rows_of_packed_heads(x: torch.Tensor) -> bool:
+    """x is [rows, heads, dim] with each row's heads packed back to back (rows may be further
+    apart, as in a slice of a wider projection): what the kernels index as row * stride + head * dim."""
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
 
 def select_cpu_kernels(choice: str, device: torch.device) -> CpuKernels | None:

@@ -17,6 +17,10 @@ requests with a common prompt prefix the same slots), the shared part is gathere
 query attends to it in one call; the per-request rest is attended separately, and the two partial
 results are merged by their log-sum-exp. Decode attention is memory-bound, so reading a 512-token
 shared prefix once instead of 32 times made the layer ~3x faster (32 requests, 512 shared + 48).
+
+With the native CPU kernels loaded (radixserve/kernels), decode skips the buckets: the kernel reads
+each request's K/V in place from the pool, and a prefix shared by the whole batch is attended here
+in one call and merged in by the kernel. Extend merges its cascade parts with the native kernel too.
 """
 
 from __future__ import annotations
@@ -184,7 +188,9 @@ def decode_attention(
 ) -> torch.Tensor:
     """q: [B, H, D], one query per request; k, v: [B, Hkv, D], the new tokens' (already written
     to the pool). Returns [B, H, D]."""
-    if kernels is not None:
+    if kernels is not None and kernels.handles_decode_attention(
+        q.shape[1], k_cache.shape[1], q.shape[2], q.dtype
+    ):
         prefix = None
         if layout.shared_prefix_slots is not None and q.device.type == "cpu":
             prefix = _shared_prefix_attention(q, k_cache, v_cache, layout, layer_id, scale)

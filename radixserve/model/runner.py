@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -159,7 +160,7 @@ class ModelRunner:
         except NativeKernelsUnavailable as error:
             raise InvalidArgumentError(f"--cpu-kernels native: {error}") from error
 
-    @property
+    @functools.cached_property
     def native_decode_attention(self) -> bool:
         """Whether decode attention reads the paged pool in place (native CPU kernel)."""
         heads = self.config.num_attention_heads // self.parallel.tp_size

@@ -89,18 +89,37 @@ inline v16f exp2_nonpositive(v16f x) {
 
 // e^x, Cody-Waite range reduction and Cephes' polynomial: within ~1 fp32 ulp, like torch's own
 // vectorized exp. Overflows to +inf and underflows to 0 as expf does (bar denormals).
+// a * b + c. Explicitly fused here: the kernels that call exp16 are compiled with contraction off,
+// which would otherwise split every polynomial step in two.
+inline v16f fma16(v16f a, v16f b, v16f c) {
+#if defined(__AVX512F__)
+    __m512 out = _mm512_fmadd_ps(reinterpret_cast<__m512 &>(a), reinterpret_cast<__m512 &>(b),
+                                 reinterpret_cast<__m512 &>(c));
+    return reinterpret_cast<v16f &>(out);
+#else
+    return a * b + c;
+#endif
+}
+
+inline v16f floor16(v16f x) {
+#if defined(__AVX512F__)
+    __m512 out = _mm512_roundscale_ps(reinterpret_cast<__m512 &>(x), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    return reinterpret_cast<v16f &>(out);
+#else
+    const v16f truncated = __builtin_convertvector(__builtin_convertvector(x, v16i), v16f);
+    return truncated > x ? truncated - 1.0f : truncated;
+#endif
+}
+
 inline v16f exp16(v16f x) {
-    const v16f n_real = x * 1.44269504088896341f + 0.5f;
-    v16f n = __builtin_convertvector(__builtin_convertvector(n_real, v16i), v16f);
-    n = n > n_real ? n - 1.0f : n;  // floor
-    const v16f hi = n * 0.693359375f, lo = n * -2.12194440e-4f;
-    const v16f r = (x - hi) - lo;
-    v16f p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = (p * r) * r + r + 1.0f;
+    const v16f n = floor16(fma16(x, v16f{} + 1.44269504088896341f, v16f{} + 0.5f));
+    const v16f r = fma16(n, v16f{} + 2.12194440e-4f, fma16(n, v16f{} - 0.693359375f, x));
+    v16f p = fma16(r, v16f{} + 1.9875691500e-4f, v16f{} + 1.3981999507e-3f);
+    p = fma16(p, r, v16f{} + 8.3334519073e-3f);
+    p = fma16(p, r, v16f{} + 4.1665795894e-2f);
+    p = fma16(p, r, v16f{} + 1.6666665459e-1f);
+    p = fma16(p, r, v16f{} + 5.0000001201e-1f);
+    p = fma16(p * r, r, r + 1.0f);
     const v16f clamped = n < -126.0f ? v16f{} - 126.0f : (n > 127.0f ? v16f{} + 127.0f : n);
     const v16i bits = (__builtin_convertvector(clamped, v16i) + 127) << 23;
     v16f scale;

@@ -105,7 +105,7 @@ def _cascade_extend(
     slots = group[0].prefix_slots
     prefix_k = k_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)
     prefix_v = v_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)
-    stacked = queries.view(count, kv_heads, per_head, dim).permute(1, 0, 2, 3).reshape(1, kv_heads, -1, dim)
+    stacked = _stack_by_kv_head(queries, kv_heads)
     shared_out, shared_lse = flash(stacked, prefix_k, prefix_v, 0.0, False, scale=scale)
     # [rows, Hkv, G, D] and [rows, Hkv, G] views: the queries' order again.
     shared_out = shared_out.view(kv_heads, count, per_head, dim).permute(1, 0, 2, 3)
@@ -135,6 +135,15 @@ def _cascade_extend(
             own_lse_grouped.view(count, heads),
         )
     out[rows] = merged
+
+
+def _stack_by_kv_head(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """q: [N, H, D] as [1, Hkv, N * G, D]: every query of a K/V head in one row block, so that one
+    attention call per K/V head serves all N tokens over keys they all see (row n * G + g is token
+    n's query g of that head)."""
+    count, heads, dim = q.shape
+    grouped = q.view(count, kv_heads, heads // kv_heads, dim)
+    return grouped.permute(1, 0, 2, 3).reshape(1, kv_heads, count * (heads // kv_heads), dim)
 
 
 def _rows_of(segments: list[ExtendSegment]) -> slice | torch.Tensor:
@@ -221,9 +230,8 @@ def _shared_prefix_attention(
     the prefix is read once instead of once per request, and the call is GEMM-shaped. The native
     decode kernel attends the rest and merges this in by log-sum-exp (cascade attention)."""
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    size, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
-    stacked = q.view(size, kv_heads, heads // kv_heads, dim).permute(1, 0, 2, 3).reshape(1, kv_heads, -1, dim)
+    stacked = _stack_by_kv_head(q, kv_heads)
     slots = layout.shared_prefix_slots
     assert slots is not None
     if layout.staged_prefix is not None:
@@ -277,7 +285,7 @@ def _cascade_attention(
 
     # Shared part: every query of a K/V head attends to the same keys, one call for all requests.
     shared_k, shared_v = shared_kv(bucket, layer_id, k_cache, v_cache)
-    stacked = grouped.permute(1, 0, 2, 3).reshape(1, kv_heads, size * group, dim)
+    stacked = _stack_by_kv_head(q, kv_heads)
     shared_out, shared_lse = flash(stacked, shared_k, shared_v, 0.0, False, scale=scale)
     shared_out = shared_out.view(kv_heads, size, group, dim).permute(1, 0, 2, 3)
     shared_lse = shared_lse.view(kv_heads, size, group).permute(1, 0, 2)

@@ -39,6 +39,9 @@ class CpuKernels:
             for dtype, suffix in DTYPE_SUFFIXES.items()
         }
         self._decode_supported = library.decode_attention_supported
+        self._amx_linear = library.amx_linear_bf16
+        # Whether this build has the AMX matmul and the OS grants this process AMX tiles.
+        self.has_amx_linear = bool(library.amx_linear_available())
 
     def handles_decode_attention(self, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
         """Whether decode_attention has a kernel for this head shape and dtype."""
@@ -160,6 +163,50 @@ class CpuKernels:
                      k_cache.shape[1], dim, scale, length, prefix_out, head_stride, row_stride,
                      prefix_lse)  # fmt: skip
         return out if status == 0 else None
+
+    def pack_linear(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """A linear weight [N, K] in the AMX matmul's layout (csrc/amx_linear.cpp), or None where that
+        kernel cannot run it: no AMX here, not bf16 on a CPU, or N or K not a multiple of 32."""
+        if not self.has_amx_linear or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+            return None
+        if weight.dim() != 2 or 0 in weight.shape or weight.shape[0] % 32 or weight.shape[1] % 32:
+            return None
+        n, k = weight.shape
+        # [N/32 column blocks][K/32 steps][2 tiles][16 input pairs][16 columns][2 inputs of a pair]
+        return weight.reshape(n // 32, 2, 16, k // 32, 16, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
+
+    @staticmethod
+    def unpack_linear(packed: torch.Tensor) -> torch.Tensor:
+        """The [N, K] weight pack_linear made `packed` from."""
+        blocks, steps = packed.shape[:2]
+        return packed.permute(0, 2, 4, 1, 3, 5).reshape(blocks * 32, steps * 32)
+
+    def linear(
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x [M, K] W^T (+ bias) (+ residual, added to the fp32 sum before rounding) for a weight
+        from pack_linear; bf16 in and out."""
+        n, k = packed.shape[0] * 32, packed.shape[1] * 32
+        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != k:
+            raise ValueError(f"expected bf16 input of shape [rows, {k}], got {x.dtype} {tuple(x.shape)}")
+        rows = x.shape[0]
+        if x.stride(1) != 1 or x.stride(0) < k:
+            x = x.contiguous()
+        if bias is not None:
+            bias = bias.to(torch.bfloat16).contiguous()
+        if residual is not None and (residual.stride(1) != 1 or residual.dtype != torch.bfloat16):
+            residual = residual.to(torch.bfloat16).contiguous()
+        out = torch.empty((rows, n), dtype=torch.bfloat16)
+        if rows:
+            self._amx_linear(x.data_ptr(), x.stride(0), packed.data_ptr(), out.data_ptr(), n,
+                             None if bias is None else bias.data_ptr(),
+                             None if residual is None else residual.data_ptr(),
+                             0 if residual is None else residual.stride(0), rows, n, k)  # fmt: skip
+        return out
 
 
 def _rows_of_packed_heads(x: torch.Tensor) -> bool:

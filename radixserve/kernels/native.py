@@ -1,4 +1,4 @@
-"""Builds csrc/cpu_kernels.cpp into a shared library, caches it, and loads it through ctypes.
+"""Builds csrc/*.cpp into one shared library, caches it, and loads it through ctypes.
 
 No torch headers are needed (the build takes seconds, not minutes): the kernels take raw pointers.
 They use OpenMP and are linked against the libgomp that torch ships and has already loaded, so both
@@ -27,7 +27,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_kernels.cpp", "amx_linear.cpp")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC"]
 BUILD_TIMEOUT_S = 300
 
@@ -46,6 +46,13 @@ SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     ),
 }
 DTYPE_SUFFIXES = {torch.bfloat16: "bf16", torch.float32: "f32"}
+# Kernels with one dtype only: name -> (restype, argtypes).
+PLAIN_SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
+    "decode_attention_supported": (ctypes.c_int, [_I, _I]),
+    "amx_linear_available": (ctypes.c_int, []),
+    # x, x_stride, packed weight, out, out_stride, bias, residual, residual_stride, m, n, k
+    "amx_linear_bf16": (None, [_P, _I, _P, _P, _I, _P, _P, _I, _I, _I, _I]),
+}
 
 
 class NativeKernelsUnavailable(RuntimeError):
@@ -74,11 +81,9 @@ def load_library() -> ctypes.CDLL:
     if not openmp.exists():
         raise NativeKernelsUnavailable(f"this torch build ships no libgomp ({openmp} is missing)")
     version = _run([compiler, "--version"]).splitlines()[0]
-    key = hashlib.sha256(
-        "\n".join(
-            [SOURCE.read_text(), version, *FLAGS, _cpu_signature(), str(openmp), torch.__version__]
-        ).encode()
-    ).hexdigest()[:16]
+    sources = [source.read_text() for source in SOURCES]
+    parts = [*sources, version, *FLAGS, _cpu_signature(), str(openmp), torch.__version__]
+    key = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
     target = cache_dir() / f"cpu_kernels-{key}.so"
     if not target.exists():
         _build(compiler, openmp, target)
@@ -88,8 +93,10 @@ def load_library() -> ctypes.CDLL:
             function = getattr(library, f"{name}_{suffix}")
             function.restype = result
             function.argtypes = arguments
-    library.decode_attention_supported.restype = ctypes.c_int
-    library.decode_attention_supported.argtypes = [_I, _I]
+    for name, (result, arguments) in PLAIN_SIGNATURES.items():
+        function = getattr(library, name)
+        function.restype = result
+        function.argtypes = arguments
     return library
 
 
@@ -99,7 +106,7 @@ def _build(compiler: str, openmp: Path, target: Path) -> None:
     # Built beside the target, then renamed: processes building at once never load a partial file.
     handle, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.partial")
     os.close(handle)
-    command = [compiler, *FLAGS, str(SOURCE), "-o", partial, f"-L{openmp.parent}", "-l:libgomp.so.1",
+    command = [compiler, *FLAGS, *map(str, SOURCES), "-o", partial, f"-L{openmp.parent}", "-l:libgomp.so.1",
                f"-Wl,-rpath,{openmp.parent}"]  # fmt: skip
     try:
         _run(command)

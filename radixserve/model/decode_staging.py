@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.model.forward_batch import DecodeBucket, DecodeLayout
-from radixserve.model.layers import round_up_to_eighth
+from radixserve.model.packed_weights import round_up_to_eighth
 
 # A refilled block leaves room for this share of its length (at least MIN_HEADROOM tokens) of
 # further decode steps before it must be refilled at a larger size.

@@ -21,6 +21,7 @@ from radixserve.model.parallel import SINGLE, ParallelContext, all_reduce, gathe
 
 if TYPE_CHECKING:
     from radixserve.kernels.cpu_ops import CpuKernels
+    from radixserve.model.packed_weights import PackedWeight, WeightPacking
 
 
 class ShardingError(ValueError):
@@ -63,56 +64,11 @@ def split_kv_heads(num_kv_heads: int, head_dim: int, ctx: ParallelContext) -> Ou
     return OutputShard(num_kv_heads * head_dim, local_heads * head_dim, first * head_dim)
 
 
-def cpu_packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
-    return device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-
-
 def copy_checked(target: torch.Tensor, source: torch.Tensor, what: str) -> None:
     """copy_ would broadcast a wrongly shaped tensor into place; a weight must match exactly."""
     if tuple(target.shape) != tuple(source.shape):
         raise ValueError(f"{what}: expected shape {tuple(target.shape)}, got {tuple(source.shape)}")
     target.copy_(source)
-
-
-def packed_linear(
-    x: torch.Tensor,
-    packed: torch.Tensor,
-    bias: torch.Tensor | None,
-    residual: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """x W^T (+ bias) (+ residual, added on the fp32 accumulator) with a oneDNN-packed weight.
-
-    oneDNN builds (JIT-compiles) a kernel for every new row count, ~8 ms for a 1000 x 576 x 3072
-    matmul that then runs in ~2 ms, and its cache keeps ~1000 shapes. Prefill row counts are
-    nearly always new, so the rows are padded to one of eight sizes per power of two (at most 12.5%
-    more rows) and each size is compiled once. Rows do not mix in a matmul: results are unchanged."""
-    rows = x.shape[0]
-    padded = round_up_to_eighth(rows)
-    if padded != rows:
-        x = _pad_rows(x, padded)
-        residual = None if residual is None else _pad_rows(residual, padded)
-    if residual is None:
-        out = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    else:
-        out = torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed, bias, "add")
-    return out if padded == rows else out[:rows]
-
-
-def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
-    """x with zero rows appended up to `rows`; one pass over x (F.pad zero-fills everything first)."""
-    padded = x.new_empty((rows, x.shape[1]))
-    padded[: x.shape[0]] = x
-    padded[x.shape[0] :].zero_()
-    return padded
-
-
-def round_up_to_eighth(n: int) -> int:
-    """n rounded up to a multiple of 1/8 of its power of two (exact up to 16): eight sizes per
-    octave, at most 12.5% more than n."""
-    if n <= 16:
-        return n
-    step = 1 << (n.bit_length() - 4)
-    return -(-n // step) * step
 
 
 @dataclass
@@ -129,18 +85,15 @@ class WeightTarget:
 
 
 class _Linear(nn.Module):
-    """Shared matmul of the linear layers, with an optional oneDNN-packed weight for bf16 on CPU.
-
-    Measured on a 2-core AVX512-bf16/AMX CPU, a prepacked bf16 weight runs 1.2-1.6x faster than
-    F.linear at every batch size (decode's M=1 most of all); fp32 gains nothing, so it is not packed.
-    """
+    """Shared matmul of the linear layers, with an optional packed weight for bf16 on a CPU
+    (model/packed_weights.py); fp32 gains nothing from packing, so it is not packed."""
 
     weight: nn.Parameter
     bias: nn.Parameter | None
-    packed: torch.Tensor | None = None
+    packed: PackedWeight | None = None
 
-    def pack_for_cpu(self) -> None:
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, None)
+    def pack_for_cpu(self, packing: WeightPacking) -> None:
+        self.packed = packing.pack(self.weight.data)
         # The packed copy replaces the plain one; keep memory at one copy of the weights.
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
@@ -155,7 +108,7 @@ class _Linear(nn.Module):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed is not None:
-            return packed_linear(x, self.packed, bias)
+            return self.packed.matmul(x, bias)
         return F.linear(x, self.weight, bias)
 
 
@@ -222,13 +175,13 @@ class RowParallelLinear(_Linear):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x W^T (+ bias) (+ residual).
 
-        A packed weight adds the residual in oneDNN's epilogue, on the fp32 accumulator before
+        A packed weight adds the residual in the matmul's epilogue, on the fp32 accumulator before
         rounding: one pass less, and closer to the fp32 result. Measured on SmolLM2-135M bf16,
         first-step logits against fp32: mean |error| 0.07-0.27 with it, 0.05-0.41 without. (A fused
-        SiLU-and-multiply for gate/up was 15% faster in prefill but less accurate, 0.07-0.28, and
-        derailed the chat answer tests/engine/test_smollm2_gguf.py guards, so it is not used.)"""
+        SiLU-and-multiply for gate/up was 15% faster in prefill but less accurate, 0.07-0.28, so it
+        is not used.)"""
         if residual is not None and self.packed is not None and self.bias is None and self.ctx.tp_size == 1:
-            return packed_linear(x, self.packed, None, residual)
+            return self.packed.matmul(x, None, residual)
         # The bias is added once, after the reduction, so that it is not counted tp_size times.
         y = all_reduce(self.matmul(x, None), self.ctx)
         if self.bias is not None:
@@ -263,20 +216,17 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Output projection sharing the vocab split of the embedding (and its weight when tied)."""
 
-    packed: torch.Tensor | None = None
+    packed: PackedWeight | None = None
 
-    def pack_for_cpu(self) -> None:
+    def pack_for_cpu(self, packing: WeightPacking) -> None:
         # A separate packed copy: with tied embeddings the plain weight still serves the lookups.
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, None)
+        self.packed = packing.pack(self.weight.data)
 
     def unpack(self) -> None:
         self.packed = None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            out = packed_linear(hidden, self.packed, None)
-        else:
-            out = F.linear(hidden, self.weight)
+        out = self.packed.matmul(hidden) if self.packed is not None else F.linear(hidden, self.weight)
         # Every rank gets the whole vocabulary's logits, so every rank takes the same decisions.
         return gather_last_dim(out, self.vocab_size, self.ctx)
 
@@ -297,7 +247,8 @@ class RMSNorm(nn.Module):
             if fused is not None:
                 return fused
         # Normalize in fp32, round, then scale in the model dtype, as the reference implementation
-        # does. F.rms_norm straight on bf16 derailed SmolLM2's greedy chat answer from the first token.
+        # does, so that bf16 outputs track transformers'. (F.rms_norm straight on bf16 is about as
+        # accurate against fp32, but breaks knife-edge ties differently.)
         normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
         return self.weight * normed.to(x.dtype)
 

@@ -18,9 +18,10 @@ from radixserve.model.bert import Encoder
 from radixserve.model.config import ModelConfig, ModelLoadError
 from radixserve.model.decode_staging import DecodeStaging, PrefixStaging
 from radixserve.model.forward_batch import ForwardBatch, ForwardMode
-from radixserve.model.layers import cpu_packing_supported, split_kv_heads
+from radixserve.model.layers import split_kv_heads
 from radixserve.model.llama import ARCHITECTURES, CausalLM
 from radixserve.model.loader import ModelSource, iter_weights, load_model_config, resolve_model_source
+from radixserve.model.packed_weights import PackedWeight, WeightPacking, cpu_packing_supported
 from radixserve.model.parallel import SINGLE, ParallelContext, broadcast_from_leader, min_over_ranks
 from radixserve.model.pooling import PoolingConfig, finish_embeddings, pool_segments, read_pooling_config
 from radixserve.model.sampler import SamplingBatch, sample
@@ -102,7 +103,6 @@ class ModelRunner:
         self.device = pick_device(args.device)
         self.dtype = pick_dtype(args.dtype, self.device)
         self.source = source or resolve_model_source(args.model_path)
-        self.packed = cpu_packing_supported(self.dtype, self.device)
         self.released: set[str] = set()
         self._stash: WeightStash | None = None
         self.config: ModelConfig = load_model_config(self.source)
@@ -113,6 +113,9 @@ class ModelRunner:
             raise InvalidArgumentError("encoder (BERT) models run with --tp-size 1 only")
         self.local_kv_heads = split_kv_heads(self.config.num_key_value_heads, 1, parallel).local
         self.kernels = self._select_kernels()
+        # bf16 linear weights on a CPU are held packed for a matmul kernel (model/packed_weights.py).
+        packed = cpu_packing_supported(self.dtype, self.device)
+        self.packing = WeightPacking(self.kernels) if packed else None
         self.pooling: PoolingConfig | None = None
         if self.is_embedding:
             model_dir = self.source.path if self.source.kind == "hf_dir" else None
@@ -214,8 +217,8 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(previous)
         model.load_weights(iter_weights(self.source, self.config))
-        if self.packed:
-            repack(model.modules())
+        if self.packing is not None:
+            repack(model.modules(), self.packing)
         return model.eval()
 
     def _kv_capacity(self) -> int:
@@ -278,7 +281,7 @@ class ModelRunner:
     def update_weights_from_tensors(self, named: list[tuple[str, torch.Tensor]]) -> int:
         """Loads checkpoint-named tensors in place; all or nothing. Returns how many were used."""
         self._check_resident("weights")
-        return update_weights(self.model, named, self.packed)
+        return update_weights(self.model, named, self.packing)
 
     def release_memory(self, tags: set[str]) -> None:
         """Frees the weights (kept on host, or on disk for a CPU) and/or the KV cache's buffers."""
@@ -287,7 +290,7 @@ class ModelRunner:
             self.staging.release()
             self.prefix_staging.release()
         if "weights" in tags - self.released:
-            self._stash = WeightStash(self.model, self.device, self.packed)
+            self._stash = WeightStash(self.model, self.device, self.packing)
             self._stash.release()
         self.released |= tags
 
@@ -303,7 +306,7 @@ class ModelRunner:
         """Bytes the weights and the KV cache hold now (zero for what is released)."""
         tensors = [*self.model.parameters(), *self.model.buffers()]
         tensors += [
-            p for m in self.model.modules() if isinstance(p := getattr(m, "packed", None), torch.Tensor)
+            p.data for m in self.model.modules() if isinstance(p := getattr(m, "packed", None), PackedWeight)
         ]
         kv = self.kv_pool.k_buffers + self.kv_pool.v_buffers
         return {

@@ -1,8 +1,8 @@
 """Changing and reading the served model's weights in place: named-tensor updates, reads by
 checkpoint name, and moving every weight off the device and back (release/resume).
 
-On a bf16 CPU the linear layers hold their weight only in oneDNN's packed layout (see
-layers._Linear). Everything here first turns a layer back into a plain weight, works on that, and
+On a bf16 CPU the linear layers hold their weight only in a matmul kernel's packed layout (see
+model/packed_weights.py). Everything here first turns a layer back into a plain weight, works on that, and
 packs it again, so callers never see the difference.
 """
 
@@ -26,6 +26,7 @@ from radixserve.model.layers import (
     WeightTarget,
     _Linear,
 )
+from radixserve.model.packed_weights import WeightPacking
 from radixserve.model.parallel import SINGLE, ParallelContext, gather_shards
 
 Packable = _Linear | ParallelLMHead
@@ -37,10 +38,10 @@ class ResolvingModel(Protocol):
     def modules(self) -> Iterable[nn.Module]: ...
 
 
-def repack(modules: Iterable[nn.Module]) -> None:
+def repack(modules: Iterable[nn.Module], packing: WeightPacking) -> None:
     for module in modules:
         if isinstance(module, (_Linear, ParallelLMHead)):
-            module.pack_for_cpu()
+            module.pack_for_cpu(packing)
 
 
 def _tied_heads(model: ResolvingModel, changed: list[nn.Module]) -> list[nn.Module]:
@@ -49,7 +50,9 @@ def _tied_heads(model: ResolvingModel, changed: list[nn.Module]) -> list[nn.Modu
     return [m for m in model.modules() if isinstance(m, ParallelLMHead) and id(m.weight) in weights]
 
 
-def update_weights(model: ResolvingModel, named: list[tuple[str, torch.Tensor]], packed: bool) -> int:
+def update_weights(
+    model: ResolvingModel, named: list[tuple[str, torch.Tensor]], packing: WeightPacking | None
+) -> int:
     """Loads checkpoint-named tensors into the model; returns how many were used. All or nothing:
     an unknown name or a wrong shape raises and leaves every weight as it was."""
     targets = [(target, tensor) for name, tensor in named if (target := model.resolve(name)) is not None]
@@ -67,8 +70,8 @@ def update_weights(model: ResolvingModel, named: list[tuple[str, torch.Tensor]],
             param.data.copy_(saved)
         raise
     finally:
-        if packed:
-            repack(modules)
+        if packing is not None:
+            repack(modules, packing)
     return len(targets)
 
 
@@ -110,10 +113,10 @@ class WeightStash:
     """Every weight of a model moved off its device while released. From a GPU they go to host
     memory; on a CPU, host memory is what is to be freed, so they go to a temporary file."""
 
-    def __init__(self, model: nn.Module, device: torch.device, packed: bool):
+    def __init__(self, model: nn.Module, device: torch.device, packing: WeightPacking | None):
         self.model = model
         self.device = device
-        self.packed = packed
+        self.packing = packing
         self.on_host: dict[str, torch.Tensor] = {}
         self.spill_dir: Path | None = None
 
@@ -150,8 +153,8 @@ class WeightStash:
         for name, tensor in self._tensors().items():
             tensor.data = saved[name].to(self.device)
         self.discard()
-        if self.packed:
-            repack(self.model.modules())
+        if self.packing is not None:
+            repack(self.model.modules(), self.packing)
 
     def discard(self) -> None:
         self.on_host = {}

@@ -47,14 +47,57 @@ def test_first_step_logits_match_transformers(smollm2_gguf_path: Path) -> None:
     assert torch.allclose(ours, expected, atol=1e-3, rtol=0), float((ours - expected).abs().max())
 
 
-def test_bfloat16_chat_answer_stays_on_track(make_engine: Callable[..., Any]) -> None:
-    # bf16 rounding choices (e.g. a norm computed in bf16) can derail a small model at once;
-    # this prompt did, so it guards every bf16 kernel choice.
-    engine = make_engine(None, dtype="bfloat16", max_total_tokens=1024)
-    prompt = engine.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "What is the capital of France?"}],
-        tokenize=False,
-        add_generation_prompt=True,
-    )
-    result = engine.generate(prompt, {"temperature": 0.0, "max_new_tokens": 12})
-    assert "Paris" in result["text"], result["text"]
+# Chat questions whose first answer token bf16 must get right where fp32 is clearly decided.
+CHAT_QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain photosynthesis briefly.",
+    "What is 17 times 3?",
+    "Name three primary colors.",
+    "Who wrote Hamlet?",
+    "Translate 'good morning' to Spanish.",
+    "Give me a synonym for happy.",
+]
+
+
+def first_step_logits(dtype: str, prompts: list[list[int]]) -> list[torch.Tensor]:
+    scheduler = Scheduler(ServerArgs(dtype=dtype, max_total_tokens=1024, log_level="warning"))
+    logits = []
+    for index, ids in enumerate(prompts):
+        scheduler.add_request(GenerateRequest(f"logits-{index}", ids, {"max_new_tokens": 1}))
+        batch = scheduler._next_batch()
+        assert batch is not None
+        row = scheduler.runner.forward(batch.forward)[0][0].float()
+        scheduler._publish(scheduler._decide(batch, {id(batch.reqs[0]): int(row.argmax())}))
+        logits.append(row)
+    scheduler.check_kv_invariant()
+    return logits
+
+
+def test_bfloat16_logits_stay_close_to_float32(make_engine: Callable[..., Any]) -> None:
+    """bf16 rounding choices (a norm computed in bf16, say) can derail a small model at once. This
+    guards every bf16 kernel choice by its distance from fp32 (itself checked against transformers
+    above), measured over several chat prompts rather than by one knife-edge answer: the first
+    answer token of "What is the capital of France?" is only 0.08 logits ahead in fp32, and two
+    equally accurate bf16 matmuls (oneDNN's and the AMX kernel's, mean |error| 0.11 and 0.10 here)
+    break that tie differently. Computing RMSNorm's variance in bf16 measured 0.165 and is caught."""
+    tokenizer = make_engine(None, max_total_tokens=256).tokenizer
+    prompts = [
+        tokenizer.encode(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+            )
+        )
+        for question in CHAT_QUESTIONS
+    ]
+    exact = first_step_logits("float32", prompts)
+    rounded = first_step_logits("bfloat16", prompts)
+    errors = [float((b - a).abs().mean()) for a, b in zip(exact, rounded, strict=True)]
+    assert sum(errors) / len(errors) < 0.13, errors
+    decided = 0
+    for a, b in zip(exact, rounded, strict=True):
+        top = a.topk(2).values
+        if float(top[0] - top[1]) > 0.5:
+            decided += 1
+            assert int(b.argmax()) == int(a.argmax())
+    assert decided >= 4, "too few prompts with a clear first token to compare"

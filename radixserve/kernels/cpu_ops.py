@@ -40,6 +40,7 @@ class CpuKernels:
         }
         self._decode_supported = library.decode_attention_supported
         self._amx_linear = library.amx_linear_bf16
+        self._amx_prefix_attention = library.amx_prefix_attention_bf16
         # Whether this build has the AMX matmul and the OS grants this process AMX tiles.
         self.has_amx_linear = bool(library.amx_linear_available())
 
@@ -207,6 +208,37 @@ class CpuKernels:
                              None if residual is None else residual.data_ptr(),
                              0 if residual is None else residual.stride(0), rows, n, k)  # fmt: skip
         return out
+
+    def prefix_attention(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
+    ) -> SharedPrefixResult | None:
+        """Every query (q: [N, H, D]) over the same keys and values ([L, Hkv, D], seen in full: no
+        mask), on AMX tiles; None where that kernel does not run (no AMX, not bf16, head_dim not a
+        multiple of 32 up to 256, layouts it cannot index)."""
+        if (
+            not self.has_amx_linear
+            or q.dtype != torch.bfloat16
+            or q.device.type != "cpu"
+            or keys.dtype != q.dtype
+            or values.dtype != q.dtype
+            or not _rows_of_packed_heads(q)
+            or not (_rows_of_packed_heads(keys) and _rows_of_packed_heads(values))
+            or keys.stride(0) != values.stride(0)
+            or keys.shape != values.shape
+            or keys.shape[2] != q.shape[2]
+        ):
+            return None
+        count, heads, dim = q.shape
+        length, kv_heads = keys.shape[0], keys.shape[1]
+        if kv_heads == 0 or heads % kv_heads:
+            return None
+        rows = count * (heads // kv_heads)
+        out = torch.empty((kv_heads, rows, dim), dtype=q.dtype)
+        lse = torch.empty((kv_heads, rows), dtype=torch.float32)
+        status = self._amx_prefix_attention(q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(),
+                                            keys.stride(0), out.data_ptr(), lse.data_ptr(), count, heads,
+                                            kv_heads, dim, length, scale)  # fmt: skip
+        return SharedPrefixResult(length, out, lse) if status == 0 else None
 
 
 def _rows_of_packed_heads(x: torch.Tensor) -> bool:

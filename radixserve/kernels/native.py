@@ -27,7 +27,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_kernels.cpp", "amx_linear.cpp")]
+SOURCE_DIR = Path(__file__).parent / "csrc"
+SOURCES = sorted(SOURCE_DIR.glob("*.cpp"))
+HEADERS = sorted(SOURCE_DIR.glob("*.h"))
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC"]
 BUILD_TIMEOUT_S = 300
 
@@ -52,6 +54,8 @@ PLAIN_SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "amx_linear_available": (ctypes.c_int, []),
     # x, x_stride, packed weight, out, out_stride, bias, residual, residual_stride, m, n, k
     "amx_linear_bf16": (None, [_P, _I, _P, _P, _I, _P, _P, _I, _I, _I, _I]),
+    # q, q_stride, k, v, kv_stride, out, lse, n, heads, kv_heads, dim, length, scale
+    "amx_prefix_attention_bf16": (ctypes.c_int, [_P, _I, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F]),
 }
 
 
@@ -81,7 +85,7 @@ def load_library() -> ctypes.CDLL:
     if not openmp.exists():
         raise NativeKernelsUnavailable(f"this torch build ships no libgomp ({openmp} is missing)")
     version = _run([compiler, "--version"]).splitlines()[0]
-    sources = [source.read_text() for source in SOURCES]
+    sources = [path.read_text() for path in (*SOURCES, *HEADERS)]
     parts = [*sources, version, *FLAGS, _cpu_signature(), str(openmp), torch.__version__]
     key = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
     target = cache_dir() / f"cpu_kernels-{key}.so"

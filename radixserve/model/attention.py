@@ -103,10 +103,14 @@ def _cascade_extend(
     queries = q[rows]
     # Shared part: queries grouped by their K/V head, [1, Hkv, rows * G, D] against the prefix.
     slots = group[0].prefix_slots
-    prefix_k = k_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)
-    prefix_v = v_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)
-    stacked = _stack_by_kv_head(queries, kv_heads)
-    shared_out, shared_lse = flash(stacked, prefix_k, prefix_v, 0.0, False, scale=scale)
+    prefix_k, prefix_v = k_cache.index_select(0, slots), v_cache.index_select(0, slots)
+    shared = None if kernels is None else kernels.prefix_attention(queries, prefix_k, prefix_v, scale)
+    if shared is not None:
+        shared_out, shared_lse = shared.out, shared.lse
+    else:
+        stacked = _stack_by_kv_head(queries, kv_heads)
+        prefix_k, prefix_v = (x.transpose(0, 1).unsqueeze(0) for x in (prefix_k, prefix_v))
+        shared_out, shared_lse = flash(stacked, prefix_k, prefix_v, 0.0, False, scale=scale)
     # [rows, Hkv, G, D] and [rows, Hkv, G] views: the queries' order again.
     shared_out = shared_out.view(kv_heads, count, per_head, dim).permute(1, 0, 2, 3)
     shared_lse = shared_lse.view(kv_heads, count, per_head).permute(1, 0, 2)
@@ -202,7 +206,7 @@ def decode_attention(
     ):
         prefix = None
         if layout.shared_prefix_slots is not None and q.device.type == "cpu":
-            prefix = _shared_prefix_attention(q, k_cache, v_cache, layout, layer_id, scale)
+            prefix = _shared_prefix_attention(q, k_cache, v_cache, layout, layer_id, scale, kernels)
         native = kernels.decode_attention(
             q, k_cache, v_cache, layout.req_to_token, layout.req_pool_indices, layout.seq_lens, scale, prefix
         )
@@ -225,19 +229,23 @@ def _shared_prefix_attention(
     layout: DecodeLayout,
     layer_id: int,
     scale: float,
+    kernels: CpuKernels,
 ) -> SharedPrefixResult:
     """Every query of the batch over the prefix all requests share, in one call per K/V head group:
-    the prefix is read once instead of once per request, and the call is GEMM-shaped. The native
-    decode kernel attends the rest and merges this in by log-sum-exp (cascade attention)."""
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    kv_heads = k_cache.shape[1]
-    stacked = _stack_by_kv_head(q, kv_heads)
+    the prefix is read once instead of once per request, and the call is GEMM-shaped (on AMX tiles
+    where the CPU has them, else torch's flash kernel). The native decode kernel attends the rest
+    and merges this in by log-sum-exp (cascade attention)."""
     slots = layout.shared_prefix_slots
     assert slots is not None
     if layout.staged_prefix is not None:
         keys, values = layout.staged_prefix.layer_kv(layer_id, k_cache, v_cache)
     else:
         keys, values = k_cache.index_select(0, slots), v_cache.index_select(0, slots)
+    native = kernels.prefix_attention(q, keys, values, scale)
+    if native is not None:
+        return native
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    stacked = _stack_by_kv_head(q, k_cache.shape[1])
     keys, values = keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
     out, lse = flash(stacked, keys, values, 0.0, False, scale=scale)
     return SharedPrefixResult(int(slots.shape[0]), out[0], lse[0].contiguous())

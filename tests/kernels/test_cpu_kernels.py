@@ -198,3 +198,49 @@ def test_merge_by_lse_matches_torch(kernels: CpuKernels, dtype: torch.dtype) -> 
     assert native is not None
     tolerance = 1e-6 if dtype == torch.float32 else 8e-3
     torch.testing.assert_close(native, expected, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize(
+    ("count", "heads", "kv_heads", "head_dim", "length"),
+    [
+        (32, 9, 3, 64, 512),  # SmolLM2's W2 decode step
+        (5, 4, 1, 32, 37),  # a partial 32-key step and a partial 16-row block
+        (7, 8, 8, 128, 100),  # head_dim 128: two 64-wide passes over the values
+        (300, 6, 2, 64, 33),  # many rows (an extend's shared part)
+    ],
+)
+def test_prefix_attention_matches_sdpa(
+    kernels: CpuKernels, count: int, heads: int, kv_heads: int, head_dim: int, length: int
+) -> None:
+    if not kernels.has_amx_linear:
+        pytest.skip("this CPU (or OS) does not offer AMX tiles")
+    torch.manual_seed(count + length)
+    group = heads // kv_heads
+    # Queries as rows of a wider projection, keys and values as a cache's rows.
+    q = torch.randn(count, heads * head_dim + 40, dtype=torch.bfloat16)[:, : heads * head_dim]
+    q = q.view(count, heads, head_dim)
+    keys = torch.randn(length, kv_heads, head_dim, dtype=torch.bfloat16)
+    values = torch.randn(length, kv_heads, head_dim, dtype=torch.bfloat16)
+    scale = head_dim**-0.5
+    result = kernels.prefix_attention(q, keys, values, scale)
+    assert result is not None and result.length == length
+    rows = count * group
+    assert result.out.shape == (kv_heads, rows, head_dim) and result.lse.shape == (kv_heads, rows)
+    # Reference in fp32: row n * G + g of K/V head h is query h * G + g of token n.
+    stacked = q.float().view(count, kv_heads, group, head_dim).permute(1, 0, 2, 3).reshape(kv_heads, rows, -1)
+    k32, v32 = keys.float().transpose(0, 1), values.float().transpose(0, 1)
+    scores = stacked @ k32.transpose(1, 2) * scale
+    expected = F.softmax(scores, dim=-1) @ v32
+    torch.testing.assert_close(result.out.float(), expected, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(result.lse, torch.logsumexp(scores, dim=-1), rtol=1e-4, atol=1e-4)
+
+
+def test_prefix_attention_declines_what_it_cannot_run(kernels: CpuKernels) -> None:
+    q = torch.randn(4, 4, 64, dtype=torch.bfloat16)
+    keys = torch.randn(40, 2, 64, dtype=torch.bfloat16)
+    assert kernels.prefix_attention(q.float(), keys.float(), keys.float(), 0.1) is None  # fp32
+    small = torch.randn(4, 4, 16, dtype=torch.bfloat16)
+    assert kernels.prefix_attention(small, small[:, :2], small[:, :2], 0.1) is None  # head_dim 16
+    odd = torch.randn(40, 3, 64, dtype=torch.bfloat16)
+    assert kernels.prefix_attention(q, odd, odd, 0.1) is None  # 4 heads over 3 K/V heads
+    assert kernels.prefix_attention(q, keys.transpose(0, 1), keys.transpose(0, 1), 0.1) is None  # layout

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -105,3 +106,32 @@ def test_extend_attention_over_a_shared_prefix_matches_dense() -> None:
         values = torch.cat((v_cache[seg.prefix_slots], v[rows]))
         expected = _reference(q[rows], keys, values, seg.prefix_len)
         torch.testing.assert_close(out[rows], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_extend_cascade_with_native_kernels_matches_torch() -> None:
+    """bf16 with SmolLM2's head shape: the shared part runs on the native (AMX) kernel where this
+    CPU has one, and the result must agree with the torch path."""
+    from radixserve.kernels.cpu_ops import CpuKernels
+    from radixserve.kernels.native import NativeKernelsUnavailable, load_library
+
+    try:
+        kernels = CpuKernels(load_library())
+    except NativeKernelsUnavailable as error:
+        pytest.skip(f"native kernels unavailable here: {error}")
+    torch.manual_seed(6)
+    heads, kv_heads, dim = 9, 3, 64
+    k_cache = torch.randn(700, kv_heads, dim, dtype=torch.bfloat16)
+    v_cache = torch.randn(700, kv_heads, dim, dtype=torch.bfloat16)
+    shared = torch.randperm(700)[:200]
+    lengths = [7, 7, 7, 3]
+    total = sum(lengths)
+    q = torch.randn(total, heads, dim, dtype=torch.bfloat16)
+    k = torch.randn(total, kv_heads, dim, dtype=torch.bfloat16)
+    v = torch.randn(total, kv_heads, dim, dtype=torch.bfloat16)
+    segments, start = [], 0
+    for n in lengths:
+        segments.append(ExtendSegment(q_start=start, q_len=n, prefix_len=len(shared), prefix_slots=shared))
+        start += n
+    native = extend_attention(q, k, v, k_cache, v_cache, segments, dim**-0.5, kernels)
+    plain = extend_attention(q, k, v, k_cache, v_cache, segments, dim**-0.5)
+    torch.testing.assert_close(native.float(), plain.float(), rtol=2e-2, atol=2e-2)

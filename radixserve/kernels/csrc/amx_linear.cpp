@@ -13,20 +13,19 @@
 // Numerics: products of bf16 are exact in fp32 and summed in fp32; bias and residual are added to the
 // fp32 sum, which is rounded to bf16 once (round to nearest even).
 
-#include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
-#include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define RADIXSERVE_AMX 1
-#endif
+#include "amx_common.h"
 
 namespace {
 
 #ifdef RADIXSERVE_AMX
+
+using radixserve_amx::configure_tiles;
+using radixserve_amx::widen_bf16;
 
 constexpr int64_t kBlockColumns = 32;  // output columns per block: two 16-column C tiles
 constexpr int64_t kStepInputs = 32;    // inputs per step: one A tile row of bf16
@@ -34,34 +33,6 @@ constexpr int64_t kTileElements = 512;  // 16 rows x 64 bytes of bf16
 constexpr int64_t kBlocksPerChunk = 8;  // column blocks sharing an A block while it is in L1
 constexpr int64_t kPrefetchBytes = 8192;  // how far ahead of the tile loads the weights are fetched
 constexpr int64_t kParallelWork = 1 << 18;  // m * n * k below which one thread does it all
-
-struct TileConfig {
-    uint8_t palette;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t bytes_per_row[16];
-    uint8_t rows[16];
-};
-
-// Tiles 0, 1: the A rows of the block (top 16 and the rest); 2, 3: the two B tiles of a step;
-// 4, 5: C of A0 x B2, A0 x B3; 6, 7: C of A1 x B2, A1 x B3.
-void configure_tiles(int top_rows, int bottom_rows) {
-    TileConfig config;
-    memset(&config, 0, sizeof config);
-    config.palette = 1;
-    const int rows[8] = {top_rows, bottom_rows, 16, 16, top_rows, top_rows, bottom_rows, bottom_rows};
-    for (int t = 0; t < 8; t++) {
-        if (rows[t] == 0) continue;
-        config.rows[t] = static_cast<uint8_t>(rows[t]);
-        config.bytes_per_row[t] = 64;
-    }
-    _tile_loadconfig(&config);
-}
-
-inline __m512 widen_bf16(const uint16_t *p) {
-    const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-}
 
 // Rows of two 16-column fp32 tiles (+ bias, + residual) rounded into 32 bf16 columns of out.
 void store_rows(const float *left, const float *right, int rows, uint16_t *out, int64_t out_stride,
@@ -149,7 +120,10 @@ void amx_linear(const uint16_t *x, int64_t x_stride, const uint16_t *packed, uin
             for (int64_t row = row_begin; row < row_end && row < m; row += 32) {
                 const int rows = static_cast<int>(m - row < 32 ? m - row : 32);
                 if (rows != configured_rows) {
-                    configure_tiles(rows < 16 ? rows : 16, rows < 16 ? 0 : rows - 16);
+                    // 0, 1: the block's top 16 rows and the rest; 2, 3: a step's B tiles; 4, 5: C of
+                    // the top rows, 6, 7: C of the rest.
+                    const int top = rows < 16 ? rows : 16, rest = rows - top;
+                    configure_tiles({top, rest, 16, 16, top, top, rest, rest});
                     configured_rows = rows;
                 }
                 for (int64_t block = chunk; block < chunk_end; block++)

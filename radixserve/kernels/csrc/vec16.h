@@ -1,0 +1,155 @@
+// 16-lane fp32 vector helpers shared by the native kernels: loads and stores with bf16 <-> fp32
+// conversion, horizontal sums, exp and exp2. GCC vector extensions, so they compile to AVX-512 on
+// such CPUs and to narrower code elsewhere.
+#pragma once
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+namespace radixserve_vec {
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v4f __attribute__((vector_size(16)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+// ---- loads and stores of 16 lanes, bf16 <-> fp32 ------------------------------------------
+
+inline v16f load16(const uint16_t *p) {
+    v16h h;
+    memcpy(&h, p, 32);
+    v16u u = __builtin_convertvector(h, v16u) << 16;
+    v16f f;
+    memcpy(&f, &u, 64);
+    return f;
+}
+inline v16f load16(const float *p) {
+    v16f f;
+    memcpy(&f, p, 64);
+    return f;
+}
+inline void store16(float *p, v16f x) { memcpy(p, &x, 64); }
+// Round to nearest even, NaN kept NaN: what torch's float -> bfloat16 conversion does.
+inline void store16(uint16_t *p, v16f x) {
+    v16u u;
+    memcpy(&u, &x, 64);
+    v16u rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    v16u nan = (u >> 16) | 0x40u;
+    v16u out = (u & 0x7fffffffu) > 0x7f800000u ? nan : rounded;
+    v16h h = __builtin_convertvector(out, v16h);
+    memcpy(p, &h, 32);
+}
+
+inline float hsum(v16f v) {
+    v8f a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+            __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    v4f b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// e^x, Cody-Waite range reduction and Cephes' polynomial: within ~1 fp32 ulp, like torch's own
+// vectorized exp. Overflows to +inf and underflows to 0 as expf does (bar denormals).
+// a * b + c. Explicitly fused here: the kernels that call exp16 are compiled with contraction off,
+// which would otherwise split every polynomial step in two.
+inline v16f fma16(v16f a, v16f b, v16f c) {
+#if defined(__AVX512F__)
+    __m512 out = _mm512_fmadd_ps(reinterpret_cast<__m512 &>(a), reinterpret_cast<__m512 &>(b),
+                                 reinterpret_cast<__m512 &>(c));
+    return reinterpret_cast<v16f &>(out);
+#else
+    return a * b + c;
+#endif
+}
+
+inline v16f floor16(v16f x) {
+#if defined(__AVX512F__)
+    __m512 out = _mm512_roundscale_ps(reinterpret_cast<__m512 &>(x), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    return reinterpret_cast<v16f &>(out);
+#else
+    const v16f truncated = __builtin_convertvector(__builtin_convertvector(x, v16i), v16f);
+    return truncated > x ? truncated - 1.0f : truncated;
+#endif
+}
+
+// 2^x for x <= 0 (x = -inf gives ~1e-38, which is 0 next to the terms it is added to); relative
+// error ~2e-7, about one fp32 ulp.
+inline v16f exp2_nonpositive(v16f x) {
+    const v16f lowest = v16f{} - 126.0f;
+    x = x < lowest ? lowest : x;
+    const v16f whole = floor16(x);
+    const v16f f = x - whole;
+    v16f p = fma16(f, v16f{} + 1.535336188319500e-4f, v16f{} + 1.339887440266574e-3f);
+    p = fma16(p, f, v16f{} + 9.618437357674640e-3f);
+    p = fma16(p, f, v16f{} + 5.550332471162809e-2f);
+    p = fma16(p, f, v16f{} + 2.402264791363012e-1f);
+    p = fma16(p, f, v16f{} + 6.931472028550421e-1f);
+    p = fma16(p, f, v16f{} + 1.0f);
+#if defined(__AVX512F__)
+    // p * 2^whole in one instruction (whole >= -126: a normal power of two, so exact either way).
+    __m512 out = _mm512_scalef_ps(reinterpret_cast<__m512 &>(p), reinterpret_cast<const __m512 &>(whole));
+    return reinterpret_cast<v16f &>(out);
+#else
+    const v16i bits = (__builtin_convertvector(whole, v16i) + 127) << 23;
+    v16f scale;
+    memcpy(&scale, &bits, 64);
+    return p * scale;
+#endif
+}
+
+inline v16f exp16(v16f x) {
+    const v16f n = floor16(fma16(x, v16f{} + 1.44269504088896341f, v16f{} + 0.5f));
+    const v16f r = fma16(n, v16f{} + 2.12194440e-4f, fma16(n, v16f{} - 0.693359375f, x));
+    v16f p = fma16(r, v16f{} + 1.9875691500e-4f, v16f{} + 1.3981999507e-3f);
+    p = fma16(p, r, v16f{} + 8.3334519073e-3f);
+    p = fma16(p, r, v16f{} + 4.1665795894e-2f);
+    p = fma16(p, r, v16f{} + 1.6666665459e-1f);
+    p = fma16(p, r, v16f{} + 5.0000001201e-1f);
+    p = fma16(p * r, r, r + 1.0f);
+    const v16f clamped = n < -126.0f ? v16f{} - 126.0f : (n > 127.0f ? v16f{} + 127.0f : n);
+    const v16i bits = (__builtin_convertvector(clamped, v16i) + 127) << 23;
+    v16f scale;
+    memcpy(&scale, &bits, 64);
+    const v16f result = p * scale;
+    const v16f inf = v16f{} + INFINITY;
+    return x > 88.72283935546875f ? inf : (x < -87.33654475f ? v16f{} : result);
+}
+
+// x as the reference holds it after an op in dtype T: rounded to bf16, or unchanged for fp32.
+inline v16f as_dtype16(v16f x, const float *) { return x; }
+inline v16f as_dtype16(v16f x, const uint16_t *) {
+    v16u u;
+    memcpy(&u, &x, 64);
+    const v16u rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    const v16u nan = (u | 0x00400000u) & 0xffff0000u;
+    const v16u out = (u & 0x7fffffffu) > 0x7f800000u ? nan : rounded;
+    v16f f;
+    memcpy(&f, &out, 64);
+    return f;
+}
+
+// The first n (< 16) elements, zero-padded; and the store of the first n lanes. Tails of rows
+// go through these, so each kernel has one code path.
+template <typename T>
+inline v16f load_partial(const T *p, int64_t n) {
+    T buffer[16] = {};
+    memcpy(buffer, p, n * sizeof(T));
+    return load16(buffer);
+}
+template <typename T>
+inline void store_partial(T *p, v16f x, int64_t n) {
+    T buffer[16];
+    store16(buffer, x);
+    memcpy(p, buffer, n * sizeof(T));
+}
+template <typename T>
+inline v16f load_n(const T *p, int64_t n) { return n >= 16 ? load16(p) : load_partial(p, n); }
+template <typename T>
+inline void store_n(T *p, v16f x, int64_t n) {
+    if (n >= 16) store16(p, x); else store_partial(p, x, n);
+}
+
+}  // namespace radixserve_vec

@@ -11,11 +11,15 @@ import ctypes
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from radixserve.kernels.native import DTYPE_SUFFIXES, NativeKernelsUnavailable, load_library
+
+if TYPE_CHECKING:
+    from radixserve.model.forward_batch import DecodeLayout
+    from radixserve.model.layers import Rope
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +45,7 @@ class CpuKernels:
         self._decode_supported = library.decode_attention_supported
         self._amx_linear = library.amx_linear_bf16
         self._amx_prefix_attention = library.amx_prefix_attention_bf16
+        self._fused_decode = library.fused_decode_bf16
         # Whether this build has the AMX matmul and the OS grants this process AMX tiles.
         self.has_amx_linear = bool(library.amx_linear_available())
 
@@ -235,10 +240,48 @@ class CpuKernels:
         rows = count * (heads // kv_heads)
         out = torch.empty((kv_heads, rows, dim), dtype=q.dtype)
         lse = torch.empty((kv_heads, rows), dtype=torch.float32)
-        status = self._amx_prefix_attention(q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(),
-                                            keys.stride(0), out.data_ptr(), lse.data_ptr(), count, heads,
-                                            kv_heads, dim, length, scale)  # fmt: skip
+        status = self._amx_prefix_attention(
+            q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(), keys.stride(0), None,
+            out.data_ptr(), lse.data_ptr(), count, heads, kv_heads, dim, length, scale,
+        )  # fmt: skip
         return SharedPrefixResult(length, out, lse) if status == 0 else None
+
+    def fused_decode(
+        self,
+        layers: torch.Tensor,
+        hidden: torch.Tensor,
+        *,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        intermediate: int,
+        eps: float,
+        scale: float,
+        rope: Rope,
+        out_slots: torch.Tensor,
+        layout: DecodeLayout,
+    ) -> None:
+        """Every decoder layer of a decode step, updating hidden ([B, hidden] bf16, contiguous) in
+        place; layers: [L, 9] int64 addresses (model/fused_decode.py)."""
+        prefix = layout.shared_prefix_slots
+        if prefix is not None:
+            prefix = prefix.to(torch.int64).contiguous()
+        rows = layout.req_pool_indices.to(torch.int64).contiguous()
+        lens = layout.seq_lens.to(torch.int64).contiguous()
+        slots = out_slots.to(torch.int64).contiguous()
+        positions = rope.positions.to(torch.int64).contiguous()
+        table = layout.req_to_token
+        if table.dtype != torch.int64 or table.stride(1) != 1:
+            raise ValueError("req_to_token must be int64 with contiguous rows")
+        batch, size = hidden.shape
+        status = self._fused_decode(
+            layers.data_ptr(), layers.shape[0], hidden.data_ptr(), batch, size, intermediate, heads, kv_heads,
+            head_dim, eps, scale, rope.cos_table.data_ptr(), rope.sin_table.data_ptr(), positions.data_ptr(),
+            slots.data_ptr(), table.data_ptr(), table.stride(0), rows.data_ptr(), lens.data_ptr(),
+            0 if prefix is None else len(prefix), None if prefix is None else prefix.data_ptr(),
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"fused decode failed with status {status}: a bug in its preconditions")
 
 
 def _rows_of_packed_heads(x: torch.Tensor) -> bool:

@@ -17,6 +17,7 @@ from radixserve.cache.pools import KVCachePool
 from radixserve.model.attention import decode_attention, extend_attention
 from radixserve.model.config import ModelConfig
 from radixserve.model.forward_batch import ForwardBatch, ForwardMode
+from radixserve.model.fused_decode import fused_decode
 from radixserve.model.layers import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -172,8 +173,12 @@ class CausalLM(nn.Module):
             for row, vectors in batch.input_embeds:
                 hidden[row : row + len(vectors)] = vectors
         rope = self.rotary.lookup(batch.positions, hidden.dtype, self.kernels)
-        for layer in self.layers:
-            hidden = layer(hidden, batch, kv_pool, rope)
+        fused = fused_decode(self, hidden, batch, kv_pool, rope)
+        if fused is not None:
+            hidden = fused
+        else:
+            for layer in self.layers:
+                hidden = layer(hidden, batch, kv_pool, rope)
         # Only the rows that sample need the final norm and the (large) vocabulary projection.
         rows = batch.sample_rows
         extra = [r for r in (batch.logprob_rows, batch.hidden_rows) if r is not None]

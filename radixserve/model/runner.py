@@ -18,6 +18,7 @@ from radixserve.model.bert import Encoder
 from radixserve.model.config import ModelConfig, ModelLoadError
 from radixserve.model.decode_staging import DecodeStaging, PrefixStaging
 from radixserve.model.forward_batch import ForwardBatch, ForwardMode
+from radixserve.model.fused_decode import fused_decode_applies
 from radixserve.model.layers import split_kv_heads
 from radixserve.model.llama import ARCHITECTURES, CausalLM
 from radixserve.model.loader import ModelSource, iter_weights, load_model_config, resolve_model_source
@@ -338,7 +339,8 @@ class ModelRunner:
             assert batch.decode is not None
             if self.staging.max_tokens:
                 self.staging.prepare(batch.decode)
-            if self.native_decode_attention:
+            # The fused decode loop reads the shared prefix from the pool by its slots.
+            if self.native_decode_attention and not fused_decode_applies(self.model):
                 self.prefix_staging.prepare(batch.decode)
         logits, hidden = self.model(batch, self.kv_pool)
         return logits, hidden

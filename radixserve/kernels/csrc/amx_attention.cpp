@@ -6,8 +6,8 @@
 // long as AVX512-BF16 dot products would take. AMX tiles do the two products in a few microseconds;
 // what is left is packing the operands and the softmax.
 //
-// Shapes: q [N, H, D] (row n's head j at q + n * q_stride + j * D); k, v [L, Hkv, D] (key i's head h
-// at k + i * kv_stride + h * D); out [Hkv, N * G, D] and lse [Hkv, N * G] (row n * G + g: query g of
+// Shapes: q [N, H, D] (row n's head j at q + n * q_stride + j * D); keys and values rows of [*, Hkv,
+// D] (key i's head h at k + row(i) * kv_stride + h * D, row(i) = slots[i], or i without slots); out [Hkv, N * G, D] and lse [Hkv, N * G] (row n * G + g: query g of
 // K/V head h of row n, G = H / Hkv), lse in natural log, as torch's flash kernel returns it.
 //
 // Numerics as torch's flash kernel for bf16: scores and softmax in fp32, probabilities rounded to
@@ -36,6 +36,7 @@ struct PrefixAttention {
     int64_t q_stride;
     const uint16_t *k, *v;
     int64_t kv_stride;
+    const int64_t *slots;  // the keys' rows in k and v; null: rows 0 .. length - 1
     uint16_t *out;
     float *lse;
     int64_t n, kv_heads, group, dim, length;
@@ -44,6 +45,8 @@ struct PrefixAttention {
     int64_t rows() const { return n * group; }                  // query rows of one K/V head
     int64_t padded_rows() const { return (rows() + 15) / 16 * 16; }
     int64_t padded_length() const { return (length + 31) / 32 * 32; }
+    // Byte offset of key i's row in k and v.
+    int64_t row_offset(int64_t i) const { return (slots ? slots[i] : i) * kv_stride * 2; }
 };
 
 // Query rows of head h, 16 from `block`, copied contiguous ([rows][D]; rows past the end zero).
@@ -63,17 +66,20 @@ void pack_queries(const PrefixAttention &p, int64_t h, int64_t block, uint16_t *
 // dimension pair (2kk, 2kk+1) of each of the 16 keys, i.e. a 16 x 16 transpose of 32-bit pairs.
 void pack_keys(const PrefixAttention &p, int64_t h, int64_t block, uint16_t *dst) {
     const int64_t first = block * 16;
-    const __mmask16 present = static_cast<__mmask16>(
-        p.length - first >= 16 ? 0xffff : (1u << (p.length - first)) - 1);
-    const __m512i offsets = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                               _mm512_set1_epi32(static_cast<int>(p.kv_stride / 2)));
+    const unsigned present = p.length - first >= 16 ? 0xffffu : (1u << (p.length - first)) - 1;
+    alignas(64) int64_t rows[16];
+    for (int n = 0; n < 16; n++) rows[n] = first + n < p.length ? p.row_offset(first + n) : 0;
+    const __m512i low = _mm512_load_si512(rows), high = _mm512_load_si512(rows + 8);
     for (int64_t step = 0; step < p.dim / 32; step++) {
-        const uint16_t *base = p.k + first * p.kv_stride + h * p.dim + step * 32;
+        const char *base = reinterpret_cast<const char *>(p.k + h * p.dim + step * 32);
         uint16_t *tile = dst + step * kTileElements;
         for (int kk = 0; kk < 16; kk++) {
-            const __m512i pairs =
-                _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), present, offsets, base + 2 * kk, 4);
-            _mm512_storeu_si512(tile + kk * 32, pairs);
+            const __m256i first_eight = _mm512_mask_i64gather_epi32(
+                _mm256_setzero_si256(), static_cast<__mmask8>(present), low, base + 4 * kk, 1);
+            const __m256i last_eight = _mm512_mask_i64gather_epi32(
+                _mm256_setzero_si256(), static_cast<__mmask8>(present >> 8), high, base + 4 * kk, 1);
+            _mm512_storeu_si512(tile + kk * 32,
+                                _mm512_inserti64x4(_mm512_castsi256_si512(first_eight), last_eight, 1));
         }
     }
 }
@@ -86,14 +92,15 @@ void pack_values(const PrefixAttention &p, int64_t h, int64_t step, uint16_t *ds
         for (int kk = 0; kk < 16; kk++) {
             const int64_t even = step * 32 + 2 * kk, odd = even + 1;
             __m512i pair = _mm512_setzero_si512();
+            const char *values = reinterpret_cast<const char *>(p.v + h * p.dim + block * 16);
             if (even < p.length) {
-                const __m256i row = _mm256_loadu_si256(
-                    reinterpret_cast<const __m256i *>(p.v + even * p.kv_stride + h * p.dim + block * 16));
+                const __m256i row =
+                    _mm256_loadu_si256(reinterpret_cast<const __m256i *>(values + p.row_offset(even)));
                 pair = _mm512_cvtepu16_epi32(row);
             }
             if (odd < p.length) {
-                const __m256i row = _mm256_loadu_si256(
-                    reinterpret_cast<const __m256i *>(p.v + odd * p.kv_stride + h * p.dim + block * 16));
+                const __m256i row =
+                    _mm256_loadu_si256(reinterpret_cast<const __m256i *>(values + p.row_offset(odd)));
                 pair = _mm512_or_si512(pair, _mm512_slli_epi32(_mm512_cvtepu16_epi32(row), 16));
             }
             _mm512_storeu_si512(tile + kk * 32, pair);
@@ -252,15 +259,19 @@ void prefix_attention(const PrefixAttention &p) {
 
 // 0 when done; 1 when this build or shape has no kernel (no AMX, head_dim not a multiple of 32 up
 // to 256, or heads not a multiple of kv_heads): the caller then uses torch.
+// slots: the keys' rows in k and v, or null for rows 0 .. length - 1.
 extern "C" int amx_prefix_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, const uint16_t *v,
-                                         int64_t kv_stride, uint16_t *out, float *lse, int64_t n, int64_t heads,
-                                         int64_t kv_heads, int64_t dim, int64_t length, float scale) {
+                                         int64_t kv_stride, const int64_t *slots, uint16_t *out, float *lse,
+                                         int64_t n, int64_t heads, int64_t kv_heads, int64_t dim, int64_t length,
+                                         float scale) {
 #ifdef RADIXSERVE_AMX
     if (dim % 32 || dim > 256 || kv_heads <= 0 || heads % kv_heads || length <= 0 || n <= 0) return 1;
-    prefix_attention({q, q_stride, k, v, kv_stride, out, lse, n, kv_heads, heads / kv_heads, dim, length, scale});
+    prefix_attention(
+        {q, q_stride, k, v, kv_stride, slots, out, lse, n, kv_heads, heads / kv_heads, dim, length, scale});
     return 0;
 #else
-    (void)q, (void)q_stride, (void)k, (void)v, (void)kv_stride, (void)out, (void)lse, (void)n, (void)heads;
+    (void)q, (void)q_stride, (void)k, (void)v, (void)kv_stride, (void)slots, (void)out, (void)lse, (void)n;
+    (void)heads;
     (void)kv_heads, (void)dim, (void)length, (void)scale;
     return 1;
 #endif

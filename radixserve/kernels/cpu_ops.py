@@ -46,6 +46,7 @@ class CpuKernels:
         self._amx_linear = library.amx_linear_bf16
         self._amx_prefix_attention = library.amx_prefix_attention_bf16
         self._fused_decode = library.fused_decode_bf16
+        self._argmax_rows = library.argmax_rows_f32
         # Whether this build has the AMX matmul and the OS grants this process AMX tiles.
         self.has_amx_linear = bool(library.amx_linear_available())
 
@@ -169,6 +170,16 @@ class CpuKernels:
                      k_cache.shape[1], dim, scale, length, prefix_out, head_stride, row_stride,
                      prefix_lse)  # fmt: skip
         return out if status == 0 else None
+
+    def argmax_rows(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x.max(dim=-1).indices for a 2-D fp32 x (the first maximum; a NaN counts as the maximum),
+        in one pass over x."""
+        if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1:
+            return None
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        if x.shape[0] and x.shape[1]:
+            self._argmax_rows(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr())
+        return out if x.shape[1] else None
 
     def pack_linear(self, weight: torch.Tensor) -> torch.Tensor | None:
         """A linear weight [N, K] in the AMX matmul's layout (csrc/amx_linear.cpp), or None where that

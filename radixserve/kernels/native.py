@@ -52,6 +52,7 @@ DTYPE_SUFFIXES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 PLAIN_SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "decode_attention_supported": (ctypes.c_int, [_I, _I]),
     "amx_linear_available": (ctypes.c_int, []),
+    "argmax_rows_f32": (None, [_P, _I, _I, _I, _P]),
     # x, x_stride, packed weight, out, out_stride, bias, residual, residual_stride, m, n, k
     "amx_linear_bf16": (None, [_P, _I, _P, _P, _I, _P, _P, _I, _I, _I, _I]),
     # q, q_stride, k, v, kv_stride, slots, out, lse, n, heads, kv_heads, dim, length, scale

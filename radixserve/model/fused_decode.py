@@ -9,6 +9,7 @@ dispatch cost of ~15 calls per layer, a third of a SmolLM2-135M decode step at b
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -17,27 +18,106 @@ from radixserve.model.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
     from radixserve.cache.pools import KVCachePool
+    from radixserve.kernels.cpu_ops import CpuKernels
     from radixserve.model.layers import Rope, _Linear
     from radixserve.model.llama import CausalLM, DecoderLayer
 
 
-def fused_decode_applies(model: CausalLM) -> bool:
-    """Whether this model's decode steps run fused (see the module's docstring)."""
+@dataclass
+class FusedLayer:
+    """One layer's parts the native loop reads, in its order (linears: qkv, o, gate/up, down)."""
+
+    input_norm: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    linears: tuple[_Linear, _Linear, _Linear, _Linear]
+
+
+@dataclass
+class FusedDecodePlan:
+    """A model's layers as the native loop takes them, looked up once per model: nn.Module
+    attribute lookups cost more than reading the addresses each step."""
+
+    kernels: CpuKernels
+    layers: list[FusedLayer]
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+    scale: float
+
+    def ready(self) -> bool:
+        """Every linear is (still) packed for the AMX matmul."""
+        return all(
+            linear.packed is not None and linear.packed.kernels is not None
+            for layer in self.layers
+            for linear in layer.linears
+        )
+
+    def pointers(self, kv_pool: KVCachePool) -> torch.Tensor:
+        """[layers, 9] int64 addresses: input norm, qkv, qkv bias (0: none), o, post-attention
+        norm, gate/up, down, K pool, V pool. Read every step: weights are repacked on updates and
+        the pool is reallocated after a release."""
+        rows = []
+        for index, layer in enumerate(self.layers):
+            qkv, o, gate_up, down = (linear.packed.data.data_ptr() for linear in layer.linears)  # type: ignore[union-attr]
+            bias = 0 if layer.qkv_bias is None else layer.qkv_bias.data_ptr()
+            k_pool, v_pool = kv_pool.k_buffers[index].data_ptr(), kv_pool.v_buffers[index].data_ptr()
+            norms = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
+            rows.append([norms[0], qkv, bias, o, norms[1], gate_up, down, k_pool, v_pool])
+        return torch.tensor(rows, dtype=torch.int64)
+
+
+def fused_decode_plan(model: CausalLM) -> FusedDecodePlan | None:
+    """The model's plan, or None when its decode steps cannot run fused (the module's docstring)."""
+    if model.fused_plan_checked:
+        return model.fused_plan
+    model.fused_plan_checked = True
     kernels, config = model.kernels, model.config
     if kernels is None or not kernels.has_amx_linear or config.qk_norm or config.head_dim % 32:
-        return False
-    layers = _decoder_layers(model)
-    attention = layers[0].self_attn
+        return None
+    layers = cast("list[DecoderLayer]", list(model.layers))
+    first = layers[0]
+    attention = first.self_attn
     if attention.o_proj.ctx.tp_size != 1 or not kernels.handles_decode_attention(
         attention.num_heads, attention.num_kv_heads, config.head_dim, torch.bfloat16
     ):
-        return False
-    for layer in layers:
-        if any(linear.packed is None or linear.packed.kernels is None for linear in _linears(layer)):
-            return False
-        if layer.self_attn.o_proj.bias is not None or layer.mlp.down_proj.bias is not None:
-            return False
-    return True
+        return None
+    if any(
+        layer.self_attn.o_proj.bias is not None or layer.mlp.down_proj.bias is not None for layer in layers
+    ):
+        return None
+    model.fused_plan = FusedDecodePlan(
+        kernels=kernels,
+        layers=[
+            FusedLayer(
+                input_norm=layer.input_layernorm.weight,
+                qkv_bias=layer.self_attn.qkv_proj.bias,
+                post_norm=layer.post_attention_layernorm.weight,
+                linears=(
+                    layer.self_attn.qkv_proj,
+                    layer.self_attn.o_proj,
+                    layer.mlp.gate_up_proj,
+                    layer.mlp.down_proj,
+                ),
+            )
+            for layer in layers
+        ],
+        heads=attention.num_heads,
+        kv_heads=attention.num_kv_heads,
+        head_dim=config.head_dim,
+        intermediate=first.mlp.down_proj.local_input,
+        eps=first.input_layernorm.eps,
+        scale=attention.scale,
+    )
+    return model.fused_plan
+
+
+def fused_decode_applies(model: CausalLM) -> bool:
+    """Whether this model's decode steps run fused now."""
+    plan = fused_decode_plan(model)
+    return plan is not None and plan.ready()
 
 
 def fused_decode(
@@ -48,56 +128,21 @@ def fused_decode(
     layout = batch.decode
     if batch.mode is not ForwardMode.DECODE or layout is None or hidden.dtype != torch.bfloat16:
         return None
-    if not fused_decode_applies(model):
+    plan = fused_decode_plan(model)
+    if plan is None or not plan.ready():
         return None
-    kernels = model.kernels
-    assert kernels is not None
-    first = _decoder_layers(model)[0]
     hidden = hidden.contiguous()
-    kernels.fused_decode(
-        _layer_pointers(model, kv_pool),
+    plan.kernels.fused_decode(
+        plan.pointers(kv_pool),
         hidden,
-        heads=first.self_attn.num_heads,
-        kv_heads=first.self_attn.num_kv_heads,
-        head_dim=model.config.head_dim,
-        intermediate=first.mlp.down_proj.local_input,
-        eps=first.input_layernorm.eps,
-        scale=first.self_attn.scale,
+        heads=plan.heads,
+        kv_heads=plan.kv_heads,
+        head_dim=plan.head_dim,
+        intermediate=plan.intermediate,
+        eps=plan.eps,
+        scale=plan.scale,
         rope=rope,
         out_slots=batch.out_cache_loc,
         layout=layout,
     )
     return hidden
-
-
-def _decoder_layers(model: CausalLM) -> list[DecoderLayer]:
-    return cast("list[DecoderLayer]", list(model.layers))
-
-
-def _linears(layer: DecoderLayer) -> tuple[_Linear, _Linear, _Linear, _Linear]:
-    """qkv, o, gate/up, down: the native loop's order."""
-    attention, mlp = layer.self_attn, layer.mlp
-    return attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj
-
-
-def _layer_pointers(model: CausalLM, kv_pool: KVCachePool) -> torch.Tensor:
-    """[layers, 9] int64 addresses of each layer's weights and K/V pool, in the native loop's order:
-    input norm, qkv, qkv bias (0: none), o, post-attention norm, gate/up, down, K pool, V pool."""
-    rows = []
-    for index, layer in enumerate(_decoder_layers(model)):
-        qkv, o, gate_up, down = (linear.packed.data.data_ptr() for linear in _linears(layer))  # type: ignore[union-attr]
-        bias = layer.self_attn.qkv_proj.bias
-        rows.append(
-            [
-                layer.input_layernorm.weight.data_ptr(),
-                qkv,
-                0 if bias is None else bias.data_ptr(),
-                o,
-                layer.post_attention_layernorm.weight.data_ptr(),
-                gate_up,
-                down,
-                kv_pool.k_buffers[index].data_ptr(),
-                kv_pool.v_buffers[index].data_ptr(),
-            ]
-        )
-    return torch.tensor(rows, dtype=torch.int64)

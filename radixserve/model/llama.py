@@ -17,7 +17,7 @@ from radixserve.cache.pools import KVCachePool
 from radixserve.model.attention import decode_attention, extend_attention
 from radixserve.model.config import ModelConfig
 from radixserve.model.forward_batch import ForwardBatch, ForwardMode
-from radixserve.model.fused_decode import fused_decode
+from radixserve.model.fused_decode import FusedDecodePlan, fused_decode
 from radixserve.model.layers import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -153,6 +153,9 @@ class CausalLM(nn.Module):
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, ctx)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # The fused decode loop's view of the layers (model/fused_decode.py), worked out on first use.
+        self.fused_plan: FusedDecodePlan | None = None
+        self.fused_plan_checked = False
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_pool: KVCachePool) -> tuple[torch.Tensor, torch.Tensor]:

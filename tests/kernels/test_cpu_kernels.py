@@ -244,3 +244,21 @@ def test_prefix_attention_declines_what_it_cannot_run(kernels: CpuKernels) -> No
     odd = torch.randn(40, 3, 64, dtype=torch.bfloat16)
     assert kernels.prefix_attention(q, odd, odd, 0.1) is None  # 4 heads over 3 K/V heads
     assert kernels.prefix_attention(q, keys.transpose(0, 1), keys.transpose(0, 1), 0.1) is None  # layout
+
+
+@pytest.mark.parametrize(("rows", "cols"), [(32, 49152), (1, 49152), (3, 37), (5, 16), (4, 100)])
+def test_argmax_rows_matches_torch_max(kernels: CpuKernels, rows: int, cols: int) -> None:
+    """The greedy choice: the first index of each row's maximum, a NaN counting as the maximum."""
+    torch.manual_seed(rows + cols)
+    x = torch.randn(rows, cols + 3)[:, :cols]  # rows apart by more than their length
+    x[0, 5] = x[0].max() + 1
+    x[0, cols - 1] = x[0, 5]  # a tie: the first one wins
+    cases = [x, torch.full((rows, cols), float("-inf"))]
+    with_nan = x.clone()
+    with_nan[-1, cols // 2] = float("nan")
+    with_nan[-1, cols - 1] = float("nan")
+    cases.append(with_nan)
+    for case in cases:
+        native = kernels.argmax_rows(case)
+        assert native is not None and torch.equal(native, case.max(dim=-1).indices)
+    assert kernels.argmax_rows(x.to(torch.bfloat16)) is None  # fp32 only

@@ -415,6 +415,57 @@ RADIXSERVE_EXPORT(float, f32)
 RADIXSERVE_EXPORT_MERGE(uint16_t, bf16)
 RADIXSERVE_EXPORT_MERGE(float, f32)
 
+// ---- Greedy choice: the first index of each row's maximum ------------------------------------
+// As torch's max(dim).indices: the first maximal element, and a NaN counts as the maximum (the
+// first NaN wins). x: [rows, cols] fp32, rows x_stride apart.
+
+extern "C" void argmax_rows_f32(const float *x, int64_t x_stride, int64_t rows, int64_t cols, int64_t *out) {
+#pragma omp parallel for if (rows * cols >= kParallelMin)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * x_stride;
+        v16f best = v16f{} - INFINITY;
+        v16i best_index = v16i{} - 1;
+        const v16i lanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+        v16i any_nan = v16i{};
+        int64_t i = 0;
+        for (; i + 16 <= cols; i += 16) {
+            const v16f v = load16(row + i);
+            const v16i greater = v > best;  // strict: a lane keeps its first maximum
+            best = greater ? v : best;
+            best_index = greater ? lanes + static_cast<int>(i) : best_index;
+            any_nan |= v != v;
+        }
+        // Lanes that never beat -inf hold index -1; element 0 is the answer until something beats it.
+        int64_t index = 0;
+        float top = cols > 0 ? row[0] : 0.0f;
+        for (int lane = 0; lane < 16; lane++) {
+            if (best_index[lane] < 0) continue;
+            if (best[lane] > top || (best[lane] == top && best_index[lane] < index)) {
+                top = best[lane];
+                index = best_index[lane];
+            }
+        }
+        bool nan = false;
+        for (int lane = 0; lane < 16; lane++) nan = nan || any_nan[lane];
+        for (; i < cols; i++) {
+            if (row[i] != row[i]) nan = true;
+            if (row[i] > top) {
+                top = row[i];
+                index = i;
+            }
+        }
+        if (nan) {
+            for (int64_t j = 0; j < cols; j++) {
+                if (row[j] != row[j]) {
+                    index = j;
+                    break;
+                }
+            }
+        }
+        out[r] = index;
+    }
+}
+
 extern "C" int decode_attention_supported(int64_t group, int64_t head_dim) {
     return find_decode_kernel<float>(group, head_dim) != nullptr;
 }

@@ -253,9 +253,47 @@ class CpuKernels:
         lse = torch.empty((kv_heads, rows), dtype=torch.float32)
         status = self._amx_prefix_attention(
             q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(), keys.stride(0), None,
-            out.data_ptr(), lse.data_ptr(), count, heads, kv_heads, dim, length, scale,
+            out.data_ptr(), 0, lse.data_ptr(), count, heads, kv_heads, dim, length, scale, -1,
         )  # fmt: skip
         return SharedPrefixResult(length, out, lse) if status == 0 else None
+
+    def causal_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,
+        prefix_len: int,
+        scale: float,
+    ) -> torch.Tensor | None:
+        """One request's extend attention on AMX tiles: its new tokens' queries (q: [N, H, D]) over
+        the K/V at `slots` (int64, [prefix_len + N], already in the pool), causally: token t sees
+        keys < prefix_len + t + 1. Returns [N, H, D]; None where the kernel does not run (as
+        prefix_attention)."""
+        if (
+            not self.has_amx_linear
+            or q.dtype != torch.bfloat16
+            or q.device.type != "cpu"
+            or k_cache.dtype != q.dtype
+            or v_cache.dtype != q.dtype
+            or not _rows_of_packed_heads(q)
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+            or slots.dtype != torch.int64
+            or not slots.is_contiguous()
+            or len(slots) != prefix_len + q.shape[0]
+        ):
+            return None
+        count, heads, dim = q.shape
+        kv_heads = k_cache.shape[1]
+        if kv_heads == 0 or heads % kv_heads or k_cache.shape[2] != dim:
+            return None
+        out = torch.empty((count, heads, dim), dtype=q.dtype)
+        status = self._amx_prefix_attention(
+            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), kv_heads * dim,
+            slots.data_ptr(), out.data_ptr(), heads * dim, None, count, heads, kv_heads, dim, len(slots),
+            scale, prefix_len,
+        )  # fmt: skip
+        return out if status == 0 else None
 
     def fused_decode(
         self,

@@ -55,8 +55,12 @@ PLAIN_SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "argmax_rows_f32": (None, [_P, _I, _I, _I, _P]),
     # x, x_stride, packed weight, out, out_stride, bias, residual, residual_stride, m, n, k
     "amx_linear_bf16": (None, [_P, _I, _P, _P, _I, _P, _P, _I, _I, _I, _I]),
-    # q, q_stride, k, v, kv_stride, slots, out, lse, n, heads, kv_heads, dim, length, scale
-    "amx_prefix_attention_bf16": (ctypes.c_int, [_P, _I, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _F]),
+    # q, q_stride, k, v, kv_stride, slots, out, out_token, lse, n, heads, kv_heads, dim, length, scale,
+    # causal_offset
+    "amx_prefix_attention_bf16": (
+        ctypes.c_int,
+        [_P, _I, _P, _P, _I, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _I],
+    ),
     # layers, num_layers, hidden, batch, hidden_size, intermediate, heads, kv_heads, head_dim, eps, scale,
     # cos, sin, positions, out_slots, req_to_token, table_stride, req_rows, seq_lens, prefix_length,
     # prefix_slots

@@ -56,6 +56,13 @@ def extend_attention(
         if index in done:
             continue
         rows = slice(seg.q_start, seg.q_start + seg.q_len)
+        if kernels is not None and seg.context_slots is not None:
+            native = kernels.causal_attention(
+                q[rows], k_cache, v_cache, seg.context_slots, seg.prefix_len, scale
+            )
+            if native is not None:
+                out[rows] = native
+                continue
         keys, values = k[rows], v[rows]
         if seg.prefix_len:
             keys = torch.cat((k_cache.index_select(0, seg.prefix_slots), keys))

@@ -29,6 +29,9 @@ class ExtendSegment:
     q_len: int  # new tokens computed now
     prefix_len: int  # tokens whose KV is already in the pool
     prefix_slots: torch.Tensor  # KV slots of the prefix, [prefix_len]
+    # KV slots of the prefix and then of the new tokens, [prefix_len + q_len], when the batch builder
+    # knows them (the native extend attention reads K/V through them).
+    context_slots: torch.Tensor | None = None
 
 
 @dataclass

@@ -112,7 +112,15 @@ def build_extend_batch(reqs: list[Req], kv: KVContext) -> ForwardBatch:
         if req.input_embeds is not None and start < len(req.origin_input_ids):
             given_embeds.append((offset, req.input_embeds[start : start + n]))
         positions.append(torch.arange(start, start + n))
-        segments.append(ExtendSegment(q_start=offset, q_len=n, prefix_len=start, prefix_slots=row[:start]))
+        segments.append(
+            ExtendSegment(
+                q_start=offset,
+                q_len=n,
+                prefix_len=start,
+                prefix_slots=row[:start],
+                context_slots=row[: start + n],
+            )
+        )
         req.kv_len = start + n
         req.computed_len = max(req.computed_len, req.kv_len)
         if req.kv_len == req.seq_len:

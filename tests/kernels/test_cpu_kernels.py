@@ -262,3 +262,37 @@ def test_argmax_rows_matches_torch_max(kernels: CpuKernels, rows: int, cols: int
         native = kernels.argmax_rows(case)
         assert native is not None and torch.equal(native, case.max(dim=-1).indices)
     assert kernels.argmax_rows(x.to(torch.bfloat16)) is None  # fp32 only
+
+
+@pytest.mark.parametrize(
+    ("count", "heads", "kv_heads", "head_dim", "prefix"),
+    [
+        (256, 9, 3, 64, 0),  # a W1 prompt: causal over its own tokens only
+        (7, 4, 1, 32, 37),  # on a cached prefix, a partial 32-key step
+        (40, 8, 8, 128, 100),  # head_dim 128
+        (1, 6, 2, 64, 5),  # one new token
+    ],
+)
+def test_causal_attention_matches_sdpa(
+    kernels: CpuKernels, count: int, heads: int, kv_heads: int, head_dim: int, prefix: int
+) -> None:
+    if not kernels.has_amx_linear:
+        pytest.skip("this CPU (or OS) does not offer AMX tiles")
+    torch.manual_seed(count + prefix)
+    k_cache = torch.randn(600, kv_heads, head_dim, dtype=torch.bfloat16)
+    v_cache = torch.randn(600, kv_heads, head_dim, dtype=torch.bfloat16)
+    slots = torch.randperm(600)[: prefix + count]
+    q = torch.randn(count, heads * head_dim + 24, dtype=torch.bfloat16)[:, : heads * head_dim]
+    q = q.view(count, heads, head_dim)
+    scale = head_dim**-0.5
+    native = kernels.causal_attention(q, k_cache, v_cache, slots, prefix, scale)
+    assert native is not None and native.shape == (count, heads, head_dim)
+    group = heads // kv_heads
+    keys = k_cache[slots].float().repeat_interleave(group, dim=1).transpose(0, 1)
+    values = v_cache[slots].float().repeat_interleave(group, dim=1).transpose(0, 1)
+    visible = torch.arange(prefix + count).unsqueeze(0) <= (torch.arange(count) + prefix).unsqueeze(1)
+    expected = F.scaled_dot_product_attention(
+        q.float().transpose(0, 1), keys, values, attn_mask=visible, scale=scale
+    )
+    torch.testing.assert_close(native.float(), expected.transpose(0, 1), rtol=2e-2, atol=2e-2)
+    assert kernels.causal_attention(q, k_cache, v_cache, slots[:-1], prefix, scale) is None  # wrong length

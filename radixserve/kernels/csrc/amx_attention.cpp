@@ -17,6 +17,7 @@
 #include <omp.h>
 #include <stdint.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "amx_common.h"
@@ -38,11 +39,18 @@ struct PrefixAttention {
     int64_t kv_stride;
     const int64_t *slots;  // the keys' rows in k and v; null: rows 0 .. length - 1
     uint16_t *out;
-    float *lse;
+    int64_t out_token, out_head, out_query;  // query g of K/V head h of token t: out + t * out_token
+                                              // + h * out_head + g * out_query
+    float *lse;                               // [Hkv, N * G], or null
     int64_t n, kv_heads, group, dim, length;
     float scale;
+    int64_t causal_offset;  // < 0: every query sees every key; else token t sees keys < offset + t + 1
 
     int64_t rows() const { return n * group; }                  // query rows of one K/V head
+    // Keys row r sees (rows of a block see nondecreasing counts).
+    int64_t visible(int64_t r) const {
+        return causal_offset < 0 ? length : std::min(length, causal_offset + r / group + 1);
+    }
     int64_t padded_rows() const { return (rows() + 15) / 16 * 16; }
     int64_t padded_length() const { return (length + 31) / 32 * 32; }
     // Byte offset of key i's row in k and v.
@@ -108,27 +116,27 @@ void pack_values(const PrefixAttention &p, int64_t h, int64_t step, uint16_t *ds
     }
 }
 
-// Softmax of one row of scores (fp32, padded_length long) into bf16 probabilities; returns the
-// fp32 sum of the probabilities and sets *row_max.
-float softmax_row(const PrefixAttention &p, const float *scores, uint16_t *probabilities, float *row_max) {
-    const int64_t padded = p.padded_length();
+// Softmax of one row of scores (fp32) over its first `visible` keys into bf16 probabilities, zero
+// up to `width` (a multiple of 32); returns the fp32 sum of the probabilities and sets *row_max.
+float softmax_row(const PrefixAttention &p, const float *scores, int64_t visible, int64_t width,
+                  uint16_t *probabilities, float *row_max) {
     v16f top = v16f{} - INFINITY;
-    for (int64_t i = 0; i < padded; i += 16) {
+    for (int64_t i = 0; i < width; i += 16) {
         v16f s = load16(scores + i);
-        if (i + 16 > p.length)
+        if (i + 16 > visible)
             for (int lane = 0; lane < 16; lane++)
-                if (i + lane >= p.length) s[lane] = -INFINITY;
+                if (i + lane >= visible) s[lane] = -INFINITY;
         top = top > s ? top : s;
     }
     float m = top[0];
     for (int lane = 1; lane < 16; lane++) m = top[lane] > m ? top[lane] : m;
     const float to_exp2 = p.scale * 1.44269504088896341f;
     v16f sum = v16f{};
-    for (int64_t i = 0; i < padded; i += 16) {
+    for (int64_t i = 0; i < width; i += 16) {
         v16f e = exp2_nonpositive((load16(scores + i) - m) * to_exp2);
-        if (i + 16 > p.length)
+        if (i + 16 > visible)
             for (int lane = 0; lane < 16; lane++)
-                if (i + lane >= p.length) e[lane] = 0.0f;
+                if (i + lane >= visible) e[lane] = 0.0f;
         sum += e;
         _mm256_storeu_si256(reinterpret_cast<__m256i *>(probabilities + i),
                             reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(reinterpret_cast<__m512>(e))));
@@ -142,8 +150,11 @@ void attend_rows(const PrefixAttention &p, int64_t h, int64_t block, const uint1
                  const uint16_t *keys, const uint16_t *values, float *scores, uint16_t *probabilities) {
     const int64_t padded = p.padded_length(), steps = p.dim / 32;
     const uint16_t *q_rows = queries + block * 16 * p.dim;
+    // Only the keys some row of the block sees (causal: its last row sees the most), in whole 32s.
+    const int64_t last_row = std::min(block * 16 + 15, p.rows() - 1);
+    const int64_t width = (p.visible(last_row) + 31) / 32 * 32;
     // Scores, two blocks of 16 keys at a time (C tiles 4 and 5; Q in 0, keys in 1 and 2).
-    for (int64_t kb = 0; kb < padded / 16; kb += 2) {
+    for (int64_t kb = 0; kb < width / 16; kb += 2) {
         _tile_zero(4);
         _tile_zero(5);
         for (int64_t step = 0; step < steps; step++) {
@@ -158,10 +169,12 @@ void attend_rows(const PrefixAttention &p, int64_t h, int64_t block, const uint1
     }
     float sums[16], maxima[16];
     for (int r = 0; r < 16; r++) {
-        if (block * 16 + r < p.rows())
-            sums[r] = softmax_row(p, scores + r * padded, probabilities + r * padded, &maxima[r]);
+        const int64_t row = block * 16 + r;
+        if (row < p.rows())
+            sums[r] = softmax_row(p, scores + r * padded, p.visible(row), width, probabilities + r * padded,
+                                  &maxima[r]);
         else
-            memset(probabilities + r * padded, 0, padded * 2);
+            memset(probabilities + r * padded, 0, width * 2);
     }
     // P V, 64 output dimensions at a time (C tiles 4-7; P in 0, values in 1-3).
     alignas(64) float acc[16 * 64];
@@ -173,7 +186,7 @@ void attend_rows(const PrefixAttention &p, int64_t h, int64_t block, const uint1
             _tile_zero(6);
             _tile_zero(7);
         }
-        for (int64_t step = 0; step < padded / 32; step++) {
+        for (int64_t step = 0; step < width / 32; step++) {
             const uint16_t *v_tiles = values + (step * (p.dim / 16) + d0 / 16) * kTileElements;
             _tile_loadd(0, probabilities + step * 32, padded * 2);
             _tile_loadd(1, v_tiles, 64);
@@ -193,17 +206,19 @@ void attend_rows(const PrefixAttention &p, int64_t h, int64_t block, const uint1
             _tile_stored(6, acc + 32, 64 * 4);
             _tile_stored(7, acc + 48, 64 * 4);
         }
-        const int64_t width = wide ? 64 : 32;
+        const int64_t columns = wide ? 64 : 32;
         for (int r = 0; r < 16; r++) {
             const int64_t row = block * 16 + r;
             if (row >= p.rows()) break;
-            uint16_t *dst = p.out + (h * p.rows() + row) * p.dim + d0;
+            uint16_t *dst =
+                p.out + (row / p.group) * p.out_token + h * p.out_head + (row % p.group) * p.out_query + d0;
             const float inverse = 1.0f / sums[r];
-            for (int64_t c = 0; c < width; c += 16) store16(dst + c, load16(acc + r * 64 + c) * inverse);
+            for (int64_t c = 0; c < columns; c += 16) store16(dst + c, load16(acc + r * 64 + c) * inverse);
         }
     }
-    for (int r = 0; r < 16 && block * 16 + r < p.rows(); r++)
-        p.lse[h * p.rows() + block * 16 + r] = maxima[r] * p.scale + logf(sums[r]);
+    if (p.lse)
+        for (int r = 0; r < 16 && block * 16 + r < p.rows(); r++)
+            p.lse[h * p.rows() + block * 16 + r] = maxima[r] * p.scale + logf(sums[r]);
 }
 
 void prefix_attention(const PrefixAttention &p) {
@@ -259,20 +274,24 @@ void prefix_attention(const PrefixAttention &p) {
 
 // 0 when done; 1 when this build or shape has no kernel (no AMX, head_dim not a multiple of 32 up
 // to 256, or heads not a multiple of kv_heads): the caller then uses torch.
-// slots: the keys' rows in k and v, or null for rows 0 .. length - 1.
+// slots: the keys' rows in k and v, or null for rows 0 .. length - 1. out [Hkv, N * G, D] (and lse
+// [Hkv, N * G]) when out_token is 0; else [N, H, D] with rows out_token apart, lse unused (null).
+// causal_offset < 0: every query sees every key; else token t sees keys < causal_offset + t + 1.
 extern "C" int amx_prefix_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, const uint16_t *v,
-                                         int64_t kv_stride, const int64_t *slots, uint16_t *out, float *lse,
-                                         int64_t n, int64_t heads, int64_t kv_heads, int64_t dim, int64_t length,
-                                         float scale) {
+                                         int64_t kv_stride, const int64_t *slots, uint16_t *out, int64_t out_token,
+                                         float *lse, int64_t n, int64_t heads, int64_t kv_heads, int64_t dim,
+                                         int64_t length, float scale, int64_t causal_offset) {
 #ifdef RADIXSERVE_AMX
     if (dim % 32 || dim > 256 || kv_heads <= 0 || heads % kv_heads || length <= 0 || n <= 0) return 1;
-    prefix_attention(
-        {q, q_stride, k, v, kv_stride, slots, out, lse, n, kv_heads, heads / kv_heads, dim, length, scale});
+    const int64_t group = heads / kv_heads;
+    // [Hkv, N * G, D]: token t's query g of head h at row t * G + g of head h's block.
+    const int64_t token = out_token ? out_token : group * dim, head = out_token ? group * dim : n * group * dim;
+    prefix_attention({q, q_stride, k, v, kv_stride, slots, out, token, head, dim, lse, n, kv_heads, group, dim,
+                      length, scale, causal_offset});
     return 0;
 #else
-    (void)q, (void)q_stride, (void)k, (void)v, (void)kv_stride, (void)slots, (void)out, (void)lse, (void)n;
-    (void)heads;
-    (void)kv_heads, (void)dim, (void)length, (void)scale;
+    (void)q, (void)q_stride, (void)k, (void)v, (void)kv_stride, (void)slots, (void)out, (void)out_token;
+    (void)lse, (void)n, (void)heads, (void)kv_heads, (void)dim, (void)length, (void)scale, (void)causal_offset;
     return 1;
 #endif
 }

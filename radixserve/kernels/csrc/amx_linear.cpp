@@ -18,6 +18,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
+
 #include "amx_common.h"
 
 namespace {
@@ -30,7 +32,7 @@ using radixserve_amx::widen_bf16;
 constexpr int64_t kBlockColumns = 32;  // output columns per block: two 16-column C tiles
 constexpr int64_t kStepInputs = 32;    // inputs per step: one A tile row of bf16
 constexpr int64_t kTileElements = 512;  // 16 rows x 64 bytes of bf16
-constexpr int64_t kBlocksPerChunk = 8;  // column blocks sharing an A block while it is in L1
+constexpr int64_t kChunkBytes = 1 << 20;  // weights of the column blocks sharing each A block (in L2)
 constexpr int64_t kPrefetchBytes = 8192;  // how far ahead of the tile loads the weights are fetched
 constexpr int64_t kParallelWork = 1 << 18;  // m * n * k below which one thread does it all
 
@@ -114,9 +116,14 @@ void amx_linear(const uint16_t *x, int64_t x_stride, const uint16_t *packed, uin
         alignas(64) float c[4][256];
         int configured_rows = -1;
         // Chunks of column blocks: an A block (32 rows) stays in L1 across a chunk, and the chunk's
-        // weights stay in L2 across the row blocks.
-        for (int64_t chunk = block_begin; chunk < block_end; chunk += kBlocksPerChunk) {
-            const int64_t chunk_end = chunk + kBlocksPerChunk < block_end ? chunk + kBlocksPerChunk : block_end;
+        // weights (up to kChunkBytes, in equal chunks) stay in L2 across the row blocks. Fewer,
+        // larger chunks mean fewer passes over A, which a prefill's thousands of rows keep in L3.
+        const int64_t block_bytes = steps * 2 * kTileElements * 2, my_blocks = block_end - block_begin;
+        const int64_t most = std::max<int64_t>(1, kChunkBytes / block_bytes);
+        const int64_t chunks = std::max<int64_t>(1, (my_blocks + most - 1) / most);
+        const int64_t per_chunk = std::max<int64_t>(1, (my_blocks + chunks - 1) / chunks);
+        for (int64_t chunk = block_begin; chunk < block_end; chunk += per_chunk) {
+            const int64_t chunk_end = std::min(chunk + per_chunk, block_end);
             for (int64_t row = row_begin; row < row_end && row < m; row += 32) {
                 const int rows = static_cast<int>(m - row < 32 ? m - row : 32);
                 if (rows != configured_rows) {

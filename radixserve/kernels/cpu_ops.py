@@ -225,6 +225,21 @@ class CpuKernels:
                              0 if residual is None else residual.stride(0), rows, n, k)  # fmt: skip
         return out
 
+    def _runs_amx_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
+        """What both AMX attention entry points need: bf16 on a CPU with AMX, queries as rows of
+        packed heads, keys and values alike ([*, Hkv, D]) with Hkv dividing the query heads."""
+        if not self.has_amx_linear or q.dtype != torch.bfloat16 or q.device.type != "cpu":
+            return False
+        if keys.dtype != q.dtype or values.dtype != q.dtype or keys.dim() != 3 or keys.shape != values.shape:
+            return False
+        kv_heads = keys.shape[1]
+        return (
+            _rows_of_packed_heads(q)
+            and keys.shape[2] == q.shape[2]
+            and kv_heads > 0
+            and q.shape[1] % kv_heads == 0
+        )
+
     def prefix_attention(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
     ) -> SharedPrefixResult | None:
@@ -232,22 +247,13 @@ class CpuKernels:
         mask), on AMX tiles; None where that kernel does not run (no AMX, not bf16, head_dim not a
         multiple of 32 up to 256, layouts it cannot index)."""
         if (
-            not self.has_amx_linear
-            or q.dtype != torch.bfloat16
-            or q.device.type != "cpu"
-            or keys.dtype != q.dtype
-            or values.dtype != q.dtype
-            or not _rows_of_packed_heads(q)
+            not self._runs_amx_attention(q, keys, values)
             or not (_rows_of_packed_heads(keys) and _rows_of_packed_heads(values))
             or keys.stride(0) != values.stride(0)
-            or keys.shape != values.shape
-            or keys.shape[2] != q.shape[2]
         ):
             return None
         count, heads, dim = q.shape
         length, kv_heads = keys.shape[0], keys.shape[1]
-        if kv_heads == 0 or heads % kv_heads:
-            return None
         rows = count * (heads // kv_heads)
         out = torch.empty((kv_heads, rows, dim), dtype=q.dtype)
         lse = torch.empty((kv_heads, rows), dtype=torch.float32)
@@ -271,12 +277,7 @@ class CpuKernels:
         keys < prefix_len + t + 1. Returns [N, H, D]; None where the kernel does not run (as
         prefix_attention)."""
         if (
-            not self.has_amx_linear
-            or q.dtype != torch.bfloat16
-            or q.device.type != "cpu"
-            or k_cache.dtype != q.dtype
-            or v_cache.dtype != q.dtype
-            or not _rows_of_packed_heads(q)
+            not self._runs_amx_attention(q, k_cache, v_cache)
             or not (k_cache.is_contiguous() and v_cache.is_contiguous())
             or slots.dtype != torch.int64
             or not slots.is_contiguous()
@@ -285,8 +286,6 @@ class CpuKernels:
             return None
         count, heads, dim = q.shape
         kv_heads = k_cache.shape[1]
-        if kv_heads == 0 or heads % kv_heads or k_cache.shape[2] != dim:
-            return None
         out = torch.empty((count, heads, dim), dtype=q.dtype)
         status = self._amx_prefix_attention(
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), kv_heads * dim,

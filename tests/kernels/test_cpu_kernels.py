@@ -210,10 +210,8 @@ def test_merge_by_lse_matches_torch(kernels: CpuKernels, dtype: torch.dtype) -> 
     ],
 )
 def test_prefix_attention_matches_sdpa(
-    kernels: CpuKernels, count: int, heads: int, kv_heads: int, head_dim: int, length: int
+    amx_kernels: CpuKernels, count: int, heads: int, kv_heads: int, head_dim: int, length: int
 ) -> None:
-    if not kernels.has_amx_linear:
-        pytest.skip("this CPU (or OS) does not offer AMX tiles")
     torch.manual_seed(count + length)
     group = heads // kv_heads
     # Queries as rows of a wider projection, keys and values as a cache's rows.
@@ -222,7 +220,7 @@ def test_prefix_attention_matches_sdpa(
     keys = torch.randn(length, kv_heads, head_dim, dtype=torch.bfloat16)
     values = torch.randn(length, kv_heads, head_dim, dtype=torch.bfloat16)
     scale = head_dim**-0.5
-    result = kernels.prefix_attention(q, keys, values, scale)
+    result = amx_kernels.prefix_attention(q, keys, values, scale)
     assert result is not None and result.length == length
     rows = count * group
     assert result.out.shape == (kv_heads, rows, head_dim) and result.lse.shape == (kv_heads, rows)
@@ -274,10 +272,8 @@ def test_argmax_rows_matches_torch_max(kernels: CpuKernels, rows: int, cols: int
     ],
 )
 def test_causal_attention_matches_sdpa(
-    kernels: CpuKernels, count: int, heads: int, kv_heads: int, head_dim: int, prefix: int
+    amx_kernels: CpuKernels, count: int, heads: int, kv_heads: int, head_dim: int, prefix: int
 ) -> None:
-    if not kernels.has_amx_linear:
-        pytest.skip("this CPU (or OS) does not offer AMX tiles")
     torch.manual_seed(count + prefix)
     k_cache = torch.randn(600, kv_heads, head_dim, dtype=torch.bfloat16)
     v_cache = torch.randn(600, kv_heads, head_dim, dtype=torch.bfloat16)
@@ -285,7 +281,7 @@ def test_causal_attention_matches_sdpa(
     q = torch.randn(count, heads * head_dim + 24, dtype=torch.bfloat16)[:, : heads * head_dim]
     q = q.view(count, heads, head_dim)
     scale = head_dim**-0.5
-    native = kernels.causal_attention(q, k_cache, v_cache, slots, prefix, scale)
+    native = amx_kernels.causal_attention(q, k_cache, v_cache, slots, prefix, scale)
     assert native is not None and native.shape == (count, heads, head_dim)
     group = heads // kv_heads
     keys = k_cache[slots].float().repeat_interleave(group, dim=1).transpose(0, 1)
@@ -295,4 +291,6 @@ def test_causal_attention_matches_sdpa(
         q.float().transpose(0, 1), keys, values, attn_mask=visible, scale=scale
     )
     torch.testing.assert_close(native.float(), expected.transpose(0, 1), rtol=2e-2, atol=2e-2)
-    assert kernels.causal_attention(q, k_cache, v_cache, slots[:-1], prefix, scale) is None  # wrong length
+    assert (
+        amx_kernels.causal_attention(q, k_cache, v_cache, slots[:-1], prefix, scale) is None
+    )  # wrong length

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from radixserve.kernels.cpu_ops import CpuKernels
-from radixserve.kernels.native import NativeKernelsUnavailable, load_library
 from radixserve.model.packed_weights import (
     WeightPacking,
     cpu_packing_supported,
@@ -18,17 +17,6 @@ from radixserve.model.packed_weights import (
 needs_onednn = pytest.mark.skipif(
     not cpu_packing_supported(torch.bfloat16, torch.device("cpu")), reason="needs oneDNN on this CPU"
 )
-
-
-@pytest.fixture(scope="module")
-def amx_kernels() -> CpuKernels:
-    try:
-        kernels = CpuKernels(load_library())
-    except NativeKernelsUnavailable as error:
-        pytest.skip(f"native kernels unavailable here: {error}")
-    if not kernels.has_amx_linear:
-        pytest.skip("this CPU (or OS) does not offer AMX tiles")
-    return kernels
 
 
 def test_row_buckets_are_few_and_tight() -> None:

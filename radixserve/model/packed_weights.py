@@ -2,7 +2,7 @@
 
 Two kernels, chosen per weight when the model is loaded (WeightPacking):
 - the native AMX matmul (radixserve/kernels/csrc/amx_linear.cpp) where the CPU has AMX and the
-  shape suits it (both sizes multiples of 32). On a 2-core Sapphire-Rapids-class Xeon it ran a
+  shape suits it (both sizes multiples of 32). On the 2-core AMX Xeon this was developed on, it ran a
   SmolLM2-135M decode step's linears in 10-11 ms at 1 row vs oneDNN's 15, 13 vs 17.5 ms at 32 rows,
   and a 1024-row prefill layer 25% faster;
 - oneDNN's packed layout otherwise, 1.2-1.6x faster than F.linear on a plain weight.

@@ -114,12 +114,6 @@ def fused_decode_plan(model: CausalLM) -> FusedDecodePlan | None:
     return model.fused_plan
 
 
-def fused_decode_applies(model: CausalLM) -> bool:
-    """Whether this model's decode steps run fused now."""
-    plan = fused_decode_plan(model)
-    return plan is not None and plan.ready()
-
-
 def fused_decode(
     model: CausalLM, hidden: torch.Tensor, batch: ForwardBatch, kv_pool: KVCachePool, rope: Rope
 ) -> torch.Tensor | None:

@@ -18,7 +18,7 @@ from radixserve.model.bert import Encoder
 from radixserve.model.config import ModelConfig, ModelLoadError
 from radixserve.model.decode_staging import DecodeStaging, PrefixStaging
 from radixserve.model.forward_batch import ForwardBatch, ForwardMode
-from radixserve.model.fused_decode import fused_decode_applies
+from radixserve.model.fused_decode import fused_decode_plan
 from radixserve.model.layers import split_kv_heads
 from radixserve.model.llama import ARCHITECTURES, CausalLM
 from radixserve.model.loader import ModelSource, iter_weights, load_model_config, resolve_model_source
@@ -340,7 +340,7 @@ class ModelRunner:
             if self.staging.max_tokens:
                 self.staging.prepare(batch.decode)
             # The fused decode loop reads the shared prefix from the pool by its slots.
-            if self.native_decode_attention and not fused_decode_applies(self.model):
+            if self.native_decode_attention and fused_decode_plan(self.model) is None:
                 self.prefix_staging.prepare(batch.decode)
         logits, hidden = self.model(batch, self.kv_pool)
         return logits, hidden

@@ -14,7 +14,7 @@ import radixserve.model.llama as llama
 from radixserve.args import ServerArgs
 from radixserve.kernels.cpu_ops import CpuKernels
 from radixserve.messages import GenerateRequest
-from radixserve.model.fused_decode import fused_decode_applies
+from radixserve.model.fused_decode import fused_decode_plan
 from radixserve.scheduler.scheduler import Scheduler
 
 
@@ -34,7 +34,8 @@ def _run(model_path: Path, fused: bool, monkeypatch: pytest.MonkeyPatch) -> tupl
     scheduler = Scheduler(
         ServerArgs(model_path=str(model_path), dtype="bfloat16", max_total_tokens=2048, log_level="warning")
     )
-    if fused and not fused_decode_applies(scheduler.runner.model):  # type: ignore[arg-type]
+    plan = fused_decode_plan(scheduler.runner.model)  # type: ignore[arg-type]
+    if fused and (plan is None or not plan.ready()):
         pytest.skip("the fused decode loop needs AMX (and the native kernels) on this CPU")
     logits: list[torch.Tensor] = []
     forward = scheduler.runner.forward

@@ -19,7 +19,7 @@ import statistics
 from typing import Any
 
 from radixserve.bench.workloads import Workload, make_workload, time_engine_runs
-from radixserve.engine import Engine
+from radixserve.runtime.engine import Engine
 
 SETUPS = [(1, "round_robin"), (2, "round_robin"), (2, "shortest_queue"), (2, "cache_aware")]
 

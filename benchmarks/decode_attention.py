@@ -15,8 +15,8 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from radixserve.model.attention import decode_attention
-from radixserve.model.forward_batch import build_decode_layout
+from radixserve.attention.torch_ops import decode_attention
+from radixserve.forward.batch import build_decode_layout
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64  # SmolLM2-135M's attention shape
 

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 
-from radixserve.args import ServerArgs
-from radixserve.messages import GenerateRequest
-from radixserve.model.sampler import SamplingBatch, sample
-from radixserve.sampling_params import SamplingParams
+from radixserve.config.server_args import ServerArgs
+from radixserve.layers.sampler import SamplingBatch, sample
+from radixserve.protocol.messages import GenerateRequest
+from radixserve.protocol.sampling_params import SamplingParams
 from radixserve.scheduler.grammar import GrammarBackend, GrammarMatcher
 from radixserve.scheduler.scheduler import Scheduler
 

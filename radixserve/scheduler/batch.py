@@ -15,7 +15,7 @@ import torch
 
 from radixserve.cache.pools import KVSlotAllocator, ReqToTokenPool
 from radixserve.cache.radix_cache import PrefixCache
-from radixserve.model.forward_batch import (
+from radixserve.forward.batch import (
     ExtendSegment,
     ForwardBatch,
     ForwardMode,

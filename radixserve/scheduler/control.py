@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from radixserve.cache.radix_cache import KVLeakError
-from radixserve.messages import ControlRequest, ControlResult, SchedulerOutput
-from radixserve.model.runner import MEMORY_TAGS, MemoryReleasedError
+from radixserve.executor.model_runner import MEMORY_TAGS, MemoryReleasedError
+from radixserve.protocol.messages import ControlRequest, ControlResult, SchedulerOutput
 from radixserve.scheduler.internal_state import InvalidStateError, get_internal_state, set_internal_state
 from radixserve.scheduler.profiler import ProfilerError
 

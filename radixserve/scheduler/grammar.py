@@ -20,15 +20,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from radixserve.sampling_params import SamplingParams
+from radixserve.protocol.sampling_params import ANY_JSON, SamplingParams
 
 if TYPE_CHECKING:
     from radixserve.scheduler.request import Req
 
 # The grammar kinds a request may carry, by their SamplingParams field.
 GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
-# What response_format {"type": "json_object"} asks for: any JSON object.
-ANY_JSON = "$any_json"
 
 
 class InvalidGrammarError(ValueError):

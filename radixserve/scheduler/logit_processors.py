@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import torch
 
-from radixserve.sampling_params import InvalidRequestError
+from radixserve.protocol.sampling_params import InvalidRequestError
 
 
 class LogitProcessor(Protocol):

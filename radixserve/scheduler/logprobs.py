@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from radixserve.messages import TokenLogprobs
+from radixserve.protocol.messages import TokenLogprobs
 from radixserve.scheduler.request import Req
 
 

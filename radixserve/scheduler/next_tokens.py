@@ -8,8 +8,8 @@ from collections.abc import Callable
 
 import torch
 
-from radixserve.messages import FinishReason
-from radixserve.model.sampler import SamplingBatch
+from radixserve.layers.sampler import SamplingBatch
+from radixserve.protocol.messages import FinishReason
 from radixserve.scheduler.logit_processors import apply_processors
 from radixserve.scheduler.logprobs import record_output_logprobs
 from radixserve.scheduler.request import Req

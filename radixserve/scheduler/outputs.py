@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from radixserve.args import ServerArgs
-from radixserve.messages import DetokenizeParams, FinishReason, ReqOutput, TokenLogprobs
+from radixserve.config.server_args import ServerArgs
+from radixserve.protocol.messages import DetokenizeParams, FinishReason, ReqOutput, TokenLogprobs
 from radixserve.scheduler.request import Req
 
 

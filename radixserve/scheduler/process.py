@@ -13,10 +13,10 @@ import os
 import sys
 from typing import Any
 
-from radixserve.args import ServerArgs
-from radixserve.ipc import ChildArgs, child_channels, parse_child_args
-from radixserve.log import configure_logging
-from radixserve.messages import (
+from radixserve.config.log import configure_logging
+from radixserve.config.server_args import ServerArgs
+from radixserve.protocol.ipc import ChildArgs, child_channels, parse_child_args
+from radixserve.protocol.messages import (
     OutputBatch,
     ReqOutput,
     SchedulerInput,
@@ -61,8 +61,8 @@ def run_scheduler_process(server_args: dict[str, Any], child: ChildArgs) -> None
         place_rank(args, dp_rank, tp_rank)
         from transformers import AutoTokenizer
 
-        from radixserve.model.parallel import barrier, destroy, init_tensor_parallel
-        from radixserve.model.runner import pick_device
+        from radixserve.distributed.parallel import barrier, destroy, init_tensor_parallel
+        from radixserve.executor.model_runner import pick_device
         from radixserve.scheduler.scheduler import Scheduler
 
         parallel = init_tensor_parallel(

@@ -12,9 +12,9 @@ from __future__ import annotations
 import msgspec
 import torch
 
-from radixserve.ipc import decode, encode
-from radixserve.messages import SchedulerInput
-from radixserve.model.parallel import SINGLE, ParallelContext, broadcast_from_leader
+from radixserve.distributed.parallel import SINGLE, ParallelContext, broadcast_from_leader
+from radixserve.protocol.ipc import decode, encode
+from radixserve.protocol.messages import SchedulerInput
 
 _frames_decoder = msgspec.msgpack.Decoder(list[list[bytes]])
 

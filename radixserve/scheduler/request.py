@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 import torch
 
 from radixserve.cache.radix_cache import TreeNode
-from radixserve.messages import FinishReason, TokenLogprobs
-from radixserve.sampling_params import SamplingParams
+from radixserve.protocol.messages import FinishReason, TokenLogprobs
+from radixserve.protocol.sampling_params import SamplingParams
 from radixserve.scheduler.grammar import CompileResult, GrammarMatcher
 from radixserve.scheduler.logit_processors import LogitProcessor
 

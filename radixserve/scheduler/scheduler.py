@@ -16,10 +16,13 @@ from typing import Any
 
 import torch
 
-from radixserve.args import ServerArgs
 from radixserve.cache.pools import KVSlotAllocator, ReqToTokenPool
 from radixserve.cache.radix_cache import ChunkCache, PrefixCache, RadixCache
-from radixserve.messages import (
+from radixserve.config.server_args import ServerArgs
+from radixserve.distributed.parallel import SINGLE, ParallelContext
+from radixserve.executor.model_runner import ModelRunner
+from radixserve.forward.batch import ForwardBatch
+from radixserve.protocol.messages import (
     AbortRequest,
     ControlRequest,
     FinishReason,
@@ -30,11 +33,8 @@ from radixserve.messages import (
     ShutdownRequest,
     TokenLogprobs,
 )
-from radixserve.model.forward_batch import ForwardBatch
-from radixserve.model.parallel import SINGLE, ParallelContext
-from radixserve.model.runner import ModelRunner
-from radixserve.prompts import PromptLimits
-from radixserve.sampling_params import InvalidRequestError, SamplingParams
+from radixserve.protocol.prompts import PromptLimits
+from radixserve.protocol.sampling_params import InvalidRequestError, SamplingParams
 from radixserve.scheduler.batch import KVContext, KVExhaustedError, build_decode_batch, build_extend_batch
 from radixserve.scheduler.control import handle_control
 from radixserve.scheduler.grammar import GrammarQueue, InvalidGrammarError, grammar_key
@@ -542,7 +542,7 @@ class Scheduler:
 
     def _get_tokenizer(self) -> Any:
         if self._tokenizer is None:
-            from radixserve.model.loader import load_tokenizer, resolve_model_source
+            from radixserve.models.loader import load_tokenizer, resolve_model_source
 
             self._tokenizer = load_tokenizer(
                 resolve_model_source(self.args.tokenizer_path or self.args.model_path)

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
-from radixserve.engine import Engine
+from radixserve.runtime.engine import Engine
 from radixserve.server.errors import ApiError
 from radixserve.server.openai_api import check_model, engine_of
 from radixserve.server.streams import collect

@@ -21,10 +21,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import radixserve
-from radixserve.engine import Engine, EngineDeadError, GenerateOutput, QueueFullError
-from radixserve.messages import GenerateRequest
-from radixserve.prompts import PromptBatch, split_prompts
-from radixserve.sampling_params import InvalidRequestError
+from radixserve.protocol.messages import GenerateRequest
+from radixserve.protocol.prompts import PromptBatch, split_prompts
+from radixserve.protocol.sampling_params import InvalidRequestError
+from radixserve.runtime.engine import Engine, EngineDeadError, GenerateOutput, QueueFullError
 from radixserve.server.embeddings_api import router as embeddings_router
 from radixserve.server.errors import ApiError, error_body, error_response
 from radixserve.server.openai_api import SSE_DONE, SSE_MEDIA_TYPE, engine_of, router, sse, stream_error

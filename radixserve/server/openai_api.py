@@ -12,8 +12,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from radixserve.engine import Engine, GenerateOutput
-from radixserve.messages import FinishReason, TokenLogprobs
+from radixserve.protocol.messages import FinishReason, TokenLogprobs
+from radixserve.runtime.engine import Engine, GenerateOutput
 from radixserve.server.errors import ApiError, sse_error
 from radixserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from radixserve.server.streams import collect, merged_stream, shared_prompt_leaders

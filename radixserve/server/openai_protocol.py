@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from radixserve.scheduler.grammar import ANY_JSON
+from radixserve.protocol.sampling_params import ANY_JSON
 from radixserve.server.errors import ApiError
 
 

@@ -15,9 +15,9 @@ from types import FrameType
 
 import uvicorn
 
-from radixserve.args import ServerArgs
-from radixserve.engine import Engine
-from radixserve.log import configure_logging
+from radixserve.config.log import configure_logging
+from radixserve.config.server_args import ServerArgs
+from radixserve.runtime.engine import Engine
 from radixserve.server.http import create_app
 
 logger = logging.getLogger("radixserve")
@@ -29,7 +29,7 @@ GRACEFUL_SHUTDOWN_S = 5
 def serve(args: ServerArgs) -> int:
     configure_logging(args.log_level)
     if args.node_rank > 0:
-        from radixserve.server.worker_node import serve_worker_node
+        from radixserve.runtime.worker_node import serve_worker_node
 
         return serve_worker_node(args)
     engines: list[Engine] = []

@@ -14,8 +14,8 @@ from typing import TypeVar
 
 from fastapi import Request
 
-from radixserve.engine import Engine, GenerateOutput
-from radixserve.messages import GenerateRequest
+from radixserve.protocol.messages import GenerateRequest
+from radixserve.runtime.engine import Engine, GenerateOutput
 from radixserve.server.errors import ApiError
 
 T = TypeVar("T")

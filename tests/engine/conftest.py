@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from radixserve.engine import Engine
+from radixserve.runtime.engine import Engine
 from tests.engine.oracle import GreedyOracle
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from radixserve.messages import FinishReason, GenerateRequest, ReqOutput
+from radixserve.protocol.messages import FinishReason, GenerateRequest, ReqOutput
 from radixserve.scheduler.scheduler import Scheduler
 
 

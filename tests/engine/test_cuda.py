@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from radixserve.engine import Engine
+from radixserve.runtime.engine import Engine
 from tests.engine.oracle import GREEDY, GreedyOracle, random_prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -9,8 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from radixserve.engine import Engine
-from radixserve.messages import ControlResult, TextOutput
+from radixserve.protocol.messages import ControlResult, TextOutput
+from radixserve.runtime.engine import Engine
 from tests.engine.oracle import GREEDY, final_output, random_prompts
 
 

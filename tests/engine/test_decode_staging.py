@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from radixserve.args import ServerArgs
-from radixserve.messages import GenerateRequest
+from radixserve.config.server_args import ServerArgs
+from radixserve.protocol.messages import GenerateRequest
 from radixserve.scheduler.outputs import ReqOutput
 from radixserve.scheduler.scheduler import Scheduler
 from tests.engine.oracle import GREEDY, GreedyOracle, random_prompts

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModel, AutoTokenizer
 
-from radixserve.engine import Engine
-from radixserve.sampling_params import InvalidRequestError
+from radixserve.protocol.sampling_params import InvalidRequestError
+from radixserve.runtime.engine import Engine
 
 WORDS = ["the", "a", "cat", "dog", "runs", "quickly", "over", "under", "bright", "dark", "river",
          "mountain", "code", "server", "token", "cache"]  # fmt: skip

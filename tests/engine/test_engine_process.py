@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from radixserve.engine import Engine, EngineDeadError
+from radixserve.runtime.engine import Engine, EngineDeadError
 
 
 def test_shutdown_leaves_no_process_and_no_socket_files(tiny_model_dir: Callable[[str], Path]) -> None:

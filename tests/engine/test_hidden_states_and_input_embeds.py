@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from radixserve.engine import Engine
-from radixserve.sampling_params import InvalidRequestError
+from radixserve.protocol.sampling_params import InvalidRequestError
+from radixserve.runtime.engine import Engine
 from tests.engine.oracle import GREEDY, GreedyOracle, random_prompts
 
 MAX_NEW = 24

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from radixserve.engine import Engine
-from radixserve.sampling_params import InvalidRequestError
+from radixserve.protocol.sampling_params import InvalidRequestError
+from radixserve.runtime.engine import Engine
 
 BUILTIN = "radixserve.scheduler.logit_processors:DisallowedTokens"
 # Imported by the scheduler process by name: it runs with the repository root on its path.

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from radixserve.sampling_params import InvalidRequestError
+from radixserve.protocol.sampling_params import InvalidRequestError
 from tests.engine.oracle import GREEDY, GreedyOracle, random_prompts
 
 TOLERANCE = 1e-4

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from radixserve.engine import Engine
-from radixserve.messages import ControlResult, TextOutput
+from radixserve.protocol.messages import ControlResult, TextOutput
+from radixserve.runtime.engine import Engine
 from tests.engine.oracle import GREEDY, GreedyOracle, final_output, random_prompts
 
 

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import torch
 
-from radixserve.args import ServerArgs
-from radixserve.messages import ControlRequest, ControlResult, GenerateRequest
-from radixserve.sampling_params import InvalidRequestError
+from radixserve.config.server_args import ServerArgs
+from radixserve.protocol.messages import ControlRequest, ControlResult, GenerateRequest
+from radixserve.protocol.sampling_params import InvalidRequestError
 from radixserve.scheduler.scheduler import Scheduler
 from tests.engine.oracle import GREEDY, GreedyOracle, random_prompts, run_scheduler
 

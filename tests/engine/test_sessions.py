@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from radixserve.sampling_params import InvalidRequestError
+from radixserve.protocol.sampling_params import InvalidRequestError
 from tests.engine.oracle import GREEDY
 
 PARAMS: dict[str, Any] = {**GREEDY, "max_new_tokens": 6}

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from radixserve.args import ServerArgs
-from radixserve.messages import GenerateRequest
+from radixserve.config.server_args import ServerArgs
+from radixserve.protocol.messages import GenerateRequest
 from radixserve.scheduler.scheduler import Scheduler
 
 PROMPT = "The capital of France is"

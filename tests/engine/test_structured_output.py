@@ -12,8 +12,8 @@ from typing import Any
 import jsonschema
 import pytest
 
-from radixserve.args import ServerArgs
-from radixserve.messages import GenerateRequest, ReqOutput
+from radixserve.config.server_args import ServerArgs
+from radixserve.protocol.messages import GenerateRequest, ReqOutput
 from radixserve.scheduler.grammar import CompileResult
 from radixserve.scheduler.scheduler import Scheduler
 from tests.engine.oracle import GREEDY
@@ -74,7 +74,7 @@ def test_regex_and_ebnf_outputs_match(engine: Any) -> None:
 
 
 def test_json_object_and_invalid_grammars(engine: Any) -> None:
-    from radixserve.scheduler.grammar import ANY_JSON
+    from radixserve.protocol.sampling_params import ANY_JSON
 
     any_json = engine.generate(
         input_ids=[3, 4],

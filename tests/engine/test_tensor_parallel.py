@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from radixserve.engine import Engine
+from radixserve.runtime.engine import Engine
 from tests.engine.oracle import GREEDY, GreedyOracle, random_prompts
 
 MAX_NEW = 12
@@ -58,7 +58,7 @@ def test_two_ranks_batched_cached_chunked_and_sampled(
     assert one[-1]["meta_info"]["finish_reason"]["type"] == "stop"
 
     # Rank 0 holds about half the bytes: all but the norms and rope tables (copied to every rank)
-    # are split; tests/model/test_tensor_parallel_layers.py checks the split exactly.
+    # are split; tests/layers/test_tensor_parallel_layers.py checks the split exactly.
     weights = [e.get_stats()["resident_bytes"]["weights"] for e in (single, engine)]
     assert 0.5 * weights[0] < weights[1] < 0.6 * weights[0]
     # Reading a weight gathers the ranks' shards: rows, columns or vocabulary split alike.

@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from radixserve.engine import Engine
-from radixserve.sampling_params import InvalidRequestError
+from radixserve.protocol.sampling_params import InvalidRequestError
+from radixserve.runtime.engine import Engine
 from tests.conftest import build_tiny_model
 from tests.engine.oracle import GreedyOracle
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from radixserve.attention.torch_ops import _merge_by_lse, decode_attention
+from radixserve.forward.batch import build_decode_layout
 from radixserve.kernels.cpu_ops import CpuKernels, select_cpu_kernels
 from radixserve.kernels.native import NativeKernelsUnavailable, load_library
-from radixserve.model.attention import _merge_by_lse, decode_attention
-from radixserve.model.forward_batch import build_decode_layout
-from radixserve.model.layers import RMSNorm, Rope, RotaryEmbedding, silu_and_mul
+from radixserve.layers.basic import RMSNorm, Rope, RotaryEmbedding, silu_and_mul
 
 DTYPES = [torch.float32, torch.bfloat16]
 

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from radixserve.sampling_params import InvalidRequestError, SamplingParams
+from radixserve.protocol.sampling_params import InvalidRequestError, SamplingParams
 from radixserve.scheduler.grammar import GrammarBackend, grammar_key
 
 

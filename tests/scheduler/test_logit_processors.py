@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from radixserve.sampling_params import InvalidRequestError
+from radixserve.protocol.sampling_params import InvalidRequestError
 from radixserve.scheduler.logit_processors import DisallowedTokens, ProcessorRegistry, apply_processors
 
 BUILTIN = "radixserve.scheduler.logit_processors:DisallowedTokens"

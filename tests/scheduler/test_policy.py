@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from radixserve.cache.pools import KVSlotAllocator, ReqToTokenPool
 from radixserve.cache.radix_cache import RadixCache
-from radixserve.sampling_params import SamplingParams
+from radixserve.protocol.sampling_params import SamplingParams
 from radixserve.scheduler.policy import IN_BATCH_PREFIX_TOKENS, AddResult, PrefillAdder, SchedulePolicy
 from radixserve.scheduler.request import Req
 

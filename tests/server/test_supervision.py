@@ -22,7 +22,7 @@ def child_named(pid: int, module: str) -> int:
     raise AssertionError(f"no {module} child of {pid}")
 
 
-@pytest.mark.parametrize("victim", ["radixserve.scheduler.process", "radixserve.server.detokenizer"])
+@pytest.mark.parametrize("victim", ["radixserve.scheduler.process", "radixserve.runtime.detokenizer"])
 def test_a_killed_child_makes_the_server_exit_nonzero_fast(
     tiny_model_dir: Callable[[str], Path], start_server: Any, victim: str
 ) -> None:

@@ -1,0 +1,373 @@
+"""ModelRunner: loads the model on its device, owns the KV pool, and runs one forward per batch."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from radixserve.attention.staging import DecodeStaging, PrefixStaging
+from radixserve.cache.pools import KVCachePool
+from radixserve.config.server_args import InvalidArgumentError, ServerArgs
+from radixserve.distributed.parallel import SINGLE, ParallelContext, broadcast_from_leader, min_over_ranks
+from radixserve.forward.batch import ForwardBatch, ForwardMode
+from radixserve.kernels.cpu_ops import CpuKernels, select_cpu_kernels
+from radixserve.kernels.native import NativeKernelsUnavailable
+from radixserve.layers.basic import split_kv_heads
+from radixserve.layers.packed_weights import PackedWeight, WeightPacking, cpu_packing_supported
+from radixserve.layers.sampler import SamplingBatch, sample
+from radixserve.models.bert import Encoder
+from radixserve.models.config import ModelConfig, ModelLoadError
+from radixserve.models.fused_decode import fused_decode_plan
+from radixserve.models.llama import ARCHITECTURES, CausalLM
+from radixserve.models.loader import ModelSource, iter_weights, load_model_config, resolve_model_source
+from radixserve.models.pooling import PoolingConfig, finish_embeddings, pool_segments, read_pooling_config
+from radixserve.models.weight_updates import WeightStash, read_weight, repack, update_weights
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# What /release_memory_occupation can release (SGLang's tags).
+MEMORY_TAGS = ("weights", "kv_cache")
+
+
+class MemoryReleasedError(RuntimeError):
+    """The weights or the KV cache are released; /resume_memory_occupation brings them back."""
+
+
+# Default KV capacity cap on a CPU when --max-total-tokens is not given.
+CPU_DEFAULT_MAX_TOTAL_TOKENS = 65536
+# Default cap on decode staging (model/decode_staging.py) on a CPU, in K/V tokens.
+CPU_DEFAULT_STAGING_TOKENS = 32768
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidArgumentError("--device cuda was asked for, but this torch build sees no CUDA device")
+    return device
+
+
+def cpu_has_fast_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    # bf16 matmul is ~2x faster than fp32 on CPUs with native bf16; elsewhere it is emulated and slow.
+    # fp16 is never chosen on a CPU: it has no fast path there.
+    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    with open("/proc/meminfo", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    pages = os.sysconf("SC_AVPHYS_PAGES")
+    return int(pages * os.sysconf("SC_PAGE_SIZE"))
+
+
+@dataclass
+class RunnerInfo:
+    max_total_tokens: int
+    context_len: int
+    dtype: torch.dtype
+    device: torch.device
+
+
+class ModelRunner:
+    """With tensor parallelism, one runner per rank holds that rank's shard (`parallel`)."""
+
+    def __init__(
+        self, args: ServerArgs, source: ModelSource | None = None, parallel: ParallelContext = SINGLE
+    ):
+        self.args = args
+        self.parallel = parallel
+        self.device = pick_device(args.device)
+        self.dtype = pick_dtype(args.dtype, self.device)
+        self.source = source or resolve_model_source(args.model_path)
+        self.released: set[str] = set()
+        self._stash: WeightStash | None = None
+        self.config: ModelConfig = load_model_config(self.source)
+        self.context_len = self._context_len(self.config, args)
+        # An embedding model answers embedding requests only (like SGLang's --is-embedding).
+        self.is_embedding = args.is_embedding or self.config.is_encoder
+        if self.config.is_encoder and parallel.tp_size > 1:
+            raise InvalidArgumentError("encoder (BERT) models run with --tp-size 1 only")
+        self.local_kv_heads = split_kv_heads(self.config.num_key_value_heads, 1, parallel).local
+        self.kernels = self._select_kernels()
+        # bf16 linear weights on a CPU are held packed for a matmul kernel (model/packed_weights.py).
+        packed = cpu_packing_supported(self.dtype, self.device)
+        self.packing = WeightPacking(self.kernels) if packed else None
+        self.pooling: PoolingConfig | None = None
+        if self.is_embedding:
+            model_dir = self.source.path if self.source.kind == "hf_dir" else None
+            self.pooling = read_pooling_config(model_dir, self.config)
+        torch.manual_seed(args.random_seed)
+
+        started = time.perf_counter()
+        self.model = self._load_model()
+        logger.info(
+            "loaded %s (%s) in %.1fs: dtype=%s device=%s",
+            self.config.architecture,
+            self.source.path,
+            time.perf_counter() - started,
+            self.dtype,
+            self.device,
+        )
+        # Ranks see different free memory; their schedulers must count the same slots.
+        self.max_total_tokens = min_over_ranks(self._kv_capacity(), parallel)
+        self.kv_pool = KVCachePool(
+            num_slots=self.max_total_tokens,
+            # An encoder keeps no K/V between steps: its slots are only accounting.
+            num_layers=0 if self.config.is_encoder else self.config.num_hidden_layers,
+            num_kv_heads=self.local_kv_heads,
+            head_dim=self.config.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.staging = DecodeStaging(
+            max_tokens=self._staging_tokens(),
+            num_layers=self.kv_pool.num_layers,
+            num_kv_heads=self.local_kv_heads,
+            head_dim=self.config.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.prefix_staging = PrefixStaging(
+            self.kv_pool.num_layers, self.local_kv_heads, self.config.head_dim, self.dtype, self.device
+        )
+
+    def _select_kernels(self) -> CpuKernels | None:
+        if self.config.is_encoder:
+            return None
+        try:
+            return select_cpu_kernels(self.args.cpu_kernels, self.device)
+        except NativeKernelsUnavailable as error:
+            raise InvalidArgumentError(f"--cpu-kernels native: {error}") from error
+
+    @functools.cached_property
+    def native_decode_attention(self) -> bool:
+        """Whether decode attention reads the paged pool in place (native CPU kernel)."""
+        heads = self.config.num_attention_heads // self.parallel.tp_size
+        return self.kernels is not None and self.kernels.handles_decode_attention(
+            heads, self.local_kv_heads, self.config.head_dim, self.dtype
+        )
+
+    def _staging_tokens(self) -> int:
+        if self.native_decode_attention:
+            return 0  # the native kernel reads the pool in place: staging would be unread copies
+        if self.args.decode_staging_tokens is not None:
+            return self.args.decode_staging_tokens
+        return min(self.max_total_tokens, CPU_DEFAULT_STAGING_TOKENS) if self._default_staging() else 0
+
+    def _default_staging(self) -> bool:
+        """Staging by default: on a CPU, for a decoder whose decode attention gathers its K/V (the
+        native kernel reads them in place). On CUDA the gather it saves is cheap next to the memory
+        it would take from the pool."""
+        return (
+            self.args.decode_staging_tokens is None
+            and self.device.type == "cpu"
+            and not self.config.is_encoder
+            and not self.native_decode_attention
+        )
+
+    @staticmethod
+    def _context_len(config: ModelConfig, args: ServerArgs) -> int:
+        limit = config.max_position_embeddings
+        if config.sliding_window is not None:
+            # Attention here is full; past the window the model would see more than it was trained on.
+            limit = min(limit, config.sliding_window)
+        if args.context_length is not None:
+            if args.context_length > limit:
+                raise InvalidArgumentError(
+                    f"--context-length {args.context_length} exceeds the model's limit of {limit} tokens"
+                )
+            return args.context_length
+        return limit
+
+    def _load_model(self) -> CausalLM | Encoder:
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                model: CausalLM | Encoder
+                if self.config.is_encoder:
+                    model = Encoder(self.config, self.context_len, self.parallel)
+                else:
+                    model_cls = ARCHITECTURES[self.config.architecture]
+                    model = model_cls(self.config, self.context_len, self.parallel, self.kernels)
+        finally:
+            torch.set_default_dtype(previous)
+        model.load_weights(iter_weights(self.source, self.config))
+        if self.packing is not None:
+            repack(model.modules(), self.packing)
+        return model.eval()
+
+    def _kv_capacity(self) -> int:
+        per_slot = KVCachePool.bytes_per_slot(
+            self.config.num_hidden_layers,
+            self.local_kv_heads,
+            self.config.head_dim,
+            self.dtype,
+        )
+        page = self.args.page_size
+        if self.args.max_total_tokens is not None:
+            tokens = self.args.max_total_tokens
+        else:
+            budget = free_memory_bytes(self.device) * self.args.mem_fraction_static
+            tokens = int(budget // per_slot)
+            if self._default_staging():
+                # The default decode staging lives in the same budget.
+                tokens -= min(tokens // 2, CPU_DEFAULT_STAGING_TOKENS)
+            # More slots than every running request at full context can never be used.
+            max_running = self.args.max_running_requests or 256
+            tokens = min(tokens, max_running * self.context_len)
+            if self.device.type == "cpu":
+                # Host memory is shared with everything else on the machine; a CPU serves far
+                # fewer concurrent tokens than this anyway. --max-total-tokens overrides it.
+                tokens = min(tokens, CPU_DEFAULT_MAX_TOTAL_TOKENS)
+        tokens = tokens // page * page
+        if tokens < page:
+            raise InvalidArgumentError(
+                f"no memory left for the KV cache ({per_slot} bytes per token); "
+                "lower the model size or raise --mem-fraction-static"
+            )
+        logger.info("KV cache: %d tokens, %.1f MiB", tokens, tokens * per_slot / 2**20)
+        return tokens
+
+    def load_other_weights(self, model_path: str) -> None:
+        """Replaces the weights with another checkpoint of the same architecture and shapes. The new
+        model is built beside the old one, so a failure (bad path, other shapes) leaves the old one
+        serving; the memory of both is needed for a moment."""
+        source = resolve_model_source(model_path)
+        config = load_model_config(source)
+        fields = ("architecture", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size")  # fmt: skip
+        different = [f for f in fields if getattr(config, f) != getattr(self.config, f)]
+        if different:
+            raise ModelLoadError(f"{model_path} differs from the served model in {', '.join(different)}")
+        previous_source, previous_config = self.source, self.config
+        self.source, self.config = source, config
+        try:
+            self.model = self._load_model()
+        except BaseException:
+            self.source, self.config = previous_source, previous_config
+            raise
+        logger.info("weights updated from %s", source.path)
+
+    def weight_slice(self, name: str, truncate_size: int) -> list[float]:
+        """The first truncate_size values of a weight, by its checkpoint name."""
+        values: list[float] = read_weight(self.model, name).flatten()[:truncate_size].float().tolist()
+        return values
+
+    def update_weights_from_tensors(self, named: list[tuple[str, torch.Tensor]]) -> int:
+        """Loads checkpoint-named tensors in place; all or nothing. Returns how many were used."""
+        self._check_resident("weights")
+        return update_weights(self.model, named, self.packing)
+
+    def release_memory(self, tags: set[str]) -> None:
+        """Frees the weights (kept on host, or on disk for a CPU) and/or the KV cache's buffers."""
+        if "kv_cache" in tags - self.released:
+            self.kv_pool.release()
+            self.staging.release()
+            self.prefix_staging.release()
+        if "weights" in tags - self.released:
+            self._stash = WeightStash(self.model, self.device, self.packing)
+            self._stash.release()
+        self.released |= tags
+
+    def resume_memory(self, tags: set[str]) -> None:
+        if "weights" in tags & self.released and self._stash is not None:
+            self._stash.resume()
+            self._stash = None
+        if "kv_cache" in tags & self.released:
+            self.kv_pool.allocate()
+        self.released -= tags
+
+    def resident_bytes(self) -> dict[str, int]:
+        """Bytes the weights and the KV cache hold now (zero for what is released)."""
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        tensors += [
+            p.data for m in self.model.modules() if isinstance(p := getattr(m, "packed", None), PackedWeight)
+        ]
+        kv = self.kv_pool.k_buffers + self.kv_pool.v_buffers
+        return {
+            "weights": sum(t.numel() * t.element_size() for t in tensors),
+            "kv_cache": sum(t.numel() * t.element_size() for t in kv),
+        }
+
+    def close(self) -> None:
+        if self._stash is not None:
+            self._stash.discard()
+
+    def _check_resident(self, what: str) -> None:
+        if self.released:
+            raise MemoryReleasedError(
+                f"{what}: the {' and '.join(sorted(self.released))} memory is released; "
+                "call /resume_memory_occupation first"
+            )
+
+    def info(self) -> RunnerInfo:
+        return RunnerInfo(self.max_total_tokens, self.context_len, self.dtype, self.device)
+
+    def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 logits for the batch's sample rows, then its logprob rows; and the final
+        (normed) hidden states they came from."""
+        self._check_resident("forward")
+        if isinstance(self.model, Encoder):
+            raise TypeError("an encoder model only embeds; this is a bug in the caller")
+        if batch.mode is ForwardMode.DECODE:
+            assert batch.decode is not None
+            if self.staging.max_tokens:
+                self.staging.prepare(batch.decode)
+            # The fused decode loop reads the shared prefix from the pool by its slots.
+            if self.native_decode_attention and fused_decode_plan(self.model) is None:
+                self.prefix_staging.prepare(batch.decode)
+        logits, hidden = self.model(batch, self.kv_pool)
+        return logits, hidden
+
+    def idle(self) -> None:
+        """Nothing runs: gives back the memory decode staging holds."""
+        self.staging.release()
+        self.prefix_staging.release()
+
+    def embed(self, batch: ForwardBatch) -> torch.Tensor:
+        """One fp32 embedding per request that completes its prompt in this batch, in row order."""
+        assert self.pooling is not None, "not an embedding model"
+        self._check_resident("embed")
+        if isinstance(self.model, Encoder):
+            assert batch.extend is not None
+            pooled = pool_segments(self.model(batch, self.kv_pool), batch.extend, self.pooling.mode)
+        else:
+            pooled = self.model.final_hidden(batch, self.kv_pool).float()
+        return finish_embeddings(pooled, self.pooling)
+
+    def sample(self, logits: torch.Tensor, sampling: SamplingBatch) -> torch.Tensor:
+        """With tensor parallelism rank 0 samples and the others take its tokens: one broadcast of
+        a few ids keeps the ranks in step, whatever the seeds and the random state."""
+        if self.parallel.tp_size == 1:
+            return sample(logits, sampling, self.kernels)
+        if self.parallel.is_leader:
+            tokens = sample(logits, sampling, self.kernels)
+        else:
+            tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+        return broadcast_from_leader(tokens, self.parallel)

@@ -1,0 +1,282 @@
+"""Architecture-neutral model configuration parsed from HF ``config.json`` dicts.
+
+The GGUF metadata path lives in :mod:`radixserve.models.loader`; both produce the same
+:class:`ModelConfig` so the model code never needs to know where weights came from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "ENCODER_ARCHITECTURES",
+    "MODEL_TYPE_TO_ARCH",
+    "SUPPORTED_ARCHITECTURES",
+    "ModelConfig",
+    "ModelLoadError",
+    "UnsupportedModelError",
+    "merge_eos_ids",
+]
+
+
+class ModelLoadError(Exception):
+    """A model could not be located, parsed or loaded."""
+
+
+class UnsupportedModelError(ModelLoadError):
+    """The checkpoint is readable but uses an architecture or feature we do not implement."""
+
+
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MistralForCausalLM",
+    "BertModel",
+)
+
+# Bidirectional encoders: they only embed (no generation), with no KV cache to reuse.
+ENCODER_ARCHITECTURES: frozenset[str] = frozenset({"BertModel"})
+
+# Configs written from a bare ``XxxConfig`` (no model) carry no "architectures" list, so
+# model_type is the fallback identifier.
+MODEL_TYPE_TO_ARCH: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "bert": "BertModel",
+}
+
+# Keys inside a transformers-5 ``rope_parameters`` dict that are not scaling parameters.
+_ROPE_NON_SCALING_KEYS = frozenset({"rope_theta", "rope_type", "type", "partial_rotary_factor"})
+
+
+def _unsupported_arch_message(found: str) -> str:
+    return (
+        f"Unsupported model architecture {found!r}. radixserve supports: "
+        f"{', '.join(SUPPORTED_ARCHITECTURES)} (HF model_type: {', '.join(MODEL_TYPE_TO_ARCH)})."
+    )
+
+
+def merge_eos_ids(*sources: Any) -> list[int]:
+    """Union of eos ids given as int / list / None, keeping first-seen order."""
+    out: list[int] = []
+    for src in sources:
+        if src is None:
+            continue
+        items: Iterable[Any] = src if isinstance(src, (list, tuple)) else (src,)
+        for item in items:
+            if item is None:
+                continue
+            val = int(item)
+            if val not in out:
+                out.append(val)
+    return out
+
+
+def _resolve_architecture(d: Mapping[str, Any]) -> str:
+    archs = d.get("architectures") or []
+    if isinstance(archs, str):
+        archs = [archs]
+    for arch in archs:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return str(arch)
+    if archs:
+        raise UnsupportedModelError(_unsupported_arch_message(str(archs[0])))
+    model_type = d.get("model_type")
+    if model_type in MODEL_TYPE_TO_ARCH:
+        return MODEL_TYPE_TO_ARCH[str(model_type)]
+    raise UnsupportedModelError(_unsupported_arch_message(f"model_type={model_type!r}"))
+
+
+def _parse_rope(d: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """Return (rope_theta, HF-style rope_scaling or None) from either config layout.
+
+    transformers<5 writes top-level ``rope_theta`` + ``rope_scaling``; transformers 5 folds
+    both into ``rope_parameters`` (with ``rope_type: "default"`` meaning no scaling).
+    """
+    params = d.get("rope_parameters")
+    if isinstance(params, Mapping) and params and all(isinstance(v, Mapping) for v in params.values()):
+        # Per-layer-type rope (e.g. {"full_attention": {...}, "sliding_attention": {...}}): we
+        # only run uniform-attention models, so the full-attention entry is the relevant one.
+        params = params.get("full_attention") or next(iter(params.values()))
+    scaling: Mapping[str, Any] | None = None
+    theta: Any = d.get("rope_theta")
+    if isinstance(params, Mapping):
+        theta = params.get("rope_theta", theta)
+        scaling = params
+    legacy = d.get("rope_scaling")
+    if isinstance(legacy, Mapping) and legacy:
+        scaling = legacy
+        theta = legacy.get("rope_theta", theta)
+    if theta is None:
+        theta = 10000.0
+
+    if scaling is None:
+        return float(theta), None
+    rope_type = scaling.get("rope_type", scaling.get("type"))
+    if rope_type in (None, "default"):
+        return float(theta), None
+    out = {k: v for k, v in scaling.items() if k not in _ROPE_NON_SCALING_KEYS}
+    out["rope_type"] = str(rope_type)
+    return float(theta), out
+
+
+def _parse_sliding_window(d: Mapping[str, Any], arch: str, num_layers: int) -> int | None:
+    window = d.get("sliding_window")
+    if window is None:
+        return None
+    if arch == "LlamaForCausalLM":
+        return None  # HF Llama ignores the key even if a converted config carries it.
+    if arch == "MistralForCausalLM":
+        sliding_layers = num_layers
+    else:
+        # Qwen2/Qwen3 carry a (default) sliding_window value even when it is disabled.
+        if not d.get("use_sliding_window", False):
+            return None
+        layer_types = d.get("layer_types")
+        if isinstance(layer_types, list) and len(layer_types) == num_layers:
+            sliding_layers = sum(1 for t in layer_types if t == "sliding_attention")
+        else:
+            sliding_layers = max(0, num_layers - int(d.get("max_window_layers") or 0))
+    if sliding_layers == 0:
+        return None
+    if sliding_layers != num_layers:
+        raise UnsupportedModelError(
+            f"{arch} uses sliding-window attention on only {sliding_layers}/{num_layers} layers; "
+            "radixserve only supports a uniform attention pattern across layers."
+        )
+    return int(window)
+
+
+def _required_int(d: Mapping[str, Any], key: str) -> int:
+    val = d.get(key)
+    if val is None:
+        raise ModelLoadError(f"config.json is missing required field {key!r}")
+    return int(val)
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    sliding_window: int | None
+    eos_token_ids: list[int] = field(default_factory=list)
+    bos_token_id: int | None = None
+    torch_dtype: str | None = None
+    # Encoder (BERT) only: segment embeddings and the MLP's activation; LayerNorm eps is
+    # carried in rms_norm_eps.
+    type_vocab_size: int = 0
+    hidden_act: str = "silu"
+
+    @property
+    def is_encoder(self) -> bool:
+        return self.architecture in ENCODER_ARCHITECTURES
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(_unsupported_arch_message(self.architecture))
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ModelLoadError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+
+    @classmethod
+    def from_hf_dict(
+        cls, d: Mapping[str, Any], generation_config: Mapping[str, Any] | None = None
+    ) -> ModelConfig:
+        """Build from a parsed HF ``config.json`` (optionally ``generation_config.json``)."""
+        arch = _resolve_architecture(d)
+        if arch in ENCODER_ARCHITECTURES:
+            return cls._encoder_from_hf_dict(arch, d)
+        hidden = _required_int(d, "hidden_size")
+        heads = _required_int(d, "num_attention_heads")
+        num_layers = _required_int(d, "num_hidden_layers")
+        kv_heads = d.get("num_key_value_heads")
+        # Mistral configs sometimes spell out "head_dim": null.
+        head_dim = d.get("head_dim") or hidden // heads
+        theta, scaling = _parse_rope(d)
+
+        # Qwen2 always has q/k/v bias; its config has no switch for it.
+        attention_bias = arch == "Qwen2ForCausalLM" or bool(d.get("attention_bias", False))
+
+        gen_eos = generation_config.get("eos_token_id") if generation_config else None
+        bos = d.get("bos_token_id")
+        if bos is None and generation_config:
+            bos = generation_config.get("bos_token_id")
+        dtype = d.get("torch_dtype", d.get("dtype"))
+
+        return cls(
+            architecture=arch,
+            vocab_size=_required_int(d, "vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=_required_int(d, "intermediate_size"),
+            num_hidden_layers=num_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=int(kv_heads) if kv_heads is not None else heads,
+            head_dim=int(head_dim),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            # All four HF config classes default to untied when the key is absent.
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=attention_bias,
+            qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_window=_parse_sliding_window(d, arch, num_layers),
+            eos_token_ids=merge_eos_ids(d.get("eos_token_id"), gen_eos),
+            bos_token_id=int(bos) if bos is not None else None,
+            torch_dtype=str(dtype) if dtype is not None else None,
+        )
+
+    @classmethod
+    def _encoder_from_hf_dict(cls, arch: str, d: Mapping[str, Any]) -> ModelConfig:
+        hidden = _required_int(d, "hidden_size")
+        heads = _required_int(d, "num_attention_heads")
+        if d.get("position_embedding_type", "absolute") != "absolute":
+            raise UnsupportedModelError(
+                f"{arch} with position_embedding_type={d.get('position_embedding_type')!r} is not "
+                "supported; only absolute position embeddings are"
+            )
+        act = str(d.get("hidden_act", "gelu"))
+        if act not in ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu"):
+            raise UnsupportedModelError(f"{arch} with hidden_act={act!r} is not supported")
+        dtype = d.get("torch_dtype", d.get("dtype"))
+        return cls(
+            architecture=arch,
+            vocab_size=_required_int(d, "vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=_required_int(d, "intermediate_size"),
+            num_hidden_layers=_required_int(d, "num_hidden_layers"),
+            num_attention_heads=heads,
+            num_key_value_heads=heads,
+            head_dim=hidden // heads,
+            rms_norm_eps=float(d.get("layer_norm_eps", 1e-12)),
+            rope_theta=0.0,
+            rope_scaling=None,
+            max_position_embeddings=int(d.get("max_position_embeddings", 512)),
+            tie_word_embeddings=False,
+            attention_bias=True,
+            qk_norm=False,
+            sliding_window=None,
+            torch_dtype=str(dtype) if dtype is not None else None,
+            type_vocab_size=int(d.get("type_vocab_size", 2)),
+            hidden_act=act,
+        )

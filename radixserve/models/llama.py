@@ -1,0 +1,244 @@
+"""Decoder-only transformer of the Llama family: Llama (incl. llama3 rope), Mistral, Qwen2, Qwen3.
+
+The variants differ only in switches read from ModelConfig: q/k/v bias (Qwen2), per-head q/k
+RMSNorm (Qwen3), tied embeddings and rope scaling.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from radixserve.attention.torch_ops import decode_attention, extend_attention
+from radixserve.cache.pools import KVCachePool
+from radixserve.distributed.parallel import SINGLE, ParallelContext
+from radixserve.forward.batch import ForwardBatch, ForwardMode
+from radixserve.layers.basic import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RMSNorm,
+    Rope,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    WeightTarget,
+    divide,
+    silu_and_mul,
+    split_evenly,
+    split_kv_heads,
+)
+from radixserve.models.config import ModelConfig
+from radixserve.models.fused_decode import FusedDecodePlan, fused_decode
+
+if TYPE_CHECKING:
+    from radixserve.kernels.cpu_ops import CpuKernels
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, ctx: ParallelContext, kernels: CpuKernels | None):
+        super().__init__()
+        self.kernels = kernels
+        self.layer_id = layer_id
+        self.head_dim = config.head_dim
+        self.num_heads = divide(config.num_attention_heads, ctx.tp_size, "num_attention_heads")
+        self.scale = self.head_dim**-0.5
+        q_size = config.num_attention_heads * self.head_dim
+        kv = split_kv_heads(config.num_key_value_heads, self.head_dim, ctx)
+        self.num_kv_heads = kv.local // self.head_dim
+        self.qkv_proj = ColumnParallelLinear(
+            config.hidden_size, [split_evenly(q_size, ctx), kv, kv], bias=config.attention_bias, ctx=ctx
+        )
+        self.o_proj = RowParallelLinear(q_size, config.hidden_size, bias=False, ctx=ctx)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels) if config.qk_norm else None
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        batch: ForwardBatch,
+        kv_pool: KVCachePool,
+        rope: Rope,
+        residual: torch.Tensor,
+    ) -> torch.Tensor:
+        """The attention's output added to residual."""
+        tokens = hidden.shape[0]
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        qkv = self.qkv_proj(hidden)
+        v = qkv[:, q_size + kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(qkv[:, :q_size].view(tokens, self.num_heads, self.head_dim))
+            k = self.k_norm(qkv[:, q_size : q_size + kv_size].view(tokens, self.num_kv_heads, self.head_dim))
+            q, k = rope.rotate_(q), rope.rotate_(k)
+        else:
+            # Query and key heads are adjacent columns: rotate them together in one pass.
+            qk = qkv[:, : q_size + kv_size].view(tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+            qk = rope.rotate_(qk)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+
+        kv_pool.write(self.layer_id, batch.out_cache_loc, k, v)
+        k_cache, v_cache = kv_pool.k_buffers[self.layer_id], kv_pool.v_buffers[self.layer_id]
+        if batch.mode is ForwardMode.DECODE:
+            assert batch.decode is not None
+            out = decode_attention(
+                q, k, v, k_cache, v_cache, batch.decode, self.layer_id, self.scale, self.kernels
+            )
+        else:
+            assert batch.extend is not None
+            out = extend_attention(q, k, v, k_cache, v_cache, batch.extend, self.scale, self.kernels)
+        return self.o_proj(out.reshape(tokens, q_size), residual)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, kernels: CpuKernels | None):
+        super().__init__()
+        self.kernels = kernels
+        size = config.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [size, size], bias=False, ctx=ctx)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=False, ctx=ctx)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The MLP's output added to residual."""
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.kernels), residual)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, ctx: ParallelContext, kernels: CpuKernels | None):
+        super().__init__()
+        self.self_attn = Attention(config, layer_id, ctx, kernels)
+        self.mlp = MLP(config, ctx, kernels)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+
+    def forward(
+        self, hidden: torch.Tensor, batch: ForwardBatch, kv_pool: KVCachePool, rope: Rope
+    ) -> torch.Tensor:
+        hidden = self.self_attn(self.input_layernorm(hidden), batch, kv_pool, rope, residual=hidden)
+        return self.mlp(self.post_attention_layernorm(hidden), residual=hidden)
+
+
+# checkpoint name → (our module path, shard index within a stacked layer)
+_STACKED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+_STACKED_NAME = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.")
+
+
+class CausalLM(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        max_positions: int,
+        ctx: ParallelContext = SINGLE,
+        kernels: CpuKernels | None = None,
+    ):
+        """kernels: the native CPU kernels to use where they apply (None: torch ops only)."""
+        super().__init__()
+        self.config = config
+        self.kernels = kernels
+        self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, ctx, kernels) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, ctx)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        # The fused decode loop's view of the layers (model/fused_decode.py), worked out on first use.
+        self.fused_plan: FusedDecodePlan | None = None
+        self.fused_plan_checked = False
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_pool: KVCachePool) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 logits for `batch.sample_rows`, then `batch.logprob_rows` if any; and the normed
+        hidden states of those rows, then of `batch.hidden_rows`."""
+        hidden = self.final_hidden(batch, kv_pool)
+        with_logits = hidden.shape[0] - (0 if batch.hidden_rows is None else len(batch.hidden_rows))
+        return self.lm_head.logits(hidden[:with_logits]).float(), hidden
+
+    @torch.inference_mode()
+    def final_hidden(self, batch: ForwardBatch, kv_pool: KVCachePool) -> torch.Tensor:
+        """The last layer's normed hidden states for the rows forward() returns logits of."""
+        if batch.input_embeds is None:
+            hidden = self.embed_tokens(batch.input_ids)
+        else:
+            # Rows with given vectors carry stand-in ids outside the vocabulary.
+            hidden = self.embed_tokens(batch.input_ids.clamp(max=self.config.vocab_size - 1))
+            for row, vectors in batch.input_embeds:
+                hidden[row : row + len(vectors)] = vectors
+        rope = self.rotary.lookup(batch.positions, hidden.dtype, self.kernels)
+        fused = fused_decode(self, hidden, batch, kv_pool, rope)
+        if fused is not None:
+            hidden = fused
+        else:
+            for layer in self.layers:
+                hidden = layer(hidden, batch, kv_pool, rope)
+        # Only the rows that sample need the final norm and the (large) vocabulary projection.
+        rows = batch.sample_rows
+        extra = [r for r in (batch.logprob_rows, batch.hidden_rows) if r is not None]
+        if extra:
+            rows = torch.cat([rows, *extra])
+        normed: torch.Tensor = self.norm(hidden[rows])
+        return normed
+
+    def resolve(self, name: str) -> WeightTarget | None:
+        """Where a checkpoint tensor goes; None for tensors this model derives itself."""
+        if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            return None
+        if "rotary_emb.inv_freq" in name:
+            return None
+        path = name.removeprefix("model.")
+        shard = 0
+        match = _STACKED_NAME.search(path)
+        if match:
+            stacked, shard = _STACKED[match.group(1)]
+            path = path.replace(match.group(1), stacked)
+        module_path, _, param = path.rpartition(".")
+        module = dict(self.named_modules()).get(module_path)
+        if module is None or not hasattr(module, "load"):
+            raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+        return WeightTarget(module_path, module, param, shard)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        seen: set[str] = set()
+        for name, tensor in weights:
+            target = self.resolve(name)
+            if target is None:
+                continue
+            target.load(tensor)
+            seen.add(f"{target.module_path}.{target.param}#{target.shard}")
+        expected = self._expected_tensors()
+        missing = expected - seen
+        if missing:
+            raise KeyError(f"checkpoint is missing tensors: {sorted(missing)[:8]}")
+
+    def _expected_tensors(self) -> set[str]:
+        names = set()
+        for module_path, module in self.named_modules():
+            if module is self.lm_head and self.config.tie_word_embeddings:
+                continue
+            if isinstance(module, ColumnParallelLinear):
+                shards = range(len(module.local_sizes))
+                names |= {f"{module_path}.weight#{s}" for s in shards}
+                if module.bias is not None:
+                    names |= {f"{module_path}.bias#{s}" for s in shards}
+            elif isinstance(module, (RowParallelLinear, VocabParallelEmbedding, RMSNorm)):
+                names.add(f"{module_path}.weight#0")
+        return names
+
+
+ARCHITECTURES: dict[str, type[CausalLM]] = {
+    "LlamaForCausalLM": CausalLM,
+    "MistralForCausalLM": CausalLM,
+    "Qwen2ForCausalLM": CausalLM,
+    "Qwen3ForCausalLM": CausalLM,
+}

@@ -1,0 +1,77 @@
+"""The Engine's control-plane methods: weights, memory, cache and self-checks. Each is one control
+command to the scheduler (see scheduler/control.py), answered once it has been carried out."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from radixserve.protocol.messages import ControlResult
+from radixserve.protocol.sampling_params import InvalidRequestError
+
+
+class EngineControl(ABC):
+    """Mixed into Engine, which provides control()."""
+
+    @abstractmethod
+    def control(
+        self, command: str, timeout: float = 60.0, args: dict[str, Any] | None = None
+    ) -> ControlResult: ...
+
+    def update_weights_from_disk(self, model_path: str, timeout: float = 600.0) -> None:
+        """Serves another checkpoint of the same architecture; requests in flight are aborted.
+        A failure raises and leaves the old weights serving."""
+        result = self.control("update_weights_from_disk", timeout, {"model_path": model_path})
+        if not result.ok:
+            raise InvalidRequestError(f"weight update failed: {result.error}")
+
+    def update_weights_from_tensor(
+        self, named_tensors: list[tuple[str, Any]], flush_cache: bool = True, timeout: float = 600.0
+    ) -> int:
+        """Loads tensors named as in the checkpoint (e.g. "model.layers.0.mlp.up_proj.weight") in
+        place; all or nothing. Requests in flight are aborted; the cache is flushed unless told not
+        to. Returns how many tensors were used. They travel as safetensors bytes, never pickled."""
+        from safetensors.torch import save
+
+        data = save({name: tensor.detach().cpu().contiguous() for name, tensor in named_tensors})
+        result = self.control(
+            "update_weights_from_tensor", timeout, {"tensors": data, "flush_cache": flush_cache}
+        )
+        if not result.ok:
+            raise InvalidRequestError(f"weight update failed: {result.error}")
+        used: int = result.payload["num_updated"]
+        return used
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> list[str]:
+        """Frees the weights and/or KV cache (tags "weights", "kv_cache"; default both) while idle;
+        requests are refused until resume. Returns what is released now."""
+        return self._memory_command("release_memory_occupation", tags)
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> list[str]:
+        return self._memory_command("resume_memory_occupation", tags)
+
+    def _memory_command(self, command: str, tags: list[str] | None) -> list[str]:
+        result = self.control(command, 600.0, {"tags": tags})
+        if not result.ok:
+            raise InvalidRequestError(result.error or f"{command} failed")
+        released: list[str] = result.payload["released"]
+        return released
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
+        result = self.control("get_weights_by_name", 60.0, {"name": name, "truncate_size": truncate_size})
+        if not result.ok:
+            raise InvalidRequestError(result.error or f"cannot read {name}")
+        values: list[float] = result.payload["values"]
+        return values
+
+    def check_kv_invariant(self, timeout: float = 60.0) -> None:
+        """Raises if KV slots leaked. The scheduler answers once it is idle."""
+        result = self.control("check_kv_invariant", timeout=timeout)
+        if not result.ok:
+            raise AssertionError(f"KV accounting invariant failed: {result.error}")
+
+    def get_stats(self) -> dict[str, Any]:
+        return self.control("get_stats").payload
+
+    def flush_cache(self) -> bool:
+        return self.control("flush_cache").ok

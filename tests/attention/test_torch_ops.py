@@ -1,0 +1,137 @@
+"""The paged attention paths against a dense reference, with mixed lengths, prefixes and GQA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from radixserve.attention.torch_ops import _shared_prefix_groups, decode_attention, extend_attention
+from radixserve.forward.batch import ExtendSegment, build_decode_layout
+
+HEADS, KV_HEADS, DIM = 6, 2, 8
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int) -> torch.Tensor:
+    """Dense causal attention of q ([L, H, D], positions prefix_len..) over k, v ([S, Hkv, D])."""
+    group = HEADS // KV_HEADS
+    kk = k.repeat_interleave(group, dim=1).transpose(0, 1)
+    vv = v.repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = q.transpose(0, 1) @ kk.transpose(1, 2) / DIM**0.5
+    q_pos = torch.arange(q.shape[0]).unsqueeze(1) + prefix_len
+    scores = scores.masked_fill(torch.arange(k.shape[0]).unsqueeze(0) > q_pos, float("-inf"))
+    return (F.softmax(scores, dim=-1) @ vv).transpose(0, 1)
+
+
+def test_decode_attention_matches_dense_for_mixed_lengths() -> None:
+    torch.manual_seed(0)
+    lengths = [1, 7, 30, 3]
+    slots_total = 64
+    k_cache, v_cache = torch.randn(slots_total, KV_HEADS, DIM), torch.randn(slots_total, KV_HEADS, DIM)
+    table = torch.zeros(len(lengths), 40, dtype=torch.int64)
+    perm = torch.randperm(slots_total)
+    offset = 0
+    for i, n in enumerate(lengths):
+        table[i, :n] = perm[offset : offset + n]
+        offset += n
+    layout = build_decode_layout(table, torch.arange(len(lengths)), torch.tensor(lengths))
+    q = torch.randn(len(lengths), HEADS, DIM)
+    out = decode_attention(q, q[:, :KV_HEADS], q[:, :KV_HEADS], k_cache, v_cache, layout, 0, DIM**-0.5)
+    for i, n in enumerate(lengths):
+        slots = table[i, :n]
+        expected = _reference(q[i : i + 1], k_cache[slots], v_cache[slots], prefix_len=n - 1)
+        torch.testing.assert_close(out[i : i + 1], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_extend_attention_with_and_without_prefix() -> None:
+    torch.manual_seed(1)
+    k_cache, v_cache = torch.randn(50, KV_HEADS, DIM), torch.randn(50, KV_HEADS, DIM)
+    prefix_slots = torch.tensor([3, 9, 4, 20, 11])
+    q = torch.randn(7, HEADS, DIM)
+    k, v = torch.randn(7, KV_HEADS, DIM), torch.randn(7, KV_HEADS, DIM)
+    segments = [
+        ExtendSegment(q_start=0, q_len=4, prefix_len=0, prefix_slots=torch.empty(0, dtype=torch.int64)),
+        ExtendSegment(q_start=4, q_len=3, prefix_len=5, prefix_slots=prefix_slots),
+    ]
+    out = extend_attention(q, k, v, k_cache, v_cache, segments, DIM**-0.5)
+    torch.testing.assert_close(out[:4], _reference(q[:4], k[:4], v[:4], 0), atol=1e-5, rtol=1e-5)
+    keys = torch.cat((k_cache[prefix_slots], k[4:]))
+    values = torch.cat((v_cache[prefix_slots], v[4:]))
+    torch.testing.assert_close(out[4:], _reference(q[4:], keys, values, 5), atol=1e-5, rtol=1e-5)
+
+
+def test_decode_attention_over_a_shared_prefix_matches_dense() -> None:
+    """Requests whose contexts start with the same KV slots take the cascade path."""
+    torch.manual_seed(2)
+    shared = torch.randperm(200)[:40]  # a 40-slot prefix all rows share (>= MIN_SHARED_PREFIX)
+    own_lengths = [3, 9, 5, 12]  # one bucket: the longest is 52, the shortest 43 (>= 75%)
+    k_cache, v_cache = torch.randn(300, KV_HEADS, DIM), torch.randn(300, KV_HEADS, DIM)
+    table = torch.zeros(len(own_lengths), 80, dtype=torch.int64)
+    fresh = iter(range(200, 300))
+    for i, n in enumerate(own_lengths):
+        table[i, :40] = shared
+        table[i, 40 : 40 + n] = torch.tensor([next(fresh) for _ in range(n)])
+    lengths = torch.tensor([40 + n for n in own_lengths])
+    q = torch.randn(len(own_lengths), HEADS, DIM)
+    for share in (True, False):
+        layout = build_decode_layout(table, torch.arange(len(own_lengths)), lengths, share_prefixes=share)
+        assert (layout.buckets[0].shared_slots is not None) == share
+        out = decode_attention(q, q[:, :KV_HEADS], q[:, :KV_HEADS], k_cache, v_cache, layout, 0, DIM**-0.5)
+        for i, n in enumerate(lengths.tolist()):
+            slots = table[i, :n]
+            expected = _reference(q[i : i + 1], k_cache[slots], v_cache[slots], prefix_len=n - 1)
+            torch.testing.assert_close(out[i : i + 1], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_extend_attention_over_a_shared_prefix_matches_dense() -> None:
+    """Segments whose cached prefixes are the same slots take the cascade path."""
+    torch.manual_seed(3)
+    k_cache, v_cache = torch.randn(120, KV_HEADS, DIM), torch.randn(120, KV_HEADS, DIM)
+    shared = torch.randperm(120)[:40]
+    other = torch.randperm(120)[:35]
+    lengths = [5, 5, 3, 4]  # three segments on the shared prefix (two as long), one on its own
+    prefixes = [shared, shared, shared, other]
+    total = sum(lengths)
+    q = torch.randn(total, HEADS, DIM)
+    k, v = torch.randn(total, KV_HEADS, DIM), torch.randn(total, KV_HEADS, DIM)
+    segments, start = [], 0
+    for n, prefix in zip(lengths, prefixes, strict=True):
+        segments.append(ExtendSegment(q_start=start, q_len=n, prefix_len=len(prefix), prefix_slots=prefix))
+        start += n
+    assert _shared_prefix_groups(segments) == [[0, 1, 2]]
+    out = extend_attention(q, k, v, k_cache, v_cache, segments, DIM**-0.5)
+    for seg in segments:
+        rows = slice(seg.q_start, seg.q_start + seg.q_len)
+        keys = torch.cat((k_cache[seg.prefix_slots], k[rows]))
+        values = torch.cat((v_cache[seg.prefix_slots], v[rows]))
+        expected = _reference(q[rows], keys, values, seg.prefix_len)
+        torch.testing.assert_close(out[rows], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_extend_cascade_with_native_kernels_matches_torch() -> None:
+    """bf16 with SmolLM2's head shape: the shared part runs on the native (AMX) kernel where this
+    CPU has one, and the result must agree with the torch path."""
+    from radixserve.kernels.cpu_ops import CpuKernels
+    from radixserve.kernels.native import NativeKernelsUnavailable, load_library
+
+    try:
+        kernels = CpuKernels(load_library())
+    except NativeKernelsUnavailable as error:
+        pytest.skip(f"native kernels unavailable here: {error}")
+    torch.manual_seed(6)
+    heads, kv_heads, dim = 9, 3, 64
+    k_cache = torch.randn(700, kv_heads, dim, dtype=torch.bfloat16)
+    v_cache = torch.randn(700, kv_heads, dim, dtype=torch.bfloat16)
+    shared = torch.randperm(700)[:200]
+    lengths = [7, 7, 7, 3]
+    total = sum(lengths)
+    q = torch.randn(total, heads, dim, dtype=torch.bfloat16)
+    k = torch.randn(total, kv_heads, dim, dtype=torch.bfloat16)
+    v = torch.randn(total, kv_heads, dim, dtype=torch.bfloat16)
+    segments, start = [], 0
+    for n in lengths:
+        segments.append(ExtendSegment(q_start=start, q_len=n, prefix_len=len(shared), prefix_slots=shared))
+        start += n
+    native = extend_attention(q, k, v, k_cache, v_cache, segments, dim**-0.5, kernels)
+    plain = extend_attention(q, k, v, k_cache, v_cache, segments, dim**-0.5)
+    torch.testing.assert_close(native.float(), plain.float(), rtol=2e-2, atol=2e-2)

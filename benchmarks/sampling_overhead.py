@@ -25,6 +25,7 @@ from radixserve.layers.sampler import SamplingBatch, sample
 from radixserve.protocol.messages import GenerateRequest
 from radixserve.protocol.sampling_params import SamplingParams
 from radixserve.scheduler.grammar import GrammarBackend, GrammarMatcher
+from radixserve.scheduler.process import build_scheduler
 from radixserve.scheduler.scheduler import Scheduler
 
 BATCHES = (1, 32, 128)
@@ -86,7 +87,7 @@ def decode_step_seconds(scheduler: Scheduler, batch: int) -> float:
 
 def main() -> None:
     model = sys.argv[1] if len(sys.argv) > 1 else str(Path("bench-work/smollm2-135m-random-bf16"))
-    scheduler = Scheduler(
+    scheduler = build_scheduler(
         ServerArgs(model_path=model, dtype="bfloat16", max_total_tokens=40000, log_level="warning")
     )
     vocab = scheduler.config.vocab_size

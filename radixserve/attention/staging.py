@@ -2,8 +2,8 @@
 
 The KV pool is paged: a request's context lies in scattered slots, so batched decode attention
 first gathers each bucket's K/V into a dense [size, len, Hkv, D] block, every layer, every step.
-That gather reads and writes as many bytes as attention itself reads; at 32 requests × 300 tokens
-it took ~15% of a bf16 decode step on a 2-core CPU. A bucket whose requests stay the same from one
+That gather reads and writes as many bytes as attention itself reads (a measurable share of a CPU
+decode step: docs/architecture.md). A bucket whose requests stay the same from one
 step to the next only gains one token per request, so its dense block is kept between steps
 (staged) and receives just the new token's K/V; attention reads it in place.
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from radixserve.forward.batch import DecodeBucket, DecodeLayout
+from radixserve.attention.decode_buckets import DecodeBucket
 from radixserve.layers.packed_weights import round_up_to_eighth
 
 # A refilled block leaves room for this share of its length (at least MIN_HEADROOM tokens) of
@@ -75,7 +75,7 @@ class DecodeStaging:
         # Keyed by the bucket's request ids (in row order) and its shared prefix length.
         self._blocks: dict[tuple[tuple[int, ...], int], StagedBucket] = {}
         # Buffers of blocks that no bucket continues, for refills to reuse: fresh memory costs page
-        # faults on first touch (~30 ms for a 120 MB block here, against ~15 ms to fill reused memory).
+        # faults on first touch, which costs more than filling reused memory.
         self._spares: list[torch.Tensor] = []
         self.refills = 0
         self.appends = 0
@@ -88,35 +88,35 @@ class DecodeStaging:
         """Frees every block and spare buffer (when idle or when the KV cache is released)."""
         self._blocks, self._spares = {}, []
 
-    def prepare(self, layout: DecodeLayout) -> None:
-        """Gives each bucket of this decode step its staged block (bucket.staged), reusing the
-        previous step's block where the bucket is the same requests one token further on."""
-        keys = [self._key(layout, bucket) for bucket in layout.buckets]
+    def prepare(self, buckets: list[DecodeBucket], request_ids: list[int]) -> list[StagedBucket | None]:
+        """Each bucket's staged block for this decode step (None: gathered from the pool), reusing
+        the previous step's block where the bucket is the same requests one token further on."""
+        keys = [self._key(request_ids, bucket) for bucket in buckets]
+        staged: list[StagedBucket | None] = [None] * len(buckets)
         kept: dict[tuple[tuple[int, ...], int], StagedBucket] = {}
-        for key, bucket in zip(keys, layout.buckets, strict=True):
+        for index, (key, bucket) in enumerate(zip(keys, buckets, strict=True)):
             block = self._blocks.get(key)
             if block is not None and self._can_append(block, bucket):
                 self._advance(block, bucket)
-                kept[key] = bucket.staged = block
+                kept[key] = staged[index] = block
         self._spares += [t for key, b in self._blocks.items() if key not in kept for t in b.buffers]
         self._blocks = kept
         budget = self.max_tokens - self.staged_tokens
-        for key, bucket in zip(keys, layout.buckets, strict=True):
+        for index, (key, bucket) in enumerate(zip(keys, buckets, strict=True)):
             if key in kept:
                 continue
             shared_len = 0 if bucket.shared_slots is None else int(bucket.shared_slots.shape[0])
             capacity = bucket.max_len + max(MIN_HEADROOM, int(bucket.max_len * HEADROOM_FRACTION))
             if bucket.size * capacity + shared_len > budget:
-                bucket.staged = None
                 continue
             block = self._refill(bucket, capacity, shared_len)
             budget -= block.num_tokens
-            kept[key] = bucket.staged = block
+            kept[key] = staged[index] = block
         self._spares = []
+        return staged
 
     @staticmethod
-    def _key(layout: DecodeLayout, bucket: DecodeBucket) -> tuple[tuple[int, ...], int]:
-        ids = layout.request_ids
+    def _key(ids: list[int], bucket: DecodeBucket) -> tuple[tuple[int, ...], int]:
         rows = ids if bucket.rows is None else [ids[i] for i in bucket.rows.tolist()]
         shared_len = 0 if bucket.shared_slots is None else int(bucket.shared_slots.shape[0])
         return tuple(rows), shared_len
@@ -215,23 +215,25 @@ class PrefixStaging:
     def release(self) -> None:
         self._block = None
 
-    def prepare(self, layout: DecodeLayout) -> None:
-        slots = layout.shared_prefix_slots
-        ids = set(layout.request_ids)
+    def prepare(self, slots: torch.Tensor | None, request_ids: list[int]) -> StagedPrefix | None:
+        """The block for this decode step's shared prefix (None: none, or too long to keep)."""
+        ids = set(request_ids)
         if slots is None or len(slots) > self.max_tokens:
-            layout.staged_prefix = self._block = None
-            return
+            self._block = None
+            return None
         block = self._block
         if block is None or not (block.holders & ids and torch.equal(block.slots, slots)):
             layers, heads, dim = self.shape
             kv = torch.empty((2, layers, len(slots), heads, dim), dtype=self.dtype, device=self.device)
             block = StagedPrefix(slots.clone(), kv[0], kv[1], [False] * layers, ids)
         block.holders = ids
-        layout.staged_prefix = self._block = block
+        self._block = block
+        return block
 
 
 def bucket_kv(
     bucket: DecodeBucket,
+    block: StagedBucket | None,
     layer_id: int,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -242,7 +244,6 @@ def bucket_kv(
 
     new_k/new_v: this step's K/V of the bucket's rows ([size, Hkv, D]), already in the pool."""
     size, max_len = bucket.size, bucket.max_len
-    block = bucket.staged
     if block is None:
         shape = (size, max_len, *k_cache.shape[1:])
         keys = k_cache.index_select(0, bucket.kv_slots).view(shape)
@@ -264,11 +265,14 @@ def bucket_kv(
 
 
 def shared_kv(
-    bucket: DecodeBucket, layer_id: int, k_cache: torch.Tensor, v_cache: torch.Tensor
+    bucket: DecodeBucket,
+    block: StagedBucket | None,
+    layer_id: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The bucket's shared prefix K/V for this layer, [1, Hkv, shared_len, D] each."""
     assert bucket.shared_slots is not None
-    block = bucket.staged
     if block is None or block.shared_keys is None or block.shared_values is None:
         keys = k_cache.index_select(0, bucket.shared_slots)
         values = v_cache.index_select(0, bucket.shared_slots)

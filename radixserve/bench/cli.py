@@ -94,7 +94,7 @@ def _bench_offline(args: argparse.Namespace) -> int:
 
 def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
     """Register `bench offline` and `bench serving` on the top-level subparsers object."""
-    bench = sub.add_parser(
+    bench: argparse.ArgumentParser = sub.add_parser(
         "bench",
         help="benchmarks: `offline` (in-process throughput vs transformers) or `serving` (HTTP load test)",
         description="radixserve benchmarks; see `radixserve bench offline -h` and `bench serving -h`.",
@@ -106,7 +106,7 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def _add_offline_parser(bench_sub: Any) -> argparse.ArgumentParser:
-    bench = bench_sub.add_parser(
+    bench: argparse.ArgumentParser = bench_sub.add_parser(
         "offline",
         help="offline throughput benchmark (W1/W2/W3) against a transformers static-batch baseline",
         description=(
@@ -219,7 +219,7 @@ def _bench_serving(args: argparse.Namespace) -> int:
 
 
 def _add_serving_parser(bench_sub: Any) -> argparse.ArgumentParser:
-    serving = bench_sub.add_parser(
+    serving: argparse.ArgumentParser = bench_sub.add_parser(
         "serving",
         help="load-test a running OpenAI-compatible server (TTFT, ITL, TPOT, throughput)",
         description=(

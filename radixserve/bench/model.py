@@ -81,7 +81,7 @@ def train_tokenizer(
         show_progress=False,
     )
     tok.train_from_iterator(_stdlib_corpus(corpus_bytes), trainer=trainer)
-    return PreTrainedTokenizerFast(
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tok,
         bos_token="<|endoftext|>",
         eos_token="<|endoftext|>",
@@ -117,7 +117,7 @@ def ensure_random_smollm2(out_dir: Path, dtype: str = "bfloat16") -> Path:
     assert tokenizer.convert_tokens_to_ids("<|endoftext|>") == 0
     config = LlamaConfig(**SMOLLM2_135M_CONFIG)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()  # type: ignore[no-untyped-call]
     model.generation_config.bos_token_id = 0
     model.generation_config.eos_token_id = 0
     n_params = sum(p.numel() for p in model.parameters())

@@ -247,7 +247,8 @@ class TransformersSystem:
         from transformers import AutoModelForCausalLM
 
         self.hf_dir, self.cfg = hf_dir, cfg
-        self.model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=getattr(torch, dtype)).eval()
+        model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=getattr(torch, dtype))
+        self.model = model.eval()  # type: ignore[no-untyped-call]
         self.attn = getattr(self.model.config, "_attn_implementation", None)
 
     def warmup(self, wl: Workload) -> None:

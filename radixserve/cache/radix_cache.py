@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 
 from radixserve.cache.pools import KVSlotAllocator, ReqToTokenPool
+from radixserve.cache.tiers import CacheTier, DeviceOnlyTier
 
 __all__ = [
     "CacheableRequest",
@@ -167,9 +168,15 @@ class PrefixCache(ABC):
 
 class RadixCache(PrefixCache):
     def __init__(
-        self, req_to_token_pool: ReqToTokenPool, allocator: KVSlotAllocator, page_size: int = 1
+        self,
+        req_to_token_pool: ReqToTokenPool,
+        allocator: KVSlotAllocator,
+        page_size: int = 1,
+        tier: CacheTier | None = None,
     ) -> None:
         super().__init__(req_to_token_pool, allocator, page_size)
+        # The level below the device pool (cache/tiers.py): told of every eviction and lookup.
+        self.tier = tier or DeviceOnlyTier()
         self.reset()
 
     def reset(self) -> None:
@@ -226,6 +233,13 @@ class RadixCache(PrefixCache):
     # ---- public API --------------------------------------------------------
 
     def match_prefix(self, key: Sequence[int]) -> MatchResult:
+        result = self._match_prefix(key)
+        if self.tier.on_match(key, len(result)) > 0:
+            # The tier put more of this prefix into the tree: match again.
+            result = self._match_prefix(key)
+        return result
+
+    def _match_prefix(self, key: Sequence[int]) -> MatchResult:
         keys = list(key[: len(key) - len(key) % self.page_size])
         now = self._tick()
         node = self.root
@@ -321,6 +335,7 @@ class RadixCache(PrefixCache):
             _, _, node = heapq.heappop(heap)
             parent = node.parent
             assert parent is not None
+            self.tier.on_evict(self._path_key(node), node.value)
             to_free.append(node.value)
             del parent.children[self._child_key(node.key, 0)]
             node.parent = None
@@ -341,6 +356,15 @@ class RadixCache(PrefixCache):
     def total_size(self) -> int:
         # Recomputed from the tree so it cross-checks the incremental counters.
         return sum(len(n.key) for n in self._iter_nodes())
+
+    def _path_key(self, node: TreeNode) -> list[int]:
+        """The tokens from the root to the end of node."""
+        parts: list[list[int]] = []
+        cur: TreeNode | None = node
+        while cur is not None and cur is not self.root:
+            parts.append(cur.key)
+            cur = cur.parent
+        return [token for part in reversed(parts) for token in part]
 
     def _path_value(self, node: TreeNode) -> torch.Tensor:
         parts: list[torch.Tensor] = []

@@ -12,6 +12,8 @@ SCHEDULE_POLICIES: tuple[str, ...] = ("fcfs", "lpm", "dfs-weight", "lof", "rando
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16")
 GRAMMAR_BACKENDS: tuple[str, ...] = ("xgrammar", "none")
 CPU_KERNEL_CHOICES: tuple[str, ...] = ("auto", "native", "torch")
+# "torch" is accepted as another name for torch_native (attention/registry.py).
+ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch_native", "cpu_native", "torch")
 LOAD_BALANCE_METHODS: tuple[str, ...] = ("round_robin", "shortest_queue", "cache_aware")
 
 
@@ -43,6 +45,8 @@ class ServerArgs:
     is_embedding: bool = False
     # Native CPU kernels (radixserve/kernels): auto = when they build here; native = required.
     cpu_kernels: str = "auto"
+    # Attention over the paged KV pool (radixserve/attention): auto picks one at startup and logs why.
+    attention_backend: str = "auto"
 
     # Memory
     max_total_tokens: int | None = None
@@ -50,7 +54,7 @@ class ServerArgs:
     max_running_requests: int | None = None
     page_size: int = 1
     # Tokens of the running requests' K/V that decode attention may keep contiguous between steps,
-    # on top of the pool (model/decode_staging.py). None: a default per device; 0: off.
+    # on top of the pool (attention/staging.py). None: a default per device; 0: off.
     decode_staging_tokens: int | None = None
 
     # Scheduling
@@ -88,7 +92,7 @@ class ServerArgs:
     sleep_on_idle: bool = False
 
     # Parallelism (docs/parallelism.md): tp_size ranks share one model's weights; dp_size
-    # replicas each serve a whole model (server/router.py). A model's ranks may span nnodes
+    # replicas each serve a whole model (runtime/dp_router.py). A model's ranks may span nnodes
     # machines, which meet at dist_init_addr (HOST:PORT, reachable from every node).
     tp_size: int = 1
     dp_size: int = 1
@@ -110,6 +114,10 @@ class ServerArgs:
         if self.cpu_kernels not in CPU_KERNEL_CHOICES:
             choices = ", ".join(CPU_KERNEL_CHOICES)
             raise InvalidArgumentError(f"--cpu-kernels must be one of {choices}, got {self.cpu_kernels!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            choices = ", ".join(ATTENTION_BACKENDS)
+            backend = self.attention_backend
+            raise InvalidArgumentError(f"--attention-backend must be one of {choices}, got {backend!r}")
         if self.page_size < 1:
             raise InvalidArgumentError(f"--page-size must be >= 1, got {self.page_size}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
@@ -215,6 +223,14 @@ class ServerArgs:
             choices=CPU_KERNEL_CHOICES,
             help="native CPU kernels, built once per machine with its C++ compiler: auto uses them when "
             "they build, native requires them, torch uses torch ops only",
+        )
+        model.add_argument(
+            "--attention-backend",
+            default="auto",
+            choices=ATTENTION_BACKENDS,
+            help="attention over the paged KV cache: cpu_native (native CPU kernels: paged decode, "
+            "shared-prefix cascade, AMX where the CPU has it), torch_native (torch SDPA; any device); "
+            "auto picks cpu_native on a CPU where the native kernels load, else torch_native",
         )
 
         memory = parser.add_argument_group("memory")

@@ -2,46 +2,47 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import time
-from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from radixserve.attention.staging import DecodeStaging, PrefixStaging
+from radixserve.attention.base import (
+    AttentionBackend,
+    AttentionBackendUnavailable,
+    AttentionCall,
+    AttentionSpec,
+)
+from radixserve.attention.cpu_native import CpuNativeBackend
+from radixserve.attention.registry import choose_attention_backend
 from radixserve.cache.pools import KVCachePool
-from radixserve.config.server_args import InvalidArgumentError, ServerArgs
+from radixserve.config.server_args import InvalidArgumentError
 from radixserve.distributed.parallel import SINGLE, ParallelContext, broadcast_from_leader, min_over_ranks
-from radixserve.forward.batch import ForwardBatch, ForwardMode
+from radixserve.executor.base import ExecutorInfo, MemoryReleasedError
+from radixserve.executor.runner_config import RunnerConfig
+from radixserve.forward.batch import ForwardBatch
 from radixserve.kernels.cpu_ops import CpuKernels, select_cpu_kernels
 from radixserve.kernels.native import NativeKernelsUnavailable
-from radixserve.layers.basic import split_kv_heads
+from radixserve.layers.linear import split_kv_heads
 from radixserve.layers.packed_weights import PackedWeight, WeightPacking, cpu_packing_supported
 from radixserve.layers.sampler import SamplingBatch, sample
 from radixserve.models.bert import Encoder
 from radixserve.models.config import ModelConfig, ModelLoadError
-from radixserve.models.fused_decode import fused_decode_plan
-from radixserve.models.llama import ARCHITECTURES, CausalLM
+from radixserve.models.llama import CausalLM
 from radixserve.models.loader import ModelSource, iter_weights, load_model_config, resolve_model_source
 from radixserve.models.pooling import PoolingConfig, finish_embeddings, pool_segments, read_pooling_config
+from radixserve.models.registry import build_model
 from radixserve.models.weight_updates import WeightStash, read_weight, repack, update_weights
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-# What /release_memory_occupation can release (SGLang's tags).
-MEMORY_TAGS = ("weights", "kv_cache")
-
-
-class MemoryReleasedError(RuntimeError):
-    """The weights or the KV cache are released; /resume_memory_occupation brings them back."""
-
 
 # Default KV capacity cap on a CPU when --max-total-tokens is not given.
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 65536
-# Default cap on decode staging (model/decode_staging.py) on a CPU, in K/V tokens.
+# Default cap on decode staging (attention/staging.py) on a CPU, in K/V tokens.
 CPU_DEFAULT_STAGING_TOKENS = 32768
 
 
@@ -68,7 +69,7 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
         return _DTYPES[name]
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
-    # bf16 matmul is ~2x faster than fp32 on CPUs with native bf16; elsewhere it is emulated and slow.
+    # bf16 matmul is faster than fp32 on CPUs with native bf16; elsewhere it is emulated and slow.
     # fp16 is never chosen on a CPU: it has no fast path there.
     return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
 
@@ -85,43 +86,45 @@ def free_memory_bytes(device: torch.device) -> int:
     return int(pages * os.sysconf("SC_PAGE_SIZE"))
 
 
-@dataclass
-class RunnerInfo:
-    max_total_tokens: int
-    context_len: int
-    dtype: torch.dtype
-    device: torch.device
-
-
 class ModelRunner:
-    """With tensor parallelism, one runner per rank holds that rank's shard (`parallel`)."""
+    """The executor (executor/base.py) that runs a real model. With tensor parallelism, one runner
+    per rank holds that rank's shard (`parallel`)."""
 
     def __init__(
-        self, args: ServerArgs, source: ModelSource | None = None, parallel: ParallelContext = SINGLE
+        self, config: RunnerConfig, source: ModelSource | None = None, parallel: ParallelContext = SINGLE
     ):
-        self.args = args
+        self.runner_config = config
         self.parallel = parallel
-        self.device = pick_device(args.device)
-        self.dtype = pick_dtype(args.dtype, self.device)
-        self.source = source or resolve_model_source(args.model_path)
-        self.released: set[str] = set()
+        self.device = pick_device(config.device)
+        self.dtype = pick_dtype(config.dtype, self.device)
+        self.source = source or resolve_model_source(config.model_path)
+        self._released: set[str] = set()
         self._stash: WeightStash | None = None
         self.config: ModelConfig = load_model_config(self.source)
-        self.context_len = self._context_len(self.config, args)
+        self.context_len = self._context_len(self.config, config)
         # An embedding model answers embedding requests only (like SGLang's --is-embedding).
-        self.is_embedding = args.is_embedding or self.config.is_encoder
+        self.is_embedding = config.is_embedding or self.config.is_encoder
         if self.config.is_encoder and parallel.tp_size > 1:
             raise InvalidArgumentError("encoder (BERT) models run with --tp-size 1 only")
         self.local_kv_heads = split_kv_heads(self.config.num_key_value_heads, 1, parallel).local
         self.kernels = self._select_kernels()
-        # bf16 linear weights on a CPU are held packed for a matmul kernel (model/packed_weights.py).
+        # bf16 linear weights on a CPU are held packed for a matmul kernel (layers/packed_weights.py).
         packed = cpu_packing_supported(self.dtype, self.device)
         self.packing = WeightPacking(self.kernels) if packed else None
         self.pooling: PoolingConfig | None = None
         if self.is_embedding:
             model_dir = self.source.path if self.source.kind == "hf_dir" else None
             self.pooling = read_pooling_config(model_dir, self.config)
-        torch.manual_seed(args.random_seed)
+        torch.manual_seed(config.random_seed)
+        # Chosen before the KV cache is sized: a backend that gathers K/V may keep copies (staging).
+        spec = self._attention_spec(staging_tokens=0)
+        choice = None
+        if not self.config.is_encoder:
+            try:
+                choice = choose_attention_backend(config.attention_backend, spec)
+            except AttentionBackendUnavailable as error:
+                message = f"--attention-backend {config.attention_backend}: {error}"
+                raise InvalidArgumentError(message) from error
 
         started = time.perf_counter()
         self.model = self._load_model()
@@ -134,7 +137,8 @@ class ModelRunner:
             self.device,
         )
         # Ranks see different free memory; their schedulers must count the same slots.
-        self.max_total_tokens = min_over_ranks(self._kv_capacity(), parallel)
+        gathers_kv = choice is not None and choice.backend.gathers_kv
+        self.max_total_tokens = min_over_ranks(self._kv_capacity(gathers_kv), parallel)
         self.kv_pool = KVCachePool(
             num_slots=self.max_total_tokens,
             # An encoder keeps no K/V between steps: its slots are only accounting.
@@ -144,54 +148,96 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
         )
-        self.staging = DecodeStaging(
-            max_tokens=self._staging_tokens(),
-            num_layers=self.kv_pool.num_layers,
+        # An encoder attends densely within each text and keeps no K/V: no backend.
+        self.attention: AttentionBackend | None = None
+        self.attention_reason = "encoder: dense attention within each text, no KV cache"
+        if choice is not None:
+            staging = self._staging_tokens() if choice.backend.gathers_kv else 0
+            self.attention = choice.backend(self._attention_spec(staging))
+            self.attention_reason = choice.reason
+        self._choose_decode_path()
+        logger.info(
+            "attention backend: %s (%s); decode path: %s",
+            "none" if self.attention is None else self.attention.name,
+            self.attention_reason,
+            self.decode_path,
+        )
+
+    def _attention_spec(self, staging_tokens: int) -> AttentionSpec:
+        return AttentionSpec(
+            num_layers=self.config.num_hidden_layers,
+            num_heads=self.config.num_attention_heads // self.parallel.tp_size,
             num_kv_heads=self.local_kv_heads,
             head_dim=self.config.head_dim,
             dtype=self.dtype,
             device=self.device,
+            kernels=self.kernels,
+            decode_staging_tokens=staging_tokens,
         )
-        self.prefix_staging = PrefixStaging(
-            self.kv_pool.num_layers, self.local_kv_heads, self.config.head_dim, self.dtype, self.device
+
+    def _choose_decode_path(self) -> None:
+        """Whether decode steps run in the fused native loop: decided when the weights are (re)loaded,
+        never per step."""
+        fused = None
+        if isinstance(self.model, CausalLM) and isinstance(self.attention, CpuNativeBackend):
+            if self.dtype == torch.bfloat16:
+                fused = self.model.fused_decode_plan()
+            self.attention.fused_decode = fused is not None
+        if isinstance(self.model, CausalLM):
+            self.model.fused_decode = fused
+
+    @property
+    def decode_path(self) -> str:
+        return "none (encoder)" if self.attention is None else self.attention.decode_path
+
+    @property
+    def info(self) -> ExecutorInfo:
+        return ExecutorInfo(
+            self.config, self.context_len, self.max_total_tokens, self.dtype, self.device, self.is_embedding
         )
+
+    @property
+    def released(self) -> set[str]:
+        return self._released
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "attention_backend": "none" if self.attention is None else self.attention.name,
+            "attention_backend_reason": self.attention_reason,
+            "decode_path": self.decode_path,
+            "cpu_kernels": "torch" if self.kernels is None else "native",
+        }
+
+    def stats(self) -> dict[str, Any]:
+        stats: dict[str, Any] = {
+            "decode_staging_tokens": 0,
+            "decode_staging_appends": 0,
+            "decode_staging_refills": 0,
+        }
+        if self.attention is not None:
+            stats |= self.attention.stats()
+        if self.kernels is not None:
+            stats["kernel_fallbacks"] = dict(self.kernels.fallbacks)
+        return stats
 
     def _select_kernels(self) -> CpuKernels | None:
         if self.config.is_encoder:
             return None
         try:
-            return select_cpu_kernels(self.args.cpu_kernels, self.device)
+            return select_cpu_kernels(self.runner_config.cpu_kernels, self.device)
         except NativeKernelsUnavailable as error:
             raise InvalidArgumentError(f"--cpu-kernels native: {error}") from error
 
-    @functools.cached_property
-    def native_decode_attention(self) -> bool:
-        """Whether decode attention reads the paged pool in place (native CPU kernel)."""
-        heads = self.config.num_attention_heads // self.parallel.tp_size
-        return self.kernels is not None and self.kernels.handles_decode_attention(
-            heads, self.local_kv_heads, self.config.head_dim, self.dtype
-        )
-
     def _staging_tokens(self) -> int:
-        if self.native_decode_attention:
-            return 0  # the native kernel reads the pool in place: staging would be unread copies
-        if self.args.decode_staging_tokens is not None:
-            return self.args.decode_staging_tokens
-        return min(self.max_total_tokens, CPU_DEFAULT_STAGING_TOKENS) if self._default_staging() else 0
-
-    def _default_staging(self) -> bool:
-        """Staging by default: on a CPU, for a decoder whose decode attention gathers its K/V (the
-        native kernel reads them in place). On CUDA the gather it saves is cheap next to the memory
-        it would take from the pool."""
-        return (
-            self.args.decode_staging_tokens is None
-            and self.device.type == "cpu"
-            and not self.config.is_encoder
-            and not self.native_decode_attention
-        )
+        """Decode staging's budget for a backend that gathers K/V: --decode-staging-tokens, else
+        by default on a CPU the KV cache up to CPU_DEFAULT_STAGING_TOKENS. On CUDA the gather it
+        saves is cheap next to the memory it would take from the pool."""
+        if self.runner_config.decode_staging_tokens is not None:
+            return self.runner_config.decode_staging_tokens
+        return min(self.max_total_tokens, CPU_DEFAULT_STAGING_TOKENS) if self.device.type == "cpu" else 0
 
     @staticmethod
-    def _context_len(config: ModelConfig, args: ServerArgs) -> int:
+    def _context_len(config: ModelConfig, args: RunnerConfig) -> int:
         limit = config.max_position_embeddings
         if config.sliding_window is not None:
             # Attention here is full; past the window the model would see more than it was trained on.
@@ -209,12 +255,7 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                model: CausalLM | Encoder
-                if self.config.is_encoder:
-                    model = Encoder(self.config, self.context_len, self.parallel)
-                else:
-                    model_cls = ARCHITECTURES[self.config.architecture]
-                    model = model_cls(self.config, self.context_len, self.parallel, self.kernels)
+                model = build_model(self.config, self.context_len, self.parallel, self.kernels)
         finally:
             torch.set_default_dtype(previous)
         model.load_weights(iter_weights(self.source, self.config))
@@ -222,24 +263,25 @@ class ModelRunner:
             repack(model.modules(), self.packing)
         return model.eval()
 
-    def _kv_capacity(self) -> int:
+    def _kv_capacity(self, gathers_kv: bool) -> int:
         per_slot = KVCachePool.bytes_per_slot(
             self.config.num_hidden_layers,
             self.local_kv_heads,
             self.config.head_dim,
             self.dtype,
         )
-        page = self.args.page_size
-        if self.args.max_total_tokens is not None:
-            tokens = self.args.max_total_tokens
+        args = self.runner_config
+        page = args.page_size
+        if args.max_total_tokens is not None:
+            tokens = args.max_total_tokens
         else:
-            budget = free_memory_bytes(self.device) * self.args.mem_fraction_static
+            budget = free_memory_bytes(self.device) * args.mem_fraction_static
             tokens = int(budget // per_slot)
-            if self._default_staging():
+            if gathers_kv and args.decode_staging_tokens is None and self.device.type == "cpu":
                 # The default decode staging lives in the same budget.
                 tokens -= min(tokens // 2, CPU_DEFAULT_STAGING_TOKENS)
             # More slots than every running request at full context can never be used.
-            max_running = self.args.max_running_requests or 256
+            max_running = args.max_running_requests or 256
             tokens = min(tokens, max_running * self.context_len)
             if self.device.type == "cpu":
                 # Host memory is shared with everything else on the machine; a CPU serves far
@@ -254,7 +296,7 @@ class ModelRunner:
         logger.info("KV cache: %d tokens, %.1f MiB", tokens, tokens * per_slot / 2**20)
         return tokens
 
-    def load_other_weights(self, model_path: str) -> None:
+    def load_other_weights(self, model_path: str) -> str:
         """Replaces the weights with another checkpoint of the same architecture and shapes. The new
         model is built beside the old one, so a failure (bad path, other shapes) leaves the old one
         serving; the memory of both is needed for a moment."""
@@ -272,7 +314,9 @@ class ModelRunner:
         except BaseException:
             self.source, self.config = previous_source, previous_config
             raise
+        self._choose_decode_path()
         logger.info("weights updated from %s", source.path)
+        return str(source.path)
 
     def weight_slice(self, name: str, truncate_size: int) -> list[float]:
         """The first truncate_size values of a weight, by its checkpoint name."""
@@ -282,26 +326,29 @@ class ModelRunner:
     def update_weights_from_tensors(self, named: list[tuple[str, torch.Tensor]]) -> int:
         """Loads checkpoint-named tensors in place; all or nothing. Returns how many were used."""
         self._check_resident("weights")
-        return update_weights(self.model, named, self.packing)
+        used = update_weights(self.model, named, self.packing)
+        self._choose_decode_path()
+        return used
 
     def release_memory(self, tags: set[str]) -> None:
         """Frees the weights (kept on host, or on disk for a CPU) and/or the KV cache's buffers."""
-        if "kv_cache" in tags - self.released:
+        if "kv_cache" in tags - self._released:
             self.kv_pool.release()
-            self.staging.release()
-            self.prefix_staging.release()
-        if "weights" in tags - self.released:
+            if self.attention is not None:
+                self.attention.release()
+        if "weights" in tags - self._released:
             self._stash = WeightStash(self.model, self.device, self.packing)
             self._stash.release()
-        self.released |= tags
+        self._released |= tags
 
     def resume_memory(self, tags: set[str]) -> None:
-        if "weights" in tags & self.released and self._stash is not None:
+        if "weights" in tags & self._released and self._stash is not None:
             self._stash.resume()
             self._stash = None
-        if "kv_cache" in tags & self.released:
+            self._choose_decode_path()
+        if "kv_cache" in tags & self._released:
             self.kv_pool.allocate()
-        self.released -= tags
+        self._released -= tags
 
     def resident_bytes(self) -> dict[str, int]:
         """Bytes the weights and the KV cache hold now (zero for what is released)."""
@@ -326,8 +373,10 @@ class ModelRunner:
                 "call /resume_memory_occupation first"
             )
 
-    def info(self) -> RunnerInfo:
-        return RunnerInfo(self.max_total_tokens, self.context_len, self.dtype, self.device)
+    def _attention_call(self, batch: ForwardBatch) -> AttentionCall:
+        assert self.attention is not None, "an encoder has no attention backend"
+        metadata = self.attention.plan(batch)
+        return AttentionCall(self.attention, metadata, self.kv_pool, batch.out_cache_loc)
 
     def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 logits for the batch's sample rows, then its logprob rows; and the final
@@ -335,20 +384,13 @@ class ModelRunner:
         self._check_resident("forward")
         if isinstance(self.model, Encoder):
             raise TypeError("an encoder model only embeds; this is a bug in the caller")
-        if batch.mode is ForwardMode.DECODE:
-            assert batch.decode is not None
-            if self.staging.max_tokens:
-                self.staging.prepare(batch.decode)
-            # The fused decode loop reads the shared prefix from the pool by its slots.
-            if self.native_decode_attention and fused_decode_plan(self.model) is None:
-                self.prefix_staging.prepare(batch.decode)
-        logits, hidden = self.model(batch, self.kv_pool)
+        logits, hidden = self.model(batch, self._attention_call(batch))
         return logits, hidden
 
     def idle(self) -> None:
-        """Nothing runs: gives back the memory decode staging holds."""
-        self.staging.release()
-        self.prefix_staging.release()
+        """Nothing runs: gives back the memory the attention backend keeps between steps."""
+        if self.attention is not None:
+            self.attention.idle()
 
     def embed(self, batch: ForwardBatch) -> torch.Tensor:
         """One fp32 embedding per request that completes its prompt in this batch, in row order."""
@@ -356,9 +398,9 @@ class ModelRunner:
         self._check_resident("embed")
         if isinstance(self.model, Encoder):
             assert batch.extend is not None
-            pooled = pool_segments(self.model(batch, self.kv_pool), batch.extend, self.pooling.mode)
+            pooled = pool_segments(self.model(batch), batch.extend, self.pooling.mode)
         else:
-            pooled = self.model.final_hidden(batch, self.kv_pool).float()
+            pooled = self.model.final_hidden(batch, self._attention_call(batch)).float()
         return finish_embeddings(pooled, self.pooling)
 
     def sample(self, logits: torch.Tensor, sampling: SamplingBatch) -> torch.Tensor:

@@ -1,25 +1,26 @@
-"""Tensor-level entry points of the native CPU kernels.
+"""Tensor-level entry points of the native CPU kernels: tensors in, tensors out.
 
-Each op returns None (or False) for an input it does not handle (another device or dtype, a memory
-layout the kernel cannot address, a head shape without a compiled kernel), and the caller runs its
-torch code instead: the native path is an accelerator, never the only way.
+Whether the kernels are used at all is decided once, at startup (select_cpu_kernels,
+--cpu-kernels). Each op then returns None (or False) for an input it does not handle (another
+device or dtype, a memory layout the kernel cannot address, a head shape without a compiled
+kernel), and the caller runs its torch code instead. Such a decline is never silent: it is counted
+per op (CpuKernels.fallbacks, in /get_server_info as kernel_fallbacks) and logged the first time
+for each op and input signature.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
 import torch
 
 from radixserve.kernels.native import DTYPE_SUFFIXES, NativeKernelsUnavailable, load_library
-
-if TYPE_CHECKING:
-    from radixserve.forward.batch import DecodeLayout
-    from radixserve.layers.basic import Rope
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +36,35 @@ class SharedPrefixResult:
     lse: torch.Tensor
 
 
+_Op = TypeVar("_Op", bound=Callable[..., Any])
+
+
+def _counted(op: _Op) -> _Op:
+    """Counts and logs the op's declines (a None or False result)."""
+
+    @functools.wraps(op)
+    def run(self: CpuKernels, *args: Any, **kwargs: Any) -> Any:
+        result = op(self, *args, **kwargs)
+        if result is None or result is False:
+            self.declined(op.__name__, args)
+        return result
+
+    return run  # type: ignore[return-value]
+
+
+def _signature(args: tuple[Any, ...]) -> str:
+    parts = []
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            parts.append(f"{arg.dtype} {tuple(arg.shape)} strides {arg.stride()} on {arg.device}")
+    return "; ".join(parts)
+
+
 class CpuKernels:
     def __init__(self, library: ctypes.CDLL):
+        # Declined inputs per op (the torch code ran instead), and the signatures logged so far.
+        self.fallbacks: Counter[str] = Counter()
+        self._logged: set[tuple[str, str]] = set()
         self._functions: dict[tuple[str, torch.dtype], Callable[..., Any]] = {
             (name, dtype): getattr(library, f"{name}_{suffix}")
             for name in ("rms_norm", "silu_and_mul", "rotary", "merge_by_lse", "decode_attention")
@@ -49,6 +77,13 @@ class CpuKernels:
         self._argmax_rows = library.argmax_rows_f32
         # Whether this build has the AMX matmul and the OS grants this process AMX tiles.
         self.has_amx_linear = bool(library.amx_linear_available())
+
+    def declined(self, op: str, args: tuple[Any, ...]) -> None:
+        self.fallbacks[op] += 1
+        signature = _signature(args)
+        if (op, signature) not in self._logged:
+            self._logged.add((op, signature))
+            logger.info("native %s declined [%s]; its torch code ran instead", op, signature)
 
     def handles_decode_attention(self, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
         """Whether decode_attention has a kernel for this head shape and dtype."""
@@ -64,6 +99,7 @@ class CpuKernels:
             return None
         return self._functions.get((name, x.dtype))
 
+    @_counted
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
         """RMSNorm of the rows of a 2-D x, normalized in fp32 and scaled in x's dtype."""
         run = self._function("rms_norm", x)
@@ -74,6 +110,7 @@ class CpuKernels:
         run(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
         return out
 
+    @_counted
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up for x = [gate | up] on its last dimension (2-D)."""
         run = self._function("silu_and_mul", x)
@@ -84,6 +121,7 @@ class CpuKernels:
         run(x.data_ptr(), x.stride(0), out.data_ptr(), rows, size)
         return out
 
+    @_counted
     def rotary_(
         self, x: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor
     ) -> bool:
@@ -103,6 +141,7 @@ class CpuKernels:
             positions.data_ptr())  # fmt: skip
         return True
 
+    @_counted
     def merge_by_lse(
         self, out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
     ) -> torch.Tensor | None:
@@ -130,6 +169,7 @@ class CpuKernels:
             out.data_ptr(), n, na, nb, dim)  # fmt: skip
         return out
 
+    @_counted
     def decode_attention(
         self,
         q: torch.Tensor,
@@ -171,6 +211,7 @@ class CpuKernels:
                      prefix_lse)  # fmt: skip
         return out if status == 0 else None
 
+    @_counted
     def argmax_rows(self, x: torch.Tensor) -> torch.Tensor | None:
         """x.max(dim=-1).indices for a 2-D fp32 x (the first maximum; a NaN counts as the maximum),
         in one pass over x."""
@@ -181,6 +222,7 @@ class CpuKernels:
             self._argmax_rows(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr())
         return out if x.shape[1] else None
 
+    @_counted
     def pack_linear(self, weight: torch.Tensor) -> torch.Tensor | None:
         """A linear weight [N, K] in the AMX matmul's layout (csrc/amx_linear.cpp), or None where that
         kernel cannot run it: no AMX here, not bf16 on a CPU, or N or K not a multiple of 32."""
@@ -240,6 +282,7 @@ class CpuKernels:
             and q.shape[1] % kv_heads == 0
         )
 
+    @_counted
     def prefix_attention(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
     ) -> SharedPrefixResult | None:
@@ -263,6 +306,7 @@ class CpuKernels:
         )  # fmt: skip
         return SharedPrefixResult(length, out, lse) if status == 0 else None
 
+    @_counted
     def causal_attention(
         self,
         q: torch.Tensor,
@@ -305,26 +349,32 @@ class CpuKernels:
         intermediate: int,
         eps: float,
         scale: float,
-        rope: Rope,
+        positions: torch.Tensor,
+        cos_table: torch.Tensor,
+        sin_table: torch.Tensor,
         out_slots: torch.Tensor,
-        layout: DecodeLayout,
+        req_to_token: torch.Tensor,
+        req_rows: torch.Tensor,
+        seq_lens: torch.Tensor,
+        shared_prefix: torch.Tensor | None,
     ) -> None:
         """Every decoder layer of a decode step, updating hidden ([B, hidden] bf16, contiguous) in
-        place; layers: [L, 9] int64 addresses (model/fused_decode.py)."""
-        prefix = layout.shared_prefix_slots
-        if prefix is not None:
-            prefix = prefix.to(torch.int64).contiguous()
-        rows = layout.req_pool_indices.to(torch.int64).contiguous()
-        lens = layout.seq_lens.to(torch.int64).contiguous()
+        place. layers: [L, 9] int64 addresses (models/fused_decode.py); positions, out_slots,
+        req_rows, seq_lens: per request; cos/sin tables: [positions, head_dim / 2] fp32; request b's
+        context is at req_to_token[req_rows[b], :seq_lens[b]]; shared_prefix: the KV slots every
+        request's context starts with (cascade), or None."""
+        prefix = None if shared_prefix is None else shared_prefix.to(torch.int64).contiguous()
+        rows = req_rows.to(torch.int64).contiguous()
+        lens = seq_lens.to(torch.int64).contiguous()
         slots = out_slots.to(torch.int64).contiguous()
-        positions = rope.positions.to(torch.int64).contiguous()
-        table = layout.req_to_token
+        positions = positions.to(torch.int64).contiguous()
+        table = req_to_token
         if table.dtype != torch.int64 or table.stride(1) != 1:
             raise ValueError("req_to_token must be int64 with contiguous rows")
         batch, size = hidden.shape
         status = self._fused_decode(
             layers.data_ptr(), layers.shape[0], hidden.data_ptr(), batch, size, intermediate, heads, kv_heads,
-            head_dim, eps, scale, rope.cos_table.data_ptr(), rope.sin_table.data_ptr(), positions.data_ptr(),
+            head_dim, eps, scale, cos_table.data_ptr(), sin_table.data_ptr(), positions.data_ptr(),
             slots.data_ptr(), table.data_ptr(), table.stride(0), rows.data_ptr(), lens.data_ptr(),
             0 if prefix is None else len(prefix), None if prefix is None else prefix.data_ptr(),
         )  # fmt: skip

@@ -2,10 +2,9 @@
 
 Two kernels, chosen per weight when the model is loaded (WeightPacking):
 - the native AMX matmul (radixserve/kernels/csrc/amx_linear.cpp) where the CPU has AMX and the
-  shape suits it (both sizes multiples of 32). On the 2-core AMX Xeon this was developed on, it ran a
-  SmolLM2-135M decode step's linears in 10-11 ms at 1 row vs oneDNN's 15, 13 vs 17.5 ms at 32 rows,
-  and a 1024-row prefill layer 25% faster;
-- oneDNN's packed layout otherwise, 1.2-1.6x faster than F.linear on a plain weight.
+  shape suits it (both sizes multiples of 32): faster than oneDNN at every row count measured;
+- oneDNN's packed layout otherwise, faster than F.linear on a plain weight.
+Figures: docs/architecture.md ("CPU specifics").
 """
 
 from __future__ import annotations
@@ -20,7 +19,8 @@ if TYPE_CHECKING:
 
 
 def cpu_packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
-    return device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+    mkldnn: bool = torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
+    return device.type == "cpu" and dtype == torch.bfloat16 and mkldnn
 
 
 @dataclass
@@ -69,9 +69,9 @@ def onednn_linear(
 ) -> torch.Tensor:
     """x W^T (+ bias) (+ residual) with a oneDNN-packed weight.
 
-    oneDNN builds (JIT-compiles) a kernel for every new row count, ~8 ms for a 1000 x 576 x 3072
-    matmul that then runs in ~2 ms, and its cache keeps ~1000 shapes. Prefill row counts are
-    nearly always new, so the rows are padded to one of eight sizes per power of two (at most 12.5%
+    oneDNN builds (JIT-compiles) a kernel for every new row count, which can cost more than the
+    matmul itself, and its cache keeps a bounded number of shapes. Prefill row counts are nearly
+    always new, so the rows are padded to one of eight sizes per power of two (at most an eighth
     more rows) and each size is compiled once. Rows do not mix in a matmul: results are unchanged."""
     rows = x.shape[0]
     padded = round_up_to_eighth(rows)
@@ -82,7 +82,8 @@ def onednn_linear(
         out = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     else:
         out = torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed, bias, "add")
-    return out if padded == rows else out[:rows]
+    result: torch.Tensor = out if padded == rows else out[:rows]
+    return result
 
 
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:

@@ -14,10 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixserve.cache.pools import KVCachePool
 from radixserve.distributed.parallel import SINGLE, ParallelContext
 from radixserve.forward.batch import ForwardBatch, ForwardMode
-from radixserve.layers.basic import (
+from radixserve.layers.linear import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -66,7 +65,8 @@ class EncoderLayer(nn.Module):
         hidden = self.attn_norm(hidden + self.attn_out(attn.reshape(tokens, local)))
         inner = self.intermediate(hidden)
         inner = F.relu(inner) if self.relu else F.gelu(inner, approximate=self.gelu_approximate)
-        return self.out_norm(hidden + self.out(inner))
+        out: torch.Tensor = self.out_norm(hidden + self.out(inner))
+        return out
 
 
 # checkpoint module path (under encoder.layer.N.) → ours, and the shard within a stacked layer
@@ -103,7 +103,7 @@ class Encoder(nn.Module):
         self.layers = nn.ModuleList(EncoderLayer(config, ctx) for _ in range(config.num_hidden_layers))
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv_pool: KVCachePool) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
         if batch.mode is not ForwardMode.EXTEND or any(seg.prefix_len for seg in batch.extend or []):
             raise ValueError("an encoder runs whole texts only: no decode steps, no cached prefix")
         # Single-segment inputs: every token has token type 0.
@@ -111,7 +111,8 @@ class Encoder(nn.Module):
         hidden = self.norm(hidden)
         for layer in self.layers:
             hidden = layer(hidden, batch)
-        return hidden
+        result: torch.Tensor = hidden
+        return result
 
     def resolve(self, name: str) -> WeightTarget:
         if match := _LAYER_PARAM.fullmatch(name):

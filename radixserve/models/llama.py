@@ -8,31 +8,29 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
 
-from radixserve.attention.torch_ops import decode_attention, extend_attention
-from radixserve.cache.pools import KVCachePool
+from radixserve.attention.base import AttentionCall
 from radixserve.distributed.parallel import SINGLE, ParallelContext
 from radixserve.forward.batch import ForwardBatch, ForwardMode
-from radixserve.layers.basic import (
+from radixserve.layers.activation import silu_and_mul
+from radixserve.layers.linear import (
     ColumnParallelLinear,
     ParallelLMHead,
-    RMSNorm,
-    Rope,
-    RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
     WeightTarget,
     divide,
-    silu_and_mul,
     split_evenly,
     split_kv_heads,
 )
+from radixserve.layers.norm import RMSNorm
+from radixserve.layers.rotary import Rope, RotaryEmbedding
 from radixserve.models.config import ModelConfig
-from radixserve.models.fused_decode import FusedDecodePlan, fused_decode
+from radixserve.models.fused_decode import FusedDecodePlan, FusedLayer
 
 if TYPE_CHECKING:
     from radixserve.kernels.cpu_ops import CpuKernels
@@ -41,7 +39,6 @@ if TYPE_CHECKING:
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, ctx: ParallelContext, kernels: CpuKernels | None):
         super().__init__()
-        self.kernels = kernels
         self.layer_id = layer_id
         self.head_dim = config.head_dim
         self.num_heads = divide(config.num_attention_heads, ctx.tp_size, "num_attention_heads")
@@ -57,12 +54,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels) if config.qk_norm else None
 
     def forward(
-        self,
-        hidden: torch.Tensor,
-        batch: ForwardBatch,
-        kv_pool: KVCachePool,
-        rope: Rope,
-        residual: torch.Tensor,
+        self, hidden: torch.Tensor, attention: AttentionCall, rope: Rope, residual: torch.Tensor
     ) -> torch.Tensor:
         """The attention's output added to residual."""
         tokens = hidden.shape[0]
@@ -80,17 +72,9 @@ class Attention(nn.Module):
             qk = rope.rotate_(qk)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
 
-        kv_pool.write(self.layer_id, batch.out_cache_loc, k, v)
-        k_cache, v_cache = kv_pool.k_buffers[self.layer_id], kv_pool.v_buffers[self.layer_id]
-        if batch.mode is ForwardMode.DECODE:
-            assert batch.decode is not None
-            out = decode_attention(
-                q, k, v, k_cache, v_cache, batch.decode, self.layer_id, self.scale, self.kernels
-            )
-        else:
-            assert batch.extend is not None
-            out = extend_attention(q, k, v, k_cache, v_cache, batch.extend, self.scale, self.kernels)
-        return self.o_proj(out.reshape(tokens, q_size), residual)
+        out = attention(self.layer_id, q, k, v, self.scale)
+        projected: torch.Tensor = self.o_proj(out.reshape(tokens, q_size), residual)
+        return projected
 
 
 class MLP(nn.Module):
@@ -103,7 +87,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """The MLP's output added to residual."""
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.kernels), residual)
+        out: torch.Tensor = self.down_proj(silu_and_mul(self.gate_up_proj(x), self.kernels), residual)
+        return out
 
 
 class DecoderLayer(nn.Module):
@@ -114,11 +99,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
 
-    def forward(
-        self, hidden: torch.Tensor, batch: ForwardBatch, kv_pool: KVCachePool, rope: Rope
-    ) -> torch.Tensor:
-        hidden = self.self_attn(self.input_layernorm(hidden), batch, kv_pool, rope, residual=hidden)
-        return self.mlp(self.post_attention_layernorm(hidden), residual=hidden)
+    def forward(self, hidden: torch.Tensor, attention: AttentionCall, rope: Rope) -> torch.Tensor:
+        hidden = self.self_attn(self.input_layernorm(hidden), attention, rope, residual=hidden)
+        out: torch.Tensor = self.mlp(self.post_attention_layernorm(hidden), residual=hidden)
+        return out
 
 
 # checkpoint name → (our module path, shard index within a stacked layer)
@@ -153,20 +137,19 @@ class CausalLM(nn.Module):
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, ctx)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        # The fused decode loop's view of the layers (model/fused_decode.py), worked out on first use.
-        self.fused_plan: FusedDecodePlan | None = None
-        self.fused_plan_checked = False
+        # Set by the model runner when decode steps run in the fused native loop (fused_decode_plan).
+        self.fused_decode: FusedDecodePlan | None = None
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv_pool: KVCachePool) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, batch: ForwardBatch, attention: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 logits for `batch.sample_rows`, then `batch.logprob_rows` if any; and the normed
         hidden states of those rows, then of `batch.hidden_rows`."""
-        hidden = self.final_hidden(batch, kv_pool)
+        hidden = self.final_hidden(batch, attention)
         with_logits = hidden.shape[0] - (0 if batch.hidden_rows is None else len(batch.hidden_rows))
         return self.lm_head.logits(hidden[:with_logits]).float(), hidden
 
     @torch.inference_mode()
-    def final_hidden(self, batch: ForwardBatch, kv_pool: KVCachePool) -> torch.Tensor:
+    def final_hidden(self, batch: ForwardBatch, attention: AttentionCall) -> torch.Tensor:
         """The last layer's normed hidden states for the rows forward() returns logits of."""
         if batch.input_embeds is None:
             hidden = self.embed_tokens(batch.input_ids)
@@ -176,12 +159,11 @@ class CausalLM(nn.Module):
             for row, vectors in batch.input_embeds:
                 hidden[row : row + len(vectors)] = vectors
         rope = self.rotary.lookup(batch.positions, hidden.dtype, self.kernels)
-        fused = fused_decode(self, hidden, batch, kv_pool, rope)
-        if fused is not None:
-            hidden = fused
+        if self.fused_decode is not None and batch.mode is ForwardMode.DECODE:
+            hidden = self.fused_decode.run(hidden, attention, rope)
         else:
             for layer in self.layers:
-                hidden = layer(hidden, batch, kv_pool, rope)
+                hidden = layer(hidden, attention, rope)
         # Only the rows that sample need the final norm and the (large) vocabulary projection.
         rows = batch.sample_rows
         extra = [r for r in (batch.logprob_rows, batch.hidden_rows) if r is not None]
@@ -189,6 +171,48 @@ class CausalLM(nn.Module):
             rows = torch.cat([rows, *extra])
         normed: torch.Tensor = self.norm(hidden[rows])
         return normed
+
+    def fused_decode_plan(self) -> FusedDecodePlan | None:
+        """This model's layers for the fused native decode loop (models/fused_decode.py), or None
+        where it cannot run them: no AMX matmul here, q/k norms (Qwen3), tensor parallelism, a head
+        shape without compiled kernels, biases on o_proj/down_proj, or a linear not AMX-packed."""
+        kernels, config = self.kernels, self.config
+        if kernels is None or not kernels.has_amx_linear or config.qk_norm or config.head_dim % 32:
+            return None
+        layers = cast("list[DecoderLayer]", list(self.layers))
+        first = layers[0]
+        attention = first.self_attn
+        if attention.o_proj.ctx.tp_size != 1 or not kernels.handles_decode_attention(
+            attention.num_heads, attention.num_kv_heads, config.head_dim, torch.bfloat16
+        ):
+            return None
+        if any(layer.self_attn.o_proj.bias is not None or layer.mlp.down_proj.bias is not None
+               for layer in layers):  # fmt: skip
+            return None
+        plan = FusedDecodePlan(
+            kernels=kernels,
+            layers=[
+                FusedLayer(
+                    input_norm=layer.input_layernorm.weight,
+                    qkv_bias=layer.self_attn.qkv_proj.bias,
+                    post_norm=layer.post_attention_layernorm.weight,
+                    linears=(
+                        layer.self_attn.qkv_proj,
+                        layer.self_attn.o_proj,
+                        layer.mlp.gate_up_proj,
+                        layer.mlp.down_proj,
+                    ),
+                )
+                for layer in layers
+            ],
+            heads=attention.num_heads,
+            kv_heads=attention.num_kv_heads,
+            head_dim=config.head_dim,
+            intermediate=first.mlp.down_proj.local_input,
+            eps=first.input_layernorm.eps,
+            scale=attention.scale,
+        )
+        return plan if plan.ready() else None
 
     def resolve(self, name: str) -> WeightTarget | None:
         """Where a checkpoint tensor goes; None for tensors this model derives itself."""
@@ -234,11 +258,3 @@ class CausalLM(nn.Module):
             elif isinstance(module, (RowParallelLinear, VocabParallelEmbedding, RMSNorm)):
                 names.add(f"{module_path}.weight#0")
         return names
-
-
-ARCHITECTURES: dict[str, type[CausalLM]] = {
-    "LlamaForCausalLM": CausalLM,
-    "MistralForCausalLM": CausalLM,
-    "Qwen2ForCausalLM": CausalLM,
-    "Qwen3ForCausalLM": CausalLM,
-}

@@ -2,7 +2,7 @@
 checkpoint name, and moving every weight off the device and back (release/resume).
 
 On a bf16 CPU the linear layers hold their weight only in a matmul kernel's packed layout (see
-model/packed_weights.py). Everything here first turns a layer back into a plain weight, works on that, and
+layers/packed_weights.py). Everything here first turns a layer back into a plain weight, works on that, and
 packs it again, so callers never see the difference.
 """
 
@@ -19,17 +19,17 @@ import torch
 from torch import nn
 
 from radixserve.distributed.parallel import SINGLE, ParallelContext, gather_shards
-from radixserve.layers.basic import (
+from radixserve.layers.linear import (
     ColumnParallelLinear,
     ParallelLMHead,
     RowParallelLinear,
     VocabParallelEmbedding,
     WeightTarget,
-    _Linear,
+    ParallelLinear,
 )
 from radixserve.layers.packed_weights import WeightPacking
 
-Packable = _Linear | ParallelLMHead
+Packable = ParallelLinear | ParallelLMHead
 
 
 class ResolvingModel(Protocol):
@@ -40,7 +40,7 @@ class ResolvingModel(Protocol):
 
 def repack(modules: Iterable[nn.Module], packing: WeightPacking) -> None:
     for module in modules:
-        if isinstance(module, (_Linear, ParallelLMHead)):
+        if isinstance(module, (ParallelLinear, ParallelLMHead)):
             module.pack_for_cpu(packing)
 
 
@@ -59,7 +59,7 @@ def update_weights(
     modules = list({id(t.module): t.module for t, _ in targets}.values())
     modules += [m for m in _tied_heads(model, modules) if m not in modules]
     for module in modules:
-        if isinstance(module, (_Linear, ParallelLMHead)):
+        if isinstance(module, (ParallelLinear, ParallelLMHead)):
             module.unpack()
     backup = [(p, p.detach().clone()) for m in modules for p in m.parameters(recurse=False)]
     try:
@@ -83,7 +83,7 @@ def read_weight(model: ResolvingModel, name: str) -> torch.Tensor:
         raise KeyError(f"{name} is not stored separately in this model (tied to another weight?)")
     module = target.module
     tensor = getattr(module, target.param)
-    if isinstance(module, _Linear) and target.param == "weight":
+    if isinstance(module, ParallelLinear) and target.param == "weight":
         tensor = module.dense_weight()
     if isinstance(module, ColumnParallelLinear):
         tensor = tensor.narrow(0, module.offsets[target.shard], module.local_sizes[target.shard])
@@ -93,7 +93,8 @@ def read_weight(model: ResolvingModel, name: str) -> torch.Tensor:
     ctx: ParallelContext = getattr(module, "ctx", SINGLE)
     if place is not None and ctx.tp_size > 1:
         tensor = gather_shards(tensor.contiguous(), *place, ctx)
-    return tensor.detach()
+    detached: torch.Tensor = tensor.detach()
+    return detached
 
 
 def _shard_place(target: WeightTarget) -> tuple[int, int, int] | None:
@@ -126,7 +127,7 @@ class WeightStash:
 
     def release(self) -> None:
         for module in self.model.modules():
-            if isinstance(module, (_Linear, ParallelLMHead)):
+            if isinstance(module, (ParallelLinear, ParallelLMHead)):
                 module.unpack()
         tensors = self._tensors()
         if self.device.type == "cpu":

@@ -127,7 +127,7 @@ SLEEP_ON_IDLE_CHECK_MS = 5000
 
 @dataclass
 class ChildArgs:
-    """What every child process is started with (see server/launch.py)."""
+    """What every child process is started with (see runtime/launch.py)."""
 
     inbox: str | None  # None for a tensor-parallel rank > 0: its inputs come from rank 0
     outbox: str

@@ -62,7 +62,7 @@ class IncrementalDetokenizer:
         full_text = decode(self.ids[self.prefix_offset :], **options)
         if len(full_text) <= len(prefix_text) or (full_text.endswith(REPLACEMENT_CHAR) and not final):
             return ""
-        delta = full_text[len(prefix_text) :]
+        delta: str = full_text[len(prefix_text) :]
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.ids)
         self.text += delta

@@ -550,7 +550,7 @@ class Engine(EngineControl):
         self, command: str, timeout: float = 60.0, args: dict[str, Any] | None = None
     ) -> ControlResult:
         """Runs a control command on every scheduler replica; with several (--dp-size), their
-        answers are merged (see server/router.py: merge_replica_payloads)."""
+        answers are merged (see runtime/dp_router.py: merge_replica_payloads)."""
         box: queue.Queue[TextOutput | ControlResult] = queue.Queue()
         rid = f"ctl-{next(self._ids)}"
         replicas = range(self.runtime.num_replicas)

@@ -3,7 +3,7 @@
     engine ──GenerateRequest──▶ scheduler ──OutputBatch──▶ detokenizer ──TextBatch──▶ engine
 
 With --dp-size N there are N scheduler processes (replicas), each with its own inbox, all sending
-to the one detokenizer; the engine routes requests among them (server/router.py). With --tp-size M
+to the one detokenizer; the engine routes requests among them (runtime/dp_router.py). With --tp-size M
 each replica is M scheduler processes, one per rank; only rank 0 has an inbox and talks to the
 detokenizer, and it shares its inputs with the other ranks (scheduler/rank_sync.py). Ranks on
 other machines (--nnodes) are started there by `radixserve serve --node-rank N` (WorkerNode).

@@ -7,8 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixserve.attention.staging import DecodeStaging, PrefixStaging
-from radixserve.attention.torch_ops import decode_attention
+from radixserve.attention.base import AttentionSpec
+from radixserve.attention.common import decode_shared_prefix
+from radixserve.attention.staging import DecodeStaging, PrefixStaging, StagedPrefix
+from radixserve.attention.torch_native import TorchNativeBackend
 from radixserve.config.server_args import InvalidArgumentError, ServerArgs
 from radixserve.forward.batch import DecodeLayout, build_decode_layout
 
@@ -29,9 +31,14 @@ class _Run:
         for row, slots in enumerate(prompts):
             self.table[row, : len(slots)] = torch.tensor(slots)
             self.lens[row] = len(slots)
-        self.staging = DecodeStaging(
-            staging_tokens, LAYERS, KV_HEADS, DIM, torch.float32, torch.device("cpu")
+        cpu = torch.device("cpu")
+        self.backend = TorchNativeBackend(
+            AttentionSpec(LAYERS, HEADS, KV_HEADS, DIM, torch.float32, cpu, None, staging_tokens)
         )
+        self.plain = TorchNativeBackend(
+            AttentionSpec(LAYERS, HEADS, KV_HEADS, DIM, torch.float32, cpu, None, 0)
+        )
+        self.staging = self.backend.staging
 
     def readmit(self, row: int) -> None:
         """The request was retracted and admitted again: a new admission serial."""
@@ -47,16 +54,16 @@ class _Run:
             self.lens[row] += 1
         lens = torch.tensor([self.lens[r] for r in rows])
         ids = [self.admission[r] for r in rows]
-        staged_layout = build_decode_layout(self.table, indices, lens, share_prefixes, ids)
-        plain_layout = build_decode_layout(self.table, indices, lens, share_prefixes, ids)
-        self.staging.prepare(staged_layout)
+        layout = build_decode_layout(self.table, indices, lens, ids)
+        self.backend.cascade = self.plain.cascade = share_prefixes
+        staged_plan, plain_plan = self.backend.plan_decode(layout), self.plain.plan_decode(layout)
         q = torch.randn(len(rows), HEADS, DIM)
         for layer in range(LAYERS):
             new_k, new_v = torch.randn(len(rows), KV_HEADS, DIM), torch.randn(len(rows), KV_HEADS, DIM)
             self.k[layer][new_slots], self.v[layer][new_slots] = new_k, new_v
             args = (self.k[layer], self.v[layer])
-            staged = decode_attention(q, new_k, new_v, *args, staged_layout, layer, DIM**-0.5)
-            plain = decode_attention(q, new_k, new_v, *args, plain_layout, layer, DIM**-0.5)
+            staged = self.backend.decode(layer, q, new_k, new_v, *args, DIM**-0.5, staged_plan)
+            plain = self.plain.decode(layer, q, new_k, new_v, *args, DIM**-0.5, plain_plan)
             torch.testing.assert_close(staged, plain, atol=1e-6, rtol=1e-6)
 
 
@@ -147,7 +154,11 @@ class TestPrefixStaging:
     """The shared prefix's K/V kept between steps for the native kernel's cascade."""
 
     def _layout(self, table: torch.Tensor, rows: list[int], lens: list[int], ids: list[int]) -> DecodeLayout:
-        return build_decode_layout(table, torch.tensor(rows), torch.tensor(lens), True, ids)
+        return build_decode_layout(table, torch.tensor(rows), torch.tensor(lens), ids)
+
+    @staticmethod
+    def _prepare(staging: PrefixStaging, layout: DecodeLayout) -> StagedPrefix | None:
+        return staging.prepare(decode_shared_prefix(layout), layout.request_ids)
 
     def test_kept_while_a_holder_runs_and_dropped_otherwise(self) -> None:
         table = torch.zeros(4, 128, dtype=torch.int64)
@@ -159,30 +170,25 @@ class TestPrefixStaging:
         staging = PrefixStaging(LAYERS, KV_HEADS, DIM, torch.float32, torch.device("cpu"))
 
         first = self._layout(table, [0, 1], [50, 50], [10, 11])
-        staging.prepare(first)
-        block = first.staged_prefix
+        block = self._prepare(staging, first)
         assert block is not None and torch.equal(block.slots, torch.arange(40))
         keys, values = block.layer_kv(1, k_cache, v_cache)
         assert torch.equal(keys, k_cache[:40]) and torch.equal(values, v_cache[:40])
 
         # Request 11 still runs, 12 joined: the slots stayed locked, the block is reused.
         second = self._layout(table, [1, 2], [51, 45], [11, 12])
-        staging.prepare(second)
-        assert second.staged_prefix is block and block.filled[1]
+        assert self._prepare(staging, second) is block and block.filled[1]
 
         # None of the previous holders runs any more: the slots may hold other K/V by now.
         k_cache[:40] += 1.0
-        third = self._layout(table, [2, 3], [46, 45], [13, 14])
-        staging.prepare(third)
-        assert third.staged_prefix is not None and third.staged_prefix is not block
-        keys, _ = third.staged_prefix.layer_kv(1, k_cache, v_cache)
+        third = self._prepare(staging, self._layout(table, [2, 3], [46, 45], [13, 14]))
+        assert third is not None and third is not block
+        keys, _ = third.layer_kv(1, k_cache, v_cache)
         assert torch.equal(keys, k_cache[:40])
 
         # No shared prefix (one request): nothing staged, and the block is let go.
-        fourth = self._layout(table, [3], [46], [14])
-        staging.prepare(fourth)
-        assert fourth.staged_prefix is None
-        staging.prepare(self._layout(table, [2, 3], [47, 47], [13, 14]))
+        assert self._prepare(staging, self._layout(table, [3], [46], [14])) is None
+        self._prepare(staging, self._layout(table, [2, 3], [47, 47], [13, 14]))
         assert staging._block is not None and not any(staging._block.filled)
 
     def test_a_prefix_over_the_memory_cap_is_not_staged(self) -> None:
@@ -192,5 +198,4 @@ class TestPrefixStaging:
         table[:, :40] = torch.arange(40)
         table[:, 40:50] = torch.stack([100 + torch.arange(10), 200 + torch.arange(10)])
         layout = self._layout(table, [0, 1], [50, 50], [1, 2])
-        staging.prepare(layout)
-        assert layout.shared_prefix_slots is not None and layout.staged_prefix is None
+        assert decode_shared_prefix(layout) is not None and self._prepare(staging, layout) is None

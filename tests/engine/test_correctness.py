@@ -140,7 +140,7 @@ def test_retraction_under_a_tiny_kv_pool(
     stats = engine.get_stats()
     assert stats["retracted_reqs"] > 0
     if cpu_kernels == "torch":
-        # Decode staging (model/decode_staging.py) kept K/V across steps and refilled after changes.
+        # Decode staging (attention/staging.py) kept K/V across steps and refilled after changes.
         assert stats["decode_staging_appends"] > 0 and stats["decode_staging_refills"] > 1
     else:
         # The native decode kernel reads the pool in place: nothing to stage.

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from radixserve.attention.torch_native import TorchNativeBackend
 from radixserve.config.server_args import ServerArgs
 from radixserve.protocol.messages import GenerateRequest
 from radixserve.scheduler.outputs import ReqOutput
-from radixserve.scheduler.scheduler import Scheduler
+from radixserve.scheduler.process import build_scheduler
 from tests.engine.oracle import GREEDY, GreedyOracle, random_prompts
 
 MAX_NEW = 30
@@ -39,8 +40,10 @@ def test_blocks_outlive_prefills_of_other_requests(
         # Staging serves the torch decode attention; the native kernel reads the pool in place.
         cpu_kernels="torch",
     )
-    scheduler = Scheduler(args)
-    staging = scheduler.runner.staging
+    scheduler = build_scheduler(args)
+    backend = scheduler.executor.attention  # type: ignore[attr-defined]
+    assert isinstance(backend, TorchNativeBackend)
+    staging = backend.staging
     first, late = random_prompts(4, [20, 22, 21, 23], seed=40), random_prompts(2, [6, 40], seed=41)
     params = {**GREEDY, "max_new_tokens": MAX_NEW}
     tokens: dict[str, list[int]] = {}

@@ -13,7 +13,7 @@ import torch
 from radixserve.config.server_args import ServerArgs
 from radixserve.protocol.messages import ControlRequest, ControlResult, GenerateRequest
 from radixserve.protocol.sampling_params import InvalidRequestError
-from radixserve.scheduler.scheduler import Scheduler
+from radixserve.scheduler.process import build_scheduler
 from tests.engine.oracle import GREEDY, GreedyOracle, random_prompts, run_scheduler
 
 
@@ -65,7 +65,7 @@ def test_eos_ends_the_request_unless_ignored(
     prompt = random_prompts(1, [15], seed=23)[0]
     reference = oracle("llama").continue_(prompt, 12)
     # An in-process scheduler whose EOS is a token the reference emits, to exercise the EOS path for real.
-    scheduler = Scheduler(
+    scheduler = build_scheduler(
         ServerArgs(model_path=str(tiny_model_dir("llama")), dtype="float32", max_total_tokens=512)
     )
     scheduler.eos_token_ids = frozenset({reference[3]})
@@ -171,7 +171,7 @@ def test_abort_all_while_running(engine: Any) -> None:
 
 
 def test_kv_check_waits_for_idle_instead_of_failing(tiny_model_dir: Callable[[str], Path]) -> None:
-    scheduler = Scheduler(
+    scheduler = build_scheduler(
         ServerArgs(model_path=str(tiny_model_dir("llama")), dtype="float32", max_total_tokens=512)
     )
     scheduler.handle(GenerateRequest("busy", [5, 6, 7], {**GREEDY, "max_new_tokens": 4}))

@@ -11,7 +11,7 @@ import torch
 
 from radixserve.config.server_args import ServerArgs
 from radixserve.protocol.messages import GenerateRequest
-from radixserve.scheduler.scheduler import Scheduler
+from radixserve.scheduler.process import build_scheduler
 
 PROMPT = "The capital of France is"
 
@@ -35,11 +35,11 @@ def test_first_step_logits_match_transformers(smollm2_gguf_path: Path) -> None:
     with torch.no_grad():
         expected = reference(torch.tensor([ids])).logits[0, -1]
 
-    scheduler = Scheduler(ServerArgs(dtype="float32", max_total_tokens=256, log_level="warning"))
+    scheduler = build_scheduler(ServerArgs(dtype="float32", max_total_tokens=256, log_level="warning"))
     scheduler.add_request(GenerateRequest("logits", ids, {"max_new_tokens": 1}))
     batch = scheduler._next_batch()
     assert batch is not None
-    ours = scheduler.runner.forward(batch.forward)[0][0]
+    ours = scheduler.executor.forward(batch.forward)[0][0]
     scheduler._publish(scheduler._decide(batch, {id(batch.reqs[0]): int(ours.argmax())}))
     scheduler.check_kv_invariant()
 
@@ -61,13 +61,13 @@ CHAT_QUESTIONS = [
 
 
 def first_step_logits(dtype: str, prompts: list[list[int]]) -> list[torch.Tensor]:
-    scheduler = Scheduler(ServerArgs(dtype=dtype, max_total_tokens=1024, log_level="warning"))
+    scheduler = build_scheduler(ServerArgs(dtype=dtype, max_total_tokens=1024, log_level="warning"))
     logits = []
     for index, ids in enumerate(prompts):
         scheduler.add_request(GenerateRequest(f"logits-{index}", ids, {"max_new_tokens": 1}))
         batch = scheduler._next_batch()
         assert batch is not None
-        row = scheduler.runner.forward(batch.forward)[0][0].float()
+        row = scheduler.executor.forward(batch.forward)[0][0].float()
         scheduler._publish(scheduler._decide(batch, {id(batch.reqs[0]): int(row.argmax())}))
         logits.append(row)
     scheduler.check_kv_invariant()

@@ -15,7 +15,7 @@ import pytest
 from radixserve.config.server_args import ServerArgs
 from radixserve.protocol.messages import GenerateRequest, ReqOutput
 from radixserve.scheduler.grammar import CompileResult
-from radixserve.scheduler.scheduler import Scheduler
+from radixserve.scheduler.process import build_scheduler
 from tests.engine.oracle import GREEDY
 
 SCHEMA: dict[str, Any] = {
@@ -96,7 +96,7 @@ def test_json_object_and_invalid_grammars(engine: Any) -> None:
 
 
 def test_a_slow_grammar_does_not_hold_up_other_requests(tiny_model_dir: Callable[[str], Path]) -> None:
-    scheduler = Scheduler(
+    scheduler = build_scheduler(
         ServerArgs(model_path=str(tiny_model_dir("llama")), dtype="float32", max_total_tokens=1024)
     )
     backend = scheduler.grammar_queue.backend

@@ -10,11 +10,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from radixserve.attention.torch_ops import _merge_by_lse, decode_attention
+from radixserve.attention.base import AttentionSpec
+from radixserve.attention.common import decode_shared_prefix, merge_by_lse
+from radixserve.attention.cpu_native import CpuNativeBackend
 from radixserve.forward.batch import build_decode_layout
 from radixserve.kernels.cpu_ops import CpuKernels, select_cpu_kernels
 from radixserve.kernels.native import NativeKernelsUnavailable, load_library
-from radixserve.layers.basic import RMSNorm, Rope, RotaryEmbedding, silu_and_mul
+from radixserve.layers.activation import silu_and_mul
+from radixserve.layers.norm import RMSNorm
+from radixserve.layers.rotary import Rope, RotaryEmbedding
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -176,10 +180,14 @@ def test_decode_attention_over_a_shared_prefix(kernels: CpuKernels, dtype: torch
         table[row, :shared] = prefix
         table[row, shared:length] = 2000 + torch.randperm(1000)[: length - shared]
     lens = torch.tensor(lengths)
-    layout = build_decode_layout(table, rows, lens, share_prefixes=True)
-    assert layout.shared_prefix_slots is not None and len(layout.shared_prefix_slots) == shared
+    layout = build_decode_layout(table, rows, lens)
+    shared_slots = decode_shared_prefix(layout)
+    assert shared_slots is not None and len(shared_slots) == shared
     q = torch.randn(len(lengths), heads, head_dim, dtype=dtype)
-    native = decode_attention(q, q, q, k_cache, v_cache, layout, 0, head_dim**-0.5, kernels)
+    cpu = torch.device("cpu")
+    backend = CpuNativeBackend(AttentionSpec(1, heads, kv_heads, head_dim, dtype, cpu, kernels, 0))
+    metadata = backend.plan_decode(layout)
+    native = backend.decode(0, q, q, q, k_cache, v_cache, head_dim**-0.5, metadata)
     expected = reference_decode(q, k_cache, v_cache, table, rows, lens, head_dim**-0.5)
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(native, expected, rtol=tolerance, atol=tolerance)
@@ -194,7 +202,7 @@ def test_merge_by_lse_matches_torch(kernels: CpuKernels, dtype: torch.dtype) -> 
     b = torch.randn(50, 3, 3, 64, dtype=dtype)
     lse_b = torch.randn(50, 3, 3) * 3
     native = kernels.merge_by_lse(a, lse_a, b, lse_b)
-    expected = _merge_by_lse(a.reshape(50, 9, 64), lse_a.reshape(50, 9), b.view(50, 9, 64), lse_b.view(50, 9))
+    expected = merge_by_lse(a.reshape(50, 9, 64), lse_a.reshape(50, 9), b.view(50, 9, 64), lse_b.view(50, 9))
     assert native is not None
     tolerance = 1e-6 if dtype == torch.float32 else 8e-3
     torch.testing.assert_close(native, expected, rtol=tolerance, atol=tolerance)

@@ -1,4 +1,4 @@
-"""Packed bf16 linear weights (model/packed_weights.py): oneDNN's row padding must not change a
+"""Packed bf16 linear weights (layers/packed_weights.py): oneDNN's row padding must not change a
 single result, and the native AMX matmul must agree with an fp32 reference."""
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import torch
 
 from radixserve.config.server_args import InvalidArgumentError, ServerArgs
 from radixserve.distributed.parallel import ParallelContext
-from radixserve.layers.basic import ColumnParallelLinear, ShardingError, split_kv_heads
+from radixserve.layers.linear import ColumnParallelLinear, ShardingError, split_kv_heads
 from radixserve.models.config import ModelConfig
 from radixserve.models.llama import CausalLM
 from radixserve.models.loader import ModelSource, iter_weights, load_model_config

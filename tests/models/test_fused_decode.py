@@ -1,4 +1,4 @@
-"""The fused native decode loop (model/fused_decode.py) against the per-layer path it replaces:
+"""The fused native decode loop (models/fused_decode.py) against the per-layer path it replaces:
 same kernels in the same order, so every logit must be bit for bit the same."""
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ import torch
 import radixserve.models.llama as llama
 from radixserve.config.server_args import ServerArgs
 from radixserve.kernels.cpu_ops import CpuKernels
-from radixserve.models.fused_decode import fused_decode_plan
 from radixserve.protocol.messages import GenerateRequest
-from radixserve.scheduler.scheduler import Scheduler
+from radixserve.scheduler.process import build_scheduler
 
 
 def _run(model_path: Path, fused: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[torch.Tensor], int]:
@@ -30,16 +29,17 @@ def _run(model_path: Path, fused: bool, monkeypatch: pytest.MonkeyPatch) -> tupl
 
     monkeypatch.setattr(CpuKernels, "fused_decode", counting)
     if not fused:
-        monkeypatch.setattr(llama, "fused_decode", lambda *args: None)
-    scheduler = Scheduler(
+        # The model then declares no fused plan, and the runner picks the per-layer decode path.
+        monkeypatch.setattr(llama.CausalLM, "fused_decode_plan", lambda self: None)
+    scheduler = build_scheduler(
         ServerArgs(model_path=str(model_path), dtype="bfloat16", max_total_tokens=2048, log_level="warning")
     )
-    plan = fused_decode_plan(scheduler.runner.model)  # type: ignore[arg-type]
-    if fused and (plan is None or not plan.ready()):
+    plan = scheduler.executor.model.fused_decode  # type: ignore[attr-defined]
+    if fused and plan is None:
         pytest.skip("the fused decode loop needs AMX (and the native kernels) on this CPU")
     logits: list[torch.Tensor] = []
-    forward = scheduler.runner.forward
-    monkeypatch.setattr(scheduler.runner, "forward", lambda batch: _keep(forward(batch), logits))
+    forward = scheduler.executor.forward
+    monkeypatch.setattr(scheduler.executor, "forward", lambda batch: _keep(forward(batch), logits))
     rng = random.Random(7)
     prefix = [rng.randrange(200, 40000) for _ in range(48)]
     for wave, shared in enumerate((prefix, [])):

@@ -1,5 +1,5 @@
 // Attention of many queries over one run of keys they all see in full, on AMX tiles: the prefix
-// every request of a batch shares (cascade attention, radixserve/model/attention.py).
+// every request of a batch shares (cascade attention, radixserve/attention/).
 //
 // Why: all of a decode batch's queries over a 512-token shared prefix are a small GEMM pair, and
 // torch's CPU flash kernel spent ~130-155 us per layer on it (SmolLM2-135M, 32 requests), about as

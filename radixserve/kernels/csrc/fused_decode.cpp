@@ -1,10 +1,9 @@
 // Every decoder layer of a Llama-shaped model's decode step in one native call.
 //
 // Why: with the matmuls, attention and elementwise ops native, what was left of a decode step on a
-// 2-core CPU was the Python and dispatch cost of ~15 calls per layer: ~10 of a 31 ms SmolLM2-135M
-// step at batch 32 (measured with a model of the same depth and tiny weights). This runs the same
-// kernels in the same order, so its results are bit for bit those of the per-layer path
-// (radixserve/model/llama.py); only the calls between them are gone.
+// small CPU was mostly the Python and dispatch cost of ~15 calls per layer (figures in
+// docs/architecture.md). This runs the same kernels in the same order, so its results are bit for
+// bit those of the per-layer path (radixserve/models/llama.py); only the calls between them are gone.
 //
 // Per layer: RMSNorm; qkv = x W^T (+ bias); rotary on the q and k heads; k, v stored to the pool at
 // the new tokens' slots; attention (the prefix all requests share on AMX tiles, the rest by the

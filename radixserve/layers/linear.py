@@ -1,17 +1,16 @@
-"""Building blocks of decoder models, tensor-parallel.
+"""Tensor-parallel linear layers, the vocabulary embedding and the LM head.
 
 Each parallel layer holds only its own shard of the weight and knows how to cut that shard out of
 a full checkpoint tensor (`load`). With tp_size == 1 the shard is the whole tensor and the
-collectives (model/parallel.py) do nothing.
+collectives (distributed/parallel.py) do nothing.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +19,6 @@ from torch import nn
 from radixserve.distributed.parallel import SINGLE, ParallelContext, all_reduce, gather_last_dim
 
 if TYPE_CHECKING:
-    from radixserve.kernels.cpu_ops import CpuKernels
     from radixserve.layers.packed_weights import PackedWeight, WeightPacking
 
 
@@ -84,9 +82,9 @@ class WeightTarget:
         self.module.load(self.param, tensor, self.shard)  # type: ignore[operator]
 
 
-class _Linear(nn.Module):
+class ParallelLinear(nn.Module):
     """Shared matmul of the linear layers, with an optional packed weight for bf16 on a CPU
-    (model/packed_weights.py); fp32 gains nothing from packing, so it is not packed."""
+    (layers/packed_weights.py); fp32 gains nothing from packing, so it is not packed."""
 
     weight: nn.Parameter
     bias: nn.Parameter | None
@@ -112,7 +110,7 @@ class _Linear(nn.Module):
         return F.linear(x, self.weight, bias)
 
 
-class ColumnParallelLinear(_Linear):
+class ColumnParallelLinear(ParallelLinear):
     """y = x W^T + b with W split by output rows across ranks.
 
     `outputs` lists the logical sub-matrices stacked in this layer (q, k, v or gate, up), so that
@@ -150,7 +148,7 @@ class ColumnParallelLinear(_Linear):
         return self.matmul(x, self.bias)
 
 
-class RowParallelLinear(_Linear):
+class RowParallelLinear(ParallelLinear):
     """y = x W^T with W split by input columns; the partial sums are all-reduced across ranks."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool, ctx: ParallelContext = SINGLE):
@@ -176,10 +174,9 @@ class RowParallelLinear(_Linear):
         """x W^T (+ bias) (+ residual).
 
         A packed weight adds the residual in the matmul's epilogue, on the fp32 accumulator before
-        rounding: one pass less, and closer to the fp32 result. Measured on SmolLM2-135M bf16,
-        first-step logits against fp32: mean |error| 0.07-0.27 with it, 0.05-0.41 without. (A fused
-        SiLU-and-multiply for gate/up was 15% faster in prefill but less accurate, 0.07-0.28, so it
-        is not used.)"""
+        rounding: one pass less, and closer to the fp32 result (measured against fp32 logits:
+        docs/architecture.md). A fused SiLU-and-multiply epilogue for gate/up was faster but less
+        accurate, so it is not used."""
         if residual is not None and self.packed is not None and self.bias is None and self.ctx.tp_size == 1:
             return self.packed.matmul(x, None, residual)
         # The bias is added once, after the reduction, so that it is not counted tp_size times.
@@ -229,113 +226,3 @@ class ParallelLMHead(VocabParallelEmbedding):
         out = self.packed.matmul(hidden) if self.packed is not None else F.linear(hidden, self.weight)
         # Every rank gets the whole vocabulary's logits, so every rank takes the same decisions.
         return gather_last_dim(out, self.vocab_size, self.ctx)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, kernels: CpuKernels | None = None):
-        super().__init__()
-        self.eps = eps
-        self.kernels = kernels
-        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
-
-    def load(self, name: str, tensor: torch.Tensor, shard: int = 0) -> None:
-        copy_checked(self.weight.data, tensor, "norm weight")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels is not None:
-            fused = self.kernels.rms_norm(x, self.weight, self.eps)
-            if fused is not None:
-                return fused
-        # Normalize in fp32, round, then scale in the model dtype, as the reference implementation
-        # does, so that bf16 outputs track transformers'. (F.rms_norm straight on bf16 is about as
-        # accurate against fp32, but breaks knife-edge ties differently.)
-        normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
-        return self.weight * normed.to(x.dtype)
-
-
-def silu_and_mul(gate_up: torch.Tensor, kernels: CpuKernels | None = None) -> torch.Tensor:
-    if kernels is not None:
-        fused = kernels.silu_and_mul(gate_up)
-        if fused is not None:
-            return fused
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-class RotaryEmbedding(nn.Module):
-    """Rotary position embedding (half-split "neox" layout, as in HF Llama/Qwen checkpoints)."""
-
-    def __init__(self, head_dim: int, max_positions: int, base: float, scaling: dict[str, Any] | None):
-        super().__init__()
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        inv_freq = _apply_rope_scaling(inv_freq, scaling)
-        # The tables stay fp32 whatever the model dtype: far positions need the precision.
-        positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq)
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
-        self.cos: torch.Tensor
-        self.sin: torch.Tensor
-
-    def lookup(self, positions: torch.Tensor, dtype: torch.dtype, kernels: CpuKernels | None = None) -> Rope:
-        """The rotation for one forward's positions."""
-        return Rope(positions, self.cos, self.sin, dtype, kernels)
-
-
-@dataclass
-class Rope:
-    """Rotary embedding of one batch's positions; the rotation runs in the model's dtype, as in the
-    reference implementation."""
-
-    positions: torch.Tensor
-    cos_table: torch.Tensor  # [max_positions, head_dim / 2], fp32
-    sin_table: torch.Tensor
-    dtype: torch.dtype
-    kernels: CpuKernels | None = None
-
-    @functools.cached_property
-    def _rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """[cos, cos] and [-sin, sin] rows for the positions, shaped to broadcast over heads; built
-        once per forward, and only by the torch path."""
-        cos = self.cos_table[self.positions].unsqueeze(1)
-        sin = self.sin_table[self.positions].unsqueeze(1)
-        return torch.cat((cos, cos), dim=-1).to(self.dtype), torch.cat((-sin, sin), dim=-1).to(self.dtype)
-
-    def rotate_(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, head_dim] (query heads, key heads, or both stacked), rotated. The native
-        kernel rotates x in place; the torch path returns a new tensor.
-
-        (x1, x2) → (x1·cos − x2·sin, x2·cos + x1·sin) in four passes over x instead of seven, and
-        bit for bit the same: the sign sits in the table, and a + (−b) rounds as a − b."""
-        if self.kernels is not None and self.kernels.rotary_(
-            x, self.cos_table, self.sin_table, self.positions
-        ):
-            return x
-        cos, signed_sin = self._rows
-        x1, x2 = x.chunk(2, dim=-1)
-        return x * cos + torch.cat((x2, x1), dim=-1) * signed_sin
-
-
-def _apply_rope_scaling(inv_freq: torch.Tensor, scaling: dict[str, Any] | None) -> torch.Tensor:
-    if not scaling:
-        return inv_freq
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "default":
-        return inv_freq
-    if kind == "linear":
-        return inv_freq / float(scaling["factor"])
-    if kind == "llama3":
-        factor = float(scaling["factor"])
-        low = float(scaling.get("low_freq_factor", 1.0))
-        high = float(scaling.get("high_freq_factor", 4.0))
-        original = float(scaling["original_max_position_embeddings"])
-        low_wavelen = original / low
-        high_wavelen = original / high
-        wavelen = 2 * math.pi / inv_freq
-        # Long wavelengths are slowed by `factor`, short ones kept, and the band between interpolated.
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        smooth = (original / wavelen - low) / (high - low)
-        blended = (1 - smooth) * scaled / factor + smooth * scaled
-        in_band = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        return torch.where(in_band, blended, scaled)
-    raise ValueError(f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3)")

@@ -1,4 +1,4 @@
-"""The paged attention paths against a dense reference, with mixed lengths, prefixes and GQA."""
+"""The attention backends' paths against a dense reference, with mixed lengths, prefixes and GQA."""
 
 from __future__ import annotations
 
@@ -6,10 +6,47 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from radixserve.attention.torch_ops import _shared_prefix_groups, decode_attention, extend_attention
-from radixserve.forward.batch import ExtendSegment, build_decode_layout
+from radixserve.attention.base import AttentionBackendUnavailable, AttentionSpec
+from radixserve.attention.cpu_native import CpuNativeBackend
+from radixserve.attention.extend import CpuAttentionOps, _shared_prefix_groups, extend_attention
+from radixserve.attention.registry import choose_attention_backend
+from radixserve.attention.torch_native import TorchNativeBackend
+from radixserve.forward.batch import DecodeLayout, ExtendSegment, build_decode_layout
+from radixserve.kernels.cpu_ops import CpuKernels
 
-HEADS, KV_HEADS, DIM = 6, 2, 8
+HEADS, KV_HEADS, DIM = 6, 2, 16
+
+
+def _spec(kernels: CpuKernels | None = None, heads: int = HEADS, kv_heads: int = KV_HEADS, dim: int = DIM,
+          dtype: torch.dtype = torch.float32, staging: int = 0) -> AttentionSpec:  # fmt: skip
+    return AttentionSpec(1, heads, kv_heads, dim, dtype, torch.device("cpu"), kernels, staging)
+
+
+def _native_kernels() -> CpuKernels:
+    from radixserve.kernels.native import NativeKernelsUnavailable, load_library
+
+    try:
+        return CpuKernels(load_library())
+    except NativeKernelsUnavailable as error:
+        pytest.skip(f"native kernels unavailable here: {error}")
+
+
+def _decode(backend_name: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            layout: DecodeLayout, cascade: bool = True) -> torch.Tensor:  # fmt: skip
+    """One decode layer through the named backend (the new tokens' K/V are already in the pool)."""
+    if backend_name == "torch_native":
+        torch_backend = TorchNativeBackend(_spec())
+        torch_backend.cascade = cascade
+        metadata = torch_backend.plan_decode(layout)
+        new = q[:, :KV_HEADS]
+        return torch_backend.decode(0, q, new, new, k_cache, v_cache, DIM**-0.5, metadata)
+    native = CpuNativeBackend(_spec(_native_kernels()))
+    native_metadata = native.plan_decode(layout)
+    new = q[:, :KV_HEADS]
+    return native.decode(0, q, new, new, k_cache, v_cache, DIM**-0.5, native_metadata)
+
+
+BACKENDS = ["torch_native", "cpu_native"]
 
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int) -> torch.Tensor:
@@ -23,7 +60,8 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: in
     return (F.softmax(scores, dim=-1) @ vv).transpose(0, 1)
 
 
-def test_decode_attention_matches_dense_for_mixed_lengths() -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decode_attention_matches_dense_for_mixed_lengths(backend: str) -> None:
     torch.manual_seed(0)
     lengths = [1, 7, 30, 3]
     slots_total = 64
@@ -36,7 +74,7 @@ def test_decode_attention_matches_dense_for_mixed_lengths() -> None:
         offset += n
     layout = build_decode_layout(table, torch.arange(len(lengths)), torch.tensor(lengths))
     q = torch.randn(len(lengths), HEADS, DIM)
-    out = decode_attention(q, q[:, :KV_HEADS], q[:, :KV_HEADS], k_cache, v_cache, layout, 0, DIM**-0.5)
+    out = _decode(backend, q, k_cache, v_cache, layout)
     for i, n in enumerate(lengths):
         slots = table[i, :n]
         expected = _reference(q[i : i + 1], k_cache[slots], v_cache[slots], prefix_len=n - 1)
@@ -60,7 +98,8 @@ def test_extend_attention_with_and_without_prefix() -> None:
     torch.testing.assert_close(out[4:], _reference(q[4:], keys, values, 5), atol=1e-5, rtol=1e-5)
 
 
-def test_decode_attention_over_a_shared_prefix_matches_dense() -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decode_attention_over_a_shared_prefix_matches_dense(backend: str) -> None:
     """Requests whose contexts start with the same KV slots take the cascade path."""
     torch.manual_seed(2)
     shared = torch.randperm(200)[:40]  # a 40-slot prefix all rows share (>= MIN_SHARED_PREFIX)
@@ -73,10 +112,13 @@ def test_decode_attention_over_a_shared_prefix_matches_dense() -> None:
         table[i, 40 : 40 + n] = torch.tensor([next(fresh) for _ in range(n)])
     lengths = torch.tensor([40 + n for n in own_lengths])
     q = torch.randn(len(own_lengths), HEADS, DIM)
-    for share in (True, False):
-        layout = build_decode_layout(table, torch.arange(len(own_lengths)), lengths, share_prefixes=share)
-        assert (layout.buckets[0].shared_slots is not None) == share
-        out = decode_attention(q, q[:, :KV_HEADS], q[:, :KV_HEADS], k_cache, v_cache, layout, 0, DIM**-0.5)
+    layout = build_decode_layout(table, torch.arange(len(own_lengths)), lengths)
+    for share in (True, False) if backend == "torch_native" else (True,):
+        if backend == "torch_native":
+            planned = TorchNativeBackend(_spec())
+            planned.cascade = share
+            assert (planned.plan_decode(layout).buckets[0].shared_slots is not None) == share
+        out = _decode(backend, q, k_cache, v_cache, layout, cascade=share)
         for i, n in enumerate(lengths.tolist()):
             slots = table[i, :n]
             expected = _reference(q[i : i + 1], k_cache[slots], v_cache[slots], prefix_len=n - 1)
@@ -111,13 +153,7 @@ def test_extend_attention_over_a_shared_prefix_matches_dense() -> None:
 def test_extend_cascade_with_native_kernels_matches_torch() -> None:
     """bf16 with SmolLM2's head shape: the shared part runs on the native (AMX) kernel where this
     CPU has one, and the result must agree with the torch path."""
-    from radixserve.kernels.cpu_ops import CpuKernels
-    from radixserve.kernels.native import NativeKernelsUnavailable, load_library
-
-    try:
-        kernels = CpuKernels(load_library())
-    except NativeKernelsUnavailable as error:
-        pytest.skip(f"native kernels unavailable here: {error}")
+    kernels = _native_kernels()
     torch.manual_seed(6)
     heads, kv_heads, dim = 9, 3, 64
     k_cache = torch.randn(700, kv_heads, dim, dtype=torch.bfloat16)
@@ -132,6 +168,25 @@ def test_extend_cascade_with_native_kernels_matches_torch() -> None:
     for n in lengths:
         segments.append(ExtendSegment(q_start=start, q_len=n, prefix_len=len(shared), prefix_slots=shared))
         start += n
-    native = extend_attention(q, k, v, k_cache, v_cache, segments, dim**-0.5, kernels)
+    native = extend_attention(q, k, v, k_cache, v_cache, segments, dim**-0.5, CpuAttentionOps(kernels, True))
     plain = extend_attention(q, k, v, k_cache, v_cache, segments, dim**-0.5)
     torch.testing.assert_close(native.float(), plain.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_auto_takes_cpu_native_where_it_can_and_says_why_not() -> None:
+    kernels = _native_kernels()
+    assert choose_attention_backend("auto", _spec(kernels)).backend is CpuNativeBackend
+    fallback = choose_attention_backend("auto", _spec(None))
+    assert fallback.backend is TorchNativeBackend
+    assert "native CPU kernels" in fallback.reason
+    # A head shape without a compiled decode kernel.
+    odd = choose_attention_backend("auto", _spec(kernels, heads=3, kv_heads=1, dim=80))
+    assert odd.backend is TorchNativeBackend and "head_dim 80" in odd.reason
+    assert choose_attention_backend("torch", _spec(kernels)).backend is TorchNativeBackend
+
+
+def test_a_named_backend_that_cannot_run_says_why() -> None:
+    with pytest.raises(AttentionBackendUnavailable, match="native CPU kernels"):
+        choose_attention_backend("cpu_native", _spec(None))
+    with pytest.raises(AttentionBackendUnavailable, match="unknown attention backend"):
+        choose_attention_backend("flashinfer", _spec(None))

@@ -1,0 +1,167 @@
+"""The attention backend interface.
+
+A backend computes attention over the paged KV pool. Once per forward, `plan(batch)` turns the
+scheduler's ForwardBatch into the backend's own metadata (buckets, a shared prefix, staged K/V,
+whatever its kernels need); then each layer calls `forward(...)` with that metadata. The backend
+owns its metadata and any K/V it keeps between steps: the ForwardBatch stays what the scheduler
+built.
+
+Extension point: a new backend (a CUDA one on flashinfer or FlashAttention, say) subclasses
+AttentionBackend, implements plan / extend / decode, and registers itself under its
+--attention-backend name in attention/registry.py. VERIFY steps (k tokens per request, for
+speculative decoding) run the extend math unless a backend overrides `verify`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from radixserve.cache.pools import KVCachePool
+from radixserve.forward.batch import ForwardBatch, ForwardMode
+from radixserve.kernels.cpu_ops import CpuKernels
+
+
+class AttentionBackendUnavailable(RuntimeError):
+    """This backend cannot run this model here; the message says why."""
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What a backend is built for: one rank's share of the model's attention."""
+
+    num_layers: int
+    num_heads: int  # query heads on this rank
+    num_kv_heads: int  # K/V heads on this rank
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+    # The native CPU kernels, when loaded (--cpu-kernels); None on torch ops only.
+    kernels: CpuKernels | None
+    # Decode staging budget in K/V tokens (attention/staging.py), for backends that gather K/V.
+    decode_staging_tokens: int
+
+
+@dataclass
+class AttentionMetadata:
+    """What plan() worked out for one forward. Backends subclass it."""
+
+    mode: ForwardMode
+
+
+class AttentionBackend(ABC):
+    name: ClassVar[str]
+    # Whether decode gathers K/V out of the pool (and so may keep gathered copies between steps:
+    # decode staging, counted in the KV memory budget).
+    gathers_kv: ClassVar[bool] = False
+
+    def __init__(self, spec: AttentionSpec):
+        self.check_available(spec)
+        self.spec = spec
+
+    @classmethod
+    def check_available(cls, spec: AttentionSpec) -> None:
+        """Raises AttentionBackendUnavailable, with the reason, where this backend cannot run spec."""
+        return None
+
+    @abstractmethod
+    def plan(self, batch: ForwardBatch) -> AttentionMetadata:
+        """Once per forward, before the first layer."""
+
+    @abstractmethod
+    def extend(
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """q: [T, H, D] for the batch's new tokens; k, v: [T, Hkv, D], already in the pool.
+        Each token sees its request's cached context and the request's new tokens up to itself."""
+
+    @abstractmethod
+    def decode(
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """One query per request (q: [B, H, D]) over its whole context, its new token's included."""
+
+    def verify(
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """k proposed tokens per request, each seeing its context and the proposals before it:
+        the extend math. A backend with a faster fixed-k kernel overrides this."""
+        return self.extend(layer_id, q, k, v, k_cache, v_cache, scale, metadata)
+
+    def forward(
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        if metadata.mode is ForwardMode.DECODE:
+            return self.decode(layer_id, q, k, v, k_cache, v_cache, scale, metadata)
+        if metadata.mode is ForwardMode.VERIFY:
+            return self.verify(layer_id, q, k, v, k_cache, v_cache, scale, metadata)
+        return self.extend(layer_id, q, k, v, k_cache, v_cache, scale, metadata)
+
+    @property
+    @abstractmethod
+    def decode_path(self) -> str:
+        """How a decode step's attention runs here, in a few words (logged, in /get_server_info)."""
+
+    def idle(self) -> None:
+        """Nothing runs: give back memory kept between steps."""
+        return None
+
+    def release(self) -> None:
+        """The KV pool is being released: drop everything that points into it."""
+        self.idle()
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+
+@dataclass
+class AttentionCall:
+    """One forward's attention, as the model's layers see it: the new tokens' K/V go into the
+    pool, then the backend attends with the metadata it planned for this batch."""
+
+    backend: AttentionBackend
+    metadata: AttentionMetadata
+    kv_pool: KVCachePool
+    out_cache_loc: torch.Tensor  # the KV slot of each new token
+
+    def __call__(
+        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        self.kv_pool.write(layer_id, self.out_cache_loc, k, v)
+        k_cache, v_cache = self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id]
+        return self.backend.forward(layer_id, q, k, v, k_cache, v_cache, scale, self.metadata)

@@ -1,0 +1,177 @@
+"""cpu_native: attention on the native CPU kernels (radixserve/kernels).
+
+Decode reads each request's K/V in place from the paged pool through req_to_token (no gather, no
+padding to buckets, no staging copy). When every request of the batch starts with the same KV
+slots, all queries attend to that prefix in one GEMM-shaped call per layer (on AMX tiles where the
+CPU has them, else torch's flash kernel), the prefix's K/V kept contiguous between steps
+(PrefixStaging), and the kernel merges it in by log-sum-exp. Extend runs the cascade of
+attention/extend.py with the native merge, and on AMX the native causal and prefix kernels.
+
+Which kernels run is decided here once, at startup, from the CPU and the model's head shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from radixserve.attention.base import (
+    AttentionBackend,
+    AttentionBackendUnavailable,
+    AttentionMetadata,
+    AttentionSpec,
+)
+from radixserve.attention.common import decode_shared_prefix, stack_by_kv_head
+from radixserve.attention.extend import CpuAttentionOps, extend_attention
+from radixserve.attention.staging import PrefixStaging, StagedPrefix
+from radixserve.forward.batch import DecodeLayout, ExtendSegment, ForwardBatch, ForwardMode
+from radixserve.kernels.cpu_ops import SharedPrefixResult
+
+# The AMX attention kernel is compiled for head dims that are multiples of 32, up to this.
+AMX_MAX_HEAD_DIM = 256
+
+
+@dataclass
+class CpuExtendMetadata(AttentionMetadata):
+    segments: list[ExtendSegment]
+
+
+@dataclass
+class CpuDecodeMetadata(AttentionMetadata):
+    layout: DecodeLayout
+    # The KV slots every request's context starts with (cascade), or None.
+    shared_prefix: torch.Tensor | None
+    # Their K/V kept between steps, or None (gathered per layer).
+    staged_prefix: StagedPrefix | None
+
+
+class CpuNativeBackend(AttentionBackend):
+    name = "cpu_native"
+
+    @classmethod
+    def check_available(cls, spec: AttentionSpec) -> None:
+        kernels = spec.kernels
+        if spec.device.type != "cpu" or kernels is None:
+            raise AttentionBackendUnavailable(
+                "cpu_native needs the native CPU kernels on a CPU (--cpu-kernels auto or native)"
+            )
+        if not kernels.handles_decode_attention(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.dtype):
+            per_kv = spec.num_heads // max(spec.num_kv_heads, 1)
+            raise AttentionBackendUnavailable(
+                f"no native decode kernel for head_dim {spec.head_dim} with {per_kv} query heads per "
+                f"K/V head in {spec.dtype}"
+            )
+
+    def __init__(self, spec: AttentionSpec):
+        super().__init__(spec)
+        kernels = spec.kernels
+        assert kernels is not None
+        amx = (
+            kernels.has_amx_linear
+            and spec.dtype == torch.bfloat16
+            and spec.head_dim % 32 == 0
+            and spec.head_dim <= AMX_MAX_HEAD_DIM
+        )
+        self.ops = CpuAttentionOps(kernels, amx)
+        self.prefix_staging = PrefixStaging(
+            spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype, spec.device
+        )
+        # Set by the model runner when decode steps run in the fused native loop, which reads the
+        # shared prefix from the pool by its slots: staging it would be a copy nobody reads.
+        self.fused_decode = False
+
+    @property
+    def decode_path(self) -> str:
+        prefix = "AMX tiles" if self.ops.amx else "torch flash"
+        path = f"native paged decode kernel, shared-prefix cascade on {prefix}"
+        if self.fused_decode:
+            path = f"fused native decode loop (every layer in one call): {path}"
+        return path
+
+    def plan(self, batch: ForwardBatch) -> AttentionMetadata:
+        if batch.mode is ForwardMode.DECODE:
+            assert batch.decode is not None
+            return self.plan_decode(batch.decode)
+        assert batch.extend is not None
+        return CpuExtendMetadata(batch.mode, batch.extend)
+
+    def plan_decode(self, layout: DecodeLayout) -> CpuDecodeMetadata:
+        shared = decode_shared_prefix(layout)
+        staged = None
+        if not self.fused_decode:
+            staged = self.prefix_staging.prepare(shared, layout.request_ids)
+        return CpuDecodeMetadata(ForwardMode.DECODE, layout, shared, staged)
+
+    def extend(
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        assert isinstance(metadata, CpuExtendMetadata)
+        return extend_attention(q, k, v, k_cache, v_cache, metadata.segments, scale, self.ops)
+
+    def decode(
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        assert isinstance(metadata, CpuDecodeMetadata)
+        layout = metadata.layout
+        prefix = None
+        if metadata.shared_prefix is not None:
+            prefix = self._shared_prefix_attention(q, k_cache, v_cache, metadata, layer_id, scale)
+        out = self.ops.kernels.decode_attention(
+            q, k_cache, v_cache, layout.req_to_token, layout.req_pool_indices, layout.seq_lens, scale, prefix
+        )
+        if out is None:
+            # The shape was checked at startup; a decline here means inputs it was not built for.
+            raise RuntimeError("the native decode attention kernel declined its inputs (see the log)")
+        return out
+
+    def _shared_prefix_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: CpuDecodeMetadata,
+        layer_id: int,
+        scale: float,
+    ) -> SharedPrefixResult:
+        """Every query of the batch over the prefix all requests share, in one call per K/V head
+        group: the prefix is read once instead of once per request, and the call is GEMM-shaped.
+        The decode kernel attends the rest and merges this in by log-sum-exp."""
+        slots = metadata.shared_prefix
+        assert slots is not None
+        if metadata.staged_prefix is not None:
+            keys, values = metadata.staged_prefix.layer_kv(layer_id, k_cache, v_cache)
+        else:
+            keys, values = k_cache.index_select(0, slots), v_cache.index_select(0, slots)
+        if self.ops.amx:
+            native = self.ops.kernels.prefix_attention(q, keys, values, scale)
+            if native is not None:
+                return native
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        stacked = stack_by_kv_head(q, k_cache.shape[1])
+        keys, values = keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
+        out, lse = flash(stacked, keys, values, 0.0, False, scale=scale)
+        return SharedPrefixResult(int(slots.shape[0]), out[0], lse[0].contiguous())
+
+    def idle(self) -> None:
+        self.prefix_staging.release()
+
+    def stats(self) -> dict[str, Any]:
+        return {"decode_staging_tokens": 0, "decode_staging_appends": 0, "decode_staging_refills": 0}

@@ -1,0 +1,164 @@
+"""Extend attention over the paged KV pool (prefill, prefill chunks, mixed batches, verify steps).
+
+One SDPA call per request: a prefill's work is large, so the per-call cost is small next to its
+FLOPs, and each request sees exactly its own prefix plus its new tokens. On a CPU, requests whose
+cached prefixes are the very same KV slots (the radix cache gives requests with a common prompt
+prefix the same slots) attend to that prefix in one call and to their own new tokens in another,
+and the two are merged by log-sum-exp (cascade attention).
+
+`CpuAttentionOps` carries the native kernels a backend chose at startup: the AMX kernels for the
+shared part and for single requests, and the native merge. Without them every part runs on torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from radixserve.attention.common import MIN_SHARED_PREFIX, merge_by_lse, rows_of, stack_by_kv_head
+from radixserve.forward.batch import ExtendSegment
+from radixserve.kernels.cpu_ops import CpuKernels
+
+
+@dataclass(frozen=True)
+class CpuAttentionOps:
+    """Native kernels an attention backend uses, chosen once at startup."""
+
+    kernels: CpuKernels
+    # Attention on AMX tiles (bf16, a CPU with AMX, a head_dim the kernel is compiled for).
+    amx: bool
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    segments: list[ExtendSegment],
+    scale: float,
+    ops: CpuAttentionOps | None = None,
+) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, Hkv, D] for the new tokens (already in the pool). Returns [T, H, D]."""
+    out = torch.empty_like(q)
+    done: set[int] = set()
+    if q.device.type == "cpu":
+        for group in _shared_prefix_groups(segments):
+            _cascade_extend(q, k, v, k_cache, v_cache, [segments[i] for i in group], scale, out, ops)
+            done.update(group)
+    for index, seg in enumerate(segments):
+        if index in done:
+            continue
+        rows = slice(seg.q_start, seg.q_start + seg.q_len)
+        if ops is not None and ops.amx and seg.context_slots is not None:
+            native = ops.kernels.causal_attention(
+                q[rows], k_cache, v_cache, seg.context_slots, seg.prefix_len, scale
+            )
+            if native is not None:
+                out[rows] = native
+                continue
+        keys, values = k[rows], v[rows]
+        if seg.prefix_len:
+            keys = torch.cat((k_cache.index_select(0, seg.prefix_slots), keys))
+            values = torch.cat((v_cache.index_select(0, seg.prefix_slots), values))
+        out[rows] = _causal_sdpa(q[rows], keys, values, seg.prefix_len, scale)
+    return out
+
+
+def _shared_prefix_groups(segments: list[ExtendSegment]) -> list[list[int]]:
+    """Segments (two or more) whose cached prefixes are the very same KV slots."""
+    by_prefix: dict[tuple[int, int, int], list[int]] = {}
+    for index, seg in enumerate(segments):
+        if seg.prefix_len >= MIN_SHARED_PREFIX:
+            key = (seg.prefix_len, int(seg.prefix_slots[0]), int(seg.prefix_slots[-1]))
+            by_prefix.setdefault(key, []).append(index)
+    groups = []
+    for members in by_prefix.values():
+        first = segments[members[0]].prefix_slots
+        same = [i for i in members if torch.equal(segments[i].prefix_slots, first)]
+        if len(same) > 1:
+            groups.append(same)
+    return groups
+
+
+def _cascade_extend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    group: list[ExtendSegment],
+    scale: float,
+    out: torch.Tensor,
+    ops: CpuAttentionOps | None,
+) -> None:
+    """Segments sharing a cached prefix: all their new tokens attend to the prefix in one call
+    (every prefix position precedes them, so no mask), each segment causally to its own new
+    tokens, and the two parts are merged by log-sum-exp. Writes the rows of out."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    _, heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    per_head = heads // kv_heads
+    rows = rows_of(group)
+    count = sum(s.q_len for s in group)
+    queries = q[rows]
+    # Shared part: queries grouped by their K/V head, [1, Hkv, rows * G, D] against the prefix.
+    slots = group[0].prefix_slots
+    prefix_k, prefix_v = k_cache.index_select(0, slots), v_cache.index_select(0, slots)
+    shared = None
+    if ops is not None and ops.amx:
+        shared = ops.kernels.prefix_attention(queries, prefix_k, prefix_v, scale)
+    if shared is not None:
+        shared_out, shared_lse = shared.out, shared.lse
+    else:
+        stacked = stack_by_kv_head(queries, kv_heads)
+        prefix_k, prefix_v = (x.transpose(0, 1).unsqueeze(0) for x in (prefix_k, prefix_v))
+        shared_out, shared_lse = flash(stacked, prefix_k, prefix_v, 0.0, False, scale=scale)
+    # [rows, Hkv, G, D] and [rows, Hkv, G] views: the queries' order again.
+    shared_out = shared_out.view(kv_heads, count, per_head, dim).permute(1, 0, 2, 3)
+    shared_lse = shared_lse.view(kv_heads, count, per_head).permute(1, 0, 2)
+    # Own part: causal over the segment's new tokens (one call when they are all as long).
+    lengths = {s.q_len for s in group}
+    parts = [group] if len(lengths) == 1 else [[s] for s in group]
+    own_out, own_lse = [], []
+    for part in parts:
+        length = part[0].q_len
+        part_rows = rows_of(part)
+        shape = (len(part), length)
+        part_q = q[part_rows].view(*shape, heads, dim).transpose(1, 2)
+        part_k = k[part_rows].view(*shape, kv_heads, dim).transpose(1, 2).repeat_interleave(per_head, dim=1)
+        part_v = v[part_rows].view(*shape, kv_heads, dim).transpose(1, 2).repeat_interleave(per_head, dim=1)
+        o, lse = flash(part_q, part_k, part_v, 0.0, True, scale=scale)
+        own_out.append(o.transpose(1, 2).reshape(-1, heads, dim))
+        own_lse.append(lse.transpose(1, 2).reshape(-1, heads))
+    own = torch.cat(own_out).view(count, kv_heads, per_head, dim)
+    own_lse_grouped = torch.cat(own_lse).view(count, kv_heads, per_head)
+    merged = None if ops is None else ops.kernels.merge_by_lse(shared_out, shared_lse, own, own_lse_grouped)
+    if merged is None:
+        merged = merge_by_lse(
+            shared_out.reshape(count, heads, dim),
+            shared_lse.reshape(count, heads),
+            own.view(count, heads, dim),
+            own_lse_grouped.view(count, heads),
+        )
+    out[rows] = merged
+
+
+def _causal_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int, scale: float
+) -> torch.Tensor:
+    # [L, H, D] -> [1, H, L, D]: the CPU flash kernel takes only 4-D inputs (3-D falls back to the
+    # much slower math path). SDPA maps each group of query heads onto its K/V head (GQA).
+    qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    q_len = q.shape[0]
+    if prefix_len == 0:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=q_len > 1, scale=scale, enable_gqa=True)
+    else:
+        # New tokens sit at the end of the sequence: query i sees keys up to prefix_len + i.
+        key_pos = torch.arange(prefix_len + q_len, device=q.device)
+        query_pos = torch.arange(q_len, device=q.device) + prefix_len
+        mask = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.squeeze(0).transpose(0, 1)

@@ -1,0 +1,192 @@
+"""torch_native: attention in plain torch (SDPA), on any device.
+
+Extend: one SDPA call per request, with the shared-prefix cascade on a CPU (attention/extend.py).
+Decode: requests grouped into length buckets (attention/decode_buckets.py), one batched SDPA per
+bucket and layer with GQA by grouping queries per K/V head; on a CPU, a prefix every request of a
+bucket shares is attended once for all of them with torch's flash kernel and merged by
+log-sum-exp, and each bucket's gathered K/V are kept between steps (decode staging,
+attention/staging.py) when --decode-staging-tokens allows.
+
+This is the reference the native backend is tested against, and the backend for CUDA until a
+CUDA backend is registered.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from radixserve.attention.base import AttentionBackend, AttentionMetadata, AttentionSpec
+from radixserve.attention.common import merge_by_lse, stack_by_kv_head
+from radixserve.attention.decode_buckets import DecodeBucket, build_buckets
+from radixserve.attention.extend import extend_attention
+from radixserve.attention.staging import DecodeStaging, StagedBucket, bucket_kv, shared_kv
+from radixserve.forward.batch import DecodeLayout, ExtendSegment, ForwardBatch, ForwardMode
+
+
+@dataclass
+class TorchExtendMetadata(AttentionMetadata):
+    segments: list[ExtendSegment]
+
+
+@dataclass
+class TorchDecodeMetadata(AttentionMetadata):
+    layout: DecodeLayout
+    buckets: list[DecodeBucket]
+    # Per bucket: its K/V kept between steps, or None (gathered from the pool every layer).
+    staged: list[StagedBucket | None] = field(default_factory=list)
+
+
+class TorchNativeBackend(AttentionBackend):
+    name = "torch_native"
+    gathers_kv = True
+
+    def __init__(self, spec: AttentionSpec):
+        super().__init__(spec)
+        # The cascade needs the log-sum-exp that torch's CPU flash kernel returns.
+        self.cascade = spec.device.type == "cpu"
+        self.staging = DecodeStaging(
+            max_tokens=spec.decode_staging_tokens,
+            num_layers=spec.num_layers,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            dtype=spec.dtype,
+            device=spec.device,
+        )
+
+    @property
+    def decode_path(self) -> str:
+        path = "torch SDPA over length buckets"
+        if self.cascade:
+            path += ", shared-prefix cascade (torch flash)"
+        if self.staging.max_tokens:
+            path += f", decode staging up to {self.staging.max_tokens} tokens"
+        return path
+
+    def plan(self, batch: ForwardBatch) -> AttentionMetadata:
+        if batch.mode is ForwardMode.DECODE:
+            assert batch.decode is not None
+            return self.plan_decode(batch.decode)
+        assert batch.extend is not None
+        return TorchExtendMetadata(batch.mode, batch.extend)
+
+    def plan_decode(self, layout: DecodeLayout) -> TorchDecodeMetadata:
+        buckets = build_buckets(layout.req_to_token, layout.req_pool_indices, layout.seq_lens, self.cascade)
+        staged: list[StagedBucket | None] = [None] * len(buckets)
+        if self.staging.max_tokens:
+            staged = self.staging.prepare(buckets, layout.request_ids)
+        return TorchDecodeMetadata(ForwardMode.DECODE, layout, buckets, staged)
+
+    def extend(
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        assert isinstance(metadata, TorchExtendMetadata)
+        return extend_attention(q, k, v, k_cache, v_cache, metadata.segments, scale)
+
+    def decode(
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """q: [B, H, D], one query per request; k, v: [B, Hkv, D], the new tokens' (already in the
+        pool). Returns [B, H, D]."""
+        assert isinstance(metadata, TorchDecodeMetadata)
+        buckets, staged = metadata.buckets, metadata.staged
+        if len(buckets) == 1 and buckets[0].rows is None:
+            return _bucket_attention(q, k, v, k_cache, v_cache, buckets[0], staged[0], layer_id, scale)
+        out = torch.empty_like(q)
+        for bucket, block in zip(buckets, staged, strict=True):
+            assert bucket.rows is not None
+            rows = bucket.rows
+            out[rows] = _bucket_attention(
+                q[rows], k[rows], v[rows], k_cache, v_cache, bucket, block, layer_id, scale
+            )
+        return out
+
+    def idle(self) -> None:
+        self.staging.release()
+
+    def stats(self) -> dict[str, Any]:
+        # Decode buckets served from their staged K/V (appends) or refilled from the pool.
+        return {
+            "decode_staging_tokens": self.staging.max_tokens,
+            "decode_staging_appends": self.staging.appends,
+            "decode_staging_refills": self.staging.refills,
+        }
+
+
+def _bucket_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    bucket: DecodeBucket,
+    staged: StagedBucket | None,
+    layer_id: int,
+    scale: float,
+) -> torch.Tensor:
+    keys, values = bucket_kv(bucket, staged, layer_id, k_cache, v_cache, k, v)
+    if bucket.shared_slots is not None:
+        return _cascade_attention(q, keys, values, bucket, staged, layer_id, k_cache, v_cache, scale)
+    size, heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    # Queries grouped by their K/V head, [B, Hkv, G, D], as G query rows over the same keys: one
+    # pass over each K/V head instead of one per query head (faster than enable_gqa here).
+    grouped = q.view(size, kv_heads, heads // kv_heads, dim)
+    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=bucket.mask, scale=scale)
+    return out.reshape(size, heads, dim)
+
+
+def _cascade_attention(
+    q: torch.Tensor,
+    own_k: torch.Tensor,
+    own_v: torch.Tensor,
+    bucket: DecodeBucket,
+    staged: StagedBucket | None,
+    layer_id: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """q: [B, H, D]. Attention over shared prefix + own suffix, merged by log-sum-exp (CPU op)."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    size, heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    group = heads // kv_heads
+    # Queries grouped by their K/V head: [B, Hkv, G, D]. No GQA expansion is needed then.
+    grouped = q.view(size, kv_heads, group, dim)
+
+    # Shared part: every query of a K/V head attends to the same keys, one call for all requests.
+    shared_k, shared_v = shared_kv(bucket, staged, layer_id, k_cache, v_cache)
+    stacked = stack_by_kv_head(q, kv_heads)
+    shared_out, shared_lse = flash(stacked, shared_k, shared_v, 0.0, False, scale=scale)
+    shared_out = shared_out.view(kv_heads, size, group, dim).permute(1, 0, 2, 3)
+    shared_lse = shared_lse.view(kv_heads, size, group).permute(1, 0, 2)
+
+    # Each request's own part.
+    mask = None
+    if bucket.mask is not None:
+        # This kernel takes an additive mask in the query's dtype.
+        mask = torch.zeros(bucket.mask.shape, dtype=q.dtype, device=q.device)
+        mask.masked_fill_(~bucket.mask, float("-inf"))
+    own_out, own_lse = flash(grouped, own_k, own_v, 0.0, False, attn_mask=mask, scale=scale)
+
+    return merge_by_lse(shared_out, shared_lse, own_out, own_lse).reshape(size, heads, dim)

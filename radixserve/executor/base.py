@@ -1,0 +1,92 @@
+"""The executor interface: what the scheduler needs from whatever runs the model.
+
+The scheduler decides *what* runs (which requests, which tokens, which KV slots); an executor runs
+it. `ModelRunner` runs a real model. Tests drive the scheduler with a fake executor
+(tests/scheduler/fake_executor.py); the same seam is where a cost-model executor (a scheduler
+simulator) and a speculative-decoding worker plug in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from radixserve.forward.batch import ForwardBatch
+from radixserve.layers.sampler import SamplingBatch
+from radixserve.models.config import ModelConfig
+
+# What /release_memory_occupation can release (SGLang's tags).
+MEMORY_TAGS = ("weights", "kv_cache")
+
+
+class MemoryReleasedError(RuntimeError):
+    """The weights or the KV cache are released; /resume_memory_occupation brings them back."""
+
+
+@dataclass(frozen=True)
+class ExecutorInfo:
+    """What the scheduler sizes itself by, fixed once the model is loaded."""
+
+    config: ModelConfig
+    context_len: int
+    max_total_tokens: int  # KV slots the executor's pool holds
+    dtype: torch.dtype
+    device: torch.device
+    # The model answers embedding requests only (an encoder, or a decoder under --is-embedding).
+    is_embedding: bool
+
+
+class Executor(Protocol):
+    @property
+    def info(self) -> ExecutorInfo: ...
+
+    @property
+    def released(self) -> set[str]:
+        """The memory tags now released (MEMORY_TAGS); empty while everything is resident."""
+        ...
+
+    def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 logits for the batch's sample rows, then its logprob rows; and the final
+        (normed) hidden states they came from, then those of its hidden rows."""
+        ...
+
+    def sample(self, logits: torch.Tensor, sampling: SamplingBatch) -> torch.Tensor:
+        """One token id per row of logits."""
+        ...
+
+    def embed(self, batch: ForwardBatch) -> torch.Tensor:
+        """One fp32 embedding per request that completes its prompt in this batch, in row order."""
+        ...
+
+    def idle(self) -> None:
+        """Nothing runs now: a chance to give back scratch memory."""
+        ...
+
+    def close(self) -> None: ...
+
+    def describe(self) -> dict[str, Any]:
+        """The choices made at startup (attention backend, decode path, CPU ISA), for
+        /get_server_info."""
+        ...
+
+    def stats(self) -> dict[str, Any]:
+        """Counters that change as it runs (decode staging, kernel fallbacks), for /get_server_info."""
+        ...
+
+    # ---- control plane (weights and memory) ----
+
+    def release_memory(self, tags: set[str]) -> None: ...
+
+    def resume_memory(self, tags: set[str]) -> None: ...
+
+    def resident_bytes(self) -> dict[str, int]: ...
+
+    def weight_slice(self, name: str, truncate_size: int) -> list[float]: ...
+
+    def load_other_weights(self, model_path: str) -> str:
+        """Replaces the weights with another checkpoint of the same shapes; returns its path."""
+        ...
+
+    def update_weights_from_tensors(self, named: list[tuple[str, torch.Tensor]]) -> int: ...

@@ -1,0 +1,55 @@
+"""The VERIFY forward mode (the seam for speculative decoding): one forward of k tokens per request
+gives, at every position, the logits that k greedy decode steps would see."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from radixserve.config.server_args import ServerArgs
+from radixserve.protocol.messages import GenerateRequest
+from radixserve.scheduler.batch import build_verify_batch
+from radixserve.scheduler.process import build_scheduler
+from tests.engine.oracle import GREEDY, GreedyOracle, random_prompts
+
+K = 4
+
+
+@pytest.mark.parametrize("backend", ["torch_native", "cpu_native"])
+def test_a_verify_step_matches_the_greedy_continuation(
+    backend: str, tiny_model_dir: Callable[[str], Path], oracle: Callable[[str], GreedyOracle]
+) -> None:
+    args = ServerArgs(
+        model_path=str(tiny_model_dir("llama")), dtype="float32", max_total_tokens=512,
+        attention_backend=backend, disable_overlap_schedule=True, log_level="warning",
+    )  # fmt: skip
+    if backend == "cpu_native":
+        pytest.importorskip("radixserve.kernels.native").load_library()
+    scheduler = build_scheduler(args)
+    prompts = random_prompts(2, [9, 23], seed=50)
+    for i, prompt in enumerate(prompts):
+        scheduler.add_request(GenerateRequest(f"r{i}", prompt, {**GREEDY, "max_new_tokens": 32}))
+    scheduler.step()  # both prompts prefilled; each has its first output token, not yet in the pool
+    reqs = list(scheduler.running)
+    assert [len(r.output_ids) for r in reqs] == [1, 1]
+    expected = [oracle("llama").continue_(p, K + 1) for p in prompts]
+    # Propose the true continuation: every position must then predict the next true token.
+    proposals = [tokens[1:K] for tokens in expected]
+    batch = build_verify_batch(reqs, proposals, scheduler.kv)
+    logits, _ = scheduler.executor.forward(batch)
+    assert logits.shape[0] == K * len(reqs)
+    for index, (prompt, tokens) in enumerate(zip(prompts, expected, strict=True)):
+        rows = logits[index * K : (index + 1) * K]
+        assert rows.argmax(-1).tolist() == tokens[1 : K + 1]
+        with torch.no_grad():
+            reference = oracle("llama").model(input_ids=torch.tensor([prompt + tokens[:K]])).logits[0, -K:]
+        torch.testing.assert_close(rows, reference, atol=1e-4, rtol=1e-4)
+
+    # No proposal is accepted here: the verify step's slots go back, and the requests finish normally.
+    scheduler.allocator.free(batch.out_cache_loc)
+    while not scheduler.is_idle:
+        scheduler.step()
+    scheduler.check_kv_invariant()

@@ -46,6 +46,20 @@ class AttentionSpec:
 
 
 @dataclass
+class LayerInputs:
+    """One layer's attention inputs: the new tokens' q ([T, H, D]) and k, v ([T, Hkv, D], already
+    written to the pool), and the layer's pool buffers ([slots, Hkv, D])."""
+
+    layer_id: int
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    scale: float
+
+
+@dataclass
 class AttentionMetadata:
     """What plan() worked out for one forward. Backends subclass it."""
 
@@ -72,65 +86,25 @@ class AttentionBackend(ABC):
         """Once per forward, before the first layer."""
 
     @abstractmethod
-    def extend(
-        self,
-        layer_id: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        scale: float,
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        """q: [T, H, D] for the batch's new tokens; k, v: [T, Hkv, D], already in the pool.
-        Each token sees its request's cached context and the request's new tokens up to itself."""
+    def extend(self, x: LayerInputs, metadata: AttentionMetadata) -> torch.Tensor:
+        """Each new token sees its request's cached context and the request's new tokens up to
+        itself. Returns [T, H, D]."""
 
     @abstractmethod
-    def decode(
-        self,
-        layer_id: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        scale: float,
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
+    def decode(self, x: LayerInputs, metadata: AttentionMetadata) -> torch.Tensor:
         """One query per request (q: [B, H, D]) over its whole context, its new token's included."""
 
-    def verify(
-        self,
-        layer_id: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        scale: float,
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
+    def verify(self, x: LayerInputs, metadata: AttentionMetadata) -> torch.Tensor:
         """k proposed tokens per request, each seeing its context and the proposals before it:
         the extend math. A backend with a faster fixed-k kernel overrides this."""
-        return self.extend(layer_id, q, k, v, k_cache, v_cache, scale, metadata)
+        return self.extend(x, metadata)
 
-    def forward(
-        self,
-        layer_id: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        scale: float,
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
+    def forward(self, x: LayerInputs, metadata: AttentionMetadata) -> torch.Tensor:
         if metadata.mode is ForwardMode.DECODE:
-            return self.decode(layer_id, q, k, v, k_cache, v_cache, scale, metadata)
+            return self.decode(x, metadata)
         if metadata.mode is ForwardMode.VERIFY:
-            return self.verify(layer_id, q, k, v, k_cache, v_cache, scale, metadata)
-        return self.extend(layer_id, q, k, v, k_cache, v_cache, scale, metadata)
+            return self.verify(x, metadata)
+        return self.extend(x, metadata)
 
     @property
     @abstractmethod
@@ -164,4 +138,4 @@ class AttentionCall:
     ) -> torch.Tensor:
         self.kv_pool.write(layer_id, self.out_cache_loc, k, v)
         k_cache, v_cache = self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id]
-        return self.backend.forward(layer_id, q, k, v, k_cache, v_cache, scale, self.metadata)
+        return self.backend.forward(LayerInputs(layer_id, q, k, v, k_cache, v_cache, scale), self.metadata)

@@ -22,6 +22,7 @@ from radixserve.attention.base import (
     AttentionBackendUnavailable,
     AttentionMetadata,
     AttentionSpec,
+    LayerInputs,
 )
 from radixserve.attention.common import decode_shared_prefix, stack_by_kv_head
 from radixserve.attention.extend import CpuAttentionOps, extend_attention
@@ -104,70 +105,41 @@ class CpuNativeBackend(AttentionBackend):
             staged = self.prefix_staging.prepare(shared, layout.request_ids)
         return CpuDecodeMetadata(ForwardMode.DECODE, layout, shared, staged)
 
-    def extend(
-        self,
-        layer_id: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        scale: float,
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
+    def extend(self, x: LayerInputs, metadata: AttentionMetadata) -> torch.Tensor:
         assert isinstance(metadata, CpuExtendMetadata)
-        return extend_attention(q, k, v, k_cache, v_cache, metadata.segments, scale, self.ops)
+        return extend_attention(x.q, x.k, x.v, x.k_cache, x.v_cache, metadata.segments, x.scale, self.ops)
 
-    def decode(
-        self,
-        layer_id: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        scale: float,
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
+    def decode(self, x: LayerInputs, metadata: AttentionMetadata) -> torch.Tensor:
         assert isinstance(metadata, CpuDecodeMetadata)
         layout = metadata.layout
-        prefix = None
-        if metadata.shared_prefix is not None:
-            prefix = self._shared_prefix_attention(q, k_cache, v_cache, metadata, layer_id, scale)
+        prefix = None if metadata.shared_prefix is None else self._shared_prefix_attention(x, metadata)
         out = self.ops.kernels.decode_attention(
-            q, k_cache, v_cache, layout.req_to_token, layout.req_pool_indices, layout.seq_lens, scale, prefix
-        )
+            x.q, x.k_cache, x.v_cache, layout.req_to_token, layout.req_pool_indices, layout.seq_lens, x.scale,
+            prefix,
+        )  # fmt: skip
         if out is None:
             # The shape was checked at startup; a decline here means inputs it was not built for.
             raise RuntimeError("the native decode attention kernel declined its inputs (see the log)")
         return out
 
-    def _shared_prefix_attention(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        metadata: CpuDecodeMetadata,
-        layer_id: int,
-        scale: float,
-    ) -> SharedPrefixResult:
+    def _shared_prefix_attention(self, x: LayerInputs, metadata: CpuDecodeMetadata) -> SharedPrefixResult:
         """Every query of the batch over the prefix all requests share, in one call per K/V head
         group: the prefix is read once instead of once per request, and the call is GEMM-shaped.
         The decode kernel attends the rest and merges this in by log-sum-exp."""
         slots = metadata.shared_prefix
         assert slots is not None
         if metadata.staged_prefix is not None:
-            keys, values = metadata.staged_prefix.layer_kv(layer_id, k_cache, v_cache)
+            keys, values = metadata.staged_prefix.layer_kv(x.layer_id, x.k_cache, x.v_cache)
         else:
-            keys, values = k_cache.index_select(0, slots), v_cache.index_select(0, slots)
+            keys, values = x.k_cache.index_select(0, slots), x.v_cache.index_select(0, slots)
         if self.ops.amx:
-            native = self.ops.kernels.prefix_attention(q, keys, values, scale)
+            native = self.ops.kernels.prefix_attention(x.q, keys, values, x.scale)
             if native is not None:
                 return native
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        stacked = stack_by_kv_head(q, k_cache.shape[1])
+        stacked = stack_by_kv_head(x.q, x.k_cache.shape[1])
         keys, values = keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
-        out, lse = flash(stacked, keys, values, 0.0, False, scale=scale)
+        out, lse = flash(stacked, keys, values, 0.0, False, scale=x.scale)
         return SharedPrefixResult(int(slots.shape[0]), out[0], lse[0].contiguous())
 
     def idle(self) -> None:

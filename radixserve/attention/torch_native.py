@@ -13,13 +13,14 @@ CUDA backend is registered.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from radixserve.attention.base import AttentionBackend, AttentionMetadata, AttentionSpec
+from radixserve.attention.base import AttentionBackend, AttentionMetadata, AttentionSpec, LayerInputs
 from radixserve.attention.common import merge_by_lse, stack_by_kv_head
 from radixserve.attention.decode_buckets import DecodeBucket, build_buckets
 from radixserve.attention.extend import extend_attention
@@ -80,44 +81,23 @@ class TorchNativeBackend(AttentionBackend):
             staged = self.staging.prepare(buckets, layout.request_ids)
         return TorchDecodeMetadata(ForwardMode.DECODE, layout, buckets, staged)
 
-    def extend(
-        self,
-        layer_id: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        scale: float,
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
+    def extend(self, x: LayerInputs, metadata: AttentionMetadata) -> torch.Tensor:
         assert isinstance(metadata, TorchExtendMetadata)
-        return extend_attention(q, k, v, k_cache, v_cache, metadata.segments, scale)
+        return extend_attention(x.q, x.k, x.v, x.k_cache, x.v_cache, metadata.segments, x.scale)
 
-    def decode(
-        self,
-        layer_id: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        scale: float,
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
+    def decode(self, x: LayerInputs, metadata: AttentionMetadata) -> torch.Tensor:
         """q: [B, H, D], one query per request; k, v: [B, Hkv, D], the new tokens' (already in the
         pool). Returns [B, H, D]."""
         assert isinstance(metadata, TorchDecodeMetadata)
         buckets, staged = metadata.buckets, metadata.staged
         if len(buckets) == 1 and buckets[0].rows is None:
-            return _bucket_attention(q, k, v, k_cache, v_cache, buckets[0], staged[0], layer_id, scale)
-        out = torch.empty_like(q)
+            return _bucket_attention(x, buckets[0], staged[0])
+        out = torch.empty_like(x.q)
         for bucket, block in zip(buckets, staged, strict=True):
             assert bucket.rows is not None
             rows = bucket.rows
-            out[rows] = _bucket_attention(
-                q[rows], k[rows], v[rows], k_cache, v_cache, bucket, block, layer_id, scale
-            )
+            part = dataclasses.replace(x, q=x.q[rows], k=x.k[rows], v=x.v[rows])
+            out[rows] = _bucket_attention(part, bucket, block)
         return out
 
     def idle(self) -> None:
@@ -132,50 +112,37 @@ class TorchNativeBackend(AttentionBackend):
         }
 
 
-def _bucket_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    bucket: DecodeBucket,
-    staged: StagedBucket | None,
-    layer_id: int,
-    scale: float,
-) -> torch.Tensor:
-    keys, values = bucket_kv(bucket, staged, layer_id, k_cache, v_cache, k, v)
+def _bucket_attention(x: LayerInputs, bucket: DecodeBucket, staged: StagedBucket | None) -> torch.Tensor:
+    keys, values = bucket_kv(bucket, staged, x.layer_id, x.k_cache, x.v_cache, x.k, x.v)
     if bucket.shared_slots is not None:
-        return _cascade_attention(q, keys, values, bucket, staged, layer_id, k_cache, v_cache, scale)
-    size, heads, dim = q.shape
-    kv_heads = k_cache.shape[1]
+        return _cascade_attention(x, keys, values, bucket, staged)
+    size, heads, dim = x.q.shape
+    kv_heads = x.k_cache.shape[1]
     # Queries grouped by their K/V head, [B, Hkv, G, D], as G query rows over the same keys: one
     # pass over each K/V head instead of one per query head (faster than enable_gqa here).
-    grouped = q.view(size, kv_heads, heads // kv_heads, dim)
-    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=bucket.mask, scale=scale)
+    grouped = x.q.view(size, kv_heads, heads // kv_heads, dim)
+    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=bucket.mask, scale=x.scale)
     return out.reshape(size, heads, dim)
 
 
 def _cascade_attention(
-    q: torch.Tensor,
+    x: LayerInputs,
     own_k: torch.Tensor,
     own_v: torch.Tensor,
     bucket: DecodeBucket,
     staged: StagedBucket | None,
-    layer_id: int,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    scale: float,
 ) -> torch.Tensor:
-    """q: [B, H, D]. Attention over shared prefix + own suffix, merged by log-sum-exp (CPU op)."""
+    """Attention over shared prefix + own suffix, merged by log-sum-exp (CPU flash kernel)."""
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    q, scale = x.q, x.scale
     size, heads, dim = q.shape
-    kv_heads = k_cache.shape[1]
+    kv_heads = x.k_cache.shape[1]
     group = heads // kv_heads
     # Queries grouped by their K/V head: [B, Hkv, G, D]. No GQA expansion is needed then.
     grouped = q.view(size, kv_heads, group, dim)
 
     # Shared part: every query of a K/V head attends to the same keys, one call for all requests.
-    shared_k, shared_v = shared_kv(bucket, staged, layer_id, k_cache, v_cache)
+    shared_k, shared_v = shared_kv(bucket, staged, x.layer_id, x.k_cache, x.v_cache)
     stacked = stack_by_kv_head(q, kv_heads)
     shared_out, shared_lse = flash(stacked, shared_k, shared_v, 0.0, False, scale=scale)
     shared_out = shared_out.view(kv_heads, size, group, dim).permute(1, 0, 2, 3)

@@ -21,11 +21,11 @@ from torch import nn
 from radixserve.distributed.parallel import SINGLE, ParallelContext, gather_shards
 from radixserve.layers.linear import (
     ColumnParallelLinear,
+    ParallelLinear,
     ParallelLMHead,
     RowParallelLinear,
     VocabParallelEmbedding,
     WeightTarget,
-    ParallelLinear,
 )
 from radixserve.layers.packed_weights import WeightPacking
 

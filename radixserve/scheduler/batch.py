@@ -81,6 +81,21 @@ def _assign_request_slot(req: Req, kv: KVContext) -> None:
     req.prefix_node = None
 
 
+def _allocate_extend(reqs: list[Req], extend_lens: list[int], kv: KVContext) -> torch.Tensor:
+    """KV slots for extend_lens new tokens per request after its kv_len (evicting if needed)."""
+    table = kv.req_to_token_pool.req_to_token
+    prefix_lens = [r.kv_len for r in reqs]
+    last_locs = [int(table[r.req_pool_idx, r.kv_len - 1]) if r.kv_len else -1 for r in reqs]
+    kv.make_room(sum(extend_lens) + len(reqs) * kv.allocator.page_size)
+    out_cache_loc = kv.allocator.alloc_extend(prefix_lens, last_locs, extend_lens)
+    if out_cache_loc is None:
+        raise KVExhaustedError(
+            f"cannot allocate {sum(extend_lens)} KV slots for an extend "
+            f"(free {kv.allocator.available_size()}, evictable {kv.tree_cache.evictable_size()})"
+        )
+    return out_cache_loc
+
+
 def build_extend_batch(reqs: list[Req], kv: KVContext) -> ForwardBatch:
     for req in reqs:
         if req.req_pool_idx is None:
@@ -88,14 +103,7 @@ def build_extend_batch(reqs: list[Req], kv: KVContext) -> ForwardBatch:
     table = kv.req_to_token_pool.req_to_token
     prefix_lens = [r.kv_len for r in reqs]
     extend_lens = [r.extend_len for r in reqs]
-    last_locs = [int(table[r.req_pool_idx, r.kv_len - 1]) if r.kv_len else -1 for r in reqs]
-    kv.make_room(sum(extend_lens) + len(reqs) * kv.allocator.page_size)
-    out_cache_loc = kv.allocator.alloc_extend(prefix_lens, last_locs, extend_lens)
-    if out_cache_loc is None:
-        raise KVExhaustedError(
-            f"cannot allocate {sum(extend_lens)} KV slots for a prefill "
-            f"(free {kv.allocator.available_size()}, evictable {kv.tree_cache.evictable_size()})"
-        )
+    out_cache_loc = _allocate_extend(reqs, extend_lens, kv)
 
     input_ids: list[int] = []
     positions: list[torch.Tensor] = []
@@ -181,12 +189,40 @@ def build_decode_batch(reqs: list[Req], kv: KVContext) -> ForwardBatch:
         positions=lens.to(device),
         out_cache_loc=out_cache_loc.to(device),
         sample_rows=torch.arange(len(reqs), device=device),
-        # Cascade attention over shared prefixes uses a CPU kernel (see model/attention.py).
-        decode=build_decode_layout(
-            table,
-            pool_indices,
-            lens + 1,
-            share_prefixes=device.type == "cpu",
-            request_ids=[r.admission for r in reqs],
-        ),
+        decode=build_decode_layout(table, pool_indices, lens + 1, request_ids=[r.admission for r in reqs]),
+    )
+
+
+def build_verify_batch(reqs: list[Req], proposals: list[list[int]], kv: KVContext) -> ForwardBatch:
+    """A VERIFY step, the seam for speculative decoding: each decoding request computes k tokens in
+    one forward (its last sampled token, whose K/V is not in the pool yet, then its k - 1 proposed
+    tokens) and every position is sampled, so that row j's logits check proposal j + 1.
+
+    The k new KV slots are written into each request's row but its kv_len is left alone: how many
+    proposals are accepted, and so which slots the request keeps, is the caller's decision (a
+    speculative worker frees the rest). Nothing calls this yet."""
+    if not reqs or len(proposals) != len(reqs) or len({len(p) for p in proposals}) != 1:
+        raise ValueError("one list of proposed tokens per request, all of the same length")
+    k = 1 + len(proposals[0])
+    table = kv.req_to_token_pool.req_to_token
+    prefix_lens = [r.kv_len for r in reqs]
+    out_cache_loc = _allocate_extend(reqs, [k] * len(reqs), kv)
+    input_ids: list[int] = []
+    positions: list[torch.Tensor] = []
+    segments: list[ExtendSegment] = []
+    for index, (req, start, proposed) in enumerate(zip(reqs, prefix_lens, proposals, strict=True)):
+        row = table[req.req_pool_idx]
+        row[start : start + k] = out_cache_loc[index * k : (index + 1) * k]
+        input_ids += [req.output_ids[-1], *proposed]
+        positions.append(torch.arange(start, start + k))
+        segments.append(ExtendSegment(index * k, k, start, row[:start], row[: start + k]))
+    device = kv.device
+    return ForwardBatch(
+        mode=ForwardMode.VERIFY,
+        input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
+        positions=torch.cat(positions).to(device),
+        out_cache_loc=out_cache_loc.to(device),
+        sample_rows=torch.arange(k * len(reqs), device=device),
+        extend=segments,
+        verify_tokens=k,
     )

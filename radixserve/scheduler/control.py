@@ -6,16 +6,81 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from radixserve.cache.radix_cache import KVLeakError
-from radixserve.executor.model_runner import MEMORY_TAGS, MemoryReleasedError
+from radixserve.cache.pools import KVSlotAllocator
+from radixserve.cache.radix_cache import KVLeakError, PrefixCache
+from radixserve.executor.base import MEMORY_TAGS, Executor, MemoryReleasedError
 from radixserve.protocol.messages import ControlRequest, ControlResult, SchedulerOutput
-from radixserve.scheduler.internal_state import InvalidStateError, get_internal_state, set_internal_state
-from radixserve.scheduler.profiler import ProfilerError
+from radixserve.scheduler.batch import KVContext
+from radixserve.scheduler.grammar_queue import GrammarQueue
+from radixserve.scheduler.internal_state import (
+    InvalidStateError,
+    TunableScheduler,
+    get_internal_state,
+    set_internal_state,
+)
+from radixserve.scheduler.outputs import OverlappedPublisher
+from radixserve.scheduler.profiler import ProfilerError, StepProfiler
+from radixserve.scheduler.request import Req
+from radixserve.scheduler.stats import SchedulerStats
 
-if TYPE_CHECKING:
-    from radixserve.scheduler.scheduler import Scheduler
+
+class ControlledScheduler(TunableScheduler, Protocol):
+    """What the commands use of the scheduler (scheduler.py's Scheduler). A Protocol, because the
+    scheduler imports this module to run the commands: importing it back would close a cycle."""
+
+    idle_waiters: list[ControlRequest]
+
+    @property
+    def is_idle(self) -> bool: ...
+
+    @property
+    def max_total_tokens(self) -> int: ...
+
+    @property
+    def context_len(self) -> int: ...
+
+    @property
+    def executor(self) -> Executor: ...
+
+    @property
+    def allocator(self) -> KVSlotAllocator: ...
+
+    @property
+    def tree_cache(self) -> PrefixCache: ...
+
+    @property
+    def kv(self) -> KVContext: ...
+
+    @property
+    def running(self) -> list[Req]: ...
+
+    @property
+    def waiting(self) -> list[Req]: ...
+
+    @property
+    def grammar_queue(self) -> GrammarQueue: ...
+
+    @property
+    def new_token_ratio(self) -> float: ...
+
+    @property
+    def stats(self) -> SchedulerStats: ...
+
+    @property
+    def publisher(self) -> OverlappedPublisher | None: ...
+
+    @property
+    def profiler(self) -> StepProfiler: ...
+
+    def check_kv_invariant(self) -> None: ...
+
+    def flush_cache(self) -> bool: ...
+
+    def token_usage(self) -> float: ...
+
+    def abort_all_and_flush(self) -> list[SchedulerOutput]: ...
 
 
 class ControlError(Exception):
@@ -28,7 +93,7 @@ class Reply:
     outputs: list[SchedulerOutput] = field(default_factory=list)
 
 
-def handle_control(scheduler: Scheduler, msg: ControlRequest) -> list[SchedulerOutput]:
+def handle_control(scheduler: ControlledScheduler, msg: ControlRequest) -> list[SchedulerOutput]:
     """The command's outputs, ending with its ControlResult; none yet for a deferred answer."""
     if msg.command == "check_kv_invariant" and not scheduler.is_idle:
         # The invariant only holds when idle: answered once the scheduler gets there.
@@ -48,23 +113,23 @@ def handle_control(scheduler: Scheduler, msg: ControlRequest) -> list[SchedulerO
     return [*reply.outputs, ControlResult(msg.rid, True, payload=reply.payload)]
 
 
-def _require_idle(scheduler: Scheduler, what: str) -> None:
+def _require_idle(scheduler: ControlledScheduler, what: str) -> None:
     if not scheduler.is_idle:
         raise ControlError(f"cannot {what} while requests are running; retry when idle")
 
 
-def check_kv_invariant(scheduler: Scheduler, args: dict[str, Any]) -> Reply:
+def check_kv_invariant(scheduler: ControlledScheduler, args: dict[str, Any]) -> Reply:
     scheduler.check_kv_invariant()
     return Reply()
 
 
-def flush_cache(scheduler: Scheduler, args: dict[str, Any]) -> Reply:
+def flush_cache(scheduler: ControlledScheduler, args: dict[str, Any]) -> Reply:
     if not scheduler.flush_cache():
         raise ControlError("requests are still running")
     return Reply()
 
 
-def get_stats(scheduler: Scheduler, args: dict[str, Any]) -> Reply:
+def get_stats(scheduler: ControlledScheduler, args: dict[str, Any]) -> Reply:
     s = scheduler
     return Reply(
         {
@@ -87,10 +152,9 @@ def get_stats(scheduler: Scheduler, args: dict[str, Any]) -> Reply:
             "overlapped_steps": s.stats.overlapped_steps,
             "step_time_s": s.stats.step_time_s,
             "forward_time_s": s.stats.forward_time_s,
-            # Decode buckets served from their staged K/V (appends) or refilled from the pool.
-            "decode_staging_tokens": s.runner.staging.max_tokens,
-            "decode_staging_appends": s.runner.staging.appends,
-            "decode_staging_refills": s.runner.staging.refills,
+            # The attention backend, decode path and CPU kernels chosen at startup, and their counters.
+            **s.executor.describe(),
+            **s.executor.stats(),
             "aborted_reqs": s.stats.aborted_reqs,
             "cached_tokens": s.stats.cached_tokens,
             "generated_tokens": s.stats.generated_tokens,
@@ -99,8 +163,8 @@ def get_stats(scheduler: Scheduler, args: dict[str, Any]) -> Reply:
             "inter_token_latency": s.stats.inter_token_latency,
             "time_to_first_token": s.stats.time_to_first_token,
             "num_grammar_queue_reqs": len(s.grammar_queue.pending),
-            "memory_released": sorted(s.runner.released),
-            "resident_bytes": s.runner.resident_bytes(),
+            "memory_released": sorted(s.executor.released),
+            "resident_bytes": s.executor.resident_bytes(),
             # SGLang's load: KV tokens in use plus the tokens the waiting requests still need.
             "load_tokens": s.max_total_tokens
             - s.kv.available_with_eviction()
@@ -109,7 +173,7 @@ def get_stats(scheduler: Scheduler, args: dict[str, Any]) -> Reply:
     )
 
 
-def _describe_kv_invariant(scheduler: Scheduler) -> str:
+def _describe_kv_invariant(scheduler: ControlledScheduler) -> str:
     try:
         scheduler.check_kv_invariant()
     except KVLeakError as exc:
@@ -117,43 +181,43 @@ def _describe_kv_invariant(scheduler: Scheduler) -> str:
     return "ok"
 
 
-def get_state(scheduler: Scheduler, args: dict[str, Any]) -> Reply:
+def get_state(scheduler: ControlledScheduler, args: dict[str, Any]) -> Reply:
     return Reply(get_internal_state(scheduler))
 
 
-def set_state(scheduler: Scheduler, args: dict[str, Any]) -> Reply:
+def set_state(scheduler: ControlledScheduler, args: dict[str, Any]) -> Reply:
     return Reply(set_internal_state(scheduler, args))
 
 
-def slow_down(scheduler: Scheduler, args: dict[str, Any]) -> Reply:
+def slow_down(scheduler: ControlledScheduler, args: dict[str, Any]) -> Reply:
     scheduler.forward_sleep_s = float(args.get("forward_sleep_time") or 0.0)
     return Reply(get_internal_state(scheduler))
 
 
-def start_profile(scheduler: Scheduler, args: dict[str, Any]) -> Reply:
+def start_profile(scheduler: ControlledScheduler, args: dict[str, Any]) -> Reply:
     num_steps = args.get("num_steps")
     steps = None if num_steps is None else int(num_steps)
     return Reply(scheduler.profiler.start(args.get("output_dir"), steps, bool(args.get("profile_by_stage"))))
 
 
-def stop_profile(scheduler: Scheduler, args: dict[str, Any]) -> Reply:
+def stop_profile(scheduler: ControlledScheduler, args: dict[str, Any]) -> Reply:
     return Reply(scheduler.profiler.stop())
 
 
-def get_weights_by_name(scheduler: Scheduler, args: dict[str, Any]) -> Reply:
-    values = scheduler.runner.weight_slice(str(args["name"]), int(args.get("truncate_size", 100)))
+def get_weights_by_name(scheduler: ControlledScheduler, args: dict[str, Any]) -> Reply:
+    values = scheduler.executor.weight_slice(str(args["name"]), int(args.get("truncate_size", 100)))
     return Reply({"values": values})
 
 
-def update_weights_from_disk(scheduler: Scheduler, args: dict[str, Any]) -> Reply:
+def update_weights_from_disk(scheduler: ControlledScheduler, args: dict[str, Any]) -> Reply:
     """The new weights load first (a failure changes nothing); then every request in flight is
     aborted, since its KV came from the old weights, and the cache is emptied for the same reason."""
-    scheduler.runner.load_other_weights(str(args.get("model_path")))
+    path = scheduler.executor.load_other_weights(str(args.get("model_path")))
     outputs = scheduler.abort_all_and_flush()
-    return Reply({"model_path": str(scheduler.runner.source.path)}, outputs)
+    return Reply({"model_path": path}, outputs)
 
 
-def update_weights_from_tensor(scheduler: Scheduler, args: dict[str, Any]) -> Reply:
+def update_weights_from_tensor(scheduler: ControlledScheduler, args: dict[str, Any]) -> Reply:
     """Named tensors, sent as safetensors bytes (never pickle); all or nothing, then as above."""
     from safetensors.torch import load
 
@@ -161,7 +225,7 @@ def update_weights_from_tensor(scheduler: Scheduler, args: dict[str, Any]) -> Re
         named = list(load(bytes(args["tensors"])).items())
     except Exception as exc:
         raise ControlError(f"the tensors are not valid safetensors data: {exc}") from exc
-    used = scheduler.runner.update_weights_from_tensors(named)
+    used = scheduler.executor.update_weights_from_tensors(named)
     outputs = scheduler.abort_all_and_flush() if args.get("flush_cache", True) else []
     return Reply({"num_updated": used}, outputs)
 
@@ -174,21 +238,21 @@ def _tags(args: dict[str, Any]) -> set[str]:
     return set(tags)
 
 
-def release_memory_occupation(scheduler: Scheduler, args: dict[str, Any]) -> Reply:
+def release_memory_occupation(scheduler: ControlledScheduler, args: dict[str, Any]) -> Reply:
     tags = _tags(args)
     _require_idle(scheduler, "release memory")
     if "kv_cache" in tags:
         scheduler.flush_cache()  # the cached prefixes' KV is about to be gone
-    scheduler.runner.release_memory(tags)
-    return Reply({"released": sorted(scheduler.runner.released)})
+    scheduler.executor.release_memory(tags)
+    return Reply({"released": sorted(scheduler.executor.released)})
 
 
-def resume_memory_occupation(scheduler: Scheduler, args: dict[str, Any]) -> Reply:
-    scheduler.runner.resume_memory(_tags(args))
-    return Reply({"released": sorted(scheduler.runner.released)})
+def resume_memory_occupation(scheduler: ControlledScheduler, args: dict[str, Any]) -> Reply:
+    scheduler.executor.resume_memory(_tags(args))
+    return Reply({"released": sorted(scheduler.executor.released)})
 
 
-COMMANDS: dict[str, Callable[[Scheduler, dict[str, Any]], Reply]] = {
+COMMANDS: dict[str, Callable[[ControlledScheduler, dict[str, Any]], Reply]] = {
     "check_kv_invariant": check_kv_invariant,
     "flush_cache": flush_cache,
     "get_stats": get_stats,

@@ -8,10 +8,25 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from radixserve.scheduler.scheduler import Scheduler
+from radixserve.cache.pools import ReqToTokenPool
+from radixserve.config.server_args import ServerArgs
+
+
+class TunableScheduler(Protocol):
+    """What the internal state reads and changes of the scheduler (scheduler.py's Scheduler). A
+    Protocol, because the scheduler reaches this module through its control commands: importing
+    the scheduler here would close an import cycle."""
+
+    args: ServerArgs
+    max_running: int
+    forward_sleep_s: float
+
+    @property
+    def req_to_token_pool(self) -> ReqToTokenPool: ...
+
+    def reset_new_token_ratio(self) -> None: ...
 
 
 class InvalidStateError(ValueError):
@@ -21,14 +36,14 @@ class InvalidStateError(ValueError):
 @dataclass(frozen=True)
 class Knob:
     kind: type
-    check: Callable[[Any, Scheduler], str | None]  # an error message, or None when the value is fine
+    check: Callable[[Any, TunableScheduler], str | None]  # an error message, or None when the value is fine
 
 
-def _at_least(low: float) -> Callable[[Any, Scheduler], str | None]:
+def _at_least(low: float) -> Callable[[Any, TunableScheduler], str | None]:
     return lambda v, _: None if v >= low else f"must be >= {low}"
 
 
-def _running_limit(value: int, scheduler: Scheduler) -> str | None:
+def _running_limit(value: int, scheduler: TunableScheduler) -> str | None:
     # The request-slot pool was sized at startup (one spare slot for a chunked prefill).
     slots = scheduler.req_to_token_pool.size - 1
     return (
@@ -36,7 +51,7 @@ def _running_limit(value: int, scheduler: Scheduler) -> str | None:
     )
 
 
-def _chunk_size(value: int, scheduler: Scheduler) -> str | None:
+def _chunk_size(value: int, scheduler: TunableScheduler) -> str | None:
     page = scheduler.args.page_size
     return None if value == -1 or value >= page else f"must be -1 (off) or >= the page size {page}"
 
@@ -51,7 +66,7 @@ KNOBS: dict[str, Knob] = {
 }
 
 
-def get_internal_state(scheduler: Scheduler) -> dict[str, Any]:
+def get_internal_state(scheduler: TunableScheduler) -> dict[str, Any]:
     args = scheduler.args
     return {
         "max_running_requests": scheduler.max_running,
@@ -65,7 +80,7 @@ def get_internal_state(scheduler: Scheduler) -> dict[str, Any]:
     }
 
 
-def set_internal_state(scheduler: Scheduler, updates: dict[str, Any]) -> dict[str, Any]:
+def set_internal_state(scheduler: TunableScheduler, updates: dict[str, Any]) -> dict[str, Any]:
     """Applies all updates or none; returns the new state."""
     errors = []
     for key, value in updates.items():

@@ -1,5 +1,5 @@
 """From one forward's logits to the next token of every request that samples in this step: custom
-logit processors, penalties, grammar masks and sampling (model/sampler.py), then the logprobs and
+logit processors, penalties, grammar masks and sampling (layers/sampler.py), then the logprobs and
 hidden states the requests asked for."""
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The scheduler process: loads the model, reports ready, then runs the event loop on IPC sockets.
 
 The scheduler runs in the main thread of its own process. Besides isolating the model from the
-caller, this matters for speed: torch's OpenMP kernels ran ~1.7x slower from a secondary thread
-than from a process's main thread on the development CPU.
+caller, this matters for speed: torch's OpenMP kernels ran markedly slower from a secondary thread
+than from a process's main thread (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import json
 import logging
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from radixserve.config.log import configure_logging
 from radixserve.config.server_args import ServerArgs
@@ -26,7 +26,26 @@ from radixserve.protocol.messages import (
 )
 from radixserve.scheduler.watchdog import start_watchdog
 
+if TYPE_CHECKING:
+    from radixserve.distributed.parallel import ParallelContext
+    from radixserve.scheduler.scheduler import Scheduler
+
 logger = logging.getLogger("radixserve.scheduler")
+
+
+def build_scheduler(
+    args: ServerArgs, tokenizer: Any = None, parallel: ParallelContext | None = None
+) -> Scheduler:
+    """A scheduler over a real model: the composition root, where ServerArgs becomes the model
+    runner's RunnerConfig. (Tests drive Scheduler with a fake executor instead.)"""
+    from radixserve.distributed.parallel import SINGLE
+    from radixserve.executor.model_runner import ModelRunner
+    from radixserve.executor.runner_config import RunnerConfig
+    from radixserve.scheduler.scheduler import Scheduler
+
+    parallel = parallel or SINGLE
+    runner = ModelRunner(RunnerConfig.from_server_args(args), parallel=parallel)
+    return Scheduler(args, runner, tokenizer=tokenizer, parallel=parallel)
 
 
 def place_rank(args: ServerArgs, dp_rank: int, tp_rank: int) -> None:
@@ -63,13 +82,12 @@ def run_scheduler_process(server_args: dict[str, Any], child: ChildArgs) -> None
 
         from radixserve.distributed.parallel import barrier, destroy, init_tensor_parallel
         from radixserve.executor.model_runner import pick_device
-        from radixserve.scheduler.scheduler import Scheduler
 
         parallel = init_tensor_parallel(
             tp_rank, args.tp_size, child.ns.dist_init_addr or "", pick_device(args.device)
         )
         tokenizer = AutoTokenizer.from_pretrained(child.tokenizer_dir, local_files_only=True)
-        scheduler = Scheduler(args, tokenizer=tokenizer, parallel=parallel)
+        scheduler = build_scheduler(args, tokenizer=tokenizer, parallel=parallel)
         # Ready only when every rank has its weights: the first broadcast would wait for them anyway.
         barrier(parallel)
         if inbox is not None:
@@ -78,7 +96,7 @@ def run_scheduler_process(server_args: dict[str, Any], child: ChildArgs) -> None
                     scheduler.max_total_tokens,
                     scheduler.context_len,
                     scheduler.config.vocab_size,
-                    scheduler.runner.is_embedding,
+                    scheduler.is_embedding,
                     scheduler.config.hidden_size,
                 )
             )

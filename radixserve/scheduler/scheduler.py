@@ -2,7 +2,9 @@
 
 Each step: take new messages → pick the next batch (a prefill of waiting requests if any can be
 admitted, else one decode step of the running batch) → run it → append tokens, finish requests,
-stream outputs. It owns the waiting queue, the running batch, the radix cache and the KV pools.
+stream outputs. It owns the request queues (state.py), the radix cache and the KV pools; choosing
+a prefill batch is PrefillManager's job (prefill.py), a decode batch and retraction DecodeManager's
+(decode.py).
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,8 +21,7 @@ from radixserve.cache.pools import KVSlotAllocator, ReqToTokenPool
 from radixserve.cache.radix_cache import ChunkCache, PrefixCache, RadixCache
 from radixserve.config.server_args import ServerArgs
 from radixserve.distributed.parallel import SINGLE, ParallelContext
-from radixserve.executor.model_runner import ModelRunner
-from radixserve.forward.batch import ForwardBatch
+from radixserve.executor.base import Executor
 from radixserve.protocol.messages import (
     AbortRequest,
     ControlRequest,
@@ -35,66 +35,58 @@ from radixserve.protocol.messages import (
 )
 from radixserve.protocol.prompts import PromptLimits
 from radixserve.protocol.sampling_params import InvalidRequestError, SamplingParams
-from radixserve.scheduler.batch import KVContext, KVExhaustedError, build_decode_batch, build_extend_batch
+from radixserve.scheduler.batch import KVContext
 from radixserve.scheduler.control import handle_control
-from radixserve.scheduler.grammar import GrammarQueue, InvalidGrammarError, grammar_key
+from radixserve.scheduler.decode import DecodeManager
+from radixserve.scheduler.grammar import InvalidGrammarError, grammar_key
+from radixserve.scheduler.grammar_queue import GrammarQueue
 from radixserve.scheduler.logit_processors import ProcessorRegistry
 from radixserve.scheduler.logprobs import record_input_logprobs
 from radixserve.scheduler.next_tokens import pick_next_tokens, record_prompt_hidden_states
 from radixserve.scheduler.outputs import Decided, OutputBuilder, OverlappedPublisher, overlap_enabled
-from radixserve.scheduler.policy import CLIP_MAX_NEW_TOKENS_ESTIMATE, AddResult, PrefillAdder, SchedulePolicy
+from radixserve.scheduler.policy import SchedulePolicy
+from radixserve.scheduler.prefill import PrefillManager
 from radixserve.scheduler.profiler import StepProfiler
 from radixserve.scheduler.rank_sync import RankSync
 from radixserve.scheduler.request import Req
+from radixserve.scheduler.state import RequestQueues, ScheduledBatch, release_kv, token_usage
 from radixserve.scheduler.stats import SchedulerStats
 
 logger = logging.getLogger("radixserve.scheduler")
 
 DEFAULT_MAX_RUNNING_REQUESTS = 256
-# new_token_ratio: the fraction of a running request's remaining max_new_tokens the prefill budget
-# reserves for it. It starts cautious, decays while decoding goes well, and jumps on retraction.
-INIT_NEW_TOKEN_RATIO = 0.7
-MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
-NEW_TOKEN_RATIO_DECAY_STEPS = 600
-# After a retraction, keep this many decode steps of headroom so the next step does not retract again.
-RETRACT_HEADROOM_STEPS = 20
 # With nothing to run but grammars compiling, wake up this often to check messages.
 GRAMMAR_POLL_S = 0.01
-
-
-@dataclass
-class ScheduledBatch:
-    reqs: list[Req]
-    forward: ForwardBatch
-    is_prefill: bool
 
 
 class Scheduler:
     def __init__(
         self,
         args: ServerArgs,
-        runner: ModelRunner | None = None,
+        executor: Executor,
         tokenizer: Any = None,
         parallel: ParallelContext = SINGLE,
     ):
+        """executor runs the model (executor/base.py); scheduler/process.py builds one for a real
+        model (build_scheduler), tests a fake one."""
         # Only stop strings need text here; without a tokenizer one is loaded when first needed.
         self._tokenizer = tokenizer
-        self.runner = runner or ModelRunner(args, parallel=parallel)
+        self.executor = executor
+        info = executor.info
+        self.is_embedding = info.is_embedding
         self.rank_sync = RankSync(parallel)
-        if self.runner.config.is_encoder:
+        if info.config.is_encoder:
             # Bidirectional attention: a text runs whole, and its K/V cannot serve another text.
             args = dataclasses.replace(args, chunked_prefill_size=None, disable_radix_cache=True)
         self.args = args
-        self.config = self.runner.config
-        self.context_len = self.runner.context_len
-        self.max_total_tokens = self.runner.max_total_tokens
-        self.max_running = args.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
+        self.config = info.config
+        self.context_len = info.context_len
+        self.max_total_tokens = info.max_total_tokens
+        max_running = args.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
         self.prompt_limits = PromptLimits(self.context_len, self.max_total_tokens, allow_auto_truncate=False)
-        device = self.runner.device
+        device = info.device
         # One spare request slot: a request being prefilled in chunks is not counted as running.
-        self.req_to_token_pool = ReqToTokenPool(
-            self.max_running + 1, self.context_len + args.page_size, device
-        )
+        self.req_to_token_pool = ReqToTokenPool(max_running + 1, self.context_len + args.page_size, device)
         self.allocator = KVSlotAllocator(self.max_total_tokens, args.page_size, device)
         self.tree_cache: PrefixCache = (
             ChunkCache(self.req_to_token_pool, self.allocator, args.page_size)
@@ -102,13 +94,18 @@ class Scheduler:
             else RadixCache(self.req_to_token_pool, self.allocator, args.page_size)
         )
         self.kv = KVContext(self.req_to_token_pool, self.allocator, self.tree_cache, device)
-        self.policy = SchedulePolicy(args.schedule_policy, self.tree_cache, args.random_seed)
         self.eos_token_ids = frozenset(self.config.eos_token_ids)
         self.logit_processors = ProcessorRegistry(args.enable_custom_logit_processor)
         self._next_stand_in_id = self.config.vocab_size
 
-        self.waiting: list[Req] = []
-        self.running: list[Req] = []
+        self.stats = SchedulerStats()
+        self.queues = RequestQueues()
+        # The two halves of choosing a batch (prefill.py, decode.py); they share the queues.
+        self.decode = DecodeManager(args, self.kv, self.queues, self.stats, self.max_total_tokens)
+        self.prefill = PrefillManager(
+            args, self.kv, self.queues, self.decode, self.stats, max_running, self.max_total_tokens
+        )
+        self.policy: SchedulePolicy = self.prefill.policy
         self.grammar_queue = GrammarQueue(
             args.grammar_backend,
             args.grammar_timeout,
@@ -116,7 +113,6 @@ class Scheduler:
             self.config.vocab_size,
             agree=self.rank_sync.agree,
         )
-        self.chunked_req: Req | None = None
         self.reqs: dict[str, Req] = {}
         self.outputs = OutputBuilder()
         # --enable/--disable-overlap-schedule: publish a step's results during the next forward.
@@ -124,8 +120,6 @@ class Scheduler:
         # The last step's results, decided but not yet published (overlap schedule only).
         self._unpublished: Decided | None = None
 
-        self.reset_new_token_ratio()
-        self.stats = SchedulerStats()
         # Test hook (/slow_down): sleep this long before every forward.
         self.forward_sleep_s = 0.0
         # When the forward step now running began (None between steps): what the watchdog checks.
@@ -134,14 +128,64 @@ class Scheduler:
         self._idle_checked = True
         self.idle_waiters: list[ControlRequest] = []
 
+    # ------------------------------------------------------------------ state of the managers
+    # The queues and the batch budgets live in RequestQueues, PrefillManager and DecodeManager;
+    # these keep the scheduler's own names for them (control commands, the watchdog, tests).
+
+    @property
+    def waiting(self) -> list[Req]:
+        return self.queues.waiting
+
+    @waiting.setter
+    def waiting(self, reqs: list[Req]) -> None:
+        self.queues.waiting = reqs
+
+    @property
+    def running(self) -> list[Req]:
+        return self.queues.running
+
+    @running.setter
+    def running(self, reqs: list[Req]) -> None:
+        self.queues.running = reqs
+
+    @property
+    def chunked_req(self) -> Req | None:
+        return self.queues.chunked_req
+
+    @chunked_req.setter
+    def chunked_req(self, req: Req | None) -> None:
+        self.queues.chunked_req = req
+
+    @property
+    def max_running(self) -> int:
+        return self.prefill.max_running
+
+    @max_running.setter
+    def max_running(self, value: int) -> None:
+        self.prefill.max_running = value
+
+    @property
+    def new_token_ratio(self) -> float:
+        return self.decode.new_token_ratio
+
+    @new_token_ratio.setter
+    def new_token_ratio(self, value: float) -> None:
+        self.decode.new_token_ratio = value
+
+    @property
+    def init_new_token_ratio(self) -> float:
+        return self.decode.init_new_token_ratio
+
+    @property
+    def min_new_token_ratio(self) -> float:
+        return self.decode.min_new_token_ratio
+
+    @property
+    def new_token_ratio_decay(self) -> float:
+        return self.decode.new_token_ratio_decay
+
     def reset_new_token_ratio(self) -> None:
-        conservativeness = self.args.schedule_conservativeness
-        self.init_new_token_ratio = min(1.0, INIT_NEW_TOKEN_RATIO * conservativeness)
-        self.min_new_token_ratio = self.init_new_token_ratio * MIN_NEW_TOKEN_RATIO_FACTOR
-        self.new_token_ratio_decay = (
-            self.init_new_token_ratio - self.min_new_token_ratio
-        ) / NEW_TOKEN_RATIO_DECAY_STEPS
-        self.new_token_ratio = self.init_new_token_ratio
+        self.decode.reset_new_token_ratio()
 
     # ------------------------------------------------------------------ requests in
 
@@ -161,8 +205,8 @@ class Scheduler:
         raise TypeError(f"unexpected scheduler message {type(msg).__name__}")
 
     def add_request(self, msg: GenerateRequest) -> list[ReqOutput]:
-        if self.runner.released:
-            message = f"the {' and '.join(sorted(self.runner.released))} memory is released; "
+        if self.executor.released:
+            message = f"the {' and '.join(sorted(self.executor.released))} memory is released; "
             message += "call /resume_memory_occupation first"
             finish = FinishReason("abort", message=message, status_code=503)
             return [ReqOutput(msg.rid, [], finish, len(msg.input_ids), 0, 0)]
@@ -180,7 +224,7 @@ class Scheduler:
         except InvalidRequestError as exc:
             return [self.outputs.error(msg.rid, len(ids), str(exc))]
         prompt_len = len(ids)
-        if self.runner.is_embedding:
+        if self.is_embedding:
             params.max_new_tokens = 0  # the prompt's pass gives the embedding; nothing is sampled
         # Clip to what the context and the whole KV pool can hold, so a lone request always fits.
         params.max_new_tokens = min(
@@ -197,7 +241,7 @@ class Scheduler:
             logit_processor=processor,
         )
         if params.seed is not None:
-            req.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
+            req.generator = torch.Generator(device=self.executor.info.device).manual_seed(params.seed)
         if msg.return_logprob:
             req.logprobs = TokenLogprobs()
             req.top_logprobs_num = msg.top_logprobs_num
@@ -205,7 +249,7 @@ class Scheduler:
             if msg.logprob_start_len >= 0:
                 req.input_logprobs = TokenLogprobs()
                 req.input_logprob_next = max(1, msg.logprob_start_len)
-        if params.max_new_tokens == 0 and not req.needs_input_logprobs and not self.runner.is_embedding:
+        if params.max_new_tokens == 0 and not req.needs_input_logprobs and not self.is_embedding:
             req.finished_reason = FinishReason("length")
             return [self.outputs.final(req)]
         self.reqs[req.rid] = req
@@ -217,12 +261,12 @@ class Scheduler:
                 del self.reqs[req.rid]
                 return [self.outputs.error(msg.rid, prompt_len, str(exc))]
             return self._move_ready_grammar_requests()
-        self.waiting.append(req)
+        self.queues.waiting.append(req)
         return []
 
     def _move_ready_grammar_requests(self) -> list[ReqOutput]:
         ready, failed = self.grammar_queue.poll()
-        self.waiting += ready
+        self.queues.waiting += ready
         outputs = []
         for req, error in failed:
             # The request's own fault (a bad grammar): answered like invalid input.
@@ -234,7 +278,7 @@ class Scheduler:
         hidden = self.config.hidden_size
         if not rows or any(len(row) != hidden for row in rows):
             raise InvalidRequestError(f"input_embeds must be a non-empty list of vectors of {hidden} numbers")
-        return torch.tensor(rows, dtype=self.runner.dtype, device=self.runner.device)
+        return torch.tensor(rows, dtype=self.executor.info.dtype, device=self.executor.info.device)
 
     def _stand_in_ids(self, length: int) -> list[int]:
         """Ids for a prompt given as vectors: above the vocabulary and never reused, so the radix
@@ -252,7 +296,7 @@ class Scheduler:
         if real_ids and (min(ids) < 0 or max(ids) >= vocab):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
         # The engine checked (or cut) the length already; the scheduler can be driven directly.
-        self.prompt_limits.allowed_prompt_len(len(ids), embed=self.runner.is_embedding)
+        self.prompt_limits.allowed_prompt_len(len(ids), embed=self.is_embedding)
 
     def abort_all_and_flush(self) -> list[SchedulerOutput]:
         """After a weight change: requests in flight hold KV of the old weights, and so does the cache."""
@@ -265,18 +309,19 @@ class Scheduler:
     def abort(self, rid: str | None, abort_all: bool = False) -> list[ReqOutput]:
         targets = list(self.reqs.values()) if abort_all else [self.reqs[rid]] if rid in self.reqs else []
         outputs = []
+        queues = self.queues
         for req in targets:
             req.abort("aborted by request")
             self.stats.aborted_reqs += 1
-            if req in self.waiting:
-                self.waiting.remove(req)
+            if req in queues.waiting:
+                queues.waiting.remove(req)
             elif not self.grammar_queue.remove(req):  # one still compiling holds nothing yet
                 # Between steps no forward is in flight, so the KV can be released right away.
                 self._release_kv(req)
-                if req is self.chunked_req:
-                    self.chunked_req = None
-                if req in self.running:
-                    self.running.remove(req)
+                if req is queues.chunked_req:
+                    queues.chunked_req = None
+                if req in queues.running:
+                    queues.running.remove(req)
             outputs.append(self._finish(req))
         return outputs
 
@@ -311,7 +356,7 @@ class Scheduler:
         self.step_started = time.monotonic()
         if self.forward_sleep_s:
             time.sleep(self.forward_sleep_s)
-        if self.runner.is_embedding:
+        if self.is_embedding:
             return self._run_embedding_batch(batch)
         unpublished, self._unpublished = self._unpublished, None
         publishing = None
@@ -320,7 +365,7 @@ class Scheduler:
             self.stats.overlapped_steps += 1
         forward_started = time.perf_counter()
         try:
-            logits, hidden = self.runner.forward(batch.forward)
+            logits, hidden = self.executor.forward(batch.forward)
         finally:
             # Joined even when the forward fails: nothing may touch the cache while it runs.
             published = [] if publishing is None else publishing.result()
@@ -335,9 +380,8 @@ class Scheduler:
             record_prompt_hidden_states(batch.reqs, hidden[len(hidden) - len(batch.forward.hidden_rows) :])
         next_ids: list[int] = []
         if sampling_reqs:
-            next_ids = pick_next_tokens(
-                sampling_reqs, logits, hidden, self.config.vocab_size, self.runner.sample, self._grammar_mask
-            )
+            vocab, sample = self.config.vocab_size, self.executor.sample
+            next_ids = pick_next_tokens(sampling_reqs, logits, hidden, vocab, sample, self._grammar_mask)
         decided = self._decide(batch, dict(zip(map(id, sampling_reqs), next_ids, strict=True)))
         if self.publisher is None:
             return published + self._publish(decided)
@@ -346,7 +390,7 @@ class Scheduler:
 
     def _run_embedding_batch(self, batch: ScheduledBatch) -> list[ReqOutput]:
         """Embedding requests finish with their prompt's pass (a chunk of a long one only fills KV)."""
-        embeddings = self.runner.embed(batch.forward).tolist()
+        embeddings = self.executor.embed(batch.forward).tolist()
         self.step_started = None
         self.profiler.after_step(batch.is_prefill)
         done = [r for r in batch.reqs if r.kv_len == r.seq_len]
@@ -361,136 +405,33 @@ class Scheduler:
 
     @property
     def is_idle(self) -> bool:
+        queues = self.queues
         return not (
-            self.waiting
-            or self.running
-            or self.chunked_req
+            queues.waiting
+            or queues.running
+            or queues.chunked_req
             or self.grammar_queue.pending
             or self._unpublished is not None
         )
 
     def _next_batch(self) -> ScheduledBatch | None:
-        prefill = self._prefill_batch()
+        """A prefill whenever one can be admitted (it also carries the running requests along with
+        --enable-mixed-chunk), else one decode step of the running requests."""
+        prefill = self.prefill.next_batch()
         if prefill is not None:
             return prefill
-        if self.running:
-            return self._decode_batch()
+        if self.queues.running:
+            return self.decode.next_batch()
         return None
-
-    def _prefill_batch(self) -> ScheduledBatch | None:
-        if not self.waiting and self.chunked_req is None:
-            return None
-        running = len(self.running)
-        if running >= self.max_running and self.chunked_req is None:
-            return None
-        mix = bool(self.args.enable_mixed_chunk and self.running)
-        decode_tokens = running if mix else 0
-        chunk = self.args.chunked_prefill_size
-        adder = PrefillAdder(
-            tree_cache=self.tree_cache,
-            available_slots=self.allocator.available_size(),
-            running_reserved=self._running_reserve() + decode_tokens,
-            max_prefill_tokens=self.args.max_prefill_tokens - decode_tokens,
-            chunk_budget=None if chunk is None else max(self.args.page_size, chunk - decode_tokens),
-            page_size=self.args.page_size,
-        )
-        if self.chunked_req is not None:
-            adder.add_chunked_req(self.chunked_req)
-        for req in self.policy.order(self.waiting):
-            if running + len(adder.can_run) >= self.max_running:
-                break
-            if adder.add_one_req(req, has_chunked_req=self.chunked_req is not None) is not AddResult.CONTINUE:
-                break
-        if not adder.can_run:
-            return None
-
-        admitted = {id(r) for r in adder.can_run}
-        self.waiting = [r for r in self.waiting if id(r) not in admitted]
-        reqs = list(adder.can_run)
-        if mix:
-            for req in self.running:
-                req.extend_len = 1
-            reqs += self.running
-        forward = build_extend_batch(reqs, self.kv)
-        in_progress = [r for r in adder.can_run if r.kv_len < r.seq_len]
-        self.chunked_req = in_progress[0] if in_progress else None
-        self.stats.log_prefill(
-            len(adder.can_run),
-            adder.prefill_tokens,
-            adder.cached_tokens,
-            self.token_usage(),
-            len(self.running),
-            len(self.waiting),
-        )
-        return ScheduledBatch(reqs, forward, is_prefill=True)
-
-    def _running_reserve(self) -> float:
-        return (
-            sum(min(r.remaining_new_tokens, CLIP_MAX_NEW_TOKENS_ESTIMATE) for r in self.running)
-            * self.new_token_ratio
-        )
-
-    def _decode_batch(self) -> ScheduledBatch:
-        if self.kv.available_with_eviction() < self.kv.slots_needed_for_decode(self.running):
-            self._retract()
-        else:
-            self.new_token_ratio = max(
-                self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio
-            )
-        forward = build_decode_batch(self.running, self.kv)
-        self.stats.record_decode(len(self.running))
-        if self.stats.decode_steps % self.args.decode_log_interval == 0:
-            used = self.max_total_tokens - self.kv.available_with_eviction()
-            self.stats.log_decode(len(self.running), used, self.token_usage(), len(self.waiting))
-        return ScheduledBatch(list(self.running), forward, is_prefill=False)
-
-    def _retract(self) -> None:
-        """Free KV for the decode step by sending requests back to the queue, fewest outputs first."""
-        # Most progressed first, so that popping from the end retracts the cheapest to redo.
-        keep = sorted(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)), reverse=True)
-        retracted: list[Req] = []
-        while len(keep) > 1 and self.kv.available_with_eviction() < (
-            self.kv.slots_needed_for_decode(keep) + RETRACT_HEADROOM_STEPS * len(keep)
-        ):
-            victim = keep.pop()
-            self._release_kv(victim)
-            victim.retractions += 1
-            retracted.append(victim)
-        if (
-            self.chunked_req is not None
-            and self.kv.available_with_eviction() < self.kv.slots_needed_for_decode(keep)
-        ):
-            victim = self.chunked_req
-            self._release_kv(victim)
-            victim.retractions += 1
-            retracted.append(victim)
-            self.chunked_req = None
-        if self.kv.available_with_eviction() < self.kv.slots_needed_for_decode(keep):
-            raise KVExhaustedError("a single running request does not fit in the KV cache; this is a bug")
-
-        kept = {id(r) for r in keep}
-        self.running = [r for r in self.running if id(r) in kept]
-        self.waiting.extend(retracted)
-        self.stats.retracted_reqs += len(retracted)
-        decoded = sum(len(r.output_ids) for r in self.running)
-        budget = sum(r.sampling_params.max_new_tokens for r in self.running)
-        estimate = (decoded + RETRACT_HEADROOM_STEPS * len(self.running)) / max(budget, 1)
-        old = self.new_token_ratio
-        self.new_token_ratio = min(1.0, max(estimate, old + 0.1))
-        logger.info(
-            "KV cache pool is full. Retract requests. #retracted_reqs: %d, #new_token_ratio: %.4f -> %.4f",
-            len(retracted),
-            old,
-            self.new_token_ratio,
-        )
 
     # ------------------------------------------------------------------ results out
 
     def _decide(self, batch: ScheduledBatch, next_ids: dict[int, int]) -> Decided:
         """Everything about the step's results that the next batch depends on (outputs.py)."""
         decided = Decided()
+        queues = self.queues
         # Sets, not list scans: this runs for every request on every step.
-        running = {id(r) for r in self.running}
+        running = {id(r) for r in queues.running}
         finished: set[int] = set()
         for req in batch.reqs:
             if req.kv_len < req.seq_len:
@@ -508,7 +449,7 @@ class Scheduler:
                     req.grammar.accept(req.output_ids[-1])
                     if req.grammar.terminated:
                         req.finished_reason = FinishReason("stop", matched=req.output_ids[-1])
-            req.check_finished(self.context_len, self._decode if req.sampling_params.stop else None)
+            req.check_finished(self.context_len, self._detokenize if req.sampling_params.stop else None)
             if req.finished:
                 # Out of reach of aborts now; its KV is released when it is published.
                 self.reqs.pop(req.rid, None)
@@ -517,11 +458,11 @@ class Scheduler:
                 continue
             if batch.is_prefill and id(req) not in running:
                 self.tree_cache.cache_unfinished_req(req, req.fill_ids)
-                self.running.append(req)
+                queues.running.append(req)
             if self.outputs.unsent_tokens(req) >= self.args.stream_interval:
                 decided.reqs.append((req, False))
         if finished:
-            self.running = [r for r in self.running if id(r) not in finished]
+            queues.running = [r for r in queues.running if id(r) not in finished]
         self.stats.generated_tokens += len(next_ids)
         return decided
 
@@ -549,14 +490,12 @@ class Scheduler:
             )
         return self._tokenizer
 
-    def _decode(self, ids: list[int]) -> str:
+    def _detokenize(self, ids: list[int]) -> str:
         text: str = self._get_tokenizer().decode(ids)
         return text
 
     def _release_kv(self, req: Req) -> None:
-        if req.req_pool_idx is None:
-            return
-        self.tree_cache.cache_finished_req(req, req.fill_ids)
+        release_kv(self.tree_cache, req)
 
     def _finish(self, req: Req) -> ReqOutput:
         self.reqs.pop(req.rid, None)
@@ -565,12 +504,12 @@ class Scheduler:
     # ------------------------------------------------------------------ accounting
 
     def token_usage(self) -> float:
-        return 1.0 - self.kv.available_with_eviction() / self.max_total_tokens
+        return token_usage(self.kv, self.max_total_tokens)
 
     def _check_idle(self) -> None:
         if self._idle_checked:
             return
-        self.runner.idle()
+        self.executor.idle()
         self.check_kv_invariant()
         self._idle_checked = True
 
@@ -605,7 +544,7 @@ class Scheduler:
                     self.grammar_queue.shutdown()
                     if self.publisher is not None:
                         self.publisher.shutdown()
-                    self.runner.close()
+                    self.executor.close()
                     return
                 outputs += self.handle(msg)
             outputs += self.step()

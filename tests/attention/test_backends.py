@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from radixserve.attention.base import AttentionBackendUnavailable, AttentionSpec
+from radixserve.attention.base import AttentionBackendUnavailable, AttentionSpec, LayerInputs
 from radixserve.attention.cpu_native import CpuNativeBackend
 from radixserve.attention.extend import CpuAttentionOps, _shared_prefix_groups, extend_attention
 from radixserve.attention.registry import choose_attention_backend
@@ -39,11 +39,11 @@ def _decode(backend_name: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         torch_backend.cascade = cascade
         metadata = torch_backend.plan_decode(layout)
         new = q[:, :KV_HEADS]
-        return torch_backend.decode(0, q, new, new, k_cache, v_cache, DIM**-0.5, metadata)
+        return torch_backend.decode(LayerInputs(0, q, new, new, k_cache, v_cache, DIM**-0.5), metadata)
     native = CpuNativeBackend(_spec(_native_kernels()))
     native_metadata = native.plan_decode(layout)
     new = q[:, :KV_HEADS]
-    return native.decode(0, q, new, new, k_cache, v_cache, DIM**-0.5, native_metadata)
+    return native.decode(LayerInputs(0, q, new, new, k_cache, v_cache, DIM**-0.5), native_metadata)
 
 
 BACKENDS = ["torch_native", "cpu_native"]

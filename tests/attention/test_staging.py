@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixserve.attention.base import AttentionSpec
+from radixserve.attention.base import AttentionSpec, LayerInputs
 from radixserve.attention.common import decode_shared_prefix
 from radixserve.attention.staging import DecodeStaging, PrefixStaging, StagedPrefix
 from radixserve.attention.torch_native import TorchNativeBackend
@@ -62,8 +62,8 @@ class _Run:
             new_k, new_v = torch.randn(len(rows), KV_HEADS, DIM), torch.randn(len(rows), KV_HEADS, DIM)
             self.k[layer][new_slots], self.v[layer][new_slots] = new_k, new_v
             args = (self.k[layer], self.v[layer])
-            staged = self.backend.decode(layer, q, new_k, new_v, *args, DIM**-0.5, staged_plan)
-            plain = self.plain.decode(layer, q, new_k, new_v, *args, DIM**-0.5, plain_plan)
+            staged = self.backend.decode(LayerInputs(layer, q, new_k, new_v, *args, DIM**-0.5), staged_plan)
+            plain = self.plain.decode(LayerInputs(layer, q, new_k, new_v, *args, DIM**-0.5), plain_plan)
             torch.testing.assert_close(staged, plain, atol=1e-6, rtol=1e-6)
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from radixserve.attention.base import AttentionSpec
+from radixserve.attention.base import AttentionSpec, LayerInputs
 from radixserve.attention.common import decode_shared_prefix, merge_by_lse
 from radixserve.attention.cpu_native import CpuNativeBackend
 from radixserve.forward.batch import build_decode_layout
@@ -187,7 +187,7 @@ def test_decode_attention_over_a_shared_prefix(kernels: CpuKernels, dtype: torch
     cpu = torch.device("cpu")
     backend = CpuNativeBackend(AttentionSpec(1, heads, kv_heads, head_dim, dtype, cpu, kernels, 0))
     metadata = backend.plan_decode(layout)
-    native = backend.decode(0, q, q, q, k_cache, v_cache, head_dim**-0.5, metadata)
+    native = backend.decode(LayerInputs(0, q, q, q, k_cache, v_cache, head_dim**-0.5), metadata)
     expected = reference_decode(q, k_cache, v_cache, table, rows, lens, head_dim**-0.5)
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(native, expected, rtol=tolerance, atol=tolerance)

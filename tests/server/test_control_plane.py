@@ -153,3 +153,16 @@ def test_a_data_parallel_server(tiny_model_dir: Any, start_server: Any) -> None:
         assert all(r["generated_tokens"] > 0 for r in info["dp_replicas"])
         assert client.get("/get_load").status_code == 200
     # finish(): both replicas idle with their KV intact, then a clean stop with no process left.
+
+
+def test_server_info_names_the_attention_backend_and_decode_path(
+    tiny_model_dir: Callable[[str], Path], start_server: Any
+) -> None:
+    live = start_server(tiny_model_dir("llama"), "--attention-backend", "torch_native", "--log-level", "info")
+    with live.client() as client:
+        info = client.get("/get_server_info").json()
+    assert info["attention_backend"] == "torch_native"
+    assert info["attention_backend_reason"] == "asked for with --attention-backend"
+    assert info["decode_path"].startswith("torch SDPA over length buckets")
+    reason = "asked for with --attention-backend"
+    assert f"attention backend: torch_native ({reason}); decode path: {info['decode_path']}" in live.log()

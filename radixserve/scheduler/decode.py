@@ -1,0 +1,124 @@
+"""The decode side of a step: one decode batch of every running request, the retraction that makes
+room for it when the KV pool runs short, and new_token_ratio, the guess of how much of their
+remaining budget running requests will still use, which the prefill side reserves for them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from radixserve.config.server_args import ServerArgs
+from radixserve.scheduler.batch import KVContext, KVExhaustedError, build_decode_batch
+from radixserve.scheduler.policy import CLIP_MAX_NEW_TOKENS_ESTIMATE
+from radixserve.scheduler.request import Req
+from radixserve.scheduler.state import RequestQueues, ScheduledBatch, release_kv, token_usage
+from radixserve.scheduler.stats import SchedulerStats
+
+logger = logging.getLogger("radixserve.scheduler")
+
+# new_token_ratio: the fraction of a running request's remaining max_new_tokens the prefill budget
+# reserves for it. It starts cautious, decays while decoding goes well, and jumps on retraction.
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
+NEW_TOKEN_RATIO_DECAY_STEPS = 600
+# After a retraction, keep this many decode steps of headroom so the next step does not retract again.
+RETRACT_HEADROOM_STEPS = 20
+# The least a retraction raises new_token_ratio by, so that admission backs off even when the
+# running requests' own progress suggests a lower ratio.
+RETRACT_RATIO_STEP = 0.1
+
+
+class DecodeManager:
+    def __init__(
+        self,
+        args: ServerArgs,
+        kv: KVContext,
+        queues: RequestQueues,
+        stats: SchedulerStats,
+        max_total_tokens: int,
+    ):
+        # args is the scheduler's own object: /set_internal_state changes it in place.
+        self.args = args
+        self.kv = kv
+        self.queues = queues
+        self.stats = stats
+        self.max_total_tokens = max_total_tokens
+        self.init_new_token_ratio = 0.0
+        self.min_new_token_ratio = 0.0
+        self.new_token_ratio_decay = 0.0
+        self.new_token_ratio = 0.0
+        self.reset_new_token_ratio()
+
+    def reset_new_token_ratio(self) -> None:
+        conservativeness = self.args.schedule_conservativeness
+        self.init_new_token_ratio = min(1.0, INIT_NEW_TOKEN_RATIO * conservativeness)
+        self.min_new_token_ratio = self.init_new_token_ratio * MIN_NEW_TOKEN_RATIO_FACTOR
+        self.new_token_ratio_decay = (
+            self.init_new_token_ratio - self.min_new_token_ratio
+        ) / NEW_TOKEN_RATIO_DECAY_STEPS
+        self.new_token_ratio = self.init_new_token_ratio
+
+    def running_reserve(self) -> float:
+        """The KV slots the running requests are expected to need still, which admission leaves them."""
+        return (
+            sum(min(r.remaining_new_tokens, CLIP_MAX_NEW_TOKENS_ESTIMATE) for r in self.queues.running)
+            * self.new_token_ratio
+        )
+
+    def next_batch(self) -> ScheduledBatch:
+        """One decode step of every running request (there must be one)."""
+        queues = self.queues
+        if self.kv.available_with_eviction() < self.kv.slots_needed_for_decode(queues.running):
+            self.retract()
+        else:
+            self.new_token_ratio = max(
+                self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio
+            )
+        forward = build_decode_batch(queues.running, self.kv)
+        self.stats.record_decode(len(queues.running))
+        if self.stats.decode_steps % self.args.decode_log_interval == 0:
+            used = self.max_total_tokens - self.kv.available_with_eviction()
+            usage = token_usage(self.kv, self.max_total_tokens)
+            self.stats.log_decode(len(queues.running), used, usage, len(queues.waiting))
+        return ScheduledBatch(list(queues.running), forward, is_prefill=False)
+
+    def retract(self) -> None:
+        """Free KV for the decode step by sending requests back to the queue, fewest outputs first."""
+        queues, kv = self.queues, self.kv
+        # Most progressed first, so that popping from the end retracts the cheapest to redo.
+        keep = sorted(
+            queues.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)), reverse=True
+        )
+        retracted: list[Req] = []
+        while len(keep) > 1 and kv.available_with_eviction() < (
+            kv.slots_needed_for_decode(keep) + RETRACT_HEADROOM_STEPS * len(keep)
+        ):
+            victim = keep.pop()
+            self._send_back(victim, retracted)
+        if queues.chunked_req is not None and kv.available_with_eviction() < kv.slots_needed_for_decode(keep):
+            # The half-prefilled request goes too before a running one is left without room.
+            self._send_back(queues.chunked_req, retracted)
+            queues.chunked_req = None
+        if kv.available_with_eviction() < kv.slots_needed_for_decode(keep):
+            raise KVExhaustedError("a single running request does not fit in the KV cache; this is a bug")
+
+        kept = {id(r) for r in keep}
+        queues.running = [r for r in queues.running if id(r) in kept]
+        queues.waiting.extend(retracted)
+        self.stats.retracted_reqs += len(retracted)
+        decoded = sum(len(r.output_ids) for r in queues.running)
+        budget = sum(r.sampling_params.max_new_tokens for r in queues.running)
+        estimate = (decoded + RETRACT_HEADROOM_STEPS * len(queues.running)) / max(budget, 1)
+        old = self.new_token_ratio
+        self.new_token_ratio = min(1.0, max(estimate, old + RETRACT_RATIO_STEP))
+        logger.info(
+            "KV cache pool is full. Retract requests. #retracted_reqs: %d, #new_token_ratio: %.4f -> %.4f",
+            len(retracted),
+            old,
+            self.new_token_ratio,
+        )
+
+    def _send_back(self, victim: Req, retracted: list[Req]) -> None:
+        release_kv(self.kv.tree_cache, victim)
+        victim.retractions += 1
+        retracted.append(victim)

@@ -1,0 +1,89 @@
+"""The prefill side of a step: which waiting requests (and which chunk of a long prompt) run next.
+
+The queue order comes from SchedulePolicy and the budgets from PrefillAdder (policy.py); the
+running requests' share of the KV pool comes from the decode side (decode.py). With
+--enable-mixed-chunk the running requests ride along in the prefill batch as 1-token extends.
+"""
+
+from __future__ import annotations
+
+from radixserve.config.server_args import ServerArgs
+from radixserve.scheduler.batch import KVContext, build_extend_batch
+from radixserve.scheduler.decode import DecodeManager
+from radixserve.scheduler.policy import AddResult, PrefillAdder, SchedulePolicy
+from radixserve.scheduler.state import RequestQueues, ScheduledBatch, token_usage
+from radixserve.scheduler.stats import SchedulerStats
+
+
+class PrefillManager:
+    def __init__(
+        self,
+        args: ServerArgs,
+        kv: KVContext,
+        queues: RequestQueues,
+        decode: DecodeManager,
+        stats: SchedulerStats,
+        max_running: int,
+        max_total_tokens: int,
+    ):
+        # args is the scheduler's own object: /set_internal_state changes it in place.
+        self.args = args
+        self.kv = kv
+        self.queues = queues
+        self.decode = decode
+        self.stats = stats
+        # Running requests at most; a request prefilled in chunks is not counted until it runs.
+        self.max_running = max_running
+        self.max_total_tokens = max_total_tokens
+        self.policy = SchedulePolicy(args.schedule_policy, kv.tree_cache, args.random_seed)
+
+    def next_batch(self) -> ScheduledBatch | None:
+        """The next prefill batch, or None when nothing waits or nothing more can be admitted."""
+        queues, args = self.queues, self.args
+        if not queues.waiting and queues.chunked_req is None:
+            return None
+        running = len(queues.running)
+        if running >= self.max_running and queues.chunked_req is None:
+            return None
+        mix = bool(args.enable_mixed_chunk and queues.running)
+        # Each running request that rides along computes one token of the batch's budget.
+        decode_tokens = running if mix else 0
+        chunk = args.chunked_prefill_size
+        adder = PrefillAdder(
+            tree_cache=self.kv.tree_cache,
+            available_slots=self.kv.allocator.available_size(),
+            running_reserved=self.decode.running_reserve() + decode_tokens,
+            max_prefill_tokens=args.max_prefill_tokens - decode_tokens,
+            chunk_budget=None if chunk is None else max(args.page_size, chunk - decode_tokens),
+            page_size=args.page_size,
+        )
+        if queues.chunked_req is not None:
+            adder.add_chunked_req(queues.chunked_req)
+        has_chunked_req = queues.chunked_req is not None
+        for req in self.policy.order(queues.waiting):
+            if running + len(adder.can_run) >= self.max_running:
+                break
+            if adder.add_one_req(req, has_chunked_req=has_chunked_req) is not AddResult.CONTINUE:
+                break
+        if not adder.can_run:
+            return None
+
+        admitted = {id(r) for r in adder.can_run}
+        queues.waiting = [r for r in queues.waiting if id(r) not in admitted]
+        reqs = list(adder.can_run)
+        if mix:
+            for req in queues.running:
+                req.extend_len = 1
+            reqs += queues.running
+        forward = build_extend_batch(reqs, self.kv)
+        in_progress = [r for r in adder.can_run if r.kv_len < r.seq_len]
+        queues.chunked_req = in_progress[0] if in_progress else None
+        self.stats.log_prefill(
+            len(adder.can_run),
+            adder.prefill_tokens,
+            adder.cached_tokens,
+            token_usage(self.kv, self.max_total_tokens),
+            len(queues.running),
+            len(queues.waiting),
+        )
+        return ScheduledBatch(reqs, forward, is_prefill=True)

@@ -1,0 +1,47 @@
+"""What the scheduler's parts share between steps: where each request is, and the batch a step runs.
+
+The scheduler (scheduler.py), the prefill side (prefill.py) and the decode side (decode.py) all move
+requests between the same queues; keeping the queues in one object means no part holds a stale copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from radixserve.cache.radix_cache import PrefixCache
+from radixserve.forward.batch import ForwardBatch
+from radixserve.scheduler.batch import KVContext
+from radixserve.scheduler.request import Req
+
+
+@dataclass
+class ScheduledBatch:
+    reqs: list[Req]
+    forward: ForwardBatch
+    is_prefill: bool
+
+
+@dataclass
+class RequestQueues:
+    """The requests the scheduler holds outside the grammar queue; each is in at most one place."""
+
+    # Not admitted yet, or sent back by a retraction: holds no KV of its own.
+    waiting: list[Req] = field(default_factory=list)
+    # Prefilled and decoding: each holds a request slot and the KV of everything it has.
+    running: list[Req] = field(default_factory=list)
+    # Being prefilled in chunks: holds KV for the chunks done, but is not running (it has nothing
+    # to decode yet), so the request-slot pool keeps a spare slot for it.
+    chunked_req: Req | None = None
+
+
+def release_kv(tree_cache: PrefixCache, req: Req) -> None:
+    """Hands a request's KV to the cache (which keeps what it can share and frees the rest) and
+    frees its request slot; a request that holds none is left alone."""
+    if req.req_pool_idx is None:
+        return
+    tree_cache.cache_finished_req(req, req.fill_ids)
+
+
+def token_usage(kv: KVContext, max_total_tokens: int) -> float:
+    """The fraction of the KV pool that is neither free nor evictable."""
+    return 1.0 - kv.available_with_eviction() / max_total_tokens

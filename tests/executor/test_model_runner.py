@@ -1,0 +1,63 @@
+"""ModelRunner's startup choices: the attention backend and the decode path are chosen once, logged
+with their reason, and reported; a named backend that cannot run fails with the reason."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from radixserve.config.server_args import InvalidArgumentError
+from radixserve.executor.model_runner import ModelRunner
+from radixserve.executor.runner_config import RunnerConfig
+from radixserve.kernels.native import NativeKernelsUnavailable, load_library
+
+
+def _runner(model_dir: Path, **overrides: object) -> ModelRunner:
+    config = RunnerConfig(model_path=str(model_dir), dtype="float32", max_total_tokens=256)
+    return ModelRunner(RunnerConfig(**{**config.__dict__, **overrides}))  # type: ignore[arg-type]
+
+
+def test_torch_ops_only_take_the_torch_backend_and_say_why(
+    tiny_model_dir: Callable[[str], Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="radixserve"):
+        runner = _runner(tiny_model_dir("llama"), cpu_kernels="torch")
+    described = runner.describe()
+    assert described["attention_backend"] == "torch_native"
+    assert "cpu_native unavailable" in described["attention_backend_reason"]
+    assert described["decode_path"].startswith("torch SDPA over length buckets")
+    assert described["cpu_kernels"] == "torch"
+    logged = [r.getMessage() for r in caplog.records if "attention backend:" in r.getMessage()]
+    assert logged == [f"attention backend: torch_native ({described['attention_backend_reason']}); "
+                      f"decode path: {described['decode_path']}"]  # fmt: skip
+
+
+def test_auto_takes_the_native_backend_where_the_kernels_load(tiny_model_dir: Callable[[str], Path]) -> None:
+    try:
+        load_library()
+    except NativeKernelsUnavailable as error:
+        pytest.skip(f"native kernels unavailable here: {error}")
+    runner = _runner(tiny_model_dir("llama"))
+    described = runner.describe()
+    assert described["attention_backend"] == "cpu_native"
+    assert "native paged decode kernel" in described["decode_path"]
+    assert runner.stats()["kernel_fallbacks"] == {}  # nothing has run yet
+
+
+def test_a_named_backend_that_cannot_run_fails_at_startup(tiny_model_dir: Callable[[str], Path]) -> None:
+    with pytest.raises(
+        InvalidArgumentError, match="--attention-backend cpu_native: cpu_native needs the native"
+    ):
+        _runner(tiny_model_dir("llama"), cpu_kernels="torch", attention_backend="cpu_native")
+
+
+def test_runner_config_takes_exactly_its_fields_from_server_args() -> None:
+    from radixserve.config.server_args import ServerArgs
+
+    args = ServerArgs(model_path="m", attention_backend="torch_native", page_size=4, port=1234)
+    config = RunnerConfig.from_server_args(args)
+    assert (config.model_path, config.attention_backend, config.page_size) == ("m", "torch_native", 4)
+    assert not hasattr(config, "port")

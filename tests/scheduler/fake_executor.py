@@ -1,0 +1,406 @@
+"""FakeExecutor: the Executor protocol (radixserve/executor/base.py) without a model, for driving
+the scheduler directly in tests.
+
+Its "model" reads the KV pool like a real one. Every forward writes each new token's id and
+position into the KV slot the scheduler assigned it (out_cache_loc), then reads every context back
+through the scheduler's tables (an extend segment's context_slots, a decode request's
+req_to_token row) and checks that slot i holds position i. The next token is a function of the
+whole context as read from the pool (next_token below), so greedy outputs are predictable from
+the prompt alone, and any KV bookkeeping error (a slot freed while in use, a wrong prefix after a
+retraction or a chunk) changes them or fails the check.
+
+Every forward is recorded (RecordedBatch) so tests can assert which batches the scheduler formed.
+The helpers at the end build a scheduler over a fake executor and drive it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+from radixserve.config.server_args import ServerArgs
+from radixserve.executor.base import ExecutorInfo
+from radixserve.forward.batch import ForwardBatch, ForwardMode
+from radixserve.layers.sampler import SamplingBatch, sample
+from radixserve.models.config import ModelConfig
+from radixserve.protocol.messages import (
+    ControlResult,
+    FinishReason,
+    GenerateRequest,
+    ReqOutput,
+    SchedulerOutput,
+)
+from radixserve.scheduler.request import Req
+from radixserve.scheduler.scheduler import Scheduler
+
+HIDDEN_SIZE = 8
+# How far the chosen token's logit stands above the others: greedy picks it whatever the noise.
+CHOSEN_LOGIT = 10.0
+
+
+def next_token(context: list[int], vocab_size: int) -> int:
+    """The token the fake model predicts after `context` (a request's whole sequence so far).
+
+    A position-weighted sum, so that the order of the tokens and each one of them matter."""
+    return (sum((i + 1) * t for i, t in enumerate(context)) + len(context)) % vocab_size
+
+
+def expected_output(prompt: list[int], max_new_tokens: int, vocab_size: int) -> list[int]:
+    """What greedy decoding of the fake model gives, with no stop token."""
+    seq = list(prompt)
+    for _ in range(max_new_tokens):
+        seq.append(next_token(seq, vocab_size))
+    return seq[len(prompt) :]
+
+
+@dataclass(frozen=True)
+class RecordedBatch:
+    """One forward the scheduler asked for, one entry per request in batch order."""
+
+    mode: ForwardMode
+    # Tokens each request had in the KV pool before this batch, and how many it computes now
+    # (a decode request: its position, and 1).
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    # Each request's input tokens in this batch.
+    segments: list[list[int]]
+    # Rows sampled (requests that reached the end of their input).
+    num_sampled: int
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.mode is ForwardMode.EXTEND
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.extend_lens)
+
+
+def tiny_config(vocab_size: int, eos_token_ids: list[int], context_len: int) -> ModelConfig:
+    return ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=vocab_size,
+        hidden_size=HIDDEN_SIZE,
+        intermediate_size=2 * HIDDEN_SIZE,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=HIDDEN_SIZE // 2,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        max_position_embeddings=context_len,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        qk_norm=False,
+        sliding_window=None,
+        eos_token_ids=list(eos_token_ids),
+    )
+
+
+@dataclass
+class FakeExecutor:
+    vocab_size: int = 1024
+    eos_token_ids: list[int] = field(default_factory=list)
+    context_len: int = 256
+    max_total_tokens: int = 512
+    # Serve embedding requests (one vector per prompt) instead of generating.
+    is_embedding: bool = False
+    batches: list[RecordedBatch] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.config = tiny_config(self.vocab_size, self.eos_token_ids, self.context_len)
+        self.device = torch.device("cpu")
+        self._released: set[str] = set()
+        self.idle_calls = 0
+        self.closed = False
+        self._allocate_kv()
+
+    def _allocate_kv(self) -> None:
+        # -1: a slot no forward has written since the pool was (re)allocated.
+        self.kv_tokens = torch.full((self.max_total_tokens,), -1, dtype=torch.int64)
+        self.kv_positions = torch.full((self.max_total_tokens,), -1, dtype=torch.int64)
+
+    # ---- the protocol's read-only parts
+
+    @property
+    def info(self) -> ExecutorInfo:
+        return ExecutorInfo(
+            self.config,
+            self.context_len,
+            self.max_total_tokens,
+            torch.float32,
+            self.device,
+            self.is_embedding,
+        )
+
+    @property
+    def released(self) -> set[str]:
+        return self._released
+
+    # ---- running batches
+
+    def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        contexts, rows = self._run(batch)
+        # Sample rows, then logprob rows: each row's logits predict the token after its position.
+        logit_rows = [*batch.sample_rows.tolist()]
+        if batch.logprob_rows is not None:
+            logit_rows += batch.logprob_rows.tolist()
+        logits = torch.zeros(len(logit_rows), self.vocab_size, dtype=torch.float32)
+        for out_row, row in enumerate(logit_rows):
+            segment, position = rows[row]
+            logits[out_row, next_token(contexts[segment][: position + 1], self.vocab_size)] = CHOSEN_LOGIT
+        hidden_rows = list(logit_rows)
+        if batch.hidden_rows is not None:
+            hidden_rows += batch.hidden_rows.tolist()
+        hidden = torch.stack([self._hidden(*rows[row]) for row in hidden_rows]) if hidden_rows else None
+        if hidden is None:
+            hidden = torch.zeros(0, HIDDEN_SIZE, dtype=torch.float32)
+        return logits, hidden
+
+    def sample(self, logits: torch.Tensor, sampling: SamplingBatch) -> torch.Tensor:
+        return sample(logits, sampling)
+
+    def embed(self, batch: ForwardBatch) -> torch.Tensor:
+        if not self.is_embedding:
+            raise TypeError("the fake model only embeds when built with is_embedding=True")
+        contexts, rows = self._run(batch)
+        vectors = []
+        for row in batch.sample_rows.tolist():
+            segment, position = rows[row]
+            context = contexts[segment][: position + 1]
+            vectors.append([float(len(context)), float(sum(context))] + [0.0] * (HIDDEN_SIZE - 2))
+        return torch.tensor(vectors, dtype=torch.float32).reshape(-1, HIDDEN_SIZE)
+
+    def _run(self, batch: ForwardBatch) -> tuple[list[list[int]], list[tuple[int, int]]]:
+        """Writes the batch's tokens into the fake KV, reads every request's context back and
+        records the batch. Returns each request's context and, per input row, (request, position)."""
+        self._check_resident()
+        ids, positions = batch.input_ids.tolist(), batch.positions.tolist()
+        self.kv_tokens[batch.out_cache_loc] = batch.input_ids.cpu()
+        self.kv_positions[batch.out_cache_loc] = batch.positions.cpu()
+        contexts: list[list[int]] = []
+        rows: list[tuple[int, int]] = []
+        if batch.mode is ForwardMode.DECODE:
+            layout = batch.decode
+            assert layout is not None
+            seq_lens = layout.seq_lens.tolist()
+            pool_indices = layout.req_pool_indices.tolist()
+            for b, (pool_idx, seq_len) in enumerate(zip(pool_indices, seq_lens, strict=True)):
+                contexts.append(self._read(layout.req_to_token[pool_idx, :seq_len]))
+                rows.append((b, seq_len - 1))
+            prefix_lens = [n - 1 for n in seq_lens]
+            extend_lens = [1] * len(seq_lens)
+            segments = [[t] for t in ids]
+        else:
+            assert batch.extend is not None
+            prefix_lens, extend_lens, segments = [], [], []
+            for s, seg in enumerate(batch.extend):
+                assert seg.context_slots is not None, "the scheduler's extend batches carry context_slots"
+                contexts.append(self._read(seg.context_slots))
+                rows += [(s, seg.prefix_len + i) for i in range(seg.q_len)]
+                prefix_lens.append(seg.prefix_len)
+                extend_lens.append(seg.q_len)
+                segments.append(ids[seg.q_start : seg.q_start + seg.q_len])
+        expected = [position for _, position in rows]
+        assert positions == expected, f"positions {positions}, expected {expected}"
+        self.batches.append(
+            RecordedBatch(batch.mode, prefix_lens, extend_lens, segments, int(batch.sample_rows.numel()))
+        )
+        return contexts, rows
+
+    def _read(self, slots: torch.Tensor) -> list[int]:
+        """The tokens at a context's KV slots, after checking that slot i holds position i."""
+        slots = slots.cpu()
+        stored = self.kv_positions[slots]
+        expected = torch.arange(len(slots), dtype=torch.int64)
+        if not torch.equal(stored, expected):
+            bad = int((stored != expected).nonzero()[0])
+            raise AssertionError(
+                f"KV slot {int(slots[bad])} holds position {int(stored[bad])}, expected {bad}: "
+                "the scheduler's tables point at a slot another token overwrote"
+            )
+        tokens: list[int] = self.kv_tokens[slots].tolist()
+        return tokens
+
+    def _hidden(self, segment: int, position: int) -> torch.Tensor:
+        return torch.full((HIDDEN_SIZE,), float(position), dtype=torch.float32) + segment
+
+    def _check_resident(self) -> None:
+        if self._released:
+            raise RuntimeError(f"the fake model's {sorted(self._released)} memory is released")
+
+    # ---- what tests read back
+
+    @property
+    def prefills(self) -> list[RecordedBatch]:
+        return [b for b in self.batches if b.is_prefill]
+
+    @property
+    def decodes(self) -> list[RecordedBatch]:
+        return [b for b in self.batches if not b.is_prefill]
+
+    # ---- lifecycle and control plane
+
+    def idle(self) -> None:
+        self.idle_calls += 1
+
+    def close(self) -> None:
+        self.closed = True
+
+    def describe(self) -> dict[str, Any]:
+        return {"attention_backend": "fake", "decode_path": "fake", "cpu_kernels": "none"}
+
+    def stats(self) -> dict[str, Any]:
+        return {"fake_forwards": len(self.batches)}
+
+    def release_memory(self, tags: set[str]) -> None:
+        self._released |= tags
+
+    def resume_memory(self, tags: set[str]) -> None:
+        if "kv_cache" in tags & self._released:
+            self._allocate_kv()
+        self._released -= tags
+
+    def resident_bytes(self) -> dict[str, int]:
+        kv = 0 if "kv_cache" in self._released else 2 * self.max_total_tokens * 8
+        return {"weights": 0, "kv_cache": kv}
+
+    def weight_slice(self, name: str, truncate_size: int) -> list[float]:
+        return [0.0] * truncate_size
+
+    def load_other_weights(self, model_path: str) -> str:
+        return model_path
+
+    def update_weights_from_tensors(self, named: list[tuple[str, torch.Tensor]]) -> int:
+        return len(named)
+
+
+# ---- driving a scheduler
+
+
+def make_scheduler(executor: FakeExecutor | None = None, **server_args: Any) -> Scheduler:
+    """A scheduler over a fake executor; server_args are ServerArgs fields."""
+    server_args.setdefault("log_level", "warning")
+    return Scheduler(ServerArgs(**server_args), executor or FakeExecutor())
+
+
+def greedy(max_new_tokens: int, **params: Any) -> dict[str, Any]:
+    return {"max_new_tokens": max_new_tokens, "temperature": 0.0, **params}
+
+
+@dataclass
+class Results:
+    """Every request's streamed tokens and how it finished, gathered from scheduler outputs."""
+
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    finish: dict[str, FinishReason] = field(default_factory=dict)
+    controls: list[ControlResult] = field(default_factory=list)
+
+    def take(self, outputs: list[SchedulerOutput]) -> None:
+        for out in outputs:
+            if isinstance(out, ControlResult):
+                self.controls.append(out)
+            elif isinstance(out, ReqOutput):
+                self.tokens.setdefault(out.rid, []).extend(out.new_token_ids)
+                if out.finished_reason is not None:
+                    assert out.rid not in self.finish, f"{out.rid} finished twice"
+                    self.finish[out.rid] = out.finished_reason
+
+
+def submit(
+    scheduler: Scheduler, results: Results, rid: str, prompt: list[int], max_new_tokens: int, **params: Any
+) -> None:
+    results.take(scheduler.handle(GenerateRequest(rid, prompt, greedy(max_new_tokens, **params))))
+
+
+def check_kv_accounting(scheduler: Scheduler) -> None:
+    """Between steps, busy or not: every KV slot is free, in the radix tree (evictable or locked),
+    or owned by exactly one request (docs/architecture.md, "KV ownership")."""
+    if scheduler.publisher is not None:
+        return  # a finished request's KV stays with it until its results are published
+    page = scheduler.args.page_size
+    holders = [*scheduler.running, *([scheduler.chunked_req] if scheduler.chunked_req else [])]
+    for req in scheduler.waiting:
+        assert req.req_pool_idx is None, f"waiting request {req.rid} holds a request slot"
+    # A request owns whole pages from its cached (page-aligned) length on.
+    owned = sum(-(-(r.kv_len - r.cached_len) // page) * page for r in holders)
+    cache, allocator = scheduler.tree_cache, scheduler.allocator
+    accounted = allocator.available_size() + cache.evictable_size() + cache.protected_size() + owned
+    assert accounted == allocator.total_slots, (
+        f"free {allocator.available_size()} + evictable {cache.evictable_size()} + locked "
+        f"{cache.protected_size()} + owned {owned} != {allocator.total_slots}"
+    )
+    used_slots = scheduler.req_to_token_pool.size - scheduler.req_to_token_pool.available_size()
+    assert used_slots == len(holders), f"{used_slots} request slots in use by {len(holders)} requests"
+
+
+def run_until_idle(scheduler: Scheduler, results: Results, max_steps: int = 10_000) -> None:
+    """Steps until nothing is left to do, checking the KV accounting after every step, then once
+    more: the idle step runs the scheduler's own KV self-check."""
+    for _ in range(max_steps):
+        check_kv_accounting(scheduler)
+        if scheduler.is_idle:
+            break
+        results.take(scheduler.step())
+    else:
+        raise AssertionError(f"the scheduler is still busy after {max_steps} steps")
+    results.take(scheduler.step())
+    check_kv_accounting(scheduler)
+
+
+class ReqView(NamedTuple):
+    """A request as it was at one moment (Req objects change as the scheduler runs)."""
+
+    rid: str
+    outputs: int
+    prompt_len: int
+    max_new_tokens: int
+
+    @classmethod
+    def of(cls, req: Req) -> ReqView:
+        max_new = req.sampling_params.max_new_tokens
+        return cls(req.rid, len(req.output_ids), len(req.origin_input_ids), max_new)
+
+
+@dataclass(frozen=True)
+class StepProbe:
+    """What one choice of the next batch (Scheduler._next_batch) found and left behind."""
+
+    kind: str  # "prefill", "decode" or "none"
+    ratio_before: float
+    ratio_after: float
+    running_before: list[ReqView]
+    running_after: list[ReqView]
+    waiting_after: list[ReqView]
+    retracted: int  # requests sent back to the queue
+
+
+def probe_steps(scheduler: Scheduler) -> list[StepProbe]:
+    """Records every batch choice the scheduler makes from now on, into the list returned."""
+    probes: list[StepProbe] = []
+    choose = scheduler._next_batch
+
+    def probed() -> Any:
+        ratio, retracted = scheduler.new_token_ratio, scheduler.stats.retracted_reqs
+        running = [ReqView.of(r) for r in scheduler.running]
+        batch = choose()
+        kind = "none" if batch is None else "prefill" if batch.is_prefill else "decode"
+        probes.append(
+            StepProbe(
+                kind,
+                ratio,
+                scheduler.new_token_ratio,
+                running,
+                [ReqView.of(r) for r in scheduler.running],
+                [ReqView.of(r) for r in scheduler.waiting],
+                scheduler.stats.retracted_reqs - retracted,
+            )
+        )
+        return batch
+
+    # An instance attribute shadows the method: step() calls this one.
+    scheduler._next_batch = probed  # type: ignore[method-assign]
+    return probes

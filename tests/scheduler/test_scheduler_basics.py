@@ -1,0 +1,104 @@
+"""The scheduler over the fake executor: plain generation, stops, the control commands that read
+the scheduler's parts, and the fake's own check that the KV it reads is the KV it wrote."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixserve.protocol.messages import ControlRequest, ControlResult
+from tests.scheduler.fake_executor import (
+    FakeExecutor,
+    Results,
+    expected_output,
+    make_scheduler,
+    next_token,
+    run_until_idle,
+    submit,
+)
+
+VOCAB = 1024
+
+
+def test_greedy_outputs_follow_the_fake_model() -> None:
+    executor = FakeExecutor(vocab_size=VOCAB)
+    scheduler = make_scheduler(executor)
+    results = Results()
+    prompts = {"a": [1, 2, 3], "b": [5, 6, 7, 8, 9], "c": [3, 1]}
+    for rid, prompt in prompts.items():
+        submit(scheduler, results, rid, prompt, 7)
+    run_until_idle(scheduler, results)
+    for rid, prompt in prompts.items():
+        assert results.tokens[rid] == expected_output(prompt, 7, VOCAB)
+        assert results.finish[rid].type == "length"
+    assert [b.extend_lens for b in executor.prefills] == [[3, 5, 2]]
+    assert [len(b.extend_lens) for b in executor.decodes] == [3] * 6
+    # Going idle gives the executor its chance to free scratch memory, once.
+    assert executor.idle_calls == 1
+    scheduler.check_kv_invariant()
+
+
+def test_an_eos_token_stops_the_request() -> None:
+    prompt = [4, 5, 6]
+    free_run = expected_output(prompt, 10, VOCAB)
+    eos = free_run[3]
+    assert eos not in free_run[:3]
+    scheduler = make_scheduler(FakeExecutor(vocab_size=VOCAB, eos_token_ids=[eos]))
+    results = Results()
+    submit(scheduler, results, "stops", prompt, 10)
+    submit(scheduler, results, "ignores", prompt, 10, ignore_eos=True)
+    run_until_idle(scheduler, results)
+    assert results.tokens["stops"] == free_run[:4]
+    assert results.finish["stops"].type == "stop" and results.finish["stops"].matched == eos
+    assert results.tokens["ignores"] == free_run
+    scheduler.check_kv_invariant()
+
+
+def test_control_commands_read_the_scheduler_through_its_managers() -> None:
+    scheduler = make_scheduler(FakeExecutor(vocab_size=VOCAB), max_running_requests=4)
+    results = Results()
+    submit(scheduler, results, "a", [1, 2, 3], 5)
+    results.take(scheduler.step())
+    stats = scheduler.handle(ControlRequest("s", "get_stats"))[-1]
+    assert isinstance(stats, ControlResult) and stats.ok, stats
+    assert stats.payload["num_running_reqs"] == 1 and stats.payload["num_waiting_reqs"] == 0
+    assert stats.payload["new_token_ratio"] == scheduler.new_token_ratio == scheduler.decode.new_token_ratio
+    assert stats.payload["attention_backend"] == "fake"
+    assert stats.payload["kv_invariant"] == "not checked: busy"
+    state = scheduler.handle(ControlRequest("g", "get_internal_state"))[-1]
+    assert isinstance(state, ControlResult) and state.payload["max_running_requests"] == 4
+    # Out of range (the request-slot pool was sized at startup): refused, nothing changes.
+    refused = scheduler.handle(ControlRequest("x", "set_internal_state", {"max_running_requests": 9}))[-1]
+    assert isinstance(refused, ControlResult) and not refused.ok and scheduler.max_running == 4
+    # The KV self-check waits for idle, then answers.
+    assert scheduler.handle(ControlRequest("k", "check_kv_invariant")) == []
+    run_until_idle(scheduler, results)
+    assert [(c.rid, c.ok) for c in results.controls] == [("k", True)]
+    assert scheduler.idle_waiters == []
+    assert scheduler.flush_cache()
+    scheduler.check_kv_invariant()
+
+
+def test_the_fake_executor_notices_a_corrupt_kv_table() -> None:
+    scheduler = make_scheduler(FakeExecutor(vocab_size=VOCAB))
+    results = Results()
+    submit(scheduler, results, "a", [1, 2, 3, 4], 5)
+    submit(scheduler, results, "b", [9, 8, 7, 6], 5)
+    results.take(scheduler.step())
+    a, b = scheduler.running
+    table = scheduler.req_to_token_pool.req_to_token
+    assert a.req_pool_idx is not None and b.req_pool_idx is not None
+    # Point a's position 1 at b's slot for position 2.
+    table[a.req_pool_idx, 1] = table[b.req_pool_idx, 2]
+    with pytest.raises(AssertionError, match="holds position 2, expected 1"):
+        scheduler.step()
+
+
+def test_the_fake_model_reads_the_whole_context() -> None:
+    """Two contexts that differ in one early token predict different tokens."""
+    assert next_token([1, 2, 3], VOCAB) != next_token([1, 5, 3], VOCAB)
+    executor = FakeExecutor(vocab_size=VOCAB)
+    with pytest.raises(TypeError):
+        executor.embed(None)  # type: ignore[arg-type]
+    assert executor.info.dtype == torch.float32 and executor.info.device.type == "cpu"
+    assert executor.info.config.architecture == "LlamaForCausalLM"

@@ -9,3 +9,16 @@ bash scripts/setup.sh
 .venv/bin/mypy
 .venv/bin/lint-imports
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+# Without arguments, the native kernels are then tested as other CPUs run them: built for each
+# narrower ISA this CPU can execute (RADIXSERVE_CPU_ISA, radixserve/kernels/native.py), the kernel
+# tests and the bf16 accuracy test run again (about 2-3 minutes on 2 cores, builds included).
+if [ $# -eq 0 ]; then
+    isas=$(.venv/bin/python -c "from radixserve.kernels.native import executable_isas; print(*executable_isas())")
+    for isa in $isas; do
+        echo "== native kernels built for $isa (RADIXSERVE_CPU_ISA=$isa)"
+        RADIXSERVE_CPU_ISA=$isa .venv/bin/python -m pytest -q -p no:cacheprovider tests/kernels \
+            tests/model/test_fused_decode.py \
+            tests/model/test_attention.py::test_extend_cascade_with_native_kernels_matches_torch \
+            tests/engine/test_smollm2_gguf.py::test_bfloat16_logits_stay_close_to_float32
+    done
+fi

@@ -7,6 +7,12 @@ machine with few cores.
 
 The library is built for this CPU (-march=native) and cached under a key of the source, the
 compiler, the flags, the CPU's model and flags, and torch's OpenMP library.
+
+RADIXSERVE_CPU_ISA builds it for less than this CPU has instead, so that the kernel paths of other
+CPUs run (and are tested) here: "native" (the default) is -march=native; "avx512_bf16" is that
+without AMX (a Zen 4, a Cooper Lake); "avx512" is x86-64-v4, AVX-512 F/BW/CD/DQ/VL without BF16 (a
+Skylake-SP, an Ice Lake); "avx2" is x86-64-v3, no AVX-512 at all (a Haswell to Alder Lake, a Zen 1
+to 3). A value this CPU cannot execute, or an unknown one, raises NativeKernelsUnavailable.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +37,38 @@ logger = logging.getLogger(__name__)
 SOURCE_DIR = Path(__file__).parent / "csrc"
 SOURCES = sorted(SOURCE_DIR.glob("*.cpp"))
 HEADERS = sorted(SOURCE_DIR.glob("*.h"))
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC"]
+# The target's flags come from the ISA (below). -Wno-psabi: without AVX-512 GCC notes that 64-byte
+# vectors passed by value change the ABI, which no inlined helper of one library cares about.
+FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-Wno-psabi"]
 BUILD_TIMEOUT_S = 300
+ISA_ENV = "RADIXSERVE_CPU_ISA"
+
+
+@dataclass(frozen=True)
+class Isa:
+    """A target for the native kernels: its compiler flags, the /proc/cpuinfo flags a CPU needs to
+    run what they produce, and the compiled_isa() bits the build must show (None: any)."""
+
+    flags: tuple[str, ...]
+    cpu_flags: frozenset[str]
+    compiled: int | None = None
+
+
+# x86-64-v3 as /proc/cpuinfo names it ("abm": LZCNT), and x86-64-v4 on top of it.
+_V3 = frozenset({"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"})
+_V4 = _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+_NO_AMX = ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8")
+ISAS: dict[str, Isa] = {
+    "native": Isa(("-march=native",), frozenset()),
+    "avx512_bf16": Isa(("-march=native", *_NO_AMX), _V4 | {"avx512_bf16"}, 1 | 2 | 4),
+    # Tuned for this CPU, as -march=native is: the tuning changes speed, never which path runs.
+    "avx512": Isa(("-march=x86-64-v4", "-mtune=native"), _V4, 1 | 2),
+    "avx2": Isa(("-march=x86-64-v3", "-mtune=native"), _V3, 1),
+}
+# The forced ISAs, narrowest first.
+FORCED_ISAS = ("avx2", "avx512", "avx512_bf16")
+# compiled_isa()'s bits (csrc/cpu_kernels.cpp), widest first, and the name of each level.
+_COMPILED_LEVELS = ((8, "amx"), (4, "avx512_bf16"), (2, "avx512"), (1, "avx2"))
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -52,6 +89,7 @@ DTYPE_SUFFIXES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 PLAIN_SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "decode_attention_supported": (ctypes.c_int, [_I, _I]),
     "amx_linear_available": (ctypes.c_int, []),
+    "compiled_isa": (ctypes.c_int, []),
     "argmax_rows_f32": (None, [_P, _I, _I, _I, _P]),
     # x, x_stride, packed weight, out, out_stride, bias, residual, residual_stride, m, n, k
     "amx_linear_bf16": (None, [_P, _I, _P, _P, _I, _P, _P, _I, _I, _I, _I]),
@@ -83,13 +121,57 @@ def cache_dir() -> Path:
     return Path(base) / "radixserve" / "kernels"
 
 
-@functools.cache
-def load_library() -> ctypes.CDLL:
-    """The built library, building it first if this machine has no cached copy."""
+def requested_isa() -> str:
+    """The ISA RADIXSERVE_CPU_ISA asks for ("native" when unset), checked against this CPU."""
+    name = os.environ.get(ISA_ENV, "").strip().lower() or "native"
+    _check_isa(name)
+    return name
+
+
+def _check_platform() -> None:
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         raise NativeKernelsUnavailable(
             f"native kernels are built for Linux x86-64 only, not {platform.platform()}"
         )
+
+
+def _check_isa(name: str) -> None:
+    isa = ISAS.get(name)
+    if isa is None:
+        raise NativeKernelsUnavailable(f"{ISA_ENV}={name!r} is not one of {', '.join(ISAS)} (unset: native)")
+    if isa.cpu_flags:
+        flags = _cpu_flags()
+        if flags is None:
+            raise NativeKernelsUnavailable(f"{ISA_ENV}={name}: cannot read /proc/cpuinfo to check this CPU")
+        missing = sorted(isa.cpu_flags - flags)
+        if missing:
+            raise NativeKernelsUnavailable(
+                f"{ISA_ENV}={name}: this CPU cannot execute it (it lacks {', '.join(missing)}); "
+                f"it can run {', '.join(executable_isas()) or 'none of the forced ISAs'}, or native"
+            )
+
+
+def executable_isas() -> list[str]:
+    """The forced ISAs (not native) this CPU can execute, narrowest first."""
+    flags = _cpu_flags()
+    return [] if flags is None else [name for name in FORCED_ISAS if ISAS[name].cpu_flags <= flags]
+
+
+def compile_flags(isa: str) -> list[str]:
+    """Every compiler flag of a build for `isa` (a key of ISAS)."""
+    return [*FLAGS, *ISAS[isa].flags]
+
+
+def library_path(isa: str | None = None) -> Path:
+    """Where the library for this source, compiler, ISA (default: RADIXSERVE_CPU_ISA's), CPU and
+    torch is cached; raises NativeKernelsUnavailable when it cannot be built here."""
+    return _plan(requested_isa() if isa is None else isa)[2]
+
+
+def _plan(isa: str) -> tuple[str, Path, Path]:
+    """compiler, torch's libgomp and the cached library's path for `isa`."""
+    _check_platform()
+    _check_isa(isa)
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not compiler:
         raise NativeKernelsUnavailable("no C++ compiler found (install g++ or set CXX)")
@@ -98,11 +180,26 @@ def load_library() -> ctypes.CDLL:
         raise NativeKernelsUnavailable(f"this torch build ships no libgomp ({openmp} is missing)")
     version = _run([compiler, "--version"]).splitlines()[0]
     sources = [path.read_text() for path in (*SOURCES, *HEADERS)]
-    parts = [*sources, version, *FLAGS, _cpu_signature(), str(openmp), torch.__version__]
+    parts = [*sources, version, isa, *compile_flags(isa), _cpu_signature(), str(openmp), torch.__version__]
     key = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
-    target = cache_dir() / f"cpu_kernels-{key}.so"
+    return compiler, openmp, cache_dir() / f"cpu_kernels-{key}.so"
+
+
+@functools.cache
+def load_library() -> ctypes.CDLL:
+    """The built library, building it first if this machine has no cached copy: for the ISA that
+    RADIXSERVE_CPU_ISA names when this is first called (once per process)."""
+    _check_platform()
+    return load_isa(requested_isa())
+
+
+@functools.cache
+def load_isa(isa: str) -> ctypes.CDLL:
+    """The library built for `isa` (a key of ISAS), whatever RADIXSERVE_CPU_ISA says: for tests
+    that compare ISAs in one process."""
+    compiler, openmp, target = _plan(isa)
     if not target.exists():
-        _build(compiler, openmp, target)
+        _build(compiler, openmp, isa, target)
     library = ctypes.CDLL(str(target))
     for name, (result, arguments) in SIGNATURES.items():
         for suffix in DTYPE_SUFFIXES.values():
@@ -113,17 +210,49 @@ def load_library() -> ctypes.CDLL:
         function = getattr(library, name)
         function.restype = result
         function.argtypes = arguments
+    wanted, compiled = ISAS[isa].compiled, library.compiled_isa()
+    if wanted is not None and compiled != wanted:
+        raise NativeKernelsUnavailable(
+            f"{ISA_ENV}={isa}: {compiler} does not target it "
+            f"({' '.join(ISAS[isa].flags)} gave {_level_name(compiled)} code)"
+        )
+    logger.info(
+        "native CPU kernels: %s (%s=%s: %s)", isa_of(library), ISA_ENV, isa, " ".join(ISAS[isa].flags)
+    )
     return library
 
 
-def _build(compiler: str, openmp: Path, target: Path) -> None:
+def selected_isa() -> str:
+    """What the native kernels of this process (load_library()) run on: "amx" (the AMX kernels
+    too: built with them and granted by the OS), "avx512_bf16", "avx512", "avx2", or "x86-64" (none
+    of those). Loads (and if need be builds) the library; raises NativeKernelsUnavailable where it
+    cannot."""
+    return isa_of(load_library())
+
+
+def isa_of(library: ctypes.CDLL) -> str:
+    """What a library from load_library() or load_isa() runs on, as selected_isa() names it."""
+    compiled = library.compiled_isa()
+    if compiled & 8 and not library.amx_linear_available():
+        compiled &= ~8  # built with AMX, which the OS does not grant this process
+    return _level_name(compiled)
+
+
+def _level_name(compiled: int) -> str:
+    for bit, name in _COMPILED_LEVELS:
+        if compiled & bit:
+            return name
+    return "x86-64"
+
+
+def _build(compiler: str, openmp: Path, isa: str, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
-    logger.info("building native CPU kernels with %s (once per machine)", compiler)
+    logger.info("building native CPU kernels for %s with %s (once per machine)", isa, compiler)
     # Built beside the target, then renamed: processes building at once never load a partial file.
     handle, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.partial")
     os.close(handle)
-    command = [compiler, *FLAGS, *map(str, SOURCES), "-o", partial, f"-L{openmp.parent}", "-l:libgomp.so.1",
-               f"-Wl,-rpath,{openmp.parent}"]  # fmt: skip
+    command = [compiler, *compile_flags(isa), *map(str, SOURCES), "-o", partial, f"-L{openmp.parent}",
+               "-l:libgomp.so.1", f"-Wl,-rpath,{openmp.parent}"]  # fmt: skip
     try:
         _run(command)
         os.replace(partial, target)
@@ -140,6 +269,19 @@ def _run(command: list[str]) -> str:
     if done.returncode != 0:
         raise NativeKernelsUnavailable(f"{' '.join(command[:2])} ... failed:\n{done.stderr[-2000:]}")
     return done.stdout
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str] | None:
+    """The feature flags /proc/cpuinfo lists (those of the first CPU), or None where it cannot be read."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
+    return None
 
 
 def _cpu_signature() -> str:

@@ -49,6 +49,10 @@ def test_64_concurrent_streams_match_the_same_prompts_run_alone(server: LiveServ
 
 
 def test_clients_that_disconnect_abort_their_requests(server: LiveServer) -> None:
+    """Clients that leave while their requests run: each request is aborted and its KV released.
+    The clients leave on events (a streamed token; the scheduler reporting the request running),
+    never after a set time, and every forward step sleeps (the /slow_down hook) so that 900 tokens
+    take far longer than leaving does, however fast the machine."""
     before = server.server_info()["aborted_reqs"]
 
     async def drop_stream(client: httpx.AsyncClient, i: int) -> int:
@@ -62,24 +66,53 @@ def test_clients_that_disconnect_abort_their_requests(server: LiveServer) -> Non
                         break  # leaving the block closes the connection mid-stream
         return chunks
 
-    async def drop_waiting(i: int) -> None:
-        # A non-streaming client that gives up while its request is in flight.
-        async with httpx.AsyncClient(base_url=server.base_url, timeout=0.5) as client:
-            try:
-                await client.post("/generate", json={"input_ids": prompt_ids(i), "sampling_params": LONG})
-            except httpx.TimeoutException:
-                return
-            raise AssertionError("the request finished before the client gave up")
-
-    async def run() -> list[int]:
+    async def streams() -> list[int]:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as client:
-            dropped = await asyncio.gather(*(drop_stream(client, i) for i in range(16)))
-        await asyncio.gather(*(drop_waiting(100 + i) for i in range(4)))
-        return list(dropped)
+            return list(await asyncio.gather(*(drop_stream(client, i) for i in range(16))))
 
-    assert asyncio.run(run()) == [2] * 16
-    server.assert_idle_and_kv_intact()
-    assert server.server_info()["aborted_reqs"] - before == 20
+    async def all_running(count: int) -> None:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as client:
+            for _ in range(1200):
+                response = await client.get("/get_server_info")
+                response.raise_for_status()
+                if response.json()["num_running_reqs"] >= count:
+                    return
+                await asyncio.sleep(0.05)
+        raise AssertionError(f"{count} requests never ran at once")
+
+    async def drop_waiting(i: int, running: asyncio.Task[None]) -> None:
+        # A non-streaming client that gives up once its request runs: cancelling the POST closes
+        # its connection.
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as client:
+            body = {"input_ids": prompt_ids(i), "sampling_params": LONG}
+            post = asyncio.create_task(client.post("/generate", json=body))
+            await asyncio.wait({post, running}, return_when=asyncio.FIRST_COMPLETED)
+            if post.done():
+                raise AssertionError(f"the request finished before the client gave up: {post.result()}")
+            running.result()  # the requests were seen running
+            post.cancel()
+            await asyncio.gather(post, return_exceptions=True)
+
+    async def waiting() -> None:
+        running = asyncio.create_task(all_running(4))
+        try:
+            await asyncio.gather(*(drop_waiting(100 + i, running) for i in range(4)))
+        finally:
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
+
+    with server.client() as client:
+        assert client.post("/slow_down", json={"forward_sleep_time": 0.05}).status_code == 200
+    try:
+        assert asyncio.run(streams()) == [2] * 16
+        server.assert_idle_and_kv_intact()
+        assert server.server_info()["aborted_reqs"] - before == 16
+        asyncio.run(waiting())
+        server.assert_idle_and_kv_intact()
+        assert server.server_info()["aborted_reqs"] - before == 20
+    finally:
+        with server.client() as client:
+            assert client.post("/slow_down", json={"forward_sleep_time": None}).status_code == 200
     with server.client() as client:
         ok = client.post("/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 3}})
         assert ok.status_code == 200 and len(ok.json()["output_ids"]) == 3

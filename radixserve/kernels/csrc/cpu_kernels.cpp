@@ -6,9 +6,9 @@
 //
 // Numerics: the elementwise kernels round exactly where the torch reference does (an fp32
 // computation rounded to the model dtype after every op the reference runs in that dtype), so they
-// match torch bit for bit except where a reduction order or libm's exp differs in the last fp32 bit.
-// They are compiled with fp contraction off for that reason: a fused multiply-add rounds once
-// where the reference rounds twice.
+// match torch bit for bit (RMSNorm even adds its sum of squares in torch's order: see there) except
+// where SiLU's exp differs from torch's in the last fp32 bit. They are compiled with fp contraction
+// off for that reason: a fused multiply-add rounds once where the reference rounds twice.
 //
 // Threads: OpenMP, linked against the libgomp torch itself loads, so both share one thread pool.
 
@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "amx_common.h"
 #include "vec16.h"
 
 namespace {
@@ -32,6 +33,115 @@ constexpr int64_t kParallelMin = 1 << 15;
 
 // ---- RMSNorm -------------------------------------------------------------------------------
 // Reference: y = x.float() * rsqrt(mean(x.float()^2) + eps); out = weight * y.to(T).
+//
+// The sum of squares is added in exactly the order torch's CPU sum adds a contiguous fp32 row
+// (aten/src/ATen/native/cpu/SumKernel.cpp: cascade_sum -> vectorized_inner_sum -> row_sum ->
+// multi_row_sum), so that the kernel is bit for bit the reference. Any other order (this kernel
+// once summed 16 lanes and reduced them as a tree) moves the fp32 mean by an ulp now and then,
+// and where the normalized values sit within an ulp of a bf16 rounding midpoint that flips them
+// (real bf16 activations have few distinct mantissas, so a whole row's worth flips together).
+// That alone took SmolLM2-135M's first-step bf16 logits from 0.108 to 0.145 mean |error| against
+// fp32 (tests/engine/test_smollm2_gguf.py): a few flips in one early row of the shared system
+// prompt, whose K/V every later prompt reuses. torch adds 8-lane vectors on every x86-64 CPU (it
+// registers no AVX-512 sum kernel, so AVX-512 CPUs run the AVX2 one, and its default build's
+// vectors are 8 floats too: checked with ATEN_CPU_CAPABILITY=avx512, avx2 and default), so the
+// order depends neither on the CPU nor on the ISA these kernels are built for.
+
+constexpr int64_t kTorchSumLanes = 8;
+constexpr int kTorchSumIlp = 4;     // row_sum's ilp_factor
+constexpr int kTorchSumLevels = 4;  // multi_row_sum's num_levels
+
+inline int64_t torch_ceil_log2(int64_t x) { return x <= 2 ? 1 : 64 - __builtin_clzll(static_cast<uint64_t>(x) - 1); }
+
+inline float to_float(float x) { return x; }
+inline float to_float(uint16_t x) {
+    const uint32_t bits = static_cast<uint32_t>(x) << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+inline v8f load8(const float *p) {
+    v8f f;
+    memcpy(&f, p, 32);
+    return f;
+}
+inline v8f load8(const uint16_t *p) {
+    typedef uint16_t v8h __attribute__((vector_size(16)));
+    typedef uint32_t v8u __attribute__((vector_size(32)));
+    v8h h;
+    memcpy(&h, p, 16);
+    const v8u u = __builtin_convertvector(h, v8u) << 16;
+    v8f f;
+    memcpy(&f, &u, 32);
+    return f;
+}
+
+// The squares of vector or scalar `index` of a row: what torch's pow(x, 2) holds.
+template <typename T>
+struct SquaredVectors {
+    const T *row;
+    v8f operator()(int64_t index) const {
+        const v8f v = load8(row + index * kTorchSumLanes);
+        return v * v;
+    }
+};
+template <typename T>
+struct SquaredScalars {
+    const T *row;
+    float operator()(int64_t index) const {
+        const float v = to_float(row[index]);
+        return v * v;
+    }
+};
+
+// multi_row_sum with nrows = kTorchSumIlp over `size` groups of kTorchSumIlp consecutive items,
+// then row_sum's leftover items and its sequential combination of the kTorchSumIlp partial sums.
+template <typename V, typename Load>
+__attribute__((optimize("fp-contract=off"))) V torch_row_sum(Load load, int64_t count) {
+    const int64_t size = count / kTorchSumIlp;
+    const int64_t level_power = std::max<int64_t>(4, torch_ceil_log2(size) / kTorchSumLevels);
+    const int64_t level_step = int64_t{1} << level_power, level_mask = level_step - 1;
+    V acc[kTorchSumLevels][kTorchSumIlp];
+    for (auto &level : acc)
+        for (V &a : level) a = V{};
+    int64_t i = 0;
+    while (i + level_step <= size) {
+        for (int64_t j = 0; j < level_step; j++, i++)
+            for (int k = 0; k < kTorchSumIlp; k++) acc[0][k] += load(i * kTorchSumIlp + k);
+        for (int j = 1; j < kTorchSumLevels; j++) {
+            for (int k = 0; k < kTorchSumIlp; k++) {
+                acc[j][k] += acc[j - 1][k];
+                acc[j - 1][k] = V{};
+            }
+            if (i & (level_mask << (j * level_power))) break;
+        }
+    }
+    for (; i < size; i++)
+        for (int k = 0; k < kTorchSumIlp; k++) acc[0][k] += load(i * kTorchSumIlp + k);
+    for (int j = 1; j < kTorchSumLevels; j++)
+        for (int k = 0; k < kTorchSumIlp; k++) acc[0][k] += acc[j][k];
+    V total = acc[0][0];
+    for (int64_t item = size * kTorchSumIlp; item < count; item++) total += load(item);
+    for (int k = 1; k < kTorchSumIlp; k++) total += acc[0][k];
+    return total;
+}
+
+// torch's x.float().pow(2).sum(-1) of one contiguous row, bit for bit: vectorized_inner_sum when
+// the row holds a vector (the leftover elements first, then the lanes in order), else row_sum on
+// scalars.
+template <typename T>
+__attribute__((optimize("fp-contract=off"))) float torch_sum_of_squares(const T *row, int64_t size) {
+    if (size < kTorchSumLanes) return torch_row_sum<float>(SquaredScalars<T>{row}, size);
+    const int64_t vectors = size / kTorchSumLanes;
+    const v8f lanes = torch_row_sum<v8f>(SquaredVectors<T>{row}, vectors);
+    float total = 0.0f;
+    for (int64_t i = vectors * kTorchSumLanes; i < size; i++) {
+        const float v = to_float(row[i]);
+        total += v * v;
+    }
+    for (int k = 0; k < kTorchSumLanes; k++) total += lanes[k];
+    return total;
+}
 
 template <typename T>
 __attribute__((optimize("fp-contract=off"))) void rms_norm(const T *x, int64_t x_stride, const T *weight,
@@ -40,12 +150,8 @@ __attribute__((optimize("fp-contract=off"))) void rms_norm(const T *x, int64_t x
     for (int64_t r = 0; r < rows; r++) {
         const T *row = x + r * x_stride;
         T *dst = out + r * size;
-        v16f squares = v16f{};
-        for (int64_t i = 0; i < size; i += 16) {
-            const v16f v = load_n(row + i, size - i);
-            squares += v * v;
-        }
-        const float inv = 1.0f / sqrtf(hsum(squares) / static_cast<float>(size) + eps);
+        // mean = sum / size, + eps, then rsqrt as 1 / sqrt: torch's div_, add_ and rsqrt, in fp32.
+        const float inv = 1.0f / sqrtf(torch_sum_of_squares(row, size) / static_cast<float>(size) + eps);
         for (int64_t i = 0; i < size; i += 16) {
             const v16f normed = as_dtype16(load_n(row + i, size - i) * inv, dst);
             store_n(dst + i, load_n(weight + i, size - i) * normed, size - i);
@@ -468,4 +574,23 @@ extern "C" void argmax_rows_f32(const float *x, int64_t x_stride, int64_t rows, 
 
 extern "C" int decode_attention_supported(int64_t group, int64_t head_dim) {
     return find_decode_kernel<float>(group, head_dim) != nullptr;
+}
+
+// What the compiler targeted (RADIXSERVE_CPU_ISA in native.py picks the flags): a bit each for
+// AVX2 and FMA (1), AVX-512 F/BW/DQ/VL (2), AVX512-BF16 (4), and the AMX kernels (8).
+extern "C" int compiled_isa() {
+    int isa = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    isa |= 1;
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+    isa |= 2;
+#endif
+#if defined(__AVX512BF16__)
+    isa |= 4;
+#endif
+#if defined(RADIXSERVE_AMX)
+    isa |= 8;
+#endif
+    return isa;
 }

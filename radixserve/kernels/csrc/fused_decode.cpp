@@ -15,6 +15,8 @@
 
 #include <vector>
 
+#include "amx_common.h"
+
 extern "C" {
 void rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *weight, uint16_t *out, int64_t rows,
                    int64_t size, float eps);
@@ -49,14 +51,17 @@ struct Shape {
 
 }  // namespace
 
-// hidden [batch, hidden] is the residual stream, updated in place. Returns 0, or the failing
-// kernel's status (the caller checked every condition first, so that is a bug).
+// hidden [batch, hidden] is the residual stream, updated in place. Returns 0; 1 in a build without
+// AMX; or the failing kernel's status (the caller checked every condition first, so either is a bug).
 extern "C" int fused_decode_bf16(const Layer *layers, int64_t num_layers, uint16_t *hidden, int64_t batch,
                                  int64_t hidden_size, int64_t intermediate, int64_t heads, int64_t kv_heads,
                                  int64_t head_dim, float eps, float scale, const float *cos_table,
                                  const float *sin_table, const int64_t *positions, const int64_t *out_slots,
                                  const int64_t *req_to_token, int64_t table_stride, const int64_t *req_rows,
                                  const int64_t *seq_lens, int64_t prefix_length, const int64_t *prefix_slots) {
+#ifndef RADIXSERVE_AMX
+    return 1;  // every linear runs on the AMX matmul, which this build lacks (the caller checks first)
+#endif
     const Shape s{batch, hidden_size, intermediate, heads, kv_heads, head_dim};
     const int64_t q_width = s.heads * s.head_dim, kv_width = s.kv_heads * s.head_dim;
     const int64_t qkv_width = q_width + 2 * kv_width, prefix_rows = s.batch * (s.heads / s.kv_heads);

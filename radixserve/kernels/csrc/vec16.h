@@ -55,11 +55,22 @@ inline float hsum(v16f v) {
 // vectorized exp. Overflows to +inf and underflows to 0 as expf does (bar denormals).
 // a * b + c. Explicitly fused here: the kernels that call exp16 are compiled with contraction off,
 // which would otherwise split every polynomial step in two.
+// Without AVX-512, two 8-lane halves give the same bits (fma rounds once either way); only a CPU
+// without FMA (none of the forced ISAs of native.py) rounds twice.
 inline v16f fma16(v16f a, v16f b, v16f c) {
 #if defined(__AVX512F__)
     __m512 out = _mm512_fmadd_ps(reinterpret_cast<__m512 &>(a), reinterpret_cast<__m512 &>(b),
                                  reinterpret_cast<__m512 &>(c));
     return reinterpret_cast<v16f &>(out);
+#elif defined(__FMA__)
+    __m256 x[2], y[2], z[2];
+    memcpy(x, &a, 64);
+    memcpy(y, &b, 64);
+    memcpy(z, &c, 64);
+    for (int h = 0; h < 2; h++) x[h] = _mm256_fmadd_ps(x[h], y[h], z[h]);
+    v16f out;
+    memcpy(&out, x, 64);
+    return out;
 #else
     return a * b + c;
 #endif
@@ -69,7 +80,16 @@ inline v16f floor16(v16f x) {
 #if defined(__AVX512F__)
     __m512 out = _mm512_roundscale_ps(reinterpret_cast<__m512 &>(x), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
     return reinterpret_cast<v16f &>(out);
+#elif defined(__AVX__)
+    __m256 halves[2];
+    memcpy(halves, &x, 64);
+    for (int h = 0; h < 2; h++) halves[h] = _mm256_round_ps(halves[h], _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    v16f out;
+    memcpy(&out, halves, 64);
+    return out;
 #else
+    // Exact for |x| < 2^31; beyond that (and for NaN) the int conversion gives INT_MIN, which the
+    // callers clamp away or replace (exp16 selects +inf or 0 by x itself).
     const v16f truncated = __builtin_convertvector(__builtin_convertvector(x, v16i), v16f);
     return truncated > x ? truncated - 1.0f : truncated;
 #endif

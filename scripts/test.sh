@@ -17,8 +17,8 @@ if [ $# -eq 0 ]; then
     for isa in $isas; do
         echo "== native kernels built for $isa (RADIXSERVE_CPU_ISA=$isa)"
         RADIXSERVE_CPU_ISA=$isa .venv/bin/python -m pytest -q -p no:cacheprovider tests/kernels \
-            tests/model/test_fused_decode.py \
-            tests/model/test_attention.py::test_extend_cascade_with_native_kernels_matches_torch \
+            tests/models/test_fused_decode.py \
+            tests/attention/test_backends.py \
             tests/engine/test_smollm2_gguf.py::test_bfloat16_logits_stay_close_to_float32
     done
 fi

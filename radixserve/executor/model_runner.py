@@ -206,6 +206,8 @@ class ModelRunner:
             "attention_backend_reason": self.attention_reason,
             "decode_path": self.decode_path,
             "cpu_kernels": "torch" if self.kernels is None else "native",
+            # The instruction set the native kernels were built for (None: torch ops only).
+            "cpu_kernels_isa": None if self.kernels is None else self.kernels.isa,
         }
 
     def stats(self) -> dict[str, Any]:

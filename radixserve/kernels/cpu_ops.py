@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from radixserve.kernels.native import DTYPE_SUFFIXES, NativeKernelsUnavailable, load_library
+from radixserve.kernels.native import DTYPE_SUFFIXES, NativeKernelsUnavailable, isa_of, load_library
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +77,8 @@ class CpuKernels:
         self._argmax_rows = library.argmax_rows_f32
         # Whether this build has the AMX matmul and the OS grants this process AMX tiles.
         self.has_amx_linear = bool(library.amx_linear_available())
+        # What the kernels run on (RADIXSERVE_CPU_ISA may force less than the CPU has).
+        self.isa = isa_of(library)
 
     def declined(self, op: str, args: tuple[Any, ...]) -> None:
         self.fallbacks[op] += 1
@@ -394,9 +396,11 @@ def select_cpu_kernels(choice: str, device: torch.device) -> CpuKernels | None:
     if choice == "torch" or device.type != "cpu":
         return None
     try:
-        return CpuKernels(load_library())
+        kernels = CpuKernels(load_library())
     except NativeKernelsUnavailable as error:
         if choice == "native":
             raise
         logger.warning("native CPU kernels unavailable, using torch ops: %s", error)
         return None
+    logger.info("native CPU kernels in use (--cpu-kernels %s), built for %s", choice, kernels.isa)
+    return kernels

@@ -29,7 +29,7 @@ def test_torch_ops_only_take_the_torch_backend_and_say_why(
     assert described["attention_backend"] == "torch_native"
     assert "cpu_native unavailable" in described["attention_backend_reason"]
     assert described["decode_path"].startswith("torch SDPA over length buckets")
-    assert described["cpu_kernels"] == "torch"
+    assert described["cpu_kernels"] == "torch" and described["cpu_kernels_isa"] is None
     logged = [r.getMessage() for r in caplog.records if "attention backend:" in r.getMessage()]
     assert logged == [f"attention backend: torch_native ({described['attention_backend_reason']}); "
                       f"decode path: {described['decode_path']}"]  # fmt: skip
@@ -44,6 +44,7 @@ def test_auto_takes_the_native_backend_where_the_kernels_load(tiny_model_dir: Ca
     described = runner.describe()
     assert described["attention_backend"] == "cpu_native"
     assert "native paged decode kernel" in described["decode_path"]
+    assert described["cpu_kernels_isa"] in ("amx", "avx512_bf16", "avx512", "avx2", "x86-64")
     assert runner.stats()["kernel_fallbacks"] == {}  # nothing has run yet
 
 

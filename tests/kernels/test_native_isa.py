@@ -15,7 +15,7 @@ import torch
 from radixserve.kernels import native
 from radixserve.kernels.cpu_ops import CpuKernels
 from radixserve.kernels.native import ISA_ENV, NativeKernelsUnavailable
-from radixserve.model.layers import RotaryEmbedding
+from radixserve.layers.rotary import RotaryEmbedding
 
 
 def test_each_isa_has_its_own_flags_and_library(monkeypatch: pytest.MonkeyPatch) -> None:

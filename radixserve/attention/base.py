@@ -7,7 +7,8 @@ owns its metadata and any K/V it keeps between steps: the ForwardBatch stays wha
 built.
 
 Extension point: a new backend (a CUDA one on flashinfer or FlashAttention, say) subclasses
-AttentionBackend, implements plan / extend / decode, and registers itself under its
+AttentionBackend, implements check_available / plan_decode / extend / decode (and plan_extend where
+its extend needs more than the segments), and registers itself under its
 --attention-backend name in attention/registry.py. VERIFY steps (k tokens per request, for
 speculative decoding) run the extend math unless a backend overrides `verify`.
 """
@@ -21,7 +22,7 @@ from typing import Any, ClassVar
 import torch
 
 from radixserve.cache.pools import KVCachePool
-from radixserve.forward.batch import ForwardBatch, ForwardMode
+from radixserve.forward.batch import DecodeLayout, ExtendSegment, ForwardBatch, ForwardMode
 from radixserve.kernels.cpu_ops import CpuKernels
 
 
@@ -66,6 +67,13 @@ class AttentionMetadata:
     mode: ForwardMode
 
 
+@dataclass
+class ExtendMetadata(AttentionMetadata):
+    """EXTEND and VERIFY: each request's segment of the batch (the builtin backends need no more)."""
+
+    segments: list[ExtendSegment]
+
+
 class AttentionBackend(ABC):
     name: ClassVar[str]
     # Whether decode gathers K/V out of the pool (and so may keep gathered copies between steps:
@@ -81,9 +89,20 @@ class AttentionBackend(ABC):
         """Raises AttentionBackendUnavailable, with the reason, where this backend cannot run spec."""
         return None
 
-    @abstractmethod
     def plan(self, batch: ForwardBatch) -> AttentionMetadata:
         """Once per forward, before the first layer."""
+        if batch.mode is ForwardMode.DECODE:
+            assert batch.decode is not None
+            return self.plan_decode(batch.decode)
+        assert batch.extend is not None
+        return self.plan_extend(batch.mode, batch.extend)
+
+    @abstractmethod
+    def plan_decode(self, layout: DecodeLayout) -> AttentionMetadata:
+        """A decode step's metadata (a backend keeps whatever it carries between steps here)."""
+
+    def plan_extend(self, mode: ForwardMode, segments: list[ExtendSegment]) -> AttentionMetadata:
+        return ExtendMetadata(mode, segments)
 
     @abstractmethod
     def extend(self, x: LayerInputs, metadata: AttentionMetadata) -> torch.Tensor:

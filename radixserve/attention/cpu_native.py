@@ -22,21 +22,17 @@ from radixserve.attention.base import (
     AttentionBackendUnavailable,
     AttentionMetadata,
     AttentionSpec,
+    ExtendMetadata,
     LayerInputs,
 )
 from radixserve.attention.common import decode_shared_prefix, stack_by_kv_head
 from radixserve.attention.extend import CpuAttentionOps, extend_attention
 from radixserve.attention.staging import PrefixStaging, StagedPrefix
-from radixserve.forward.batch import DecodeLayout, ExtendSegment, ForwardBatch, ForwardMode
+from radixserve.forward.batch import DecodeLayout, ForwardMode
 from radixserve.kernels.cpu_ops import SharedPrefixResult
 
 # The AMX attention kernel is compiled for head dims that are multiples of 32, up to this.
 AMX_MAX_HEAD_DIM = 256
-
-
-@dataclass
-class CpuExtendMetadata(AttentionMetadata):
-    segments: list[ExtendSegment]
 
 
 @dataclass
@@ -91,13 +87,6 @@ class CpuNativeBackend(AttentionBackend):
             path = f"fused native decode loop (every layer in one call): {path}"
         return path
 
-    def plan(self, batch: ForwardBatch) -> AttentionMetadata:
-        if batch.mode is ForwardMode.DECODE:
-            assert batch.decode is not None
-            return self.plan_decode(batch.decode)
-        assert batch.extend is not None
-        return CpuExtendMetadata(batch.mode, batch.extend)
-
     def plan_decode(self, layout: DecodeLayout) -> CpuDecodeMetadata:
         shared = decode_shared_prefix(layout)
         staged = None
@@ -106,7 +95,7 @@ class CpuNativeBackend(AttentionBackend):
         return CpuDecodeMetadata(ForwardMode.DECODE, layout, shared, staged)
 
     def extend(self, x: LayerInputs, metadata: AttentionMetadata) -> torch.Tensor:
-        assert isinstance(metadata, CpuExtendMetadata)
+        assert isinstance(metadata, ExtendMetadata)
         return extend_attention(x.q, x.k, x.v, x.k_cache, x.v_cache, metadata.segments, x.scale, self.ops)
 
     def decode(self, x: LayerInputs, metadata: AttentionMetadata) -> torch.Tensor:

@@ -20,17 +20,18 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from radixserve.attention.base import AttentionBackend, AttentionMetadata, AttentionSpec, LayerInputs
+from radixserve.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    AttentionSpec,
+    ExtendMetadata,
+    LayerInputs,
+)
 from radixserve.attention.common import merge_by_lse, stack_by_kv_head
 from radixserve.attention.decode_buckets import DecodeBucket, build_buckets
 from radixserve.attention.extend import extend_attention
 from radixserve.attention.staging import DecodeStaging, StagedBucket, bucket_kv, shared_kv
-from radixserve.forward.batch import DecodeLayout, ExtendSegment, ForwardBatch, ForwardMode
-
-
-@dataclass
-class TorchExtendMetadata(AttentionMetadata):
-    segments: list[ExtendSegment]
+from radixserve.forward.batch import DecodeLayout, ForwardMode
 
 
 @dataclass
@@ -67,13 +68,6 @@ class TorchNativeBackend(AttentionBackend):
             path += f", decode staging up to {self.staging.max_tokens} tokens"
         return path
 
-    def plan(self, batch: ForwardBatch) -> AttentionMetadata:
-        if batch.mode is ForwardMode.DECODE:
-            assert batch.decode is not None
-            return self.plan_decode(batch.decode)
-        assert batch.extend is not None
-        return TorchExtendMetadata(batch.mode, batch.extend)
-
     def plan_decode(self, layout: DecodeLayout) -> TorchDecodeMetadata:
         buckets = build_buckets(layout.req_to_token, layout.req_pool_indices, layout.seq_lens, self.cascade)
         staged: list[StagedBucket | None] = [None] * len(buckets)
@@ -82,7 +76,7 @@ class TorchNativeBackend(AttentionBackend):
         return TorchDecodeMetadata(ForwardMode.DECODE, layout, buckets, staged)
 
     def extend(self, x: LayerInputs, metadata: AttentionMetadata) -> torch.Tensor:
-        assert isinstance(metadata, TorchExtendMetadata)
+        assert isinstance(metadata, ExtendMetadata)
         return extend_attention(x.q, x.k, x.v, x.k_cache, x.v_cache, metadata.segments, x.scale)
 
     def decode(self, x: LayerInputs, metadata: AttentionMetadata) -> torch.Tensor:

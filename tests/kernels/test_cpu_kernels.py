@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,6 +17,7 @@ from radixserve.kernels.native import NativeKernelsUnavailable, load_library
 from radixserve.layers.activation import silu_and_mul
 from radixserve.layers.norm import RMSNorm
 from radixserve.layers.rotary import Rope, RotaryEmbedding
+from tests.kernels.select_in_subprocess import select_with
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -150,21 +149,7 @@ def test_select_torch_loads_nothing() -> None:
 
 def test_missing_compiler_is_reported(tmp_path: os.PathLike[str]) -> None:
     """auto falls back to torch with a warning; native fails with the reason."""
-    script = (
-        "import torch\n"
-        "from radixserve.kernels.cpu_ops import select_cpu_kernels\n"
-        "from radixserve.kernels.native import NativeKernelsUnavailable\n"
-        "assert select_cpu_kernels('auto', torch.device('cpu')) is None\n"
-        "try:\n"
-        "    select_cpu_kernels('native', torch.device('cpu'))\n"
-        "except NativeKernelsUnavailable as error:\n"
-        "    print('REASON', error)\n"
-    )
-    env = {**os.environ, "CXX": "/nonexistent/g++", "RADIXSERVE_KERNEL_CACHE": str(tmp_path)}
-    done = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr
+    done = select_with({"CXX": "/nonexistent/g++", "RADIXSERVE_KERNEL_CACHE": str(tmp_path)})
     assert "REASON /nonexistent/g++ failed" in done.stdout
 
 

@@ -6,8 +6,6 @@ the setting itself, and (under a forced ISA) that the loaded library is the one 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,6 +14,7 @@ from radixserve.kernels import native
 from radixserve.kernels.cpu_ops import CpuKernels
 from radixserve.kernels.native import ISA_ENV, NativeKernelsUnavailable
 from radixserve.layers.rotary import RotaryEmbedding
+from tests.kernels.select_in_subprocess import select_with
 
 
 def test_each_isa_has_its_own_flags_and_library(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -72,21 +71,7 @@ def test_an_isa_this_cpu_lacks_is_refused(monkeypatch: pytest.MonkeyPatch) -> No
 
 def test_select_falls_back_or_fails_on_a_bad_isa() -> None:
     """--cpu-kernels auto runs torch ops (with a warning); native fails with the reason."""
-    script = (
-        "import torch\n"
-        "from radixserve.kernels.cpu_ops import select_cpu_kernels\n"
-        "from radixserve.kernels.native import NativeKernelsUnavailable\n"
-        "assert select_cpu_kernels('auto', torch.device('cpu')) is None\n"
-        "try:\n"
-        "    select_cpu_kernels('native', torch.device('cpu'))\n"
-        "except NativeKernelsUnavailable as error:\n"
-        "    print('REASON', error)\n"
-    )
-    env = {**os.environ, ISA_ENV: "sse9"}
-    done = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr
+    done = select_with({ISA_ENV: "sse9"})
     assert "REASON RADIXSERVE_CPU_ISA='sse9' is not one of" in done.stdout
     assert "native CPU kernels unavailable, using torch ops" in done.stderr
 

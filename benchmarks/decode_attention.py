@@ -1,5 +1,5 @@
-"""How decode attention scales with mixed context lengths: radixserve's bucketed layout against
-padding every request to the longest context, on the same K/V pool.
+"""How decode attention scales with mixed context lengths: the torch_native backend's bucketed layout
+against padding every request to the longest context, on the same K/V pool.
 
     .venv/bin/python benchmarks/decode_attention.py [--dtype bfloat16] [--batch 32]
 """
@@ -15,7 +15,8 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from radixserve.attention.torch_ops import decode_attention
+from radixserve.attention.base import AttentionSpec, LayerInputs
+from radixserve.attention.torch_native import TorchNativeBackend
 from radixserve.forward.batch import build_decode_layout
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64  # SmolLM2-135M's attention shape
@@ -74,11 +75,15 @@ def main() -> None:
             offset += n
         lens = torch.tensor(lengths)
         layout = build_decode_layout(table, torch.arange(batch), lens)
-        new_kv = k_cache[:batch]  # unused: nothing is staged, every call gathers from the pool
-        call = partial(decode_attention, q, new_kv, new_kv, k_cache, v_cache, layout, 0, HEAD_DIM**-0.5)
-        bucketed = _time_ms(call)
+        # No staging: every call gathers from the pool, as a decode step whose batch changed does.
+        spec = AttentionSpec(1, HEADS, KV_HEADS, HEAD_DIM, dtype, torch.device("cpu"), None, 0)
+        backend = TorchNativeBackend(spec)
+        metadata = backend.plan_decode(layout)
+        new_kv = k_cache[:batch]  # already "in the pool": only staging would read it
+        inputs = LayerInputs(0, q, new_kv, new_kv, k_cache, v_cache, HEAD_DIM**-0.5)
+        bucketed = _time_ms(partial(backend.decode, inputs, metadata))
         padded_ms = _time_ms(partial(_padded_to_longest, q, k_cache, v_cache, table, lens))
-        print(f"{name:32s} {sum(lengths):9d} {bucketed:12.2f} {len(layout.buckets):8d} {padded_ms:10.2f}")
+        print(f"{name:32s} {sum(lengths):9d} {bucketed:12.2f} {len(metadata.buckets):8d} {padded_ms:10.2f}")
 
 
 if __name__ == "__main__":

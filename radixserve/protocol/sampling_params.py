@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -135,3 +136,14 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+
+def choice_params(params: dict[str, Any], index: int) -> dict[str, Any]:
+    """The sampling parameters of choice `index` of an n > 1 request. With a seed, each choice gets
+    its own seed derived from it (choice 0 keeps it), so the n samples differ and the whole answer
+    is reproducible; without one they already differ."""
+    seed = params.get("seed")
+    if index == 0 or not isinstance(seed, int):
+        return params
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return {**params, "seed": int.from_bytes(digest, "little") >> 1}

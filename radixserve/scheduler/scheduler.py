@@ -307,7 +307,12 @@ class Scheduler:
         return outputs
 
     def abort(self, rid: str | None, abort_all: bool = False) -> list[ReqOutput]:
-        targets = list(self.reqs.values()) if abort_all else [self.reqs[rid]] if rid in self.reqs else []
+        """Aborts every request whose rid starts with `rid` (as SGLang does: the choices of one
+        n > 1 request share their caller's prefix), or all of them."""
+        if abort_all:
+            targets = list(self.reqs.values())
+        else:
+            targets = [r for r in self.reqs.values() if rid and r.rid.startswith(rid)]
         outputs = []
         queues = self.queues
         for req in targets:

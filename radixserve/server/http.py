@@ -27,6 +27,7 @@ from radixserve.protocol.sampling_params import InvalidRequestError
 from radixserve.runtime.engine import Engine, EngineDeadError, GenerateOutput, QueueFullError
 from radixserve.server.embeddings_api import router as embeddings_router
 from radixserve.server.errors import ApiError, error_body, error_response
+from radixserve.server.json_values import BadJsonValue, check_body
 from radixserve.server.openai_api import SSE_DONE, SSE_MEDIA_TYPE, engine_of, router, sse, stream_error
 from radixserve.server.streams import ClientDisconnected, collect, merged_stream
 
@@ -38,7 +39,8 @@ HEALTH_GENERATE_TIMEOUT_S = 20.0
 
 
 class GuardMiddleware:
-    """API key and request-body cap, before any route runs (pure ASGI, so streams stay streams)."""
+    """API key, request-body cap and JSON values nothing downstream can hold (server/json_values.py),
+    before any route runs (pure ASGI, so streams stay streams)."""
 
     def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int):
         self.app = app
@@ -75,6 +77,11 @@ class GuardMiddleware:
                 await self._too_large()(scope, receive, send)
                 return
             more = message.get("more_body", False)
+        try:
+            check_body(bytes(body))
+        except BadJsonValue as bad:
+            await error_response(400, str(bad), param=bad.path or None)(scope, receive, send)
+            return
         replayed = False
 
         async def replay() -> Message:

@@ -13,6 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from radixserve.protocol.messages import FinishReason, TokenLogprobs
+from radixserve.protocol.sampling_params import choice_params
 from radixserve.runtime.engine import Engine, GenerateOutput
 from radixserve.server.errors import ApiError, sse_error
 from radixserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest
@@ -155,9 +156,9 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     prompts = [engine.tokenize(p) if isinstance(p, str) else p for p in body.prompts()]
     # Choice i*n + j is the j-th sample of prompt i, as OpenAI numbers them.
     reqs = [
-        engine.make_request(ids, params, None, return_logprob, top, start)
+        engine.make_request(ids, choice_params(params, j), None, return_logprob, top, start)
         for ids in prompts
-        for _ in range(body.n)
+        for j in range(body.n)
     ]
     echoes = [str(engine.tokenizer.decode(r.input_ids)) if body.echo else "" for r in reqs]
     prompt_tokens = sum(len(reqs[i * body.n].input_ids) for i in range(len(prompts)))
@@ -246,8 +247,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     # Without max_tokens a chat may use the rest of the context; the scheduler clips to it.
     params = body.sampling_params(body.requested_max_tokens, default_max_tokens=engine.context_len)
     reqs = [
-        engine.make_request(prompt, params, return_logprob=return_logprob, top_logprobs_num=top)
-        for _ in range(body.n)
+        engine.make_request(
+            prompt, choice_params(params, j), return_logprob=return_logprob, top_logprobs_num=top
+        )
+        for j in range(body.n)
     ]
     reply = Reply(
         engine, "chat.completion", len(prompt), body.include_usage, id=f"chatcmpl-{uuid.uuid4().hex}"

@@ -138,3 +138,24 @@ def test_abort_of_an_unknown_or_finished_request_changes_nothing() -> None:
     assert results.finish["a"].type == "length"
     assert scheduler.stats.aborted_reqs == 0
     _assert_all_free(scheduler)
+
+
+def test_abort_by_rid_prefix_takes_every_request_it_starts() -> None:
+    """SGLang's rule: an abort names a rid prefix (the choices of one n > 1 request share theirs)."""
+    scheduler = make_scheduler(FakeExecutor(vocab_size=VOCAB), max_running_requests=2)
+    results = Results()
+    for rid, prompt in [("job-1", [1, 2, 3]), ("job-2", [4, 5]), ("other", [6, 7]), ("job-3", [8])]:
+        submit(scheduler, results, rid, prompt, 10)
+    results.take(scheduler.step())  # two run, two wait
+    assert {r.rid for r in scheduler.running} == {"job-1", "job-2"}
+    _abort(scheduler, results, "job-")
+    assert {rid for rid, finish in results.finish.items() if finish.type == "abort"} == {
+        "job-1",
+        "job-2",
+        "job-3",
+    }
+    _abort(scheduler, results, "")  # an empty rid names nothing
+    run_until_idle(scheduler, results)
+    assert results.tokens["other"] == expected_output([6, 7], 10, VOCAB)
+    assert scheduler.stats.aborted_reqs == 3
+    _assert_all_free(scheduler)

@@ -64,3 +64,29 @@ def test_ctrl_c_shuts_down_cleanly(tiny_model_dir: Callable[[str], Path], start_
         ).is_success
     live.assert_idle_and_kv_intact()
     live.stop(signal.SIGINT)  # exit code 0, no child left, no socket file left
+
+
+@pytest.mark.parametrize(
+    ("flags", "rank_flag"), [(["--tp-size", "2"], "--tp-rank 1"), (["--dp-size", "2"], "--dp-rank 1")]
+)
+def test_a_killed_rank_or_replica_makes_the_server_exit_nonzero_fast(
+    tiny_model_dir: Callable[[str], Path], start_server: Any, flags: list[str], rank_flag: str
+) -> None:
+    """One tensor-parallel rank or one data-parallel replica of several dies: the server must not
+    go on half-alive (its peers would wait on it forever); it exits within seconds, non-zero."""
+    live = start_server(tiny_model_dir("llama"), *flags, "--log-level", "info")
+    children = child_pids(live.process.pid)
+    victim = next(
+        pid for pid in children if rank_flag in Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+    )
+    killed_at = time.monotonic()
+    os.kill(victim, signal.SIGKILL)
+    code = live.process.wait(timeout=10)
+    assert time.monotonic() - killed_at < 5
+    assert code != 0
+    assert "killed by SIGKILL" in live.log()
+    deadline = time.monotonic() + 5
+    while any(alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in children), "a process outlived the server"
+    live.assert_no_ipc_files()

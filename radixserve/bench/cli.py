@@ -1,7 +1,8 @@
-"""`radixserve bench offline | serving`.
+"""`radixserve bench offline | serving | soak`.
 
 offline: the in-process throughput benchmark against a transformers baseline.
 serving: an OpenAI-API load test against any running server (radixserve/bench/serving.py).
+soak: a fault and soak harness against any running server (radixserve/bench/soak.py).
 """
 
 from __future__ import annotations
@@ -93,15 +94,18 @@ def _bench_offline(args: argparse.Namespace) -> int:
 
 
 def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
-    """Register `bench offline` and `bench serving` on the top-level subparsers object."""
+    """Register `bench offline`, `bench serving` and `bench soak` on the top-level subparsers object."""
     bench: argparse.ArgumentParser = sub.add_parser(
         "bench",
-        help="benchmarks: `offline` (in-process throughput vs transformers) or `serving` (HTTP load test)",
-        description="radixserve benchmarks; see `radixserve bench offline -h` and `bench serving -h`.",
+        help="benchmarks: `offline` (in-process throughput vs transformers), `serving` (HTTP load test) "
+        "or `soak` (fault and soak harness)",
+        description="radixserve benchmarks; see `radixserve bench offline -h`, `bench serving -h` and "
+        "`bench soak -h`.",
     )
-    bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="{offline,serving}")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="{offline,serving,soak}")
     _add_offline_parser(bench_sub)
     _add_serving_parser(bench_sub)
+    _add_soak_parser(bench_sub)
     return bench
 
 
@@ -314,3 +318,89 @@ def _add_serving_parser(bench_sub: Any) -> argparse.ArgumentParser:
     out.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     serving.set_defaults(func=_bench_serving)
     return serving
+
+
+def _bench_soak(args: argparse.Namespace) -> int:
+    from radixserve.bench.serving import ServingBenchError
+    from radixserve.bench.soak import SoakConfig
+    from radixserve.bench.soak import main as soak_main
+
+    try:
+        cfg = SoakConfig(
+            base_url=_serving_base_url(args),
+            api_key=args.api_key,
+            model=args.model,
+            num_requests=args.num_requests,
+            concurrency=args.concurrency,
+            seed=args.seed,
+            server_pid=args.server_pid,
+            request_timeout=args.request_timeout,
+            idle_timeout=args.idle_timeout,
+            max_duration=args.max_duration,
+            max_rss_growth=args.max_rss_growth,
+            max_tokens=args.max_tokens,
+            out=args.out,
+            disable_tqdm=args.disable_tqdm,
+        )
+        return soak_main(cfg)
+    except (ValueError, OSError, ServingBenchError) as exc:
+        print(f"radixserve: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _add_soak_parser(bench_sub: Any) -> argparse.ArgumentParser:
+    soak: argparse.ArgumentParser = bench_sub.add_parser(
+        "soak",
+        help="fault and soak harness against a running server (aborts, disconnects, sessions, grammars)",
+        description=(
+            "Sends a seeded mix of native and OpenAI requests (streaming or not, n > 1, sessions, "
+            "grammars, prompts near the context, client hang-ups, aborts by rid and rid prefix) at a "
+            "bounded concurrency, then checks: no 5xx, no transport errors beyond the deliberate "
+            "hang-ups, no malformed answer, the server idle with kv_invariant ok, and (with "
+            "--server-pid) RSS growth <= 5%% over the last two thirds. Exits 1 if a check fails."
+        ),
+    )
+    soak.add_argument("--base-url", default=None, help="server URL (default http://127.0.0.1:30000)")
+    soak.add_argument("--host", default=None, help="instead of --base-url (default 127.0.0.1)")
+    soak.add_argument("--port", type=int, default=None, help="instead of --base-url (default 30000)")
+    soak.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY`")
+    soak.add_argument("--model", default=None, help="model name to send (default: first of GET /v1/models)")
+    soak.add_argument("--num-requests", type=_positive_int, default=10_000, help="(default 10000)")
+    soak.add_argument(
+        "--concurrency", type=_positive_int, default=16, help="scenarios in flight (default 16)"
+    )
+    soak.add_argument("--seed", type=int, default=1, help="seed of the request mix (default 1)")
+    soak.add_argument(
+        "--max-tokens",
+        type=_positive_int,
+        default=128,
+        help="the largest output asked for (>= 8; default 128); tiny ones are 1-4 tokens",
+    )
+    soak.add_argument(
+        "--server-pid",
+        type=_positive_int,
+        default=None,
+        help="server process id: RSS of it and its descendants at start, 1/3, 1/2 and end",
+    )
+    soak.add_argument(
+        "--request-timeout", type=_positive_float, default=120.0, help="seconds per request (default 120)"
+    )
+    soak.add_argument(
+        "--idle-timeout",
+        type=_positive_float,
+        default=120.0,
+        help="seconds to wait for the server to go idle after the run (default 120)",
+    )
+    soak.add_argument(
+        "--max-duration",
+        type=_positive_float,
+        default=None,
+        help="stop starting requests after this many seconds (default: none)",
+    )
+    soak.add_argument(
+        "--max-rss-growth", type=_ratio, default=0.05, help="allowed RSS growth, a fraction (default 0.05)"
+    )
+    soak.add_argument("--out", default=None, help="write the report as JSON here")
+    soak.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    soak.set_defaults(func=_bench_soak)
+    return soak

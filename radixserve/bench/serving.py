@@ -249,13 +249,13 @@ def build_requests(config: ServingBenchConfig) -> list[BenchRequest]:
     return requests
 
 
-def _api_url(base_url: str, path: str) -> str:
+def api_url(base_url: str, path: str) -> str:
     # OpenAI SDKs take base URLs ending in /v1; accept both spellings.
     base = base_url.rstrip("/").removesuffix("/v1")
     return f"{base}/v1/{path}"
 
 
-def _headers(config: ServingBenchConfig) -> dict[str, str]:
+def request_headers(config: ServingBenchConfig) -> dict[str, str]:
     return {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
 
 
@@ -277,14 +277,14 @@ def request_body(config: ServingBenchConfig, model: str, req: BenchRequest) -> d
     return body
 
 
-def _sse_data(line: str) -> str | None:
+def sse_data(line: str) -> str | None:
     """The payload of an SSE `data:` line; None for blank lines, comments and other fields."""
     if not line.startswith("data:"):
         return None
     return line[5:].strip()
 
 
-def _chunk_text(chunk: dict[str, Any], chat: bool) -> str:
+def chunk_text(chunk: dict[str, Any], chat: bool) -> str:
     choices = chunk.get("choices") or []
     if not choices:
         return ""
@@ -310,7 +310,7 @@ async def send_request(
                 detail = (await resp.aread()).decode("utf-8", errors="replace").strip()
                 return RequestResult(False, error=f"HTTP {resp.status_code}: {detail[:300]}")
             async for line in resp.aiter_lines():
-                payload = _sse_data(line)
+                payload = sse_data(line)
                 if not payload:
                     continue
                 if payload == "[DONE]":
@@ -321,7 +321,7 @@ async def send_request(
                     return RequestResult(False, error=f"error in stream: {json.dumps(chunk['error'])[:300]}")
                 if chunk.get("usage"):
                     usage = chunk["usage"]
-                if _chunk_text(chunk, chat):
+                if chunk_text(chunk, chat):
                     if ttft is None:
                         ttft = now - start
                     else:
@@ -346,12 +346,12 @@ async def send_request(
     )
 
 
-async def _resolve_model(client: httpx.AsyncClient, config: ServingBenchConfig) -> str:
+async def resolve_model(client: httpx.AsyncClient, config: ServingBenchConfig) -> str:
     if config.model:
         return config.model
-    url = _api_url(config.base_url, "models")
+    url = api_url(config.base_url, "models")
     try:
-        resp = await client.get(url, headers=_headers(config))
+        resp = await client.get(url, headers=request_headers(config))
         resp.raise_for_status()
         return str(resp.json()["data"][0]["id"])
     except Exception as exc:
@@ -361,8 +361,8 @@ async def _resolve_model(client: httpx.AsyncClient, config: ServingBenchConfig) 
 async def _run_all(
     config: ServingBenchConfig, client: httpx.AsyncClient, model: str, requests: list[BenchRequest]
 ) -> tuple[list[RequestResult], float, str | None]:
-    url = _api_url(config.base_url, "chat/completions" if config.backend == "chat" else "completions")
-    headers = _headers(config)
+    url = api_url(config.base_url, "chat/completions" if config.backend == "chat" else "completions")
+    headers = request_headers(config)
     semaphore = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
     first_error: list[str] = []
     pbar = tqdm(total=len(requests), disable=config.disable_tqdm, desc="requests")
@@ -417,7 +417,7 @@ async def run_serving_benchmark(config: ServingBenchConfig) -> ServingReport:
     # environment must not sit between the benchmark and a local server.
     limits = httpx.Limits(max_connections=config.max_concurrency, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
-        model = await _resolve_model(client, config)
+        model = await resolve_model(client, config)
         results, duration, first_error = await _run_all(config, client, model, requests)
     report = ServingReport(config, model, compute_metrics(results, duration), first_error, results)
     if config.output_file:

@@ -82,6 +82,8 @@ class ServerArgs:
     max_queued_requests: int | None = None
     max_request_body_mb: float = 32.0
     enable_metrics: bool = False
+    # Browser origins allowed by CORS (e.g. "https://app.example.com", or "*"); None: no CORS headers.
+    allow_origins: list[str] | None = None
 
     # Logging and self-checks
     log_level: str = "info"
@@ -354,6 +356,13 @@ class ServerArgs:
             help="answer 503 while more requests than this wait for their first token (default: no bound)",
         )
         server.add_argument("--max-request-body-mb", type=float, default=32.0)
+        server.add_argument(
+            "--allow-origins",
+            nargs="+",
+            default=None,
+            metavar="ORIGIN",
+            help="answer CORS requests from these browser origins ('*': any; default: no CORS headers)",
+        )
         server.add_argument(
             "--enable-metrics", action="store_true", help="serve Prometheus metrics at GET /metrics"
         )

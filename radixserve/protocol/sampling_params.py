@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +69,7 @@ class SamplingParams:
         return sp
 
     def validate(self) -> None:
+        self._check_types()
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
             raise InvalidRequestError(
                 f"max_new_tokens must be a non-negative integer, got {self.max_new_tokens!r}"
@@ -118,6 +120,44 @@ class SamplingParams:
                 f"min_new_tokens ({self.min_new_tokens}) must not exceed max_new_tokens "
                 f"({self.max_new_tokens})"
             )
+
+    def _check_types(self) -> None:
+        """JSON types first, so that the range checks below only ever compare numbers."""
+        for name in ("max_new_tokens", "top_k", "min_new_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise InvalidRequestError(f"{name} must be an integer, got {value!r:.100}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise InvalidRequestError(f"seed must be an integer, got {self.seed!r:.100}")
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "frequency_penalty",
+            "presence_penalty",
+            "repetition_penalty",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise InvalidRequestError(f"{name} must be a finite number, got {value!r:.100}")
+        if not isinstance(self.stop_token_ids, list):
+            raise InvalidRequestError("stop_token_ids must be a list of non-negative integers")
+        if any(isinstance(t, bool) for t in self.stop_token_ids):
+            raise InvalidRequestError("stop_token_ids must be a list of non-negative integers")
+        if isinstance(self.logit_bias, dict):
+            for token, bias in self.logit_bias.items():
+                if (
+                    not isinstance(token, str)
+                    or not token.isascii()
+                    or not token.isdigit()
+                    or isinstance(bias, bool)
+                    or not isinstance(bias, (int, float))
+                    or not math.isfinite(bias)
+                ):
+                    pair = f"{token!r:.40}: {bias!r:.40}"
+                    raise InvalidRequestError(
+                        f"logit_bias must map token ids to values in [-100, 100], got {pair}"
+                    )
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids in the parameters must exist in the model's vocabulary."""

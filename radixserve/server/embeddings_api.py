@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict
 
 from radixserve.runtime.engine import Engine
 from radixserve.server.errors import ApiError
+from radixserve.server.limits import check_batch, check_token_ids
 from radixserve.server.openai_api import check_model, engine_of
 from radixserve.server.streams import collect
 
@@ -46,7 +47,12 @@ def _prompts(
     if not value:
         raise ApiError(400, f"{name} is empty", param=name)
     if all(isinstance(x, int) for x in value):
+        check_token_ids(value, name)
         return [list(value)], True  # type: ignore[arg-type]
+    check_batch(len(value), name)
+    if all(isinstance(x, list) for x in value):
+        for index, row in enumerate(value):
+            check_token_ids(row, f"{name}[{index}]")
     if all(isinstance(x, str) for x in value):
         return [engine.tokenize(x) for x in value], False  # type: ignore[arg-type]
     if all(isinstance(x, list) for x in value):

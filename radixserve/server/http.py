@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict
@@ -28,14 +30,21 @@ from radixserve.runtime.engine import Engine, EngineDeadError, GenerateOutput, Q
 from radixserve.server.embeddings_api import router as embeddings_router
 from radixserve.server.errors import ApiError, error_body, error_response
 from radixserve.server.json_values import BadJsonValue, check_body
+from radixserve.server.limits import check_batch, check_sampling_params, check_token_ids
 from radixserve.server.openai_api import SSE_DONE, SSE_MEDIA_TYPE, engine_of, router, sse, stream_error
 from radixserve.server.streams import ClientDisconnected, collect, merged_stream
+
+logger = logging.getLogger(__name__)
 
 # /health answers probes without a key; everything else needs it when --api-key is set.
 OPEN_PATHS = frozenset({"/health"})
 # A generation running this recently proves the scheduler is alive without queueing a probe.
 RECENT_OUTPUT_S = 5.0
 HEALTH_GENERATE_TIMEOUT_S = 20.0
+# Retry-After (seconds) on a 503: a full queue drains within about a second; a stopped engine is
+# restarted by a supervisor, if at all, much later.
+QUEUE_FULL_RETRY_AFTER_S = 1
+ENGINE_DEAD_RETRY_AFTER_S = 30
 
 
 class GuardMiddleware:
@@ -91,7 +100,23 @@ class GuardMiddleware:
                 return {"type": "http.request", "body": bytes(body), "more_body": False}
             return await receive()
 
-        await self.app(scope, replay, send)
+        started = False
+
+        async def watched_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, replay, watched_send)
+        except Exception as exc:
+            # A bug, not the client's fault: logged with its traceback, answered without it, and the
+            # keep-alive connection stays up.
+            logger.exception("%s %s failed", scope.get("method"), scope["path"])
+            if started:
+                raise
+            problem = f"internal error ({type(exc).__name__}); see the server log"
+            await error_response(500, problem)(scope, receive, send)
 
     def _too_large(self) -> JSONResponse:
         limit_mb = self.max_body_bytes / 2**20
@@ -122,6 +147,27 @@ class GenerateBody(BaseModel):
     custom_logit_processor: str | None = None
 
     def prompts(self, engine: Engine) -> PromptBatch:
+        for name in ("text", "input_ids", "input_embeds"):
+            value = getattr(self, name)
+            if isinstance(value, list) and not value:
+                raise ApiError(400, f"{name} must not be empty", param=name)
+        if isinstance(self.text, list):
+            check_batch(len(self.text), "text")
+        ids = self.input_ids
+        if isinstance(ids, list) and all(isinstance(x, list) for x in ids):
+            check_batch(len(ids), "input_ids")
+            for index, row in enumerate(ids):
+                check_token_ids(row, f"input_ids[{index}]")
+        elif ids is not None:
+            check_token_ids(ids, "input_ids")
+        embeds = self.input_embeds
+        if (
+            isinstance(embeds, list)
+            and isinstance(embeds[0], list)
+            and embeds[0]
+            and isinstance(embeds[0][0], list)
+        ):
+            check_batch(len(embeds), "input_embeds")
         return split_prompts(self.text, self.input_ids, self.input_embeds, engine.tokenize, "text")
 
 
@@ -134,11 +180,26 @@ def create_app(engine: Engine) -> FastAPI:
         api_key=engine.args.api_key,
         max_body_bytes=int(engine.args.max_request_body_mb * 2**20),
     )
+    if engine.args.allow_origins:
+        # Added last, so it runs first: a preflight OPTIONS carries no API key and no body.
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(engine.args.allow_origins),
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
     _add_error_handlers(app)
     app.include_router(router)
     app.include_router(embeddings_router)
     _add_native_routes(app)
     return app
+
+
+def unavailable(message: str, retry_after_s: int) -> JSONResponse:
+    """A 503 with Retry-After, so that clients (the official SDKs among them) back off and retry."""
+    response = error_response(503, message)
+    response.headers["Retry-After"] = str(retry_after_s)
+    return response
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -152,11 +213,11 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(QueueFullError)
     async def queue_full(_: Request, exc: QueueFullError) -> JSONResponse:
-        return error_response(503, str(exc))
+        return unavailable(str(exc), QUEUE_FULL_RETRY_AFTER_S)
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
-        return error_response(503, f"the engine is not running: {exc}")
+        return unavailable(f"the engine is not running: {exc}", ENGINE_DEAD_RETRY_AFTER_S)
 
     @app.exception_handler(ClientDisconnected)
     async def disconnected(_: Request, exc: ClientDisconnected) -> Response:
@@ -182,14 +243,14 @@ def _add_native_routes(app: FastAPI) -> None:
     async def health(request: Request) -> Response:
         engine = engine_of(request)
         if engine.error is not None:
-            return error_response(503, engine.error)
+            return unavailable(engine.error, ENGINE_DEAD_RETRY_AFTER_S)
         return Response(status_code=200)
 
     @app.get("/health_generate")
     async def health_generate(request: Request) -> Response:
         engine = engine_of(request)
         if engine.error is not None:
-            return error_response(503, engine.error)
+            return unavailable(engine.error, ENGINE_DEAD_RETRY_AFTER_S)
         # While requests run, recent outputs prove the scheduler steps: a probe would only queue
         # behind them (possibly a long prefill) and time out for no fault of the server.
         if engine.num_in_flight > 0 and time.monotonic() - engine.last_output_time < RECENT_OUTPUT_S:
@@ -199,7 +260,8 @@ def _add_native_routes(app: FastAPI) -> None:
         try:
             await asyncio.wait_for(_last(engine.stream(req)), HEALTH_GENERATE_TIMEOUT_S)
         except asyncio.TimeoutError:
-            return error_response(503, f"no token generated within {HEALTH_GENERATE_TIMEOUT_S:g}s")
+            message = f"no token generated within {HEALTH_GENERATE_TIMEOUT_S:g}s"
+            return unavailable(message, QUEUE_FULL_RETRY_AFTER_S)
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -285,7 +347,10 @@ def _add_native_routes(app: FastAPI) -> None:
         body = await _json_object(request)
         if not isinstance(body.get("name"), str):
             raise ApiError(400, 'pass {"name": "...", "truncate_size": N}', param="name")
-        args = {"name": body["name"], "truncate_size": int(body.get("truncate_size", 100))}
+        truncate = body.get("truncate_size", 100)
+        if not isinstance(truncate, int) or isinstance(truncate, bool) or truncate < 0:
+            raise ApiError(400, "truncate_size must be a non-negative integer", param="truncate_size")
+        args = {"name": body["name"], "truncate_size": truncate}
         return await _control_json(request, "get_weights_by_name", args)
 
     @app.post("/open_session")
@@ -378,6 +443,11 @@ def _native_requests(engine: Engine, batch: PromptBatch, body: GenerateBody) -> 
     prompts = batch.ids
     count = len(prompts)
     params = _per_prompt(body.sampling_params or {}, count, "sampling_params")
+    per_prompt_params = isinstance(body.sampling_params, list)
+    params = [
+        check_sampling_params(sp, f"sampling_params[{i}]" if per_prompt_params else "sampling_params")
+        for i, sp in enumerate(params)
+    ]
     rid = body.rid
     rids: list[str | None]
     if isinstance(rid, list) or count == 1:

@@ -11,10 +11,11 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
 
 from radixserve.protocol.messages import FinishReason, TokenLogprobs
-from radixserve.protocol.sampling_params import choice_params
-from radixserve.runtime.engine import Engine, GenerateOutput
+from radixserve.protocol.sampling_params import InvalidRequestError, choice_params
+from radixserve.runtime.engine import Engine, EngineDeadError, GenerateOutput, QueueFullError
 from radixserve.server.errors import ApiError, sse_error
 from radixserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from radixserve.server.streams import collect, merged_stream, shared_prompt_leaders
@@ -93,6 +94,10 @@ def finish_fields(finish: FinishReason | None) -> dict[str, Any]:
 def stream_error(exc: Exception) -> str:
     if isinstance(exc, ApiError):
         return sse_error(exc.status, exc.message)
+    if isinstance(exc, InvalidRequestError):
+        return sse_error(400, str(exc))
+    if isinstance(exc, (QueueFullError, EngineDeadError)):
+        return sse_error(503, str(exc))
     return sse_error(500, f"{type(exc).__name__}: {exc}")
 
 
@@ -236,6 +241,33 @@ def chat_logprobs(reply: Reply, ids: list[int], logprobs: TokenLogprobs | None) 
     return {"content": content}
 
 
+# apply_chat_template's own arguments, which chat_template_kwargs may not override.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
+        "chat_template", "return_dict", "return_tensors", "return_assistant_tokens_mask", "padding",
+        "truncation", "max_length", "tokenizer_kwargs",
+    }
+)  # fmt: skip
+
+
+def _tokenize_chat(engine: Engine, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> list[int]:
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs))
+    if reserved:
+        raise ApiError(
+            400, f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs"
+        )
+    try:
+        return engine.tokenize_chat(messages, **kwargs)
+    except InvalidRequestError:
+        raise
+    except (TemplateError, TypeError, ValueError, KeyError, IndexError) as exc:
+        # The template itself refused these messages (e.g. roles that do not alternate).
+        raise ApiError(
+            400, f"the chat template cannot render these messages: {exc}", param="messages"
+        ) from exc
+
+
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     engine = engine_of(request)
@@ -243,7 +275,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     body.refuse_unsupported()
     return_logprob, top = body.logprob_request()
     messages = [m.template_dict() for m in body.messages]
-    prompt = engine.tokenize_chat(messages, **(body.chat_template_kwargs or {}))
+    prompt = _tokenize_chat(engine, messages, body.chat_template_kwargs or {})
     # Without max_tokens a chat may use the rest of the context; the scheduler clips to it.
     params = body.sampling_params(body.requested_max_tokens, default_max_tokens=engine.context_len)
     reqs = [

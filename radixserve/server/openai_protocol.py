@@ -14,6 +14,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from radixserve.protocol.sampling_params import ANY_JSON
 from radixserve.server.errors import ApiError
+from radixserve.server.limits import MAX_TOP_LOGPROBS, check_batch, check_sampling_params, check_token_ids
+
+# Native sampling names as the OpenAI body spells them, for the `param` of an error.
+_OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 
 
 class StreamOptions(BaseModel):
@@ -82,7 +86,7 @@ class _SamplingFields(BaseModel):
             if value is not None:
                 params[name] = value
         params.update(self._response_format_grammar())
-        return params
+        return check_sampling_params(params, "", _OPENAI_NAMES)
 
     def _response_format_grammar(self) -> dict[str, str]:
         """OpenAI's response_format as a grammar: any JSON object, or JSON under a schema."""
@@ -142,7 +146,12 @@ class CompletionRequest(_SamplingFields):
         if not prompt:
             raise ApiError(400, "prompt must not be empty", param="prompt")
         if all(isinstance(p, int) for p in prompt):
+            check_token_ids(prompt, "prompt")
             return [list(prompt)]  # type: ignore[arg-type]
+        check_batch(len(prompt), "prompt")
+        for index, item in enumerate(prompt):
+            if isinstance(item, list):
+                check_token_ids(item, f"prompt[{index}]")
         return list(prompt)  # type: ignore[arg-type]
 
 
@@ -194,6 +203,12 @@ class ChatCompletionRequest(_SamplingFields):
         """(return logprobs, top alternatives per token)."""
         if self.top_logprobs and not self.logprobs:
             raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ApiError(
+                400,
+                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}",
+                param="top_logprobs",
+            )
         return self.logprobs, self.top_logprobs or 0
 
     @property

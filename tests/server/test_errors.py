@@ -117,7 +117,53 @@ def test_auto_truncate_and_queue_bound(tiny_model_dir: Callable[[str], Path], st
             for r in responses:
                 if r.status_code == 503:
                     assert "--max-queued-requests" in r.json()["error"]["message"]
+                    # Clients (the official SDKs among them) back off for this long, then retry.
+                    assert r.headers["retry-after"] == "1"
             return [r.status_code for r in responses]
 
     codes = asyncio.run(burst())
     assert set(codes) == {200, 503}, codes
+
+
+ORIGIN = "https://app.example.com"
+PREFLIGHT = {
+    "Origin": ORIGIN,
+    "Access-Control-Request-Method": "POST",
+    "Access-Control-Request-Headers": "authorization, content-type",
+}
+
+
+def test_no_cors_headers_without_allow_origins(small_body_server: LiveServer) -> None:
+    with small_body_server.client() as client:
+        preflight = client.options("/v1/completions", headers=PREFLIGHT)
+        assert "access-control-allow-origin" not in preflight.headers
+        assert preflight.status_code in (404, 405), preflight.text  # no such route, as before
+        get = client.get("/v1/models", headers={"Origin": ORIGIN})
+        assert get.status_code == 200 and "access-control-allow-origin" not in get.headers
+
+
+def test_allow_origins_answers_cors(tiny_model_dir: Callable[[str], Path], start_server: Any) -> None:
+    live = start_server(tiny_model_dir("llama"), "--allow-origins", ORIGIN, api_key="sekret")
+    # The preflight carries no key: the browser sends it before the real request.
+    with httpx.Client(base_url=live.base_url, timeout=60) as anonymous:
+        preflight = anonymous.options("/v1/completions", headers=PREFLIGHT)
+        assert preflight.status_code == 200, preflight.text
+        assert preflight.headers["access-control-allow-origin"] == ORIGIN
+        allowed_methods = preflight.headers["access-control-allow-methods"]
+        assert {"GET", "POST", "OPTIONS"} <= {m.strip() for m in allowed_methods.split(",")}
+        allowed = {h.strip().lower() for h in preflight.headers["access-control-allow-headers"].split(",")}
+        assert {"authorization", "content-type"} <= allowed
+        other = anonymous.options("/v1/completions", headers={**PREFLIGHT, "Origin": "https://evil.example"})
+        assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+    with live.client() as client:
+        get = client.get("/v1/models", headers={"Origin": ORIGIN})
+        assert get.status_code == 200 and get.headers["access-control-allow-origin"] == ORIGIN
+        post = client.post(
+            "/generate",
+            json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}},
+            headers={"Origin": ORIGIN},
+        )
+        assert post.status_code == 200 and post.headers["access-control-allow-origin"] == ORIGIN
+        # Other origins get no CORS headers (the browser then blocks the answer).
+        foreign = client.get("/v1/models", headers={"Origin": "https://evil.example"})
+        assert "access-control-allow-origin" not in foreign.headers

@@ -322,8 +322,8 @@ def _add_serving_parser(bench_sub: Any) -> argparse.ArgumentParser:
 
 def _bench_soak(args: argparse.Namespace) -> int:
     from radixserve.bench.serving import ServingBenchError
-    from radixserve.bench.soak import SoakConfig
     from radixserve.bench.soak import main as soak_main
+    from radixserve.bench.soak_report import SoakConfig
 
     try:
         cfg = SoakConfig(

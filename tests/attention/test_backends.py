@@ -13,6 +13,7 @@ from radixserve.attention.registry import choose_attention_backend
 from radixserve.attention.torch_native import TorchNativeBackend
 from radixserve.forward.batch import DecodeLayout, ExtendSegment, build_decode_layout
 from radixserve.kernels.cpu_ops import CpuKernels
+from tests.conftest import native_kernels_or_skip
 
 HEADS, KV_HEADS, DIM = 6, 2, 16
 
@@ -20,15 +21,6 @@ HEADS, KV_HEADS, DIM = 6, 2, 16
 def _spec(kernels: CpuKernels | None = None, heads: int = HEADS, kv_heads: int = KV_HEADS, dim: int = DIM,
           dtype: torch.dtype = torch.float32, staging: int = 0) -> AttentionSpec:  # fmt: skip
     return AttentionSpec(1, heads, kv_heads, dim, dtype, torch.device("cpu"), kernels, staging)
-
-
-def _native_kernels() -> CpuKernels:
-    from radixserve.kernels.native import NativeKernelsUnavailable, load_library
-
-    try:
-        return CpuKernels(load_library())
-    except NativeKernelsUnavailable as error:
-        pytest.skip(f"native kernels unavailable here: {error}")
 
 
 def _decode(backend_name: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -40,7 +32,7 @@ def _decode(backend_name: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         metadata = torch_backend.plan_decode(layout)
         new = q[:, :KV_HEADS]
         return torch_backend.decode(LayerInputs(0, q, new, new, k_cache, v_cache, DIM**-0.5), metadata)
-    native = CpuNativeBackend(_spec(_native_kernels()))
+    native = CpuNativeBackend(_spec(native_kernels_or_skip()))
     native_metadata = native.plan_decode(layout)
     new = q[:, :KV_HEADS]
     return native.decode(LayerInputs(0, q, new, new, k_cache, v_cache, DIM**-0.5), native_metadata)
@@ -153,7 +145,7 @@ def test_extend_attention_over_a_shared_prefix_matches_dense() -> None:
 def test_extend_cascade_with_native_kernels_matches_torch() -> None:
     """bf16 with SmolLM2's head shape: the shared part runs on the native (AMX) kernel where this
     CPU has one, and the result must agree with the torch path."""
-    kernels = _native_kernels()
+    kernels = native_kernels_or_skip()
     torch.manual_seed(6)
     heads, kv_heads, dim = 9, 3, 64
     k_cache = torch.randn(700, kv_heads, dim, dtype=torch.bfloat16)
@@ -174,7 +166,7 @@ def test_extend_cascade_with_native_kernels_matches_torch() -> None:
 
 
 def test_auto_takes_cpu_native_where_it_can_and_says_why_not() -> None:
-    kernels = _native_kernels()
+    kernels = native_kernels_or_skip()
     assert choose_attention_backend("auto", _spec(kernels)).backend is CpuNativeBackend
     fallback = choose_attention_backend("auto", _spec(None))
     assert fallback.backend is TorchNativeBackend

@@ -13,6 +13,7 @@ from radixserve.config.server_args import ServerArgs
 from radixserve.protocol.messages import GenerateRequest
 from radixserve.scheduler.batch import build_verify_batch
 from radixserve.scheduler.process import build_scheduler
+from tests.conftest import native_kernels_or_skip
 from tests.engine.oracle import GREEDY, GreedyOracle, random_prompts
 
 K = 4
@@ -27,7 +28,7 @@ def test_a_verify_step_matches_the_greedy_continuation(
         attention_backend=backend, disable_overlap_schedule=True, log_level="warning",
     )  # fmt: skip
     if backend == "cpu_native":
-        pytest.importorskip("radixserve.kernels.native").load_library()
+        native_kernels_or_skip()
     scheduler = build_scheduler(args)
     prompts = random_prompts(2, [9, 23], seed=50)
     for i, prompt in enumerate(prompts):

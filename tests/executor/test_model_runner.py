@@ -12,7 +12,6 @@ import pytest
 from radixserve.config.server_args import InvalidArgumentError
 from radixserve.executor.model_runner import ModelRunner
 from radixserve.executor.runner_config import RunnerConfig
-from radixserve.kernels.native import NativeKernelsUnavailable, load_library
 
 
 def _runner(model_dir: Path, **overrides: object) -> ModelRunner:
@@ -35,11 +34,9 @@ def test_torch_ops_only_take_the_torch_backend_and_say_why(
                       f"decode path: {described['decode_path']}"]  # fmt: skip
 
 
-def test_auto_takes_the_native_backend_where_the_kernels_load(tiny_model_dir: Callable[[str], Path]) -> None:
-    try:
-        load_library()
-    except NativeKernelsUnavailable as error:
-        pytest.skip(f"native kernels unavailable here: {error}")
+def test_auto_takes_the_native_backend_where_the_kernels_load(
+    tiny_model_dir: Callable[[str], Path], native_kernels: object
+) -> None:
     runner = _runner(tiny_model_dir("llama"))
     described = runner.describe()
     assert described["attention_backend"] == "cpu_native"

@@ -13,7 +13,6 @@ from radixserve.attention.common import decode_shared_prefix, merge_by_lse
 from radixserve.attention.cpu_native import CpuNativeBackend
 from radixserve.forward.batch import build_decode_layout
 from radixserve.kernels.cpu_ops import CpuKernels, select_cpu_kernels
-from radixserve.kernels.native import NativeKernelsUnavailable, load_library
 from radixserve.layers.activation import silu_and_mul
 from radixserve.layers.norm import RMSNorm
 from radixserve.layers.rotary import Rope, RotaryEmbedding
@@ -23,11 +22,8 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 
 @pytest.fixture(scope="module")
-def kernels() -> CpuKernels:
-    try:
-        return CpuKernels(load_library())
-    except NativeKernelsUnavailable as error:
-        pytest.skip(f"native kernels unavailable here: {error}")
+def kernels(native_kernels: CpuKernels) -> CpuKernels:
+    return native_kernels
 
 
 def mismatch_fraction(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from radixserve.kernels.cpu_ops import CpuKernels
-from radixserve.kernels.native import NativeKernelsUnavailable, load_library
+from radixserve.kernels.native import load_library
+from tests.conftest import native_kernels_or_skip
 
 
 def test_declines_are_counted_per_op_and_logged_once_per_signature(caplog: pytest.LogCaptureFixture) -> None:
-    try:
-        kernels = CpuKernels(load_library())
-    except NativeKernelsUnavailable as error:
-        pytest.skip(f"native kernels unavailable here: {error}")
+    native_kernels_or_skip()
+    # A fresh instance (not the session fixture's): its counters start at zero.
+    kernels = CpuKernels(load_library())
     weight = torch.ones(16)
     rows = torch.randn(4, 16)
     with caplog.at_level(logging.INFO, logger="radixserve.kernels"):

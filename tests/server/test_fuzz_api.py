@@ -21,12 +21,11 @@ from typing import Any
 import httpx
 import pytest
 import requests
+import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.server.conftest import LiveServer
-
-schemathesis = pytest.importorskip("schemathesis")
 
 # Control routes that act on an empty body: releasing KV memory or profiling would change what every
 # later example sees. test_control_plane.py covers them.

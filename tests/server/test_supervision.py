@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.server.conftest import alive, child_pids
+from tests.server.conftest import LiveServer, alive, child_pids
 
 
 def child_named(pid: int, module: str) -> int:
@@ -22,15 +22,12 @@ def child_named(pid: int, module: str) -> int:
     raise AssertionError(f"no {module} child of {pid}")
 
 
-@pytest.mark.parametrize("victim", ["radixserve.scheduler.process", "radixserve.runtime.detokenizer"])
-def test_a_killed_child_makes_the_server_exit_nonzero_fast(
-    tiny_model_dir: Callable[[str], Path], start_server: Any, victim: str
-) -> None:
-    live = start_server(tiny_model_dir("llama"), "--log-level", "info")
-    assert "KV cache holds 16384 tokens" in live.log()
+def kill_and_expect_a_fast_nonzero_exit(live: LiveServer, victim: int) -> None:
+    """SIGKILL one child: the server exits non-zero within 5 s, says why, and leaves no process
+    (the others are polled, with a bound) and no IPC file behind."""
     children = child_pids(live.process.pid)
     killed_at = time.monotonic()
-    os.kill(child_named(live.process.pid, victim), signal.SIGKILL)
+    os.kill(victim, signal.SIGKILL)
     code = live.process.wait(timeout=10)
     assert time.monotonic() - killed_at < 5
     assert code != 0
@@ -38,8 +35,17 @@ def test_a_killed_child_makes_the_server_exit_nonzero_fast(
     deadline = time.monotonic() + 5
     while any(alive(pid) for pid in children) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(alive(pid) for pid in children)
+    assert not any(alive(pid) for pid in children), "a process outlived the server"
     live.assert_no_ipc_files()
+
+
+@pytest.mark.parametrize("victim", ["radixserve.scheduler.process", "radixserve.runtime.detokenizer"])
+def test_a_killed_child_makes_the_server_exit_nonzero_fast(
+    tiny_model_dir: Callable[[str], Path], start_server: Any, victim: str
+) -> None:
+    live = start_server(tiny_model_dir("llama"), "--log-level", "info")
+    assert "KV cache holds 16384 tokens" in live.log()
+    kill_and_expect_a_fast_nonzero_exit(live, child_named(live.process.pid, victim))
 
 
 def test_children_exit_when_the_server_is_killed(
@@ -75,18 +81,9 @@ def test_a_killed_rank_or_replica_makes_the_server_exit_nonzero_fast(
     """One tensor-parallel rank or one data-parallel replica of several dies: the server must not
     go on half-alive (its peers would wait on it forever); it exits within seconds, non-zero."""
     live = start_server(tiny_model_dir("llama"), *flags, "--log-level", "info")
-    children = child_pids(live.process.pid)
     victim = next(
-        pid for pid in children if rank_flag in Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+        pid
+        for pid in child_pids(live.process.pid)
+        if rank_flag in Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
     )
-    killed_at = time.monotonic()
-    os.kill(victim, signal.SIGKILL)
-    code = live.process.wait(timeout=10)
-    assert time.monotonic() - killed_at < 5
-    assert code != 0
-    assert "killed by SIGKILL" in live.log()
-    deadline = time.monotonic() + 5
-    while any(alive(pid) for pid in children) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(alive(pid) for pid in children), "a process outlived the server"
-    live.assert_no_ipc_files()
+    kill_and_expect_a_fast_nonzero_exit(live, victim)

@@ -53,29 +53,6 @@ constexpr int kTorchSumLevels = 4;  // multi_row_sum's num_levels
 
 inline int64_t torch_ceil_log2(int64_t x) { return x <= 2 ? 1 : 64 - __builtin_clzll(static_cast<uint64_t>(x) - 1); }
 
-inline float to_float(float x) { return x; }
-inline float to_float(uint16_t x) {
-    const uint32_t bits = static_cast<uint32_t>(x) << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-inline v8f load8(const float *p) {
-    v8f f;
-    memcpy(&f, p, 32);
-    return f;
-}
-inline v8f load8(const uint16_t *p) {
-    typedef uint16_t v8h __attribute__((vector_size(16)));
-    typedef uint32_t v8u __attribute__((vector_size(32)));
-    v8h h;
-    memcpy(&h, p, 16);
-    const v8u u = __builtin_convertvector(h, v8u) << 16;
-    v8f f;
-    memcpy(&f, &u, 32);
-    return f;
-}
-
 // The squares of vector or scalar `index` of a row: what torch's pow(x, 2) holds.
 template <typename T>
 struct SquaredVectors {

@@ -33,6 +33,30 @@ inline v16f load16(const float *p) {
     return f;
 }
 inline void store16(float *p, v16f x) { memcpy(p, &x, 64); }
+// 8 lanes and scalars, for code that must add in the order of torch's 8-lane CPU kernels.
+inline float to_float(float x) { return x; }
+inline float to_float(uint16_t x) {
+    const uint32_t bits = static_cast<uint32_t>(x) << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+inline v8f load8(const float *p) {
+    v8f f;
+    memcpy(&f, p, 32);
+    return f;
+}
+inline v8f load8(const uint16_t *p) {
+    typedef uint16_t v8h __attribute__((vector_size(16)));
+    typedef uint32_t v8u __attribute__((vector_size(32)));
+    v8h h;
+    memcpy(&h, p, 16);
+    const v8u u = __builtin_convertvector(h, v8u) << 16;
+    v8f f;
+    memcpy(&f, &u, 32);
+    return f;
+}
+
 // Round to nearest even, NaN kept NaN: what torch's float -> bfloat16 conversion does.
 inline void store16(uint16_t *p, v16f x) {
     v16u u;

@@ -47,6 +47,10 @@ class ServerArgs:
     cpu_kernels: str = "auto"
     # Attention over the paged KV pool (radixserve/attention): auto picks one at startup and logs why.
     attention_backend: str = "auto"
+    # Batch-invariant inference: a request's tokens and logprobs are bit-identical whatever else is
+    # in the batch, whether its prefix came from the cache, and whatever the chunk size (docs/
+    # architecture.md, "Batch-invariant inference").
+    enable_deterministic_inference: bool = False
 
     # Memory
     max_total_tokens: int | None = None
@@ -80,6 +84,10 @@ class ServerArgs:
     served_model_name: str | None = None
     allow_auto_truncate: bool = False
     max_queued_requests: int | None = None
+    # A request not finished this many seconds after it arrived is aborted (None: no limit).
+    request_timeout: float | None = None
+    # After SIGTERM / Ctrl-C, requests in flight may finish for this long; then they are aborted.
+    graceful_shutdown_timeout: float = 30.0
     max_request_body_mb: float = 32.0
     enable_metrics: bool = False
     # Browser origins allowed by CORS (e.g. "https://app.example.com", or "*"); None: no CORS headers.
@@ -156,6 +164,10 @@ class ServerArgs:
             raise InvalidArgumentError("--max-queued-requests must be >= 1")
         if self.max_request_body_mb <= 0:
             raise InvalidArgumentError("--max-request-body-mb must be > 0")
+        if self.request_timeout is not None and self.request_timeout <= 0:
+            self.request_timeout = None  # as with --watchdog-timeout, a non-positive value switches it off
+        if self.graceful_shutdown_timeout < 0:
+            raise InvalidArgumentError("--graceful-shutdown-timeout must be >= 0")
         if self.dp_size < 1:
             raise InvalidArgumentError(f"--dp-size must be >= 1, got {self.dp_size}")
         if self.load_balance_method not in LOAD_BALANCE_METHODS:
@@ -233,6 +245,12 @@ class ServerArgs:
             help="attention over the paged KV cache: cpu_native (native CPU kernels: paged decode, "
             "shared-prefix cascade, AMX where the CPU has it), torch_native (torch SDPA; any device); "
             "auto picks cpu_native on a CPU where the native kernels load, else torch_native",
+        )
+        model.add_argument(
+            "--enable-deterministic-inference",
+            action="store_true",
+            help="batch-invariant inference: outputs and logprobs bit-identical whatever else is in the "
+            "batch, the cache hits and the chunk size (bf16 on the native CPU kernels; costs some speed)",
         )
 
         memory = parser.add_argument_group("memory")
@@ -356,6 +374,19 @@ class ServerArgs:
             help="answer 503 while more requests than this wait for their first token (default: no bound)",
         )
         server.add_argument("--max-request-body-mb", type=float, default=32.0)
+        server.add_argument(
+            "--request-timeout",
+            type=float,
+            default=None,
+            help="abort a request not finished this many seconds after it arrived, with a 503 (default: off)",
+        )
+        server.add_argument(
+            "--graceful-shutdown-timeout",
+            type=float,
+            default=30.0,
+            help="after SIGTERM or Ctrl-C, seconds requests in flight may take to finish before they are "
+            "aborted (finish reason abort); new connections are refused at once",
+        )
         server.add_argument(
             "--allow-origins",
             nargs="+",

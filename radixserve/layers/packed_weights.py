@@ -9,6 +9,7 @@ Figures: docs/architecture.md ("CPU specifics").
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -19,8 +20,21 @@ if TYPE_CHECKING:
 
 
 def cpu_packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
-    mkldnn: bool = torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
-    return device.type == "cpu" and dtype == torch.bfloat16 and mkldnn
+    return device.type == "cpu" and dtype == torch.bfloat16 and onednn_bf16_available()
+
+
+@functools.cache
+def onednn_bf16_available() -> bool:
+    """Whether oneDNN packs bf16 weights on this CPU: it needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT,
+    and refuses with an error elsewhere (an AVX2-only CPU such as a Zen 3), where bf16 linears
+    then run on F.linear."""
+    if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), None)
+    except RuntimeError:
+        return False
+    return True
 
 
 @dataclass
@@ -39,6 +53,13 @@ class PackedWeight:
         if self.kernels is not None:
             return self.kernels.linear(x, self.data, bias, residual)
         return onednn_linear(x, self.data, bias, residual)
+
+    @property
+    def row_invariant(self) -> bool:
+        """Whether each output row is summed in an order independent of how many rows the call
+        has (batch-invariant inference needs it): the native kernels' fixed blocking does; oneDNN
+        picks its kernel and blocking from the row count."""
+        return self.kernels is not None
 
     def to_dense(self) -> torch.Tensor:
         if self.kernels is not None:

@@ -41,8 +41,14 @@ class GenerateRequest:
 
 @dataclass
 class AbortRequest:
+    """Ends the requests whose rid starts with `rid` (exact: only that rid), or all of them, with
+    finish reason "abort" and `message`; a status_code makes it an HTTP error (a timeout's 503)."""
+
     rid: str | None = None
     abort_all: bool = False
+    exact: bool = False
+    message: str = "aborted by request"
+    status_code: int | None = None
 
 
 @dataclass

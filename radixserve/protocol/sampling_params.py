@@ -15,7 +15,40 @@ ANY_JSON = "$any_json"
 
 
 class InvalidRequestError(ValueError):
-    """The request cannot be served as given; the message says which field is wrong."""
+    """The request cannot be served as given; the message says what is wrong and `param`, when
+    set, names the field (its native name: the HTTP layer maps it to the name its client used)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+# Bounds on what one request may ask for (OpenAI allows 4 stop strings; SGLang has no bound).
+MAX_STOP = 16
+MAX_STOP_CHARS = 1024
+MAX_LOGIT_BIAS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+# Token ids are 32-bit; the vocabulary check, against the model's size, is check_vocab.
+TOKEN_ID_LIMIT = 2**31
+
+_INT_FIELDS = ("max_new_tokens", "top_k", "min_new_tokens")
+_NUMBER_FIELDS = (
+    "temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
+)  # fmt: skip
+_BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+def _is_token_id(value: Any) -> bool:
+    return _is_int(value) and 0 <= value < TOKEN_ID_LIMIT
 
 
 @dataclass
@@ -54,14 +87,15 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, params: dict[str, Any] | None) -> SamplingParams:
-        params = dict(params or {})
+        """The parameters as sent (a JSON object); a field set to null takes its default. This is
+        the one check of their types, ranges and sizes, for Engine callers and HTTP clients alike."""
+        if params is not None and not isinstance(params, dict):
+            raise InvalidRequestError("sampling_params must be a JSON object")
+        params = {k: v for k, v in (params or {}).items() if v is not None}
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(params) - known)
         if unknown:
-            raise InvalidRequestError(f"unsupported sampling parameter(s): {', '.join(unknown)}")
-        for key in ("stop_token_ids", "stop", "logit_bias"):
-            if params.get(key) is None:
-                params.pop(key, None)
+            raise InvalidRequestError(f"unsupported sampling parameter(s): {', '.join(unknown)}", unknown[0])
         if isinstance(params.get("stop"), str):
             params["stop"] = [params["stop"]]
         sp = cls(**params)
@@ -70,101 +104,124 @@ class SamplingParams:
 
     def validate(self) -> None:
         self._check_types()
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
+        if self.max_new_tokens < 0:
             raise InvalidRequestError(
-                f"max_new_tokens must be a non-negative integer, got {self.max_new_tokens!r}"
+                f"max_new_tokens must be a non-negative integer, got {self.max_new_tokens!r}",
+                "max_new_tokens",
             )
         if self.temperature < 0:
-            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
+            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}", "temperature")
         if not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if self.top_k == 0 or self.top_k < -1:
-            raise InvalidRequestError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+            raise InvalidRequestError(f"top_k must be -1 (off) or >= 1, got {self.top_k}", "top_k")
         if not 0.0 <= self.min_p <= 1.0:
-            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise InvalidRequestError("stop_token_ids must be a list of non-negative integers")
-        if not isinstance(self.stop, list) or any(not isinstance(s, str) or not s for s in self.stop):
-            raise InvalidRequestError("stop must be a non-empty string or a list of non-empty strings")
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
+        if any(not s for s in self.stop):
+            raise InvalidRequestError(
+                "stop must be a non-empty string or a list of non-empty strings", "stop"
+            )
         for name in ("frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:
-                raise InvalidRequestError(f"{name} must be in [-2, 2], got {value}")
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {value}", name)
         if not 0.0 < self.repetition_penalty <= 2.0:
-            raise InvalidRequestError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
-        if not isinstance(self.logit_bias, dict):
-            raise InvalidRequestError("logit_bias must map token ids to numbers")
-        for token, bias in self.logit_bias.items():
-            if not str(token).isdigit() or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
-                raise InvalidRequestError(
-                    f"logit_bias must map token ids to values in [-100, 100], got {token!r}: {bias!r}"
-                )
-        grammars = [
-            n for n in ("json_schema", "regex", "ebnf", "structural_tag") if getattr(self, n) is not None
-        ]
+            raise InvalidRequestError(
+                f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}", "repetition_penalty"
+            )
+        grammars = [n for n in GRAMMAR_FIELDS if getattr(self, n) is not None]
         if len(grammars) > 1:
             raise InvalidRequestError(
-                f"pass at most one of json_schema, regex, ebnf, structural_tag; got {grammars}"
+                f"pass at most one of json_schema, regex, ebnf, structural_tag; got {grammars}", grammars[1]
             )
-        if grammars and not isinstance(getattr(self, grammars[0]), str):
-            raise InvalidRequestError(f"{grammars[0]} must be a string")
-        for flag in ("skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "ignore_eos"):
-            if not isinstance(getattr(self, flag), bool):
-                raise InvalidRequestError(f"{flag} must be true or false, got {getattr(self, flag)!r}")
-        if self.custom_params is not None and not isinstance(self.custom_params, dict):
-            raise InvalidRequestError("custom_params must be a JSON object")
-        if not isinstance(self.min_new_tokens, int) or self.min_new_tokens < 0:
-            raise InvalidRequestError(f"min_new_tokens must be >= 0, got {self.min_new_tokens!r}")
+        if self.min_new_tokens < 0:
+            raise InvalidRequestError(
+                f"min_new_tokens must be >= 0, got {self.min_new_tokens!r}", "min_new_tokens"
+            )
         if self.min_new_tokens > self.max_new_tokens:
             raise InvalidRequestError(
                 f"min_new_tokens ({self.min_new_tokens}) must not exceed max_new_tokens "
-                f"({self.max_new_tokens})"
+                f"({self.max_new_tokens})",
+                "min_new_tokens",
             )
 
     def _check_types(self) -> None:
-        """JSON types first, so that the range checks below only ever compare numbers."""
-        for name in ("max_new_tokens", "top_k", "min_new_tokens"):
+        """JSON types and sizes first, so that the range checks above only ever compare numbers and
+        nothing further in can be handed a value it cannot hold."""
+        for name in _INT_FIELDS:
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise InvalidRequestError(f"{name} must be an integer, got {value!r:.100}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise InvalidRequestError(f"seed must be an integer, got {self.seed!r:.100}")
-        for name in (
-            "temperature",
-            "top_p",
-            "min_p",
-            "frequency_penalty",
-            "presence_penalty",
-            "repetition_penalty",
-        ):
+            if not _is_int(value):
+                raise InvalidRequestError(f"{name} must be an integer, got {value!r:.100}", name)
+        if self.seed is not None and not _is_int(self.seed):
+            raise InvalidRequestError(f"seed must be an integer, got {self.seed!r:.100}", "seed")
+        for name in _NUMBER_FIELDS:
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise InvalidRequestError(f"{name} must be a finite number, got {value!r:.100}")
-        if not isinstance(self.stop_token_ids, list):
-            raise InvalidRequestError("stop_token_ids must be a list of non-negative integers")
-        if any(isinstance(t, bool) for t in self.stop_token_ids):
-            raise InvalidRequestError("stop_token_ids must be a list of non-negative integers")
-        if isinstance(self.logit_bias, dict):
-            for token, bias in self.logit_bias.items():
-                if (
-                    not isinstance(token, str)
-                    or not token.isascii()
-                    or not token.isdigit()
-                    or isinstance(bias, bool)
-                    or not isinstance(bias, (int, float))
-                    or not math.isfinite(bias)
-                ):
-                    pair = f"{token!r:.40}: {bias!r:.40}"
-                    raise InvalidRequestError(
-                        f"logit_bias must map token ids to values in [-100, 100], got {pair}"
-                    )
+            if not _is_number(value):
+                raise InvalidRequestError(f"{name} must be a finite number, got {value!r:.100}", name)
+        for name in _BOOL_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequestError(
+                    f"{name} must be true or false, got {getattr(self, name)!r:.100}", name
+                )
+        for name in GRAMMAR_FIELDS:
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise InvalidRequestError(f"{name} must be a string", name)
+        if self.custom_params is not None and not isinstance(self.custom_params, dict):
+            raise InvalidRequestError("custom_params must be a JSON object", "custom_params")
+        self._check_stop()
+        ids = self.stop_token_ids
+        if not isinstance(ids, list) or len(ids) > MAX_STOP_TOKEN_IDS or not all(map(_is_token_id, ids)):
+            raise InvalidRequestError(
+                f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids (integers in "
+                "[0, 2**31))",
+                "stop_token_ids",
+            )
+        self._check_logit_bias()
+
+    def _check_stop(self) -> None:
+        stops = self.stop
+        if not isinstance(stops, list) or any(not isinstance(s, str) for s in stops):
+            raise InvalidRequestError("stop must be a string or a list of strings", "stop")
+        if len(stops) > MAX_STOP:
+            raise InvalidRequestError(f"stop holds {len(stops)} strings; at most {MAX_STOP}", "stop")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise InvalidRequestError(f"stop strings must be at most {MAX_STOP_CHARS} characters", "stop")
+
+    def _check_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if not isinstance(bias, dict):
+            raise InvalidRequestError("logit_bias must map token ids to numbers", "logit_bias")
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequestError(
+                f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS}", "logit_bias"
+            )
+        for token, value in bias.items():
+            # Decimal ASCII digits only: str.isdigit() also takes "²", which int() refuses.
+            if (
+                not isinstance(token, str)
+                or not token.isascii()
+                or not token.isdigit()
+                or int(token) >= TOKEN_ID_LIMIT
+            ):
+                raise InvalidRequestError(
+                    f"logit_bias keys must be token ids (decimal integers below 2**31), got {token!r:.40}",
+                    "logit_bias",
+                )
+            if not _is_number(value) or not -100 <= value <= 100:
+                raise InvalidRequestError(
+                    f"logit_bias values must be numbers in [-100, 100], got {token!r:.40}: {value!r:.40}",
+                    "logit_bias",
+                )
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids in the parameters must exist in the model's vocabulary."""
         bad = [t for t in self.stop_token_ids if t >= vocab_size]
         bad += [int(t) for t in self.logit_bias if int(t) >= vocab_size]
         if bad:
-            raise InvalidRequestError(f"token ids {bad[:5]} are outside the vocabulary (size {vocab_size})")
+            name = "stop_token_ids" if any(t >= vocab_size for t in self.stop_token_ids) else "logit_bias"
+            raise InvalidRequestError(
+                f"token ids {bad[:5]} are outside the vocabulary (size {vocab_size})", name
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

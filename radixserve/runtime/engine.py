@@ -15,7 +15,6 @@ import logging
 import queue
 import threading
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -37,30 +36,25 @@ from radixserve.protocol.prompts import (
     InputIds,
     Prompt,
     PromptLimits,
-    check_input_embeds,
-    split_prompts,
 )
-from radixserve.protocol.sampling_params import InvalidRequestError, SamplingParams
+from radixserve.protocol.sampling_params import InvalidRequestError
+from radixserve.runtime.deadlines import RequestDeadlines
 from radixserve.runtime.dp_router import Router, merge_replica_payloads
 from radixserve.runtime.engine_control import EngineControl
 from radixserve.runtime.generate_output import GenerateOutput
 from radixserve.runtime.launch import POLL_MS, EngineDeadError, Runtime
 from radixserve.runtime.metrics import EngineMetrics
-from radixserve.runtime.sessions import SessionParams, SessionStore
+from radixserve.runtime.request_builder import RequestBuilder, SamplingArg
+from radixserve.runtime.sessions import SessionStore
 
 logger = logging.getLogger("radixserve")
 
 __all__ = ["Engine", "EngineDeadError", "GenerateOutput", "QueueFullError"]
 
-SamplingArg = dict[str, Any] | list[dict[str, Any]] | None
 
 # Where one request's outputs go: a thread-safe callback set by the waiting caller. It receives a
 # ControlResult instead when the engine dies.
 Deliver = Callable[[TextOutput | ControlResult], None]
-
-
-# Top alternatives per token a request may ask for (vLLM's and SGLang's usual bound).
-MAX_TOP_LOGPROBS = 20
 
 
 class QueueFullError(RuntimeError):
@@ -100,6 +94,7 @@ class Engine(EngineControl):
         # /configure_logging: log every request's arrival and end.
         self.log_requests = False
         self.sessions = SessionStore()
+        self.deadlines = RequestDeadlines(self.args.request_timeout)
 
         self.router = Router(self.args.dp_size, self.args.load_balance_method)
         self.runtime = Runtime(self.args, self.tokenizer)
@@ -113,7 +108,15 @@ class Engine(EngineControl):
         self.vocab_size = ready.vocab_size
         self.is_embedding = ready.is_embedding
         self.hidden_size = ready.hidden_size
-        self._limits = PromptLimits(self.context_len, self.max_total_tokens, self.args.allow_auto_truncate)
+        self.requests = RequestBuilder(
+            self.vocab_size,
+            self.hidden_size,
+            self.is_embedding,
+            self.args.enable_custom_logit_processor,
+            PromptLimits(self.context_len, self.max_total_tokens, self.args.allow_auto_truncate),
+            self.sessions,
+            self.tokenize,
+        )
         logger.info(
             "scheduler ready: KV cache holds %d tokens, context length %d",
             ready.max_total_tokens,
@@ -138,12 +141,21 @@ class Engine(EngineControl):
             elif isinstance(msg, SchedulerFailed):
                 self._fail(f"the scheduler stopped with an error:\n{msg.error}")
                 return
+            if self.deadlines:
+                self._abort_late_requests()
             # Checked between messages too, so that a busy stream cannot hide a dead child.
             if time.monotonic() >= next_check and not self._closing:
                 next_check = time.monotonic() + poll_ms / 1000
                 if (dead := self.runtime.dead_child()) is not None:
                     self._fail(dead)
                     return
+
+    def _abort_late_requests(self) -> None:
+        timeout = self.args.request_timeout
+        for rid in self.deadlines.expired(time.monotonic()):
+            logger.warning("request %s did not finish within --request-timeout %g s: aborted", rid, timeout)
+            message = f"the request did not finish within {timeout:g} s (--request-timeout)"
+            self.abort(rid, exact=True, message=message, status_code=503)
 
     def _fail(self, error: str) -> None:
         logger.error("%s", error)
@@ -176,6 +188,7 @@ class Engine(EngineControl):
                 self.metrics.output(out.rid, len(out.new_token_ids), finish is not None, usage, aborted)
             if isinstance(out, TextOutput) and out.finished_reason is not None:
                 self.router.done(out.rid)
+                self.deadlines.done(out.rid)
             with self._lock:
                 self._queued.discard(out.rid)
                 deliver = self._pending.get(out.rid)
@@ -223,6 +236,7 @@ class Engine(EngineControl):
                     )
                 if self.metrics is not None:
                     self.metrics.submitted(msg.rid)
+                self.deadlines.start(msg.rid, time.monotonic())
             self._pending[msg.rid] = deliver
             if isinstance(msg, GenerateRequest):
                 replica = self.router.pick(msg)
@@ -237,6 +251,7 @@ class Engine(EngineControl):
             self._pending.pop(rid, None)
             self._queued.discard(rid)
         self.router.done(rid)
+        self.deadlines.done(rid)
 
     @property
     def num_queued(self) -> int:
@@ -247,9 +262,6 @@ class Engine(EngineControl):
         return len(self._pending)
 
     # ------------------------------------------------------------------ building requests
-
-    def new_rid(self) -> str:
-        return f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
 
     def tokenize(self, text: str) -> list[int]:
         ids: list[int] = self.tokenizer.encode(text)
@@ -265,133 +277,6 @@ class Engine(EngineControl):
         # The template already holds any BOS the model wants.
         ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False)
         return ids
-
-    def make_request(
-        self,
-        input_ids: list[int],
-        sampling_params: dict[str, Any] | None,
-        rid: str | None = None,
-        return_logprob: bool = False,
-        top_logprobs_num: int = 0,
-        logprob_start_len: int = -1,
-        token_ids_logprob: list[int] | None = None,
-        session_params: dict[str, Any] | None = None,
-        *,
-        embed: bool = False,
-        input_embeds: list[list[float]] | None = None,
-        return_hidden_states: bool = False,
-        custom_logit_processor: str | None = None,
-    ) -> GenerateRequest:
-        """Validates everything the scheduler would refuse, so that callers get the error up front.
-        With return_logprob and logprob_start_len >= 0, prompt logprobs come back too. embed: an
-        embedding request, which only an embedding model serves (and it serves nothing else).
-        input_embeds: the prompt as embedding vectors instead of ids (input_ids then empty)."""
-        if embed and not self.is_embedding:
-            raise InvalidRequestError(
-                "this model generates text and does not serve embeddings; start the server with an "
-                "embedding model (e.g. a BERT/sentence-transformers folder) or with --is-embedding"
-            )
-        if self.is_embedding and not embed:
-            raise InvalidRequestError(
-                "this server runs an embedding model; use /v1/embeddings or /encode (Engine.encode)"
-            )
-        if embed and (return_logprob or session_params is not None):
-            raise InvalidRequestError("embedding requests take no logprobs or sessions")
-        if custom_logit_processor is not None and not self.args.enable_custom_logit_processor:
-            raise InvalidRequestError(
-                "custom logit processors are disabled; start the server with --enable-custom-logit-processor"
-            )
-        if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
-            raise InvalidRequestError(
-                f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs_num!r}"
-            )
-        params = SamplingParams.from_dict(sampling_params)
-        params.check_vocab(self.vocab_size)
-        ids = list(input_ids)
-        session_id = session_parent = None
-        if session_params is not None:
-            wanted = SessionParams.from_dict(session_params)
-            ids, session_parent = self.sessions.prompt(wanted, ids)
-            session_id = wanted.id
-        if input_embeds is not None:
-            if ids or embed or session_id is not None or (return_logprob and logprob_start_len >= 0):
-                raise InvalidRequestError(
-                    "input_embeds replaces the prompt: it takes no input_ids, sessions or prompt logprobs"
-                )
-            check_input_embeds(input_embeds, self.hidden_size)
-            input_embeds = input_embeds[: self._limits.allowed_prompt_len(len(input_embeds), embed)]
-        else:
-            if not ids:
-                raise InvalidRequestError("the prompt is empty")
-            if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
-                raise InvalidRequestError(f"prompt token ids must be integers in [0, {self.vocab_size})")
-            ids = ids[: self._limits.allowed_prompt_len(len(ids), embed)]
-        if not isinstance(logprob_start_len, int) or not -1 <= logprob_start_len < max(len(ids), 1):
-            raise InvalidRequestError(
-                f"logprob_start_len must be -1 (no prompt logprobs) or in [0, {len(ids)}) for this "
-                f"{len(ids)}-token prompt, got {logprob_start_len!r}"
-            )
-        if token_ids_logprob is not None and (
-            not isinstance(token_ids_logprob, list)
-            or any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in token_ids_logprob)
-        ):
-            raise InvalidRequestError(
-                f"token_ids_logprob must be a list of token ids in [0, {self.vocab_size})"
-            )
-        return GenerateRequest(
-            rid or self.new_rid(),
-            ids,
-            params.to_dict(),
-            bool(return_logprob),
-            top_logprobs_num,
-            logprob_start_len if return_logprob else -1,
-            list(token_ids_logprob) if return_logprob and token_ids_logprob else None,
-            session_id,
-            session_parent,
-            input_embeds,
-            bool(return_hidden_states),
-            custom_logit_processor,
-        )
-
-    def _build_requests(
-        self,
-        prompt: Prompt,
-        input_ids: InputIds,
-        sampling_params: SamplingArg,
-        return_logprob: bool = False,
-        top_logprobs_num: int = 0,
-        logprob_start_len: int = -1,
-        token_ids_logprob: list[int] | None = None,
-        embed: bool = False,
-        input_embeds: InputEmbeds = None,
-        return_hidden_states: bool = False,
-        custom_logit_processor: str | None = None,
-    ) -> tuple[list[GenerateRequest], bool]:
-        batch = split_prompts(prompt, input_ids, input_embeds, self.tokenize)
-        batch_ids, batch_embeds, single = batch.ids, batch.embeds, batch.single
-        if isinstance(sampling_params, list):
-            if len(sampling_params) != len(batch_ids):
-                raise InvalidRequestError("sampling_params list must have one entry per prompt")
-            params = sampling_params
-        else:
-            params = [dict(sampling_params or {}) for _ in batch_ids]
-        reqs = [
-            self.make_request(
-                ids,
-                p,
-                None,
-                return_logprob,
-                top_logprobs_num,
-                logprob_start_len,
-                token_ids_logprob,
-                embed=embed,
-                input_embeds=vectors,
-                return_hidden_states=return_hidden_states,
-                custom_logit_processor=custom_logit_processor,
-            )
-            for ids, p, vectors in zip(batch_ids, params, batch_embeds, strict=True)
-        ]
-        return reqs, single
 
     # ------------------------------------------------------------------ generation
 
@@ -461,7 +346,7 @@ class Engine(EngineControl):
         meta_info["hidden_states"]. custom_logit_processor names a processor class the server can
         import ("module:Class"; needs enable_custom_logit_processor), with its arguments in
         sampling_params["custom_params"]."""
-        reqs, single = self._build_requests(
+        reqs, single = self.requests.build_batch(
             prompt,
             input_ids,
             sampling_params,
@@ -480,7 +365,7 @@ class Engine(EngineControl):
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """Embeddings, on an embedding model. One text gives {"embedding": [...], "meta_info": ...};
         a list gives a list, in order. The texts are batched like any other requests."""
-        reqs, single = self._build_requests(prompt, input_ids, None, embed=True)
+        reqs, single = self.requests.build_batch(prompt, input_ids, None, embed=True)
         return self._run_blocking(reqs, single)
 
     def _run_blocking(
@@ -522,7 +407,7 @@ class Engine(EngineControl):
         input_ids: list[int] | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
         """Yields the result so far after every output, with the new text under "delta"."""
-        reqs, _ = self._build_requests(prompt, input_ids, sampling_params)
+        reqs, _ = self.requests.build_batch(prompt, input_ids, sampling_params)
         async for state in self.stream(reqs[0]):
             yield {**state.to_dict(), "delta": state.delta}
 
@@ -543,8 +428,18 @@ class Engine(EngineControl):
                 req.session_id, req.rid, req.session_parent, req.input_ids + state.output_ids
             )
 
-    def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
-        self._send(AbortRequest(rid=rid, abort_all=abort_all))
+    def abort(
+        self,
+        rid: str | None = None,
+        abort_all: bool = False,
+        *,
+        exact: bool = False,
+        message: str = "aborted by request",
+        status_code: int | None = None,
+    ) -> None:
+        """Ends the requests whose rid starts with rid (only rid itself when exact), or all of them,
+        with finish reason "abort" and this message; a status_code makes the answer that HTTP error."""
+        self._send(AbortRequest(rid, abort_all, exact, message, status_code))
 
     def control(
         self, command: str, timeout: float = 60.0, args: dict[str, Any] | None = None

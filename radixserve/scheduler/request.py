@@ -168,6 +168,6 @@ class Req:
         tail = decode(self.output_ids[-tail_tokens:])
         return next((s for s in stops if s in tail), None)
 
-    def abort(self, message: str) -> None:
+    def abort(self, message: str, status_code: int | None = None) -> None:
         if self.finished_reason is None:
-            self.finished_reason = FinishReason("abort", message=message)
+            self.finished_reason = FinishReason("abort", message=message, status_code=status_code)

@@ -199,7 +199,7 @@ class Scheduler:
         if isinstance(msg, GenerateRequest):
             return list(self.add_request(msg))
         if isinstance(msg, AbortRequest):
-            return list(self.abort(msg.rid, abort_all=msg.abort_all))
+            return list(self.abort(msg.rid, msg.abort_all, msg.exact, msg.message, msg.status_code))
         if isinstance(msg, ControlRequest):
             return handle_control(self, msg)
         raise TypeError(f"unexpected scheduler message {type(msg).__name__}")
@@ -302,21 +302,30 @@ class Scheduler:
         """After a weight change: requests in flight hold KV of the old weights, and so does the cache."""
         outputs: list[SchedulerOutput] = []
         for req in list(self.reqs.values()):
-            outputs += self.abort(req.rid)
+            outputs += self.abort(req.rid, exact=True)
         self.flush_cache()
         return outputs
 
-    def abort(self, rid: str | None, abort_all: bool = False) -> list[ReqOutput]:
+    def abort(
+        self,
+        rid: str | None,
+        abort_all: bool = False,
+        exact: bool = False,
+        message: str = "aborted by request",
+        status_code: int | None = None,
+    ) -> list[ReqOutput]:
         """Aborts every request whose rid starts with `rid` (as SGLang does: the choices of one
-        n > 1 request share their caller's prefix), or all of them."""
+        n > 1 request share their caller's prefix), only `rid` itself when exact, or all of them."""
         if abort_all:
             targets = list(self.reqs.values())
+        elif exact:
+            targets = [self.reqs[rid]] if rid in self.reqs else []
         else:
             targets = [r for r in self.reqs.values() if rid and r.rid.startswith(rid)]
         outputs = []
         queues = self.queues
         for req in targets:
-            req.abort("aborted by request")
+            req.abort(message, status_code)
             self.stats.aborted_reqs += 1
             if req in queues.waiting:
                 queues.waiting.remove(req)

@@ -12,11 +12,12 @@ from pydantic import BaseModel, ConfigDict
 
 from radixserve.runtime.engine import Engine
 from radixserve.server.errors import ApiError
+from radixserve.server.json_values import ParsedJsonRoute
 from radixserve.server.limits import check_batch, check_token_ids
 from radixserve.server.openai_api import check_model, engine_of
 from radixserve.server.streams import collect
 
-router = APIRouter()
+router = APIRouter(route_class=ParsedJsonRoute)
 
 
 class EmbeddingRequest(BaseModel):
@@ -64,7 +65,7 @@ async def _embed(
     engine: Engine, prompts: list[list[int]], request: Request, rids: list[str | None]
 ) -> list[dict[str, Any]]:
     pairs = zip(prompts, rids, strict=True)
-    reqs = [engine.make_request(ids, None, rid, embed=True) for ids, rid in pairs]
+    reqs = [engine.requests.build(ids, None, rid, embed=True) for ids, rid in pairs]
     return [state.to_dict() for state in await collect(engine, reqs, request)]
 
 

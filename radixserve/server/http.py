@@ -29,7 +29,7 @@ from radixserve.protocol.sampling_params import InvalidRequestError
 from radixserve.runtime.engine import Engine, EngineDeadError, GenerateOutput, QueueFullError
 from radixserve.server.embeddings_api import router as embeddings_router
 from radixserve.server.errors import ApiError, error_body, error_response
-from radixserve.server.json_values import BadJsonValue, check_body
+from radixserve.server.json_values import BadJsonValue, ParsedJsonRoute, check_body
 from radixserve.server.limits import check_batch, check_sampling_params, check_token_ids
 from radixserve.server.openai_api import SSE_DONE, SSE_MEDIA_TYPE, engine_of, router, sse, stream_error
 from radixserve.server.streams import ClientDisconnected, collect, merged_stream
@@ -87,7 +87,7 @@ class GuardMiddleware:
                 return
             more = message.get("more_body", False)
         try:
-            check_body(bytes(body))
+            check_body(bytes(body), scope)
         except BadJsonValue as bad:
             await error_response(400, str(bad), param=bad.path or None)(scope, receive, send)
             return
@@ -173,6 +173,7 @@ class GenerateBody(BaseModel):
 
 def create_app(engine: Engine) -> FastAPI:
     app = FastAPI(title="radixserve", version=radixserve.__version__)
+    app.router.route_class = ParsedJsonRoute  # the body as the edge parsed it (json_values.py)
     app.state.engine = engine
     app.state.started = time.time()
     app.add_middleware(
@@ -209,7 +210,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(InvalidRequestError)
     async def invalid_request(_: Request, exc: InvalidRequestError) -> JSONResponse:
-        return error_response(400, str(exc))
+        return error_response(400, str(exc), exc.param)
 
     @app.exception_handler(QueueFullError)
     async def queue_full(_: Request, exc: QueueFullError) -> JSONResponse:
@@ -256,7 +257,7 @@ def _add_native_routes(app: FastAPI) -> None:
         if engine.num_in_flight > 0 and time.monotonic() - engine.last_output_time < RECENT_OUTPUT_S:
             return Response(status_code=200)
         # One token (or, on an embedding model, one embedding) through the whole path.
-        req = engine.make_request([0], {"max_new_tokens": 1, "temperature": 0.0}, embed=engine.is_embedding)
+        req = engine.requests.build([0], {"max_new_tokens": 1, "temperature": 0.0}, embed=engine.is_embedding)
         try:
             await asyncio.wait_for(_last(engine.stream(req)), HEALTH_GENERATE_TIMEOUT_S)
         except asyncio.TimeoutError:
@@ -463,7 +464,7 @@ def _native_requests(engine: Engine, batch: PromptBatch, body: GenerateBody) -> 
     if body.session_params is not None and count != 1:
         raise ApiError(400, "session_params takes a single prompt", param="session_params")
     return [
-        engine.make_request(
+        engine.requests.build(
             p,
             sp,
             r,

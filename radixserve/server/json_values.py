@@ -3,13 +3,20 @@
 Python's json module accepts strings with lone surrogates ("\\ud800": not Unicode, so no tokenizer
 takes them), integers of any size (msgpack, the IPC format, holds 64 bits) and NaN / Infinity (not
 JSON at all, but accepted). Each is answered with a 400 that names the field, before any route runs.
+
+The body is parsed once: the edge keeps what it parsed in the request's scope, and the routes
+(ParsedJsonRoute) read it from there instead of parsing the bytes again.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable, Coroutine, MutableMapping
 from typing import Any
+
+from fastapi import Request, Response
+from fastapi.routing import APIRoute
 
 # Integers must fit the 64-bit signed range of the IPC format (token ids are checked further,
 # against the vocabulary, by the scheduler).
@@ -22,9 +29,14 @@ class BadJsonValue(ValueError):
         self.path = path
 
 
-def check_body(body: bytes) -> None:
-    """Raises BadJsonValue for the first value nothing downstream can hold. A body that is not JSON
-    at all is left to the route, which answers it."""
+# Where the edge leaves the parsed body in the ASGI scope.
+PARSED_JSON = "radixserve.parsed_json"
+
+
+def check_body(body: bytes, scope: MutableMapping[str, Any]) -> None:
+    """Raises BadJsonValue for the first value nothing downstream can hold; else keeps the parsed
+    value in the scope for the route. A body that is not JSON at all is left to the route, which
+    answers it."""
     try:
         value = json.loads(body)
     except RecursionError:
@@ -32,6 +44,26 @@ def check_body(body: bytes) -> None:
     except ValueError:
         return
     check_value(value)
+    scope[PARSED_JSON] = value
+
+
+class ParsedJsonRequest(Request):
+    async def json(self) -> Any:
+        if PARSED_JSON in self.scope:
+            return self.scope[PARSED_JSON]
+        return await super().json()
+
+
+class ParsedJsonRoute(APIRoute):
+    """A route whose request body, as JSON, is the one the edge already parsed."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            return await handler(ParsedJsonRequest(request.scope, request.receive))
+
+        return route
 
 
 def check_value(value: Any) -> None:

@@ -17,10 +17,11 @@ from radixserve.protocol.messages import FinishReason, TokenLogprobs
 from radixserve.protocol.sampling_params import InvalidRequestError, choice_params
 from radixserve.runtime.engine import Engine, EngineDeadError, GenerateOutput, QueueFullError
 from radixserve.server.errors import ApiError, sse_error
+from radixserve.server.json_values import ParsedJsonRoute
 from radixserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from radixserve.server.streams import collect, merged_stream, shared_prompt_leaders
 
-router = APIRouter()
+router = APIRouter(route_class=ParsedJsonRoute)
 
 SSE_DONE = "data: [DONE]\n\n"
 SSE_MEDIA_TYPE = "text/event-stream"
@@ -161,7 +162,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     prompts = [engine.tokenize(p) if isinstance(p, str) else p for p in body.prompts()]
     # Choice i*n + j is the j-th sample of prompt i, as OpenAI numbers them.
     reqs = [
-        engine.make_request(ids, choice_params(params, j), None, return_logprob, top, start)
+        engine.requests.build(ids, choice_params(params, j), None, return_logprob, top, start)
         for ids in prompts
         for j in range(body.n)
     ]
@@ -279,7 +280,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     # Without max_tokens a chat may use the rest of the context; the scheduler clips to it.
     params = body.sampling_params(body.requested_max_tokens, default_max_tokens=engine.context_len)
     reqs = [
-        engine.make_request(
+        engine.requests.build(
             prompt, choice_params(params, j), return_logprob=return_logprob, top_logprobs_num=top
         )
         for j in range(body.n)

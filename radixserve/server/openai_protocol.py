@@ -14,7 +14,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from radixserve.protocol.sampling_params import ANY_JSON
 from radixserve.server.errors import ApiError
-from radixserve.server.limits import MAX_TOP_LOGPROBS, check_batch, check_sampling_params, check_token_ids
+from radixserve.server.limits import (
+    MAX_BATCH,
+    MAX_TOP_LOGPROBS,
+    check_batch,
+    check_sampling_params,
+    check_token_ids,
+)
 
 # Native sampling names as the OpenAI body spells them, for the `param` of an error.
 _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
@@ -149,6 +155,14 @@ class CompletionRequest(_SamplingFields):
             check_token_ids(prompt, "prompt")
             return [list(prompt)]  # type: ignore[arg-type]
         check_batch(len(prompt), "prompt")
+        if len(prompt) * self.n > MAX_BATCH:
+            # Each prompt runs n times: the requests of one call are bounded as its prompts are.
+            raise ApiError(
+                400,
+                f"{len(prompt)} prompts x n={self.n} make {len(prompt) * self.n} choices; "
+                f"at most {MAX_BATCH} per request",
+                param="n",
+            )
         for index, item in enumerate(prompt):
             if isinstance(item, list):
                 check_token_ids(item, f"prompt[{index}]")

@@ -1,15 +1,20 @@
 """`radixserve serve`: the engine's processes behind uvicorn, supervised.
 
-Ctrl-C and SIGTERM go to uvicorn, which stops accepting, gives open requests a few seconds, and
-returns; then the engine stops its children. If a child dies, the server cannot answer anything
-anymore: it prints why and exits non-zero at once rather than hang with open connections.
+Ctrl-C and SIGTERM go to uvicorn, which closes the listening socket at once (new connections are
+refused) and lets the requests in flight finish. After --graceful-shutdown-timeout those still
+running are aborted: each ends with finish reason "abort" and a message saying why, its answer is
+sent, and uvicorn returns; then the engine stops its children. A second Ctrl-C quits at once. If a
+child dies, the server cannot answer anything anymore: it prints why and exits non-zero at once
+rather than hang with open connections.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
+import socket
 import sys
 from types import FrameType
 
@@ -22,8 +27,42 @@ from radixserve.server.http import create_app
 
 logger = logging.getLogger("radixserve")
 
-# How long open connections may take to finish after Ctrl-C / SIGTERM.
-GRACEFUL_SHUTDOWN_S = 5
+# After the requests in flight are aborted, how long their answers may take to reach the clients.
+ABORTED_ANSWERS_S = 5.0
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, which on shutdown aborts the requests still running once the grace period
+    has passed, so that every client gets an answer with a finish reason instead of a cut stream."""
+
+    def __init__(self, config: uvicorn.Config, engine: Engine, grace_s: float):
+        super().__init__(config)
+        self.engine = engine
+        self.grace_s = grace_s
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.engine.num_in_flight:
+            logger.info(
+                "draining %d requests in flight for up to %g s (--graceful-shutdown-timeout)",
+                self.engine.num_in_flight,
+                self.grace_s,
+            )
+        timer = asyncio.get_running_loop().call_later(self.grace_s, self._abort_in_flight)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+
+    def _abort_in_flight(self) -> None:
+        if not self.engine.num_in_flight:
+            return
+        logger.warning(
+            "aborting %d requests still running after --graceful-shutdown-timeout %g s",
+            self.engine.num_in_flight,
+            self.grace_s,
+        )
+        message = f"the server is shutting down (--graceful-shutdown-timeout {self.grace_s:g} s passed)"
+        self.engine.abort(abort_all=True, message=message)
 
 
 def serve(args: ServerArgs) -> int:
@@ -59,10 +98,11 @@ def serve(args: ServerArgs) -> int:
         host=args.host,
         port=args.port,
         log_level=args.log_level.lower(),
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        # uvicorn's own limit, after which it cancels what still runs: ours comes first.
+        timeout_graceful_shutdown=int(args.graceful_shutdown_timeout + ABORTED_ANSWERS_S + 1),
         access_log=args.log_level.lower() == "debug",
     )
-    server = uvicorn.Server(config)
+    server = DrainingServer(config, engine, args.graceful_shutdown_timeout)
     try:
         server.run()
     finally:

@@ -40,7 +40,7 @@ def test_abort_all_reaches_every_replica(
     boxes: list[queue.Queue[Any]] = []
     for prompt in random_prompts(8, seed=12):
         box: queue.Queue[TextOutput | ControlResult] = queue.Queue()
-        engine.submit(engine.make_request(prompt, {"max_new_tokens": 2000, "ignore_eos": True}), box.put)
+        engine.submit(engine.requests.build(prompt, {"max_new_tokens": 2000, "ignore_eos": True}), box.put)
         boxes.append(box)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:

@@ -75,7 +75,7 @@ def test_overlap_streams_every_token_and_aborts_cleanly(
     boxes: list[queue.Queue[Any]] = []
     for prompt in random_prompts(4, seed=34):
         box: queue.Queue[TextOutput | ControlResult] = queue.Queue()
-        engine.submit(engine.make_request(prompt, {"max_new_tokens": 2000, "ignore_eos": True}), box.put)
+        engine.submit(engine.requests.build(prompt, {"max_new_tokens": 2000, "ignore_eos": True}), box.put)
         boxes.append(box)
     # Every box streams: wait for a few tokens each, then abort everything mid-flight.
     for box in boxes:

@@ -21,7 +21,7 @@ def engine(tiny_model_dir: Callable[[str], Path], make_engine: Callable[..., Any
 
 
 def turn(engine: Any, ids: list[int], session: dict[str, Any] | None = None, **kw: Any) -> dict[str, Any]:
-    req = engine.make_request(ids, PARAMS, return_logprob=True, session_params=session, **kw)
+    req = engine.requests.build(ids, PARAMS, return_logprob=True, session_params=session, **kw)
     box: list[dict[str, Any]] = []
 
     async def run() -> None:

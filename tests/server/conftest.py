@@ -173,6 +173,14 @@ def server(
     finish(live)
 
 
+@pytest.fixture(scope="module")
+def embed_server(minilm_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """A server of the packaged all-MiniLM-L6-v2 embedding model, shared by a test module."""
+    live = launch(minilm_path, tmp_path_factory.mktemp("embed-server"))
+    yield live
+    finish(live)
+
+
 @pytest.fixture
 def start_server(tmp_path: Path) -> Iterator[Callable[..., LiveServer]]:
     """Servers with their own flags, for one test."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 import httpx
@@ -116,3 +117,42 @@ def test_clients_that_disconnect_abort_their_requests(server: LiveServer) -> Non
     with server.client() as client:
         ok = client.post("/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 3}})
         assert ok.status_code == 200 and len(ok.json()["output_ids"]) == 3
+
+
+def test_health_answers_while_every_stream_waits_on_a_long_step(server: LiveServer) -> None:
+    """/health never waits on the scheduler: with 32 streams running and every forward step taking
+    3 s (the /slow_down hook), 16 probes sent just after a step's outputs all come back before the
+    next step's outputs. A probe queued behind the scheduler would come back after them."""
+    step_s = 3.0
+    arrivals: list[float] = []
+
+    async def stream_one(client: httpx.AsyncClient, i: int) -> None:
+        body = {"input_ids": [40 + i, 41], "stream": True, "sampling_params": {**LONG, "max_new_tokens": 4}}
+        async with client.stream("POST", "/generate", json=body) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    arrivals.append(time.monotonic())
+
+    async def run() -> tuple[float, float, list[int]]:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=300) as client:
+            streams = [asyncio.create_task(stream_one(client, i)) for i in range(32)]
+            while not arrivals:
+                await asyncio.sleep(0.01)
+            # Let the rest of this step's outputs arrive; the next ones are >= step_s away.
+            await asyncio.sleep(0.3)
+            sent = time.monotonic()
+            probes = await asyncio.gather(*(client.get("/health") for _ in range(16)))
+            answered = time.monotonic()
+            await asyncio.gather(*streams)
+            return sent, answered, [p.status_code for p in probes]
+
+    with server.client() as client:
+        assert client.post("/slow_down", json={"forward_sleep_time": step_s}).status_code == 200
+    try:
+        sent, answered, codes = asyncio.run(run())
+    finally:
+        with server.client() as client:
+            assert client.post("/slow_down", json={"forward_sleep_time": None}).status_code == 200
+    assert codes == [200] * 16
+    assert not [t for t in arrivals if sent <= t <= answered], "a step's outputs came before the probes"
+    server.assert_idle_and_kv_intact()

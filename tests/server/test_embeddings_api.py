@@ -3,7 +3,7 @@ on the packaged all-MiniLM-L6-v2; and the clear refusals on both kinds of server
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import openai
@@ -12,16 +12,9 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModel, AutoTokenizer
 
-from tests.server.conftest import LiveServer, finish, launch
+from tests.server.conftest import LiveServer
 
 TEXTS = ["The cat sat on the mat.", "Radix trees share prefixes between requests.", "ok"]
-
-
-@pytest.fixture(scope="module")
-def embed_server(minilm_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    live = launch(minilm_path, tmp_path_factory.mktemp("embed-server"))
-    yield live
-    finish(live)
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,7 @@ BAD_REQUESTS: list[tuple[str, dict[str, Any], int, str]] = [
     ("/v1/completions", {"top_p": 0.0}, 400, "top_p must be in (0, 1]"),
     ("/v1/completions", {"top_p": 1.5}, 400, "top_p must be in (0, 1]"),
     ("/v1/completions", {"n": 0}, 400, "n must be >= 1"),
+    ("/v1/completions", {"prompt": ["a"] * 9, "n": 128}, 400, "9 prompts x n=128 make 1152 choices"),
     ("/v1/completions", {"prompt": [5] * 2000}, 400, "2000 tokens, but the model's context length is 1024"),
     ("/v1/completions", {"prompt": []}, 400, "prompt must not be empty"),
     ("/v1/completions", {"model": "gpt-17"}, 404, "The model 'gpt-17' does not exist"),
@@ -85,6 +86,29 @@ def test_bad_input_gets_a_clear_error(
         # Still serving, and nothing leaked.
         ok = client.post("/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}})
         assert ok.status_code == 200
+
+
+# The field an error names, as the client spelled it: OpenAI's names on its routes, the native ones
+# (under sampling_params) on /generate; SamplingParams' single check names the native field.
+NAMED_FIELDS: list[tuple[str, dict[str, Any], str]] = [
+    ("/v1/completions", {**COMPLETION, "max_tokens": -1}, "max_tokens"),
+    ("/v1/completions", {**COMPLETION, "stop": ["s"] * 17}, "stop"),
+    ("/v1/completions", {**COMPLETION, "min_tokens": 9}, "min_tokens"),
+    ("/v1/completions", {**COMPLETION, "logit_bias": {"99999": 5}}, "logit_bias"),
+    ("/generate", {"text": "hi", "sampling_params": {"top_k": 1.5}}, "sampling_params.top_k"),
+    ("/generate", {"text": ["a", "b"], "sampling_params": [{}, {"seed": "x"}]}, "sampling_params[1].seed"),
+    ("/generate", {"text": "hi", "sampling_params": {"bogus": 1}}, "sampling_params.bogus"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), NAMED_FIELDS)
+def test_errors_name_the_field_as_the_client_sent_it(
+    small_body_server: LiveServer, path: str, body: dict[str, Any], param: str
+) -> None:
+    with small_body_server.client() as client:
+        response = client.post(path, json={k: v for k, v in body.items() if v is not None})
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == param, response.text
 
 
 def test_invalid_json_and_oversized_bodies(small_body_server: LiveServer) -> None:

@@ -8,6 +8,8 @@ never a dropped keep-alive connection; afterwards the server is idle and its KV 
   body (SKIPPED_ROUTES).
 - test_arbitrary_json_objects_never_5xx: the generation routes with arbitrary JSON objects (hypothesis'
   recursive JSON, the routes' real field names mixed in), posted as raw bodies.
+- test_embedding_routes_never_5xx: the same for /v1/embeddings and /encode, and schemathesis on both,
+  against an embedding model (the packaged all-MiniLM-L6-v2), where they do more than refuse.
 
 Examples are bounded and derandomized, so the run is short and the same every time.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -64,29 +67,35 @@ def _session() -> requests.Session:
     return session
 
 
-def test_openapi_routes_never_5xx(server: LiveServer) -> None:
-    schema = schemathesis.openapi.from_url(f"{server.base_url}/openapi.json")
+def fuzz_schema(live: LiveServer, wanted: Callable[[str], bool]) -> set[str]:
+    """schemathesis on every route of the live server's own schema that `wanted` keeps, positive and
+    negative cases; returns the paths it fuzzed."""
+    schema = schemathesis.openapi.from_url(f"{live.base_url}/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
-    paths = {op.path for op in operations}
-    assert {"/generate", "/v1/completions", "/v1/chat/completions", "/v1/embeddings"} <= paths
     session = _session()
     modes = [schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE]
-    tested = 0
+    tested = set()
     for operation in operations:
-        if operation.path in SKIPPED_ROUTES:
+        if not wanted(operation.path):
             continue
         strategy = st.one_of(*(operation.as_strategy(generation_mode=mode) for mode in modes))
 
         @settings(FUZZ_SETTINGS, max_examples=EXAMPLES_PER_ROUTE)
         @given(case=strategy)
         def fuzz(case: Any) -> None:
-            response = case.call(base_url=server.base_url, session=session, timeout=120)
+            response = case.call(base_url=live.base_url, session=session, timeout=120)
             body = case.body if not isinstance(case.body, schemathesis.core.NotSet) else None
             assert_answered(response, f"{case.method} {case.formatted_path} {body!r:.1500}")
 
         fuzz()
-        tested += 1
-    assert tested >= 20
+        tested.add(operation.path)
+    return tested
+
+
+def test_openapi_routes_never_5xx(server: LiveServer) -> None:
+    tested = fuzz_schema(server, lambda path: path not in SKIPPED_ROUTES)
+    assert {"/generate", "/v1/completions", "/v1/chat/completions", "/v1/embeddings"} <= tested
+    assert len(tested) >= 20
     server.assert_idle_and_kv_intact()
 
 
@@ -110,6 +119,7 @@ FIELDS = {
     ],
     "/v1/embeddings": ["input", "model", "encoding_format", "dimensions", "user"],
 }  # fmt: skip
+EMBEDDING_FIELDS = {"/v1/embeddings": FIELDS["/v1/embeddings"], "/encode": ["text", "input_ids", "rid"]}
 SAMPLING_KEYS = [
     "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
     "min_new_tokens", "ignore_eos", "frequency_penalty", "presence_penalty", "repetition_penalty",
@@ -168,7 +178,7 @@ PROMPT = st.text(max_size=20) | TOKEN_IDS | st.lists(st.text(max_size=8) | TOKEN
 
 
 def _body(path: str) -> st.SearchStrategy[dict[str, Any]]:
-    named = st.dictionaries(st.sampled_from(FIELDS[path]), VALUES, max_size=5)
+    named = st.dictionaries(st.sampled_from({**FIELDS, **EMBEDDING_FIELDS}[path]), VALUES, max_size=5)
     required = {
         "/generate": st.one_of(
             st.fixed_dictionaries({"text": st.text(max_size=20) | st.lists(st.text(max_size=8), max_size=3)}),
@@ -178,6 +188,8 @@ def _body(path: str) -> st.SearchStrategy[dict[str, Any]]:
         "/v1/completions": st.fixed_dictionaries({"prompt": PROMPT}),
         "/v1/chat/completions": st.fixed_dictionaries({"messages": MESSAGES}),
         "/v1/embeddings": st.fixed_dictionaries({"input": PROMPT}),
+        "/encode": st.fixed_dictionaries({"text": st.text(max_size=20) | st.lists(st.text(max_size=8))})
+        | st.fixed_dictionaries({"input_ids": TOKEN_IDS | st.lists(TOKEN_IDS, max_size=3)}),
     }[path]
     if path == "/generate":
         # sampling_params as an object of the native names, more often than VALUES would make one.
@@ -190,12 +202,15 @@ def _body(path: str) -> st.SearchStrategy[dict[str, Any]]:
     extra = st.dictionaries(st.text(max_size=8), JSON, max_size=1) | st.just({})
     # Bounded output, so each example is quick; the fuzzed fields may still override it.
     quick = {"/generate": {"sampling_params": {"max_new_tokens": 4}}}.get(path, {"max_tokens": 4})
+    if path in EMBEDDING_FIELDS:
+        quick = {}
     return st.tuples(required, named, extra).map(lambda parts: {**quick, **parts[2], **parts[0], **parts[1]})
 
 
-@pytest.mark.parametrize("path", list(FIELDS))
-def test_arbitrary_json_objects_never_5xx(server: LiveServer, path: str) -> None:
-    with server.client() as client:
+def fuzz_raw_bodies(live: LiveServer, path: str, probe: tuple[str, dict[str, Any]]) -> None:
+    """Arbitrary JSON objects posted to `path` over one keep-alive connection, which then still
+    answers `probe` (a path and a body) with a 200."""
+    with live.client() as client:
 
         @settings(FUZZ_SETTINGS, max_examples=RAW_EXAMPLES_PER_ROUTE)
         @given(body=_body(path))
@@ -209,10 +224,26 @@ def test_arbitrary_json_objects_never_5xx(server: LiveServer, path: str) -> None
             assert_answered(response, f"POST {path} {payload[:1500]}")
 
         fuzz()
-        # The same keep-alive connection goes on serving.
-        ok = client.post("/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}})
+        ok = client.post(probe[0], json=probe[1])
         assert ok.status_code == 200, ok.text
-    server.assert_idle_and_kv_intact()
+    live.assert_idle_and_kv_intact()
+
+
+@pytest.mark.parametrize("path", list(FIELDS))
+def test_arbitrary_json_objects_never_5xx(server: LiveServer, path: str) -> None:
+    fuzz_raw_bodies(
+        server, path, ("/generate", {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}})
+    )
+
+
+@pytest.mark.parametrize("path", list(EMBEDDING_FIELDS))
+def test_embedding_routes_never_5xx(embed_server: LiveServer, path: str) -> None:
+    fuzz_raw_bodies(embed_server, path, ("/encode", {"text": "still serving"}))
+
+
+def test_embedding_openapi_routes_never_5xx(embed_server: LiveServer) -> None:
+    assert fuzz_schema(embed_server, lambda path: path in EMBEDDING_FIELDS) == set(EMBEDDING_FIELDS)
+    embed_server.assert_idle_and_kv_intact()
 
 
 # What fuzzing found (each was a 500, a dropped connection or a dead scheduler), and neighbours:

@@ -1,0 +1,174 @@
+"""Turning a caller's prompt and options into GenerateRequests for the scheduler.
+
+Everything the scheduler would refuse is refused here first, with an InvalidRequestError naming
+the problem, so that a caller hears of it before anything is queued.
+"""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixserve.protocol.messages import GenerateRequest
+from radixserve.protocol.prompts import (
+    InputEmbeds,
+    InputIds,
+    Prompt,
+    PromptLimits,
+    check_input_embeds,
+    split_prompts,
+)
+from radixserve.protocol.sampling_params import InvalidRequestError, SamplingParams
+from radixserve.runtime.sessions import SessionParams, SessionStore
+
+SamplingArg = dict[str, Any] | list[dict[str, Any]] | None
+
+# Top alternatives per token a request may ask for (vLLM's and SGLang's usual bound).
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass
+class RequestBuilder:
+    """The engine's model as requests see it: vocabulary, hidden size, kind, prompt limits."""
+
+    vocab_size: int
+    hidden_size: int
+    is_embedding: bool
+    allow_custom_logit_processor: bool
+    limits: PromptLimits
+    sessions: SessionStore
+    tokenize: Callable[[str], list[int]]
+    _ids: itertools.count[int] = field(default_factory=itertools.count)
+
+    def new_rid(self) -> str:
+        return f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+
+    def build(
+        self,
+        input_ids: list[int],
+        sampling_params: dict[str, Any] | None,
+        rid: str | None = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        logprob_start_len: int = -1,
+        token_ids_logprob: list[int] | None = None,
+        session_params: dict[str, Any] | None = None,
+        *,
+        embed: bool = False,
+        input_embeds: list[list[float]] | None = None,
+        return_hidden_states: bool = False,
+        custom_logit_processor: str | None = None,
+    ) -> GenerateRequest:
+        """Validates everything the scheduler would refuse, so that callers get the error up front.
+        With return_logprob and logprob_start_len >= 0, prompt logprobs come back too. embed: an
+        embedding request, which only an embedding model serves (and it serves nothing else).
+        input_embeds: the prompt as embedding vectors instead of ids (input_ids then empty)."""
+        if embed and not self.is_embedding:
+            raise InvalidRequestError(
+                "this model generates text and does not serve embeddings; start the server with an "
+                "embedding model (e.g. a BERT/sentence-transformers folder) or with --is-embedding"
+            )
+        if self.is_embedding and not embed:
+            raise InvalidRequestError(
+                "this server runs an embedding model; use /v1/embeddings or /encode (Engine.encode)"
+            )
+        if embed and (return_logprob or session_params is not None):
+            raise InvalidRequestError("embedding requests take no logprobs or sessions")
+        if custom_logit_processor is not None and not self.allow_custom_logit_processor:
+            raise InvalidRequestError(
+                "custom logit processors are disabled; start the server with --enable-custom-logit-processor"
+            )
+        if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError(
+                f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs_num!r}"
+            )
+        params = SamplingParams.from_dict(sampling_params)
+        params.check_vocab(self.vocab_size)
+        ids = list(input_ids)
+        session_id = session_parent = None
+        if session_params is not None:
+            wanted = SessionParams.from_dict(session_params)
+            ids, session_parent = self.sessions.prompt(wanted, ids)
+            session_id = wanted.id
+        if input_embeds is not None:
+            if ids or embed or session_id is not None or (return_logprob and logprob_start_len >= 0):
+                raise InvalidRequestError(
+                    "input_embeds replaces the prompt: it takes no input_ids, sessions or prompt logprobs"
+                )
+            check_input_embeds(input_embeds, self.hidden_size)
+            input_embeds = input_embeds[: self.limits.allowed_prompt_len(len(input_embeds), embed)]
+        else:
+            if not ids:
+                raise InvalidRequestError("the prompt is empty")
+            if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
+                raise InvalidRequestError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+            ids = ids[: self.limits.allowed_prompt_len(len(ids), embed)]
+        if not isinstance(logprob_start_len, int) or not -1 <= logprob_start_len < max(len(ids), 1):
+            raise InvalidRequestError(
+                f"logprob_start_len must be -1 (no prompt logprobs) or in [0, {len(ids)}) for this "
+                f"{len(ids)}-token prompt, got {logprob_start_len!r}"
+            )
+        if token_ids_logprob is not None and (
+            not isinstance(token_ids_logprob, list)
+            or any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in token_ids_logprob)
+        ):
+            raise InvalidRequestError(
+                f"token_ids_logprob must be a list of token ids in [0, {self.vocab_size})"
+            )
+        return GenerateRequest(
+            rid or self.new_rid(),
+            ids,
+            params.to_dict(),
+            bool(return_logprob),
+            top_logprobs_num,
+            logprob_start_len if return_logprob else -1,
+            list(token_ids_logprob) if return_logprob and token_ids_logprob else None,
+            session_id,
+            session_parent,
+            input_embeds,
+            bool(return_hidden_states),
+            custom_logit_processor,
+        )
+
+    def build_batch(
+        self,
+        prompt: Prompt,
+        input_ids: InputIds,
+        sampling_params: SamplingArg,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        logprob_start_len: int = -1,
+        token_ids_logprob: list[int] | None = None,
+        embed: bool = False,
+        input_embeds: InputEmbeds = None,
+        return_hidden_states: bool = False,
+        custom_logit_processor: str | None = None,
+    ) -> tuple[list[GenerateRequest], bool]:
+        batch = split_prompts(prompt, input_ids, input_embeds, self.tokenize)
+        batch_ids, batch_embeds, single = batch.ids, batch.embeds, batch.single
+        if isinstance(sampling_params, list):
+            if len(sampling_params) != len(batch_ids):
+                raise InvalidRequestError("sampling_params list must have one entry per prompt")
+            params = sampling_params
+        else:
+            params = [dict(sampling_params or {}) for _ in batch_ids]
+        reqs = [
+            self.build(
+                ids,
+                p,
+                None,
+                return_logprob,
+                top_logprobs_num,
+                logprob_start_len,
+                token_ids_logprob,
+                embed=embed,
+                input_embeds=vectors,
+                return_hidden_states=return_hidden_states,
+                custom_logit_processor=custom_logit_processor,
+            )
+            for ids, p, vectors in zip(batch_ids, params, batch_embeds, strict=True)
+        ]
+        return reqs, single

@@ -44,6 +44,10 @@ class AttentionSpec:
     kernels: CpuKernels | None
     # Decode staging budget in K/V tokens (attention/staging.py), for backends that gather K/V.
     decode_staging_tokens: int
+    # --enable-deterministic-inference: every query's attention is computed in an order fixed by
+    # its own context alone (no cascade over a prefix shared with other requests, no splits sized
+    # from the batch, extend and decode through one kernel). Backends that cannot refuse it.
+    batch_invariant: bool = False
 
 
 @dataclass

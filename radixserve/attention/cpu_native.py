@@ -28,11 +28,28 @@ from radixserve.attention.base import (
 from radixserve.attention.common import decode_shared_prefix, stack_by_kv_head
 from radixserve.attention.extend import CpuAttentionOps, extend_attention
 from radixserve.attention.staging import PrefixStaging, StagedPrefix
-from radixserve.forward.batch import DecodeLayout, ForwardMode
+from radixserve.forward.batch import DecodeLayout, ExtendSegment, ForwardMode
 from radixserve.kernels.cpu_ops import SharedPrefixResult
 
 # The AMX attention kernel is compiled for head dims that are multiples of 32, up to this.
 AMX_MAX_HEAD_DIM = 256
+# Batch-invariant mode: contexts are cut into pieces of this many positions from position 0
+# (set_decode_fixed_pieces, kernels/csrc/cpu_kernels.cpp): small enough that one long request still
+# spreads over the cores, large enough that merging its pieces costs little.
+INVARIANT_PIECE_TOKENS = 128
+# Batch-invariant extend hands its queries to the decode kernel in calls of at most this many rows
+# (the kernel's scratch grows with the rows of a call).
+INVARIANT_EXTEND_ROWS = 1024
+
+
+@dataclass
+class InvariantExtendMetadata(ExtendMetadata):
+    """Batch-invariant extend: every new token is one decode query over its own causal context,
+    so it is computed exactly as it would be in a decode step, in any batch, chunk or cache state."""
+
+    table: torch.Tensor  # [segments, longest context]: each segment's context KV slots
+    rows: torch.Tensor  # [T]: the table row of each new token
+    lens: torch.Tensor  # [T]: each new token's context length (its position + 1)
 
 
 @dataclass
@@ -72,6 +89,8 @@ class CpuNativeBackend(AttentionBackend):
             and spec.head_dim <= AMX_MAX_HEAD_DIM
         )
         self.ops = CpuAttentionOps(kernels, amx)
+        self.batch_invariant = spec.batch_invariant
+        kernels.set_decode_fixed_pieces(INVARIANT_PIECE_TOKENS if spec.batch_invariant else 0)
         self.prefix_staging = PrefixStaging(
             spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype, spec.device
         )
@@ -83,20 +102,58 @@ class CpuNativeBackend(AttentionBackend):
     def decode_path(self) -> str:
         prefix = "AMX tiles" if self.ops.amx else "torch flash"
         path = f"native paged decode kernel, shared-prefix cascade on {prefix}"
+        if self.batch_invariant:
+            path = (
+                f"batch-invariant: native paged decode kernel in {INVARIANT_PIECE_TOKENS}-token pieces, "
+                "no cascade; extend through the same kernel"
+            )
         if self.fused_decode:
             path = f"fused native decode loop (every layer in one call): {path}"
         return path
 
     def plan_decode(self, layout: DecodeLayout) -> CpuDecodeMetadata:
+        if self.batch_invariant:
+            # A prefix shared with the others would change how this request's sums are split.
+            return CpuDecodeMetadata(ForwardMode.DECODE, layout, None, None)
         shared = decode_shared_prefix(layout)
         staged = None
         if not self.fused_decode:
             staged = self.prefix_staging.prepare(shared, layout.request_ids)
         return CpuDecodeMetadata(ForwardMode.DECODE, layout, shared, staged)
 
+    def plan_extend(self, mode: ForwardMode, segments: list[ExtendSegment]) -> ExtendMetadata:
+        if not self.batch_invariant:
+            return ExtendMetadata(mode, segments)
+        if any(seg.context_slots is None for seg in segments):
+            raise ValueError("batch-invariant extend reads K/V through each segment's context_slots")
+        longest = max(seg.prefix_len + seg.q_len for seg in segments)
+        table = torch.zeros((len(segments), longest), dtype=torch.int64)
+        for index, seg in enumerate(segments):
+            assert seg.context_slots is not None
+            table[index, : seg.prefix_len + seg.q_len] = seg.context_slots
+        q_lens = torch.tensor([seg.q_len for seg in segments])
+        rows = torch.repeat_interleave(torch.arange(len(segments)), q_lens)
+        lens = torch.cat([torch.arange(s.prefix_len + 1, s.prefix_len + s.q_len + 1) for s in segments])
+        return InvariantExtendMetadata(mode, segments, table, rows, lens)
+
     def extend(self, x: LayerInputs, metadata: AttentionMetadata) -> torch.Tensor:
+        if isinstance(metadata, InvariantExtendMetadata):
+            return self._invariant_extend(x, metadata)
         assert isinstance(metadata, ExtendMetadata)
         return extend_attention(x.q, x.k, x.v, x.k_cache, x.v_cache, metadata.segments, x.scale, self.ops)
+
+    def _invariant_extend(self, x: LayerInputs, metadata: InvariantExtendMetadata) -> torch.Tensor:
+        parts = []
+        for start in range(0, x.q.shape[0], INVARIANT_EXTEND_ROWS):
+            end = start + INVARIANT_EXTEND_ROWS
+            out = self.ops.kernels.decode_attention(
+                x.q[start:end], x.k_cache, x.v_cache, metadata.table, metadata.rows[start:end],
+                metadata.lens[start:end], x.scale,
+            )  # fmt: skip
+            if out is None:
+                raise RuntimeError("the native decode attention kernel declined its inputs (see the log)")
+            parts.append(out)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def decode(self, x: LayerInputs, metadata: AttentionMetadata) -> torch.Tensor:
         assert isinstance(metadata, CpuDecodeMetadata)

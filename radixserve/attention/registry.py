@@ -40,9 +40,11 @@ def choose_attention_backend(choice: str, spec: AttentionSpec) -> BackendChoice:
         backend.check_available(spec)
         return BackendChoice(backend, "asked for with --attention-backend")
     if spec.device.type != "cpu":
+        TorchNativeBackend.check_available(spec)
         return BackendChoice(TorchNativeBackend, f"auto on {spec.device.type}: no other backend registered")
     try:
         CpuNativeBackend.check_available(spec)
     except AttentionBackendUnavailable as why:
+        TorchNativeBackend.check_available(spec)  # refuses what only cpu_native does
         return BackendChoice(TorchNativeBackend, f"auto: cpu_native unavailable ({why})")
     return BackendChoice(CpuNativeBackend, "auto on a CPU with the native kernels")

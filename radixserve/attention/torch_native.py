@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from radixserve.attention.base import (
     AttentionBackend,
+    AttentionBackendUnavailable,
     AttentionMetadata,
     AttentionSpec,
     ExtendMetadata,
@@ -45,6 +46,14 @@ class TorchDecodeMetadata(AttentionMetadata):
 class TorchNativeBackend(AttentionBackend):
     name = "torch_native"
     gathers_kv = True
+
+    @classmethod
+    def check_available(cls, spec: AttentionSpec) -> None:
+        if spec.batch_invariant:
+            # SDPA's splits and its bucketed batches depend on what else runs.
+            raise AttentionBackendUnavailable(
+                "batch-invariant inference (--enable-deterministic-inference) runs on cpu_native only"
+            )
 
     def __init__(self, spec: AttentionSpec):
         super().__init__(spec)

@@ -83,6 +83,7 @@ def _bench_offline(args: argparse.Namespace) -> int:
         scale=args.scale,
         max_total_tokens=args.max_total_tokens,
         schedule_policy=args.schedule_policy,
+        engine_args={"enable_deterministic_inference": True} if args.enable_deterministic_inference else {},
     )
     report = run_benchmark(cfg, log=lambda line: print(line, flush=True))
     print()
@@ -153,6 +154,11 @@ def _add_offline_parser(bench_sub: Any) -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--schedule-policy", default="lpm", choices=SCHEDULE_POLICIES, help="radixserve policy (default lpm)"
+    )
+    bench.add_argument(
+        "--enable-deterministic-inference",
+        action="store_true",
+        help="run radixserve batch-invariant (to measure what it costs)",
     )
     bench.set_defaults(func=_bench_offline)
     return bench

@@ -47,6 +47,8 @@ class BenchConfig:
     scale: float = 1.0
     max_total_tokens: int | None = None
     schedule_policy: str = "lpm"
+    # More ServerArgs for radixserve's engine (e.g. enable_deterministic_inference=True).
+    engine_args: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
         if self.repeats < 1:
@@ -164,6 +166,7 @@ class RadixserveSystem:
             max_total_tokens=cfg.max_total_tokens or need,
             schedule_policy=cfg.schedule_policy,
             log_level="warning",
+            **cfg.engine_args,
         )
         self.cached: dict[str, list[int]] = {}
         self.deltas: dict[str, dict[str, int]] = {}
@@ -198,6 +201,7 @@ class RadixserveSystem:
             "engine_stats": self.deltas.get(wl.name, {}),
             "max_total_tokens": self.engine.max_total_tokens,
             "schedule_policy": self.cfg.schedule_policy,
+            "engine_args": self.cfg.engine_args,
         }
 
     def close(self) -> None:

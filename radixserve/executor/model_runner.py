@@ -25,7 +25,7 @@ from radixserve.executor.runner_config import RunnerConfig
 from radixserve.forward.batch import ForwardBatch
 from radixserve.kernels.cpu_ops import CpuKernels, select_cpu_kernels
 from radixserve.kernels.native import NativeKernelsUnavailable
-from radixserve.layers.linear import split_kv_heads
+from radixserve.layers.linear import ParallelLinear, ParallelLMHead, split_kv_heads
 from radixserve.layers.packed_weights import PackedWeight, WeightPacking, cpu_packing_supported
 from radixserve.layers.sampler import SamplingBatch, sample
 from radixserve.models.bert import Encoder
@@ -156,6 +156,8 @@ class ModelRunner:
             self.attention = choice.backend(self._attention_spec(staging))
             self.attention_reason = choice.reason
         self._choose_decode_path()
+        if config.enable_deterministic_inference:
+            self._check_batch_invariant()
         logger.info(
             "attention backend: %s (%s); decode path: %s",
             "none" if self.attention is None else self.attention.name,
@@ -173,7 +175,27 @@ class ModelRunner:
             device=self.device,
             kernels=self.kernels,
             decode_staging_tokens=staging_tokens,
+            batch_invariant=self.runner_config.enable_deterministic_inference,
         )
+
+    def _check_batch_invariant(self) -> None:
+        """--enable-deterministic-inference: refuses, with the reason, what would let a request's
+        numbers depend on its batch (the attention backend has refused its own part already)."""
+        problem = None
+        if self.parallel.tp_size > 1:
+            problem = "tensor parallelism: the all-reduce splits its sums by the batch's size"
+        elif self.attention is None:
+            problem = "encoder (embedding) models are not covered: their layers run on torch ops"
+        else:
+            linears = [m for m in self.model.modules() if isinstance(m, (ParallelLinear, ParallelLMHead))]
+            plain = [m for m in linears if m.packed is None or not m.packed.row_invariant]
+            if plain:
+                problem = (
+                    f"{len(plain)} of {len(linears)} linear layers run on a matmul whose summation order "
+                    "depends on the row count (oneDNN or MKL); it needs bf16 on the native CPU kernels"
+                )
+        if problem is not None:
+            raise InvalidArgumentError(f"--enable-deterministic-inference cannot hold here: {problem}")
 
     def _choose_decode_path(self) -> None:
         """Whether decode steps run in the fused native loop: decided when the weights are (re)loaded,

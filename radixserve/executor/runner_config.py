@@ -22,6 +22,7 @@ class RunnerConfig:
     is_embedding: bool = False
     cpu_kernels: str = "auto"
     attention_backend: str = "auto"
+    enable_deterministic_inference: bool = False
     max_total_tokens: int | None = None
     mem_fraction_static: float = 0.85
     max_running_requests: int | None = None

@@ -71,6 +71,8 @@ class CpuKernels:
             for dtype, suffix in DTYPE_SUFFIXES.items()
         }
         self._decode_supported = library.decode_attention_supported
+        self._set_decode_fixed_pieces = library.set_decode_fixed_pieces
+        self.decode_fixed_pieces = 0
         self._amx_linear = library.amx_linear_bf16
         self._amx_prefix_attention = library.amx_prefix_attention_bf16
         self._fused_decode = library.fused_decode_bf16
@@ -95,6 +97,12 @@ class CpuKernels:
             and heads % kv_heads == 0
             and bool(self._decode_supported(heads // kv_heads, head_dim))
         )
+
+    def set_decode_fixed_pieces(self, tokens: int) -> None:
+        """Batch-invariant decode attention: contexts split into pieces of exactly `tokens`
+        positions from position 0 (0: pieces sized from the batch, the default). Process-wide."""
+        self._set_decode_fixed_pieces(tokens)
+        self.decode_fixed_pieces = max(tokens, 0)
 
     def _function(self, name: str, x: torch.Tensor) -> Callable[..., Any] | None:
         if x.device.type != "cpu":

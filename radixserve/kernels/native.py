@@ -88,6 +88,7 @@ DTYPE_SUFFIXES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 # Kernels with one dtype only: name -> (restype, argtypes).
 PLAIN_SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "decode_attention_supported": (ctypes.c_int, [_I, _I]),
+    "set_decode_fixed_pieces": (None, [_I]),
     "amx_linear_available": (ctypes.c_int, []),
     "compiled_isa": (ctypes.c_int, []),
     "argmax_rows_f32": (None, [_P, _I, _I, _I, _P]),

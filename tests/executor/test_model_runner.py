@@ -52,6 +52,28 @@ def test_a_named_backend_that_cannot_run_fails_at_startup(tiny_model_dir: Callab
         _runner(tiny_model_dir("llama"), cpu_kernels="torch", attention_backend="cpu_native")
 
 
+@pytest.mark.parametrize(
+    ("overrides", "reason"),
+    [
+        ({"dtype": "float32"}, "depends on the row count"),
+        ({"dtype": "bfloat16", "attention_backend": "torch_native"}, "cpu_native only"),
+        ({"dtype": "bfloat16", "cpu_kernels": "torch"}, "cpu_native only"),
+    ],
+)
+def test_what_cannot_be_batch_invariant_is_refused_at_startup(
+    tiny_model_dir: Callable[[str], Path], native_kernels: object, overrides: dict[str, object], reason: str
+) -> None:
+    with pytest.raises(InvalidArgumentError, match=reason):
+        _runner(tiny_model_dir("llama"), enable_deterministic_inference=True, **overrides)
+
+
+def test_batch_invariant_bf16_names_its_decode_path(
+    tiny_model_dir: Callable[[str], Path], native_kernels: object
+) -> None:
+    runner = _runner(tiny_model_dir("llama"), dtype="bfloat16", enable_deterministic_inference=True)
+    assert runner.describe()["decode_path"].startswith("batch-invariant")
+
+
 def test_runner_config_takes_exactly_its_fields_from_server_args() -> None:
     from radixserve.config.server_args import ServerArgs
 

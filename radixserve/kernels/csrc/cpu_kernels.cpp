@@ -225,6 +225,12 @@ constexpr int kBlock = 32;
 constexpr int kPrefetch = 32;  // tokens ahead
 constexpr int64_t kMinPieceTokens = 64;
 
+// Batch-invariant mode (set_decode_fixed_pieces): when > 0, every context is cut into pieces of
+// exactly this many positions counted from position 0, whatever else is in the batch and however
+// many threads run, so a query's sums run in an order fixed by its own context length alone.
+// 0: pieces sized from the batch so that every thread works (faster for small batches).
+int64_t g_fixed_piece_tokens = 0;
+
 // G query rows of one K/V head and their dot products with key rows. fp32 in general; for bf16
 // with AVX512-BF16, the queries stay bf16 and each instruction multiplies 32 pairs exactly and
 // adds them in fp32, so keys need no conversion.
@@ -362,7 +368,14 @@ void decode_attention(const T *q, int64_t q_stride, const T *k_cache, const T *v
     const float q_scale = scale * 1.4426950408889634f;  // log2(e): softmax through exp2
     const int64_t items = batch * kv_heads;
     const int64_t wanted = 4 * static_cast<int64_t>(omp_get_max_threads());
-    const int64_t pieces = items >= wanted ? 1 : (wanted + items - 1) / items;
+    const int64_t fixed = g_fixed_piece_tokens;
+    int64_t pieces = items >= wanted ? 1 : (wanted + items - 1) / items;
+    if (fixed > 0) {
+        // Enough pieces for the longest context; shorter ones leave their last pieces empty.
+        int64_t longest = 1;
+        for (int64_t b = 0; b < batch; b++) longest = std::max(longest, lens[b] - prefix.length);
+        pieces = (longest + fixed - 1) / fixed;
+    }
     // Per (request, K/V head, piece) and query: max, sum, then D accumulated values.
     constexpr int64_t kStride = 2 + D;
     std::vector<float> partial(static_cast<size_t>(items * pieces * G * kStride));
@@ -374,7 +387,7 @@ void decode_attention(const T *q, int64_t q_stride, const T *k_cache, const T *v
         const int64_t item = work / pieces, piece = work % pieces;
         const int64_t b = item / kv_heads, head = item % kv_heads;
         const int64_t len = lens[b] - prefix.length;
-        const int64_t step = std::max(kMinPieceTokens, (len + pieces - 1) / pieces);
+        const int64_t step = fixed > 0 ? fixed : std::max(kMinPieceTokens, (len + pieces - 1) / pieces);
         const int64_t begin = std::min(len, piece * step), end = std::min(len, begin + step);
         float *slot = partial.data() + work * G * kStride;
         float max_out[G], sum_out[G];
@@ -548,6 +561,8 @@ extern "C" void argmax_rows_f32(const float *x, int64_t x_stride, int64_t rows, 
         out[r] = index;
     }
 }
+
+extern "C" void set_decode_fixed_pieces(int64_t tokens) { g_fixed_piece_tokens = tokens > 0 ? tokens : 0; }
 
 extern "C" int decode_attention_supported(int64_t group, int64_t head_dim) {
     return find_decode_kernel<float>(group, head_dim) != nullptr;

@@ -21,6 +21,7 @@ class RunnerConfig:
     random_seed: int = 0
     is_embedding: bool = False
     cpu_kernels: str = "auto"
+    cpu_isa: str = "auto"
     attention_backend: str = "auto"
     max_total_tokens: int | None = None
     mem_fraction_static: float = 0.85

@@ -47,6 +47,9 @@ class BenchConfig:
     scale: float = 1.0
     max_total_tokens: int | None = None
     schedule_policy: str = "lpm"
+    # --cpu-kernels and --cpu-isa of the engine (config/server_args.py)
+    cpu_kernels: str = "auto"
+    cpu_isa: str = "auto"
 
     def validate(self) -> None:
         if self.repeats < 1:
@@ -163,6 +166,8 @@ class RadixserveSystem:
             dtype=dtype,
             max_total_tokens=cfg.max_total_tokens or need,
             schedule_policy=cfg.schedule_policy,
+            cpu_kernels=cfg.cpu_kernels,
+            cpu_isa=cfg.cpu_isa,
             log_level="warning",
         )
         self.cached: dict[str, list[int]] = {}

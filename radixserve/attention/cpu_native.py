@@ -94,9 +94,11 @@ class CpuNativeBackend(AttentionBackend):
         self.prefix_staging = PrefixStaging(
             spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype, spec.device
         )
-        # Set by the model runner when decode steps run in the fused native loop, which reads the
-        # shared prefix from the pool by its slots: staging it would be a copy nobody reads.
+        # Set by the model runner when decode steps run in the fused native loop, which (with AMX:
+        # fused_shared_prefix) reads the shared prefix from the pool by its slots: staging it would
+        # be a copy nobody reads. Without AMX, steps with a shared prefix run per layer, staged.
         self.fused_decode = False
+        self.fused_shared_prefix = False
 
     @property
     def decode_path(self) -> str:
@@ -107,8 +109,12 @@ class CpuNativeBackend(AttentionBackend):
                 f"batch-invariant: native paged decode kernel in {INVARIANT_PIECE_TOKENS}-token pieces, "
                 "no cascade; extend through the same kernel"
             )
-        if self.fused_decode:
+        if self.fused_decode and (self.fused_shared_prefix or self.batch_invariant):
+            # Batch-invariant steps have no shared prefix: every one of them runs fused.
             path = f"fused native decode loop (every layer in one call): {path}"
+        elif self.fused_decode:
+            loop = "fused native decode loop (every layer in one call; steps with a shared prefix per layer)"
+            path = f"{loop}: {path}"
         return path
 
     def plan_decode(self, layout: DecodeLayout) -> CpuDecodeMetadata:
@@ -117,7 +123,7 @@ class CpuNativeBackend(AttentionBackend):
             return CpuDecodeMetadata(ForwardMode.DECODE, layout, None, None)
         shared = decode_shared_prefix(layout)
         staged = None
-        if not self.fused_decode:
+        if not (self.fused_decode and self.fused_shared_prefix):
             staged = self.prefix_staging.prepare(shared, layout.request_ids)
         return CpuDecodeMetadata(ForwardMode.DECODE, layout, shared, staged)
 

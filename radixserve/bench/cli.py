@@ -15,7 +15,7 @@ from typing import Any
 
 from radixserve.bench.serving_datasets import DATASET_NAMES
 from radixserve.bench.workloads import parse_workload_names
-from radixserve.config.server_args import SCHEDULE_POLICIES
+from radixserve.config.server_args import CPU_ISA_CHOICES, CPU_KERNEL_CHOICES, SCHEDULE_POLICIES
 
 _BENCH_DTYPES = ("bfloat16", "float32")
 
@@ -83,7 +83,9 @@ def _bench_offline(args: argparse.Namespace) -> int:
         scale=args.scale,
         max_total_tokens=args.max_total_tokens,
         schedule_policy=args.schedule_policy,
-        engine_args={"enable_deterministic_inference": True} if args.enable_deterministic_inference else {},
+        cpu_kernels=args.cpu_kernels,
+        cpu_isa=args.cpu_isa,
+        enable_deterministic_inference=args.enable_deterministic_inference,
     )
     report = run_benchmark(cfg, log=lambda line: print(line, flush=True))
     print()
@@ -155,6 +157,8 @@ def _add_offline_parser(bench_sub: Any) -> argparse.ArgumentParser:
     bench.add_argument(
         "--schedule-policy", default="lpm", choices=SCHEDULE_POLICIES, help="radixserve policy (default lpm)"
     )
+    bench.add_argument("--cpu-kernels", default="auto", choices=CPU_KERNEL_CHOICES, help="as for the server")
+    bench.add_argument("--cpu-isa", default="auto", choices=CPU_ISA_CHOICES, help="as for the server")
     bench.add_argument(
         "--enable-deterministic-inference",
         action="store_true",

@@ -47,8 +47,10 @@ class BenchConfig:
     scale: float = 1.0
     max_total_tokens: int | None = None
     schedule_policy: str = "lpm"
-    # More ServerArgs for radixserve's engine (e.g. enable_deterministic_inference=True).
-    engine_args: dict[str, Any] = field(default_factory=dict)
+    # --cpu-kernels and --cpu-isa of the engine (config/server_args.py)
+    cpu_kernels: str = "auto"
+    cpu_isa: str = "auto"
+    enable_deterministic_inference: bool = False
 
     def validate(self) -> None:
         if self.repeats < 1:
@@ -165,8 +167,10 @@ class RadixserveSystem:
             dtype=dtype,
             max_total_tokens=cfg.max_total_tokens or need,
             schedule_policy=cfg.schedule_policy,
+            cpu_kernels=cfg.cpu_kernels,
+            cpu_isa=cfg.cpu_isa,
             log_level="warning",
-            **cfg.engine_args,
+            enable_deterministic_inference=cfg.enable_deterministic_inference,
         )
         self.cached: dict[str, list[int]] = {}
         self.deltas: dict[str, dict[str, int]] = {}
@@ -201,7 +205,7 @@ class RadixserveSystem:
             "engine_stats": self.deltas.get(wl.name, {}),
             "max_total_tokens": self.engine.max_total_tokens,
             "schedule_policy": self.cfg.schedule_policy,
-            "engine_args": self.cfg.engine_args,
+            "enable_deterministic_inference": self.cfg.enable_deterministic_inference,
         }
 
     def close(self) -> None:

@@ -12,6 +12,9 @@ SCHEDULE_POLICIES: tuple[str, ...] = ("fcfs", "lpm", "dfs-weight", "lof", "rando
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16")
 GRAMMAR_BACKENDS: tuple[str, ...] = ("xgrammar", "none")
 CPU_KERNEL_CHOICES: tuple[str, ...] = ("auto", "native", "torch")
+# --cpu-isa: what the native kernels are built for (kernels/native.py); auto: RADIXSERVE_CPU_ISA's
+# choice, by default this CPU (-march=native).
+CPU_ISA_CHOICES: tuple[str, ...] = ("auto", "amx", "avx512_bf16", "avx512", "avx2")
 # "torch" is accepted as another name for torch_native (attention/registry.py).
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch_native", "cpu_native", "torch")
 LOAD_BALANCE_METHODS: tuple[str, ...] = ("round_robin", "shortest_queue", "cache_aware")
@@ -45,6 +48,7 @@ class ServerArgs:
     is_embedding: bool = False
     # Native CPU kernels (radixserve/kernels): auto = when they build here; native = required.
     cpu_kernels: str = "auto"
+    cpu_isa: str = "auto"
     # Attention over the paged KV pool (radixserve/attention): auto picks one at startup and logs why.
     attention_backend: str = "auto"
     # Batch-invariant inference: a request's tokens and logprobs are bit-identical whatever else is
@@ -124,6 +128,13 @@ class ServerArgs:
         if self.cpu_kernels not in CPU_KERNEL_CHOICES:
             choices = ", ".join(CPU_KERNEL_CHOICES)
             raise InvalidArgumentError(f"--cpu-kernels must be one of {choices}, got {self.cpu_kernels!r}")
+        if self.cpu_isa not in CPU_ISA_CHOICES:
+            choices = ", ".join(CPU_ISA_CHOICES)
+            raise InvalidArgumentError(f"--cpu-isa must be one of {choices}, got {self.cpu_isa!r}")
+        if self.cpu_isa != "auto" and self.cpu_kernels == "torch":
+            raise InvalidArgumentError(
+                f"--cpu-isa {self.cpu_isa} needs the native kernels, which --cpu-kernels torch never loads"
+            )
         if self.attention_backend not in ATTENTION_BACKENDS:
             choices = ", ".join(ATTENTION_BACKENDS)
             backend = self.attention_backend
@@ -237,6 +248,14 @@ class ServerArgs:
             choices=CPU_KERNEL_CHOICES,
             help="native CPU kernels, built once per machine with its C++ compiler: auto uses them when "
             "they build, native requires them, torch uses torch ops only",
+        )
+        model.add_argument(
+            "--cpu-isa",
+            default="auto",
+            choices=CPU_ISA_CHOICES,
+            help="instruction set the native CPU kernels are built for: auto is this CPU (or what "
+            "RADIXSERVE_CPU_ISA names); a narrower one runs another CPU's kernel paths; amx requires AMX. "
+            "One this CPU cannot run fails at startup",
         )
         model.add_argument(
             "--attention-backend",

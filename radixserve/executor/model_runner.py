@@ -109,7 +109,7 @@ class ModelRunner:
         self.local_kv_heads = split_kv_heads(self.config.num_key_value_heads, 1, parallel).local
         self.kernels = self._select_kernels()
         # bf16 linear weights on a CPU are held packed for a matmul kernel (layers/packed_weights.py).
-        packed = cpu_packing_supported(self.dtype, self.device)
+        packed = cpu_packing_supported(self.dtype, self.device, self.kernels)
         self.packing = WeightPacking(self.kernels) if packed else None
         self.pooling: PoolingConfig | None = None
         if self.is_embedding:
@@ -159,10 +159,11 @@ class ModelRunner:
         if config.enable_deterministic_inference:
             self._check_batch_invariant()
         logger.info(
-            "attention backend: %s (%s); decode path: %s",
+            "attention backend: %s (%s); decode path: %s; linear kernel: %s",
             "none" if self.attention is None else self.attention.name,
             self.attention_reason,
             self.decode_path,
+            self.describe()["linear_kernel"],
         )
 
     def _attention_spec(self, staging_tokens: int) -> AttentionSpec:
@@ -205,6 +206,7 @@ class ModelRunner:
             if self.dtype == torch.bfloat16:
                 fused = self.model.fused_decode_plan()
             self.attention.fused_decode = fused is not None
+            self.attention.fused_shared_prefix = fused is not None and fused.shared_prefix
         if isinstance(self.model, CausalLM):
             self.model.fused_decode = fused
 
@@ -230,6 +232,8 @@ class ModelRunner:
             "cpu_kernels": "torch" if self.kernels is None else "native",
             # The instruction set the native kernels were built for (None: torch ops only).
             "cpu_kernels_isa": None if self.kernels is None else self.kernels.isa,
+            # What bf16 linears run on (amx, native_<isa>, onednn, F.linear); fp32 ones run F.linear.
+            "linear_kernel": "F.linear" if self.packing is None else self.packing.kernel,
         }
 
     def stats(self) -> dict[str, Any]:
@@ -248,8 +252,11 @@ class ModelRunner:
         if self.config.is_encoder:
             return None
         try:
-            return select_cpu_kernels(self.runner_config.cpu_kernels, self.device)
+            config = self.runner_config
+            return select_cpu_kernels(config.cpu_kernels, self.device, config.cpu_isa)
         except NativeKernelsUnavailable as error:
+            if self.runner_config.cpu_isa != "auto":
+                raise InvalidArgumentError(str(error)) from error  # the message names --cpu-isa
             raise InvalidArgumentError(f"--cpu-kernels native: {error}") from error
 
     def _staging_tokens(self) -> int:

@@ -21,6 +21,7 @@ class RunnerConfig:
     random_seed: int = 0
     is_embedding: bool = False
     cpu_kernels: str = "auto"
+    cpu_isa: str = "auto"
     attention_backend: str = "auto"
     enable_deterministic_inference: bool = False
     max_total_tokens: int | None = None

@@ -20,9 +20,19 @@ from typing import Any, TypeVar
 
 import torch
 
-from radixserve.kernels.native import DTYPE_SUFFIXES, NativeKernelsUnavailable, isa_of, load_library
+from radixserve.kernels.native import (
+    DTYPE_SUFFIXES,
+    NativeKernelsUnavailable,
+    check_isa,
+    isa_of,
+    load_isa,
+    load_library,
+)
 
 logger = logging.getLogger(__name__)
+
+# bf16_linear_isa()'s values (csrc/bf16_linear.cpp) by name; 0: the build has no such kernel.
+_LINEAR_ISAS = {4: "avx512_bf16", 2: "avx512", 1: "avx2"}
 
 
 @dataclass
@@ -74,6 +84,7 @@ class CpuKernels:
         self._set_decode_fixed_pieces = library.set_decode_fixed_pieces
         self.decode_fixed_pieces = 0
         self._amx_linear = library.amx_linear_bf16
+        self._bf16_linear = library.bf16_linear
         self._amx_prefix_attention = library.amx_prefix_attention_bf16
         self._fused_decode = library.fused_decode_bf16
         self._argmax_rows = library.argmax_rows_f32
@@ -81,6 +92,12 @@ class CpuKernels:
         self.has_amx_linear = bool(library.amx_linear_available())
         # What the kernels run on (RADIXSERVE_CPU_ISA may force less than the CPU has).
         self.isa = isa_of(library)
+        # The bf16 linear kernel of this process, chosen once: the AMX matmul where it runs, else
+        # csrc/bf16_linear.cpp where the build has AVX2 + FMA or more, else none (oneDNN or F.linear).
+        linear_isa = _LINEAR_ISAS.get(library.bf16_linear_isa())
+        self.linear_kernel: str | None = (
+            "amx" if self.has_amx_linear else None if linear_isa is None else f"native_{linear_isa}"
+        )
 
     def declined(self, op: str, args: tuple[Any, ...]) -> None:
         self.fallbacks[op] += 1
@@ -234,19 +251,30 @@ class CpuKernels:
 
     @_counted
     def pack_linear(self, weight: torch.Tensor) -> torch.Tensor | None:
-        """A linear weight [N, K] in the AMX matmul's layout (csrc/amx_linear.cpp), or None where that
-        kernel cannot run it: no AMX here, not bf16 on a CPU, or N or K not a multiple of 32."""
-        if not self.has_amx_linear or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+        """A linear weight [N, K] in the layout of this process's linear kernel, or None where it
+        cannot run it: no native linear kernel here, not bf16 on a CPU, or a shape it does not take
+        (AMX: N and K multiples of 32; csrc/bf16_linear.cpp: N a multiple of 16, K of 2)."""
+        if self.linear_kernel is None or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
             return None
-        if weight.dim() != 2 or 0 in weight.shape or weight.shape[0] % 32 or weight.shape[1] % 32:
+        if weight.dim() != 2 or 0 in weight.shape:
             return None
         n, k = weight.shape
-        # [N/32 column blocks][K/32 steps][2 tiles][16 input pairs][16 columns][2 inputs of a pair]
-        return weight.reshape(n // 32, 2, 16, k // 32, 16, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
+        if self.has_amx_linear:
+            if n % 32 or k % 32:
+                return None
+            # [N/32 column blocks][K/32 steps][2 tiles][16 input pairs][16 columns][2 inputs of a pair]
+            return weight.reshape(n // 32, 2, 16, k // 32, 16, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
+        if n % 16 or k % 2:
+            return None
+        # [N/16 column blocks][K/2 input pairs][16 columns][2 inputs of a pair]
+        return weight.reshape(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
     @staticmethod
     def unpack_linear(packed: torch.Tensor) -> torch.Tensor:
-        """The [N, K] weight pack_linear made `packed` from."""
+        """The [N, K] weight pack_linear made `packed` from (either layout: 6-D AMX, 4-D otherwise)."""
+        if packed.dim() == 4:
+            blocks, pairs = packed.shape[:2]
+            return packed.permute(0, 2, 1, 3).reshape(blocks * 16, pairs * 2)
         blocks, steps = packed.shape[:2]
         return packed.permute(0, 2, 4, 1, 3, 5).reshape(blocks * 32, steps * 32)
 
@@ -259,7 +287,13 @@ class CpuKernels:
     ) -> torch.Tensor:
         """x [M, K] W^T (+ bias) (+ residual, added to the fp32 sum before rounding) for a weight
         from pack_linear; bf16 in and out."""
-        n, k = packed.shape[0] * 32, packed.shape[1] * 32
+        amx = packed.dim() == 6
+        run = self._amx_linear if amx else self._bf16_linear
+        n, k = (
+            (packed.shape[0] * 32, packed.shape[1] * 32)
+            if amx
+            else (packed.shape[0] * 16, packed.shape[1] * 2)
+        )
         if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != k:
             raise ValueError(f"expected bf16 input of shape [rows, {k}], got {x.dtype} {tuple(x.shape)}")
         rows = x.shape[0]
@@ -271,10 +305,10 @@ class CpuKernels:
             residual = residual.to(torch.bfloat16).contiguous()
         out = torch.empty((rows, n), dtype=torch.bfloat16)
         if rows:
-            self._amx_linear(x.data_ptr(), x.stride(0), packed.data_ptr(), out.data_ptr(), n,
-                             None if bias is None else bias.data_ptr(),
-                             None if residual is None else residual.data_ptr(),
-                             0 if residual is None else residual.stride(0), rows, n, k)  # fmt: skip
+            run(x.data_ptr(), x.stride(0), packed.data_ptr(), out.data_ptr(), n,
+                None if bias is None else bias.data_ptr(),
+                None if residual is None else residual.data_ptr(),
+                0 if residual is None else residual.stride(0), rows, n, k)  # fmt: skip
         return out
 
     def _runs_amx_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
@@ -372,7 +406,8 @@ class CpuKernels:
         place. layers: [L, 9] int64 addresses (models/fused_decode.py); positions, out_slots,
         req_rows, seq_lens: per request; cos/sin tables: [positions, head_dim / 2] fp32; request b's
         context is at req_to_token[req_rows[b], :seq_lens[b]]; shared_prefix: the KV slots every
-        request's context starts with (cascade), or None."""
+        request's context starts with (cascade; with AMX only), or None. The linears must be packed
+        by pack_linear of these kernels."""
         prefix = None if shared_prefix is None else shared_prefix.to(torch.int64).contiguous()
         rows = req_rows.to(torch.int64).contiguous()
         lens = seq_lens.to(torch.int64).contiguous()
@@ -382,9 +417,14 @@ class CpuKernels:
         if table.dtype != torch.int64 or table.stride(1) != 1:
             raise ValueError("req_to_token must be int64 with contiguous rows")
         batch, size = hidden.shape
+        if self.linear_kernel is None or (prefix is not None and not self.has_amx_linear):
+            raise ValueError(
+                "the fused decode loop needs a native linear kernel, and AMX for a shared prefix"
+            )
         status = self._fused_decode(
-            layers.data_ptr(), layers.shape[0], hidden.data_ptr(), batch, size, intermediate, heads, kv_heads,
-            head_dim, eps, scale, cos_table.data_ptr(), sin_table.data_ptr(), positions.data_ptr(),
+            0 if self.has_amx_linear else 1, layers.data_ptr(), layers.shape[0], hidden.data_ptr(), batch,
+            size, intermediate, heads, kv_heads, head_dim, eps, scale, cos_table.data_ptr(),
+            sin_table.data_ptr(), positions.data_ptr(),
             slots.data_ptr(), table.data_ptr(), table.stride(0), rows.data_ptr(), lens.data_ptr(),
             0 if prefix is None else len(prefix), None if prefix is None else prefix.data_ptr(),
         )  # fmt: skip
@@ -398,17 +438,37 @@ def _rows_of_packed_heads(x: torch.Tensor) -> bool:
     return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
 
-def select_cpu_kernels(choice: str, device: torch.device) -> CpuKernels | None:
+def select_cpu_kernels(choice: str, device: torch.device, isa: str = "auto") -> CpuKernels | None:
     """--cpu-kernels: 'auto' uses the native kernels on a CPU when they build; 'native' requires them
-    (and raises NativeKernelsUnavailable with the reason); 'torch' never loads them."""
+    (and raises NativeKernelsUnavailable with the reason); 'torch' never loads them.
+
+    --cpu-isa: 'auto' builds for what RADIXSERVE_CPU_ISA names (unset: this CPU); another value
+    builds for that ISA whatever the env var says ('amx': this CPU's build, which must have AMX),
+    and raises NativeKernelsUnavailable where it cannot, even under 'auto': asked for by name, a
+    silent fallback would measure or serve something else."""
     if choice == "torch" or device.type != "cpu":
         return None
     try:
-        kernels = CpuKernels(load_library())
+        if isa == "auto":
+            kernels = CpuKernels(load_library())
+        else:
+            check_isa("native" if isa == "amx" else isa, "--cpu-isa")
+            kernels = CpuKernels(load_isa("native" if isa == "amx" else isa))
+            if isa == "amx" and not kernels.has_amx_linear:
+                raise NativeKernelsUnavailable(
+                    "--cpu-isa amx: this CPU (or OS) offers no AMX tiles; "
+                    f"its native build runs {kernels.isa}"
+                )
     except NativeKernelsUnavailable as error:
-        if choice == "native":
+        if choice == "native" or isa != "auto":
             raise
         logger.warning("native CPU kernels unavailable, using torch ops: %s", error)
         return None
-    logger.info("native CPU kernels in use (--cpu-kernels %s), built for %s", choice, kernels.isa)
+    logger.info(
+        "native CPU kernels in use (--cpu-kernels %s, --cpu-isa %s), built for %s; bf16 linear kernel: %s",
+        choice,
+        isa,
+        kernels.isa,
+        kernels.linear_kernel or "none native (oneDNN, else F.linear)",
+    )
     return kernels

@@ -94,18 +94,21 @@ PLAIN_SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "argmax_rows_f32": (None, [_P, _I, _I, _I, _P]),
     # x, x_stride, packed weight, out, out_stride, bias, residual, residual_stride, m, n, k
     "amx_linear_bf16": (None, [_P, _I, _P, _P, _I, _P, _P, _I, _I, _I, _I]),
+    # the same arguments, for the non-AMX layout (csrc/bf16_linear.cpp); and which variant it has
+    "bf16_linear": (None, [_P, _I, _P, _P, _I, _P, _P, _I, _I, _I, _I]),
+    "bf16_linear_isa": (ctypes.c_int, []),
     # q, q_stride, k, v, kv_stride, slots, out, out_token, lse, n, heads, kv_heads, dim, length, scale,
     # causal_offset
     "amx_prefix_attention_bf16": (
         ctypes.c_int,
         [_P, _I, _P, _P, _I, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _I],
     ),
-    # layers, num_layers, hidden, batch, hidden_size, intermediate, heads, kv_heads, head_dim, eps, scale,
-    # cos, sin, positions, out_slots, req_to_token, table_stride, req_rows, seq_lens, prefix_length,
-    # prefix_slots
+    # linear_kind, layers, num_layers, hidden, batch, hidden_size, intermediate, heads, kv_heads,
+    # head_dim, eps, scale, cos, sin, positions, out_slots, req_to_token, table_stride, req_rows,
+    # seq_lens, prefix_length, prefix_slots
     "fused_decode_bf16": (
         ctypes.c_int,
-        [_P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _F, _P, _P, _P, _P, _P, _I, _P, _P, _I, _P],
+        [_I, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _F, _P, _P, _P, _P, _P, _I, _P, _P, _I, _P],
     ),
 }
 
@@ -136,20 +139,28 @@ def _check_platform() -> None:
         )
 
 
-def _check_isa(name: str) -> None:
+def _check_isa(name: str, setting: str = ISA_ENV) -> None:
+    """Raises NativeKernelsUnavailable unless `name` is a key of ISAS that this CPU can execute;
+    the message names the setting that asked for it (the env var, or --cpu-isa)."""
     isa = ISAS.get(name)
     if isa is None:
-        raise NativeKernelsUnavailable(f"{ISA_ENV}={name!r} is not one of {', '.join(ISAS)} (unset: native)")
+        raise NativeKernelsUnavailable(f"{setting}={name!r} is not one of {', '.join(ISAS)} (unset: native)")
     if isa.cpu_flags:
         flags = _cpu_flags()
         if flags is None:
-            raise NativeKernelsUnavailable(f"{ISA_ENV}={name}: cannot read /proc/cpuinfo to check this CPU")
+            raise NativeKernelsUnavailable(f"{setting}={name}: cannot read /proc/cpuinfo to check this CPU")
         missing = sorted(isa.cpu_flags - flags)
         if missing:
             raise NativeKernelsUnavailable(
-                f"{ISA_ENV}={name}: this CPU cannot execute it (it lacks {', '.join(missing)}); "
+                f"{setting}={name}: this CPU cannot execute it (it lacks {', '.join(missing)}); "
                 f"it can run {', '.join(executable_isas()) or 'none of the forced ISAs'}, or native"
             )
+
+
+def check_isa(name: str, setting: str) -> None:
+    """_check_isa for a caller that names its own setting (--cpu-isa)."""
+    _check_platform()
+    _check_isa(name, setting)
 
 
 def executable_isas() -> list[str]:

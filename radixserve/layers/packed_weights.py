@@ -1,9 +1,15 @@
 """bf16 linear weights on a CPU, held only in a matmul kernel's own layout.
 
-Two kernels, chosen per weight when the model is loaded (WeightPacking):
-- the native AMX matmul (radixserve/kernels/csrc/amx_linear.cpp) where the CPU has AMX and the
-  shape suits it (both sizes multiples of 32): faster than oneDNN at every row count measured;
-- oneDNN's packed layout otherwise, faster than F.linear on a plain weight.
+The kernel is chosen once per process (CpuKernels.linear_kernel) and each weight packed for it
+when the model is loaded (WeightPacking):
+- the native AMX matmul (kernels/csrc/amx_linear.cpp) where the CPU has AMX and the shape suits it
+  (both sizes multiples of 32): faster than oneDNN at every row count measured;
+- else the native AVX-512 BF16 / AVX-512F / AVX2 matmul (kernels/csrc/bf16_linear.cpp) where the
+  build has AVX2 + FMA or more and the shape suits it (N a multiple of 16, K of 2);
+- else oneDNN's packed layout, faster than F.linear on a plain weight, where oneDNN packs bf16
+  (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT: an AVX2-only CPU has neither);
+- else the plain weight and F.linear.
+A weight the native kernel declines is counted (kernel_fallbacks) and takes the next of these.
 Figures: docs/architecture.md ("CPU specifics").
 """
 
@@ -14,20 +20,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from radixserve.kernels.cpu_ops import CpuKernels
 
 
-def cpu_packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
-    return device.type == "cpu" and dtype == torch.bfloat16 and onednn_bf16_available()
-
-
 @functools.cache
-def onednn_bf16_available() -> bool:
-    """Whether oneDNN packs bf16 weights on this CPU: it needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT,
-    and refuses with an error elsewhere (an AVX2-only CPU such as a Zen 3), where bf16 linears
-    then run on F.linear."""
+def onednn_packs_bf16() -> bool:
+    """Whether oneDNN packs bf16 weights on this CPU: its reorder raises where the CPU lacks the
+    instructions its bf16 path needs (AVX-512 BW/VL/DQ or AVX-NE-CONVERT)."""
     if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         return False
     try:
@@ -37,22 +39,35 @@ def onednn_bf16_available() -> bool:
     return True
 
 
+def cpu_packing_supported(
+    dtype: torch.dtype, device: torch.device, kernels: CpuKernels | None = None
+) -> bool:
+    """Whether bf16 linear weights are packed here: a native linear kernel or oneDNN can take them."""
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return False
+    return (kernels is not None and kernels.linear_kernel is not None) or onednn_packs_bf16()
+
+
 @dataclass
 class PackedWeight:
-    """A linear weight [N, K] in a kernel's layout: the AMX tiles of `kernels`, or oneDNN's layout
-    when kernels is None."""
+    """A linear weight [N, K] in a kernel's layout: the native kernel's of `kernels`; oneDNN's when
+    kernels is None and onednn; the plain weight (F.linear) when neither."""
 
     data: torch.Tensor
     kernels: CpuKernels | None
+    onednn: bool = True
 
     def matmul(
         self, x: torch.Tensor, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None
     ) -> torch.Tensor:
         """x W^T (+ bias) (+ residual, added to the fp32 sum before rounding: one pass less, and
-        closer to the fp32 result)."""
+        closer to the fp32 result; F.linear adds it after rounding)."""
         if self.kernels is not None:
             return self.kernels.linear(x, self.data, bias, residual)
-        return onednn_linear(x, self.data, bias, residual)
+        if self.onednn:
+            return onednn_linear(x, self.data, bias, residual)
+        out = F.linear(x, self.data, bias)
+        return out if residual is None else out + residual
 
     @property
     def row_invariant(self) -> bool:
@@ -64,13 +79,13 @@ class PackedWeight:
     def to_dense(self) -> torch.Tensor:
         if self.kernels is not None:
             return self.kernels.unpack_linear(self.data)
-        return self.data.to_dense()
+        return self.data.to_dense() if self.onednn else self.data
 
 
 @dataclass(frozen=True)
 class WeightPacking:
-    """How this process packs bf16 linear weights: for the AMX matmul of `kernels` where it runs
-    them, else for oneDNN."""
+    """How this process packs bf16 linear weights: for the native matmul of `kernels` where it
+    takes them, else for oneDNN where it packs bf16, else not at all."""
 
     kernels: CpuKernels | None = None
 
@@ -79,7 +94,16 @@ class WeightPacking:
             tiles = self.kernels.pack_linear(weight)
             if tiles is not None:
                 return PackedWeight(tiles, self.kernels)
-        return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight, None), None)
+        if onednn_packs_bf16():
+            return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight, None), None)
+        return PackedWeight(weight, None, onednn=False)
+
+    @property
+    def kernel(self) -> str:
+        """The linear kernel of this process, as /get_server_info reports it."""
+        if self.kernels is not None and self.kernels.linear_kernel is not None:
+            return self.kernels.linear_kernel
+        return "onednn" if onednn_packs_bf16() else "F.linear"
 
 
 def onednn_linear(

@@ -2,11 +2,14 @@
 
 A model class that can run this way declares it (`fused_decode_plan()` on the Llama family); the
 model runner asks once at startup and takes it when everything a layer runs has a native kernel:
-bf16 on a CPU with AMX (every linear packed for the AMX matmul), one tensor-parallel rank, no q/k
-norms, a head shape the decode and prefix attention kernels are compiled for, and the cpu_native
+bf16 on a CPU with a native linear kernel (every linear packed for the AMX matmul, or for
+csrc/bf16_linear.cpp on AVX2 / AVX-512 CPUs without AMX), one tensor-parallel rank, no q/k norms, a
+head shape the decode (and, with AMX, prefix) attention kernels are compiled for, and the cpu_native
 attention backend. The native loop runs the same kernels in the same order as the per-layer path,
 so the result is bit for bit the same (tests/models/test_fused_decode.py); what goes is the Python
-and dispatch cost of ~15 calls per layer (figures: docs/architecture.md).
+and dispatch cost of ~15 calls per layer (figures: docs/architecture.md). Without AMX a step whose
+requests share a prefix runs per layer: there the cascade's shared part runs on torch's flash
+attention, which no native kernel reproduces bit for bit.
 """
 
 from __future__ import annotations
@@ -45,9 +48,11 @@ class FusedDecodePlan:
     intermediate: int
     eps: float
     scale: float
+    # Whether the native loop attends a shared prefix itself (AMX); else such steps run per layer.
+    shared_prefix: bool = False
 
     def ready(self) -> bool:
-        """Every linear is packed for the AMX matmul (checked when the plan is made)."""
+        """Every linear is packed for the native linear kernel (checked when the plan is made)."""
         return all(
             linear.packed is not None and linear.packed.kernels is not None
             for layer in self.layers
@@ -67,6 +72,15 @@ class FusedDecodePlan:
             norms = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
             rows.append([norms[0], qkv, bias, o, norms[1], gate_up, down, k_pool, v_pool])
         return torch.tensor(rows, dtype=torch.int64)
+
+    def takes(self, attention: AttentionCall) -> bool:
+        """Whether this decode step runs in the native loop (else per layer)."""
+        metadata = attention.metadata
+        return (
+            self.shared_prefix
+            or not isinstance(metadata, CpuDecodeMetadata)
+            or metadata.shared_prefix is None
+        )
 
     def run(self, hidden: torch.Tensor, attention: AttentionCall, rope: Rope) -> torch.Tensor:
         """hidden ([B, hidden] bf16) after every decoder layer of a decode step."""

@@ -159,8 +159,9 @@ class CausalLM(nn.Module):
             for row, vectors in batch.input_embeds:
                 hidden[row : row + len(vectors)] = vectors
         rope = self.rotary.lookup(batch.positions, hidden.dtype, self.kernels)
-        if self.fused_decode is not None and batch.mode is ForwardMode.DECODE:
-            hidden = self.fused_decode.run(hidden, attention, rope)
+        fused = self.fused_decode
+        if fused is not None and batch.mode is ForwardMode.DECODE and fused.takes(attention):
+            hidden = fused.run(hidden, attention, rope)
         else:
             for layer in self.layers:
                 hidden = layer(hidden, attention, rope)
@@ -174,10 +175,13 @@ class CausalLM(nn.Module):
 
     def fused_decode_plan(self) -> FusedDecodePlan | None:
         """This model's layers for the fused native decode loop (models/fused_decode.py), or None
-        where it cannot run them: no AMX matmul here, q/k norms (Qwen3), tensor parallelism, a head
-        shape without compiled kernels, biases on o_proj/down_proj, or a linear not AMX-packed."""
+        where it cannot run them: no native linear kernel here, q/k norms (Qwen3), tensor
+        parallelism, a head shape without compiled kernels (with AMX: head_dim a multiple of 32 for
+        its prefix attention), biases on o_proj/down_proj, or a linear the native kernel declined."""
         kernels, config = self.kernels, self.config
-        if kernels is None or not kernels.has_amx_linear or config.qk_norm or config.head_dim % 32:
+        if kernels is None or kernels.linear_kernel is None or config.qk_norm:
+            return None
+        if kernels.has_amx_linear and config.head_dim % 32:
             return None
         layers = cast("list[DecoderLayer]", list(self.layers))
         first = layers[0]
@@ -211,6 +215,7 @@ class CausalLM(nn.Module):
             intermediate=first.mlp.down_proj.local_input,
             eps=first.input_layernorm.eps,
             scale=attention.scale,
+            shared_prefix=kernels.has_amx_linear,
         )
         return plan if plan.ready() else None
 

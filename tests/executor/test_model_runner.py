@@ -6,12 +6,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from radixserve.config.server_args import InvalidArgumentError
 from radixserve.executor.model_runner import ModelRunner
 from radixserve.executor.runner_config import RunnerConfig
+from radixserve.kernels.native import executable_isas
 
 
 def _runner(model_dir: Path, **overrides: object) -> ModelRunner:
@@ -30,8 +32,9 @@ def test_torch_ops_only_take_the_torch_backend_and_say_why(
     assert described["decode_path"].startswith("torch SDPA over length buckets")
     assert described["cpu_kernels"] == "torch" and described["cpu_kernels_isa"] is None
     logged = [r.getMessage() for r in caplog.records if "attention backend:" in r.getMessage()]
+    assert described["linear_kernel"] == "F.linear"  # fp32: no packing
     assert logged == [f"attention backend: torch_native ({described['attention_backend_reason']}); "
-                      f"decode path: {described['decode_path']}"]  # fmt: skip
+                      f"decode path: {described['decode_path']}; linear kernel: F.linear"]  # fmt: skip
 
 
 def test_auto_takes_the_native_backend_where_the_kernels_load(
@@ -71,7 +74,8 @@ def test_batch_invariant_bf16_names_its_decode_path(
     tiny_model_dir: Callable[[str], Path], native_kernels: object
 ) -> None:
     runner = _runner(tiny_model_dir("llama"), dtype="bfloat16", enable_deterministic_inference=True)
-    assert runner.describe()["decode_path"].startswith("batch-invariant")
+    path = runner.describe()["decode_path"]
+    assert "batch-invariant: native paged decode kernel in 128-token pieces" in path, path
 
 
 def test_runner_config_takes_exactly_its_fields_from_server_args() -> None:
@@ -81,3 +85,28 @@ def test_runner_config_takes_exactly_its_fields_from_server_args() -> None:
     config = RunnerConfig.from_server_args(args)
     assert (config.model_path, config.attention_backend, config.page_size) == ("m", "torch_native", 4)
     assert not hasattr(config, "port")
+
+
+def test_cpu_isa_builds_the_kernels_for_that_isa(
+    tiny_model_dir: Callable[[str], Path], native_kernels: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--cpu-isa avx2 (which wins over RADIXSERVE_CPU_ISA) runs the AVX2 kernels, bf16 linears on
+    bf16_linear.cpp's AVX2 variant, in the fused decode loop."""
+    if "avx2" not in executable_isas():
+        pytest.skip("this CPU cannot run AVX2 code")
+    monkeypatch.setenv("RADIXSERVE_CPU_ISA", "native")  # the flag wins
+    runner = _runner(tiny_model_dir("llama"), dtype="bfloat16", cpu_isa="avx2")
+    described = runner.describe()
+    assert described["cpu_kernels_isa"] == "avx2"
+    assert described["linear_kernel"] == "native_avx2"
+    assert described["decode_path"].startswith("fused native decode loop")
+    assert runner.stats()["kernel_fallbacks"] == {}
+
+
+def test_cpu_isa_amx_without_amx_fails_at_startup(
+    tiny_model_dir: Callable[[str], Path], native_kernels: Any
+) -> None:
+    if native_kernels.has_amx_linear:
+        pytest.skip("this CPU offers AMX")
+    with pytest.raises(InvalidArgumentError, match="--cpu-isa amx: this CPU \\(or OS\\) offers no AMX tiles"):
+        _runner(tiny_model_dir("llama"), cpu_isa="amx")

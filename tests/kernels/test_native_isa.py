@@ -91,6 +91,9 @@ def test_the_loaded_library_is_the_isa_asked_for() -> None:
     assert selected == isa
     assert library.compiled_isa() == native.ISAS[isa].compiled
     assert library.amx_linear_available() == 0
+    # and the non-AMX matmul (csrc/bf16_linear.cpp) is the variant of that ISA
+    assert library.bf16_linear_isa() == {"avx2": 1, "avx512": 2, "avx512_bf16": 4}[isa]
+    assert CpuKernels(library).linear_kernel == f"native_{isa}"
     status = library.amx_prefix_attention_bf16(
         None, 0, None, None, 0, None, None, 0, None, 1, 1, 1, 32, 1, 1.0, -1
     )

@@ -9,6 +9,11 @@
 // the new tokens' slots; attention (the prefix all requests share on AMX tiles, the rest by the
 // paged decode kernel, merged by log-sum-exp); hidden += o_proj; RMSNorm; gate/up; SiLU·mul;
 // hidden += down_proj.
+//
+// The linears run on the kernel the weights were packed for (the caller says which): the AMX matmul,
+// or bf16_linear.cpp's on a CPU without AMX. Without AMX there is no native shared-prefix attention
+// (the per-layer path runs torch's flash attention there, whose bits this loop could not reproduce),
+// so the caller runs steps with a shared prefix per layer and passes prefix_length 0 here.
 
 #include <stdint.h>
 #include <string.h>
@@ -28,6 +33,9 @@ int decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k
                           const int64_t *lens, uint16_t *out, int64_t batch, int64_t heads, int64_t kv_heads,
                           int64_t head_dim, float scale, int64_t prefix_length, const uint16_t *prefix_out,
                           int64_t prefix_head_stride, int64_t prefix_row_stride, const float *prefix_lse);
+void bf16_linear(const uint16_t *x, int64_t x_stride, const uint16_t *packed, uint16_t *out, int64_t out_stride,
+                 const uint16_t *bias, const uint16_t *residual, int64_t residual_stride, int64_t m, int64_t n,
+                 int64_t k);
 void amx_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed, uint16_t *out, int64_t out_stride,
                      const uint16_t *bias, const uint16_t *residual, int64_t residual_stride, int64_t m, int64_t n,
                      int64_t k);
@@ -39,7 +47,8 @@ int amx_prefix_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_
 
 namespace {
 
-// One layer's weights (linears packed for amx_linear_bf16) and its K/V pool, as pointers.
+// One layer's weights (linears packed for the kernel named by fused_decode_bf16's linear_kind) and its
+// K/V pool, as pointers.
 struct Layer {
     const uint16_t *input_norm, *qkv, *qkv_bias, *o, *post_norm, *gate_up, *down;
     uint16_t *k_cache, *v_cache;
@@ -51,17 +60,20 @@ struct Shape {
 
 }  // namespace
 
-// hidden [batch, hidden] is the residual stream, updated in place. Returns 0; 1 in a build without
-// AMX; or the failing kernel's status (the caller checked every condition first, so either is a bug).
-extern "C" int fused_decode_bf16(const Layer *layers, int64_t num_layers, uint16_t *hidden, int64_t batch,
+// hidden [batch, hidden] is the residual stream, updated in place. linear_kind: 0 the AMX matmul, 1
+// bf16_linear. Returns 0; 1 for AMX asked of a build without it; 2 for a shared prefix without AMX;
+// or the failing kernel's status (the caller checked every condition first, so any is a bug).
+extern "C" int fused_decode_bf16(int64_t linear_kind, const Layer *layers, int64_t num_layers, uint16_t *hidden, int64_t batch,
                                  int64_t hidden_size, int64_t intermediate, int64_t heads, int64_t kv_heads,
                                  int64_t head_dim, float eps, float scale, const float *cos_table,
                                  const float *sin_table, const int64_t *positions, const int64_t *out_slots,
                                  const int64_t *req_to_token, int64_t table_stride, const int64_t *req_rows,
                                  const int64_t *seq_lens, int64_t prefix_length, const int64_t *prefix_slots) {
 #ifndef RADIXSERVE_AMX
-    return 1;  // every linear runs on the AMX matmul, which this build lacks (the caller checks first)
+    if (linear_kind == 0) return 1;
 #endif
+    if (prefix_length && linear_kind != 0) return 2;
+    auto *linear = linear_kind == 0 ? amx_linear_bf16 : bf16_linear;
     const Shape s{batch, hidden_size, intermediate, heads, kv_heads, head_dim};
     const int64_t q_width = s.heads * s.head_dim, kv_width = s.kv_heads * s.head_dim;
     const int64_t qkv_width = q_width + 2 * kv_width, prefix_rows = s.batch * (s.heads / s.kv_heads);
@@ -81,7 +93,7 @@ extern "C" int fused_decode_bf16(const Layer *layers, int64_t num_layers, uint16
     for (int64_t l = 0; l < num_layers; l++) {
         const Layer &w = layers[l];
         rms_norm_bf16(hidden, s.hidden, w.input_norm, normed, s.batch, s.hidden, eps);
-        amx_linear_bf16(normed, s.hidden, w.qkv, qkv, qkv_width, w.qkv_bias, nullptr, 0, s.batch, qkv_width,
+        linear(normed, s.hidden, w.qkv, qkv, qkv_width, w.qkv_bias, nullptr, 0, s.batch, qkv_width,
                         s.hidden);
         // Query and key heads are adjacent: rotated together.
         rotary_bf16(qkv, qkv_width, s.batch, s.heads + s.kv_heads, s.head_dim, cos_table, sin_table, positions);
@@ -102,12 +114,12 @@ extern "C" int fused_decode_bf16(const Layer *layers, int64_t num_layers, uint16
             s.heads, s.kv_heads, s.head_dim, scale, prefix_length, prefix_length ? prefix_out : nullptr,
             prefix_rows * s.head_dim, s.head_dim, prefix_length ? prefix_lse.data() : nullptr);
         if (status) return 200 + status;
-        amx_linear_bf16(attn, q_width, w.o, hidden, s.hidden, nullptr, hidden, s.hidden, s.batch, s.hidden, q_width);
+        linear(attn, q_width, w.o, hidden, s.hidden, nullptr, hidden, s.hidden, s.batch, s.hidden, q_width);
         rms_norm_bf16(hidden, s.hidden, w.post_norm, normed, s.batch, s.hidden, eps);
-        amx_linear_bf16(normed, s.hidden, w.gate_up, gate_up, 2 * s.intermediate, nullptr, nullptr, 0, s.batch,
+        linear(normed, s.hidden, w.gate_up, gate_up, 2 * s.intermediate, nullptr, nullptr, 0, s.batch,
                         2 * s.intermediate, s.hidden);
         silu_and_mul_bf16(gate_up, 2 * s.intermediate, act, s.batch, s.intermediate);
-        amx_linear_bf16(act, s.intermediate, w.down, hidden, s.hidden, nullptr, hidden, s.hidden, s.batch, s.hidden,
+        linear(act, s.intermediate, w.down, hidden, s.hidden, nullptr, hidden, s.hidden, s.batch, s.hidden,
                         s.intermediate);
     }
     return 0;

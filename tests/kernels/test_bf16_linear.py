@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from radixserve.kernels.cpu_ops import CpuKernels
+from tests.conftest import exact_linear
 
 
 @pytest.fixture(scope="module")
@@ -38,17 +39,6 @@ def _in_kernel_order(
     return acc.bfloat16()
 
 
-def _exact(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None
-) -> torch.Tensor:
-    out = x.double() @ weight.double().T
-    if bias is not None:
-        out += bias.double()
-    if residual is not None:
-        out += residual.double()
-    return out
-
-
 def _check(
     kernels: CpuKernels, got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, *extra: torch.Tensor | None
 ) -> None:
@@ -59,7 +49,7 @@ def _check(
         assert torch.equal(got, expected), float((got.float() - expected.float()).abs().max())
     # Any order of fp32 sums over K <= 1536 terms of size ~1, then one rounding to bf16: within a
     # bf16 step (2^-7 relative) of the exact sum, plus the fp32 sums' own error near zero.
-    torch.testing.assert_close(got.double(), _exact(x, weight, bias, residual), rtol=2**-7, atol=1e-4)
+    torch.testing.assert_close(got.double(), exact_linear(x, weight, bias, residual), rtol=2**-7, atol=1e-4)
 
 
 # Row counts around the 4-row register tiles; column counts around the 16-column blocks and the

@@ -13,6 +13,7 @@ from radixserve.layers.packed_weights import (
     onednn_linear,
     round_up_to_eighth,
 )
+from tests.conftest import exact_linear
 
 needs_onednn = pytest.mark.skipif(
     not cpu_packing_supported(torch.bfloat16, torch.device("cpu")), reason="needs oneDNN on this CPU"
@@ -48,18 +49,6 @@ def test_padded_rows_give_the_same_bits(rows: int) -> None:
     )
 
 
-def _reference(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None
-) -> torch.Tensor:
-    """The fp32 result rounded once to bf16, as the kernel promises."""
-    out = x.double() @ weight.double().T
-    if bias is not None:
-        out += bias.double()
-    if residual is not None:
-        out += residual.double()
-    return out.float()
-
-
 # Row counts around the kernel's 16-row tiles and 32-row blocks; shapes with one column block (the
 # threads then split the rows) and with long inputs.
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 31, 32, 33, 70, 300])
@@ -78,7 +67,7 @@ def test_amx_matmul_matches_fp32(
     for b, r in ((None, None), (bias, None), (None, residual), (bias, residual)):
         got = packed.matmul(x, b, r)
         assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
-        expected = _reference(x, weight, b, r)
+        expected = exact_linear(x, weight, b, r).float()
         # fp32 sums in another order, then one rounding: within one bf16 step of the exact result.
         torch.testing.assert_close(got.float(), expected, rtol=2**-7, atol=1e-5)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -121,25 +122,36 @@ def test_clients_that_disconnect_abort_their_requests(server: LiveServer) -> Non
 
 def test_health_answers_while_every_stream_waits_on_a_long_step(server: LiveServer) -> None:
     """/health never waits on the scheduler: with 32 streams running and every forward step taking
-    3 s (the /slow_down hook), 16 probes sent just after a step's outputs all come back before the
-    next step's outputs. A probe queued behind the scheduler would come back after them."""
+    3 s (the /slow_down hook), 16 probes sent once a whole step's outputs have arrived all come back
+    before the next step's outputs. A probe queued behind the scheduler would come back after them."""
     step_s = 3.0
+    streams_n = 32
     arrivals: list[float] = []
+    chunks = [0] * streams_n
 
     async def stream_one(client: httpx.AsyncClient, i: int) -> None:
-        body = {"input_ids": [40 + i, 41], "stream": True, "sampling_params": {**LONG, "max_new_tokens": 4}}
+        body = {"input_ids": [40 + i, 41], "stream": True, "sampling_params": {**LONG, "max_new_tokens": 8}}
         async with client.stream("POST", "/generate", json=body) as response:
             async for line in response.aiter_lines():
                 if line.startswith("data: {"):
                     arrivals.append(time.monotonic())
+                    chunks[i] += 1
+
+    async def until(condition: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + 300
+        while not condition():
+            assert time.monotonic() < deadline, "the streams stopped producing outputs"
+            await asyncio.sleep(0.01)
 
     async def run() -> tuple[float, float, list[int]]:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=300) as client:
-            streams = [asyncio.create_task(stream_one(client, i)) for i in range(32)]
-            while not arrivals:
-                await asyncio.sleep(0.01)
-            # Let the rest of this step's outputs arrive; the next ones are >= step_s away.
-            await asyncio.sleep(0.3)
+            streams = [asyncio.create_task(stream_one(client, i)) for i in range(streams_n)]
+            # Every stream running (its prefill may have come in an earlier step than another's);
+            # then one more step, which gives each running stream exactly one chunk: once all of
+            # them are in, that step's outputs are complete and the next are >= step_s away.
+            await until(lambda: min(chunks) >= 1)
+            seen = list(chunks)
+            await until(lambda: all(c > s for c, s in zip(chunks, seen, strict=True)))
             sent = time.monotonic()
             probes = await asyncio.gather(*(client.get("/health") for _ in range(16)))
             answered = time.monotonic()

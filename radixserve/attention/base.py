@@ -9,8 +9,9 @@ built.
 Extension point: a new backend (a CUDA one on flashinfer or FlashAttention, say) subclasses
 AttentionBackend, implements check_available / plan_decode / extend / decode (and plan_extend where
 its extend needs more than the segments), and registers itself under its
---attention-backend name in attention/registry.py. VERIFY steps (k tokens per request, for
-speculative decoding) run the extend math unless a backend overrides `verify`.
+--attention-backend name in attention/registry.py. VERIFY steps (speculative decoding's drafts)
+run the extend math when every request's drafts are a chain, and a tree-masked attention
+(attention/extend.py, tree_attention) when some are a tree, unless a backend overrides `verify`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from radixserve.attention.extend import tree_attention
 from radixserve.cache.pools import KVCachePool
 from radixserve.forward.batch import DecodeLayout, ExtendSegment, ForwardBatch, ForwardMode
 from radixserve.kernels.cpu_ops import CpuKernels
@@ -78,6 +80,14 @@ class ExtendMetadata(AttentionMetadata):
     segments: list[ExtendSegment]
 
 
+@dataclass
+class TreeVerifyMetadata(ExtendMetadata):
+    """A VERIFY step where some request's drafts form a tree: per request, which of its new tokens
+    each new token sees (None: causal), as in ForwardBatch.verify_masks."""
+
+    masks: list[torch.Tensor | None]
+
+
 class AttentionBackend(ABC):
     name: ClassVar[str]
     # Whether decode gathers K/V out of the pool (and so may keep gathered copies between steps:
@@ -99,6 +109,9 @@ class AttentionBackend(ABC):
             assert batch.decode is not None
             return self.plan_decode(batch.decode)
         assert batch.extend is not None
+        masks = batch.verify_masks
+        if batch.mode is ForwardMode.VERIFY and masks is not None and any(m is not None for m in masks):
+            return TreeVerifyMetadata(batch.mode, batch.extend, masks)
         return self.plan_extend(batch.mode, batch.extend)
 
     @abstractmethod
@@ -118,8 +131,13 @@ class AttentionBackend(ABC):
         """One query per request (q: [B, H, D]) over its whole context, its new token's included."""
 
     def verify(self, x: LayerInputs, metadata: AttentionMetadata) -> torch.Tensor:
-        """k proposed tokens per request, each seeing its context and the proposals before it:
-        the extend math. A backend with a faster fixed-k kernel overrides this."""
+        """Proposed tokens per request, each seeing its context and its ancestors among them: the
+        extend math for chains, a masked attention for trees. A backend with a faster kernel
+        overrides this."""
+        if isinstance(metadata, TreeVerifyMetadata):
+            return tree_attention(
+                x.q, x.k, x.v, x.k_cache, x.v_cache, metadata.segments, metadata.masks, x.scale
+            )
         return self.extend(x, metadata)
 
     def forward(self, x: LayerInputs, metadata: AttentionMetadata) -> torch.Tensor:

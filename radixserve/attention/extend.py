@@ -146,6 +146,37 @@ def _cascade_extend(
     out[rows] = merged
 
 
+def tree_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    segments: list[ExtendSegment],
+    masks: list[torch.Tensor | None],
+    scale: float,
+) -> torch.Tensor:
+    """A verify step's attention when drafts form trees: new token i of a segment sees the cached
+    prefix and the new tokens masks[s][i] marks (itself and its ancestors); a None mask is causal.
+    One masked SDPA per request: a verify step has a handful of tokens per request."""
+    out = torch.empty_like(q)
+    for seg, tree in zip(segments, masks, strict=True):
+        rows = slice(seg.q_start, seg.q_start + seg.q_len)
+        keys, values = k[rows], v[rows]
+        if seg.prefix_len:
+            keys = torch.cat((k_cache.index_select(0, seg.prefix_slots), keys))
+            values = torch.cat((v_cache.index_select(0, seg.prefix_slots), values))
+        if tree is None:
+            out[rows] = _causal_sdpa(q[rows], keys, values, seg.prefix_len, scale)
+            continue
+        seen = torch.ones(seg.q_len, seg.prefix_len + seg.q_len, dtype=torch.bool, device=q.device)
+        seen[:, seg.prefix_len :] = tree.to(q.device)
+        qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q[rows], keys, values))
+        attended = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=seen, scale=scale, enable_gqa=True)
+        out[rows] = attended.squeeze(0).transpose(0, 1)
+    return out
+
+
 def _causal_sdpa(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int, scale: float
 ) -> torch.Tensor:

@@ -1,6 +1,7 @@
-"""`radixserve bench offline | serving | soak`.
+"""`radixserve bench offline | serving | soak | speculative`.
 
 offline: the in-process throughput benchmark against a transformers baseline.
+speculative: decode speed with NGRAM speculation on and off (radixserve/bench/speculative.py).
 serving: an OpenAI-API load test against any running server (radixserve/bench/serving.py).
 soak: a fault and soak harness against any running server (radixserve/bench/soak.py).
 """
@@ -105,10 +106,13 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
         description="radixserve benchmarks; see `radixserve bench offline -h`, `bench serving -h` and "
         "`bench soak -h`.",
     )
-    bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="{offline,serving,soak}")
+    bench_sub = bench.add_subparsers(
+        dest="bench_command", required=True, metavar="{offline,serving,soak,speculative}"
+    )
     _add_offline_parser(bench_sub)
     _add_serving_parser(bench_sub)
     _add_soak_parser(bench_sub)
+    _add_speculative_parser(bench_sub)
     return bench
 
 
@@ -414,3 +418,37 @@ def _add_soak_parser(bench_sub: Any) -> argparse.ArgumentParser:
     soak.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     soak.set_defaults(func=_bench_soak)
     return soak
+
+
+def _bench_speculative(args: argparse.Namespace) -> int:
+    import json
+
+    from radixserve.bench.speculative import format_table, run_speculative_bench
+
+    engine_args = {"cpu_isa": args.cpu_isa} if args.cpu_isa != "auto" else {}
+    report = run_speculative_bench(args.dtype, args.repeats, Path(args.work_dir), engine_args=engine_args)
+    print()
+    print(format_table(report))
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2), encoding="utf-8")
+        print(f"\nwrote {args.out}")
+    return 0
+
+
+def _add_speculative_parser(bench_sub: Any) -> argparse.ArgumentParser:
+    bench: argparse.ArgumentParser = bench_sub.add_parser(
+        "speculative",
+        help="decode tok/s with --speculative-algorithm NGRAM on and off (copy-heavy chats and W3)",
+        description=(
+            "Runs a copy-heavy chat workload on the packaged SmolLM2-135M-Instruct (single stream and "
+            "batch 8) and W3 on a random SmolLM2-135M, with NGRAM speculation off and on, and prints "
+            "decode tok/s, the ratio and the mean accept length."
+        ),
+    )
+    bench.add_argument("--dtype", default="bfloat16", choices=_BENCH_DTYPES)
+    bench.add_argument("--repeats", type=_positive_int, default=3, help="timed runs per result; median")
+    bench.add_argument("--work-dir", default="bench-work", help="where the random model is written")
+    bench.add_argument("--cpu-isa", default="auto", choices=CPU_ISA_CHOICES, help="as for the server")
+    bench.add_argument("--out", default=None, help="write the report as JSON here")
+    bench.set_defaults(func=_bench_speculative)
+    return bench

@@ -99,6 +99,12 @@ class KVCachePool:
         self.k_buffers[layer_id].index_copy_(0, loc, k.to(self.dtype))
         self.v_buffers[layer_id].index_copy_(0, loc, v.to(self.dtype))
 
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Every layer's K/V at slots src copied to slots dst (src read before anything is written)."""
+        for buffers in (self.k_buffers, self.v_buffers):
+            for buffer in buffers:
+                buffer.index_copy_(0, dst, buffer.index_select(0, src))
+
     @staticmethod
     def bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize

@@ -7,6 +7,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from radixserve.config.speculative_args import add_speculative_args, validate_speculative_args
+
 SchedulePolicyName = Literal["fcfs", "lpm", "dfs-weight", "lof", "random"]
 SCHEDULE_POLICIES: tuple[str, ...] = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16")
@@ -105,6 +107,17 @@ class ServerArgs:
     # Idle children wake up every 5 s instead of every 0.5 s (to check that the server still runs).
     sleep_on_idle: bool = False
 
+    # Speculative decoding (scheduler/speculative/; flags in config/speculative_args.py).
+    speculative_algorithm: str | None = None
+    speculative_num_draft_tokens: int = 8
+    speculative_ngram_min_match_window_size: int = 1
+    speculative_ngram_max_match_window_size: int = 12
+    speculative_ngram_min_bfs_breadth: int = 1
+    speculative_ngram_max_bfs_breadth: int = 10
+    speculative_ngram_match_type: str = "BFS"
+    speculative_ngram_branch_length: int = 18
+    speculative_ngram_capacity: int = 1_000_000
+
     # Parallelism (docs/parallelism.md): tp_size ranks share one model's weights; dp_size
     # replicas each serve a whole model (runtime/dp_router.py). A model's ranks may span nnodes
     # machines, which meet at dist_init_addr (HOST:PORT, reachable from every node).
@@ -187,6 +200,7 @@ class ServerArgs:
                 f"--load-balance-method must be one of {methods}, got {self.load_balance_method!r}"
             )
         self._validate_parallelism()
+        validate_speculative_args(self, InvalidArgumentError)
 
     def _validate_parallelism(self) -> None:
         if self.tp_size < 1:
@@ -334,6 +348,7 @@ class ServerArgs:
             help="publish each step's results during the next forward, on a CPU too (off there by default)",
         )
 
+        add_speculative_args(parser)
         if http:
             ServerArgs._add_http_args(parser)
 

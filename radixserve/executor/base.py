@@ -60,6 +60,11 @@ class Executor(Protocol):
         """One fp32 embedding per request that completes its prompt in this batch, in row order."""
         ...
 
+    def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copies the K/V of slots src to slots dst in every layer (speculative decoding moves an
+        accepted draft path's K/V to the positions it ends up at)."""
+        ...
+
     def idle(self) -> None:
         """Nothing runs now: a chance to give back scratch memory."""
         ...

@@ -418,6 +418,10 @@ class ModelRunner:
         logits, hidden = self.model(batch, self._attention_call(batch))
         return logits, hidden
 
+    def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        self._check_resident("move_kv")
+        self.kv_pool.move(src.to(self.device), dst.to(self.device))
+
     def idle(self) -> None:
         """Nothing runs: gives back the memory the attention backend keeps between steps."""
         if self.attention is not None:

@@ -14,8 +14,9 @@ class ForwardMode(Enum):
     EXTEND = "extend"
     # Every request computes exactly one token.
     DECODE = "decode"
-    # Every request checks k proposed tokens at once (speculative decoding's verify step): an
-    # extend of k tokens whose every position is sampled. `ForwardBatch.verify_tokens` is k.
+    # Every request checks proposed tokens at once (speculative decoding's verify step): an extend
+    # whose every position is sampled. The new tokens form a chain (causal) or a tree
+    # (`ForwardBatch.verify_masks`), each token seeing its ancestors only.
     VERIFY = "verify"
 
     @property
@@ -72,8 +73,9 @@ class ForwardBatch:
     decode: DecodeLayout | None = None
     # Rows whose input is a given vector rather than a token id's embedding: (first row, [n, H]).
     input_embeds: list[tuple[int, torch.Tensor]] | None = None
-    # VERIFY only: the tokens each request checks (its segment's q_len).
-    verify_tokens: int = 0
+    # VERIFY only, one per request: a [q_len, q_len] bool matrix, True where new token i may see
+    # new token j (itself and its ancestors in the draft tree); None for a chain (plain causal).
+    verify_masks: list[torch.Tensor | None] | None = None
 
     @property
     def num_tokens(self) -> int:

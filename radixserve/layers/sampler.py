@@ -43,6 +43,9 @@ class SamplingBatch:
     logit_bias: tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     # [B, V] bool: the tokens a grammar allows each row (None: no row is constrained).
     allowed: torch.Tensor | None = None
+    # [B, 1]: each row's uniform number, when the caller drew them (speculative decoding draws a
+    # seeded request's per output position); None: drawn here, one per row.
+    uniforms: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -54,6 +57,7 @@ class SamplingBatch:
         banned_ids: list[list[int]] | None = None,
         histories: list[tuple[list[int], list[int]]] | None = None,
         allowed: torch.Tensor | None = None,
+        uniforms: torch.Tensor | None = None,
     ) -> SamplingBatch:
         """histories: each row's (prompt ids, output ids); needed only when a row has penalties."""
         greedy = [p.is_greedy for p in params]
@@ -100,6 +104,7 @@ class SamplingBatch:
             penalties=penalties,
             logit_bias=logit_bias,
             allowed=allowed,
+            uniforms=uniforms,
         )
 
 
@@ -199,7 +204,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, kernels: CpuKernels | Non
     scaled = logits / batch.temperatures
     # One number per row, drawn before anything else, so that which path a row takes below (or
     # which rows share its batch) never changes the number it gets.
-    uniform = _uniforms(batch.generators, scaled.device)
+    uniform = _uniforms(batch.generators, scaled.device) if batch.uniforms is None else batch.uniforms
     filtering = batch.filtering_rows
     sampled = greedy_ids
     if not bool(filtering.all()):

@@ -112,7 +112,15 @@ class Router:
 
 # Per-replica figures that are rates or fractions: averaged, not added, across replicas.
 _AVERAGED = frozenset(
-    {"token_usage", "cache_hit_rate", "new_token_ratio", "inter_token_latency", "time_to_first_token"}
+    {
+        "token_usage",
+        "cache_hit_rate",
+        "new_token_ratio",
+        "inter_token_latency",
+        "time_to_first_token",
+        "avg_spec_accept_length",
+        "spec_accept_rate",
+    }
 )
 # Settings every replica shares: taken from the first.
 _SHARED = frozenset({"max_total_tokens", "context_len"})

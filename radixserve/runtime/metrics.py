@@ -25,6 +25,8 @@ SCHEDULER_GAUGES = {
     "cache_hit_rate": "cache_hit_rate",
     "gen_throughput": "gen_throughput",
     "num_retracted_reqs": "retracted_reqs",
+    "spec_accept_length": "avg_spec_accept_length",
+    "spec_accept_rate": "spec_accept_rate",
 }
 
 

@@ -21,6 +21,7 @@ from radixserve.forward.batch import (
     ForwardMode,
     build_decode_layout,
 )
+from radixserve.forward.draft_tree import DraftTree
 from radixserve.scheduler.request import Req
 
 # Admission serials (Req.admission), unique within the process.
@@ -193,36 +194,55 @@ def build_decode_batch(reqs: list[Req], kv: KVContext) -> ForwardBatch:
     )
 
 
-def build_verify_batch(reqs: list[Req], proposals: list[list[int]], kv: KVContext) -> ForwardBatch:
-    """A VERIFY step, the seam for speculative decoding: each decoding request computes k tokens in
-    one forward (its last sampled token, whose K/V is not in the pool yet, then its k - 1 proposed
-    tokens) and every position is sampled, so that row j's logits check proposal j + 1.
+def build_verify_batch(reqs: list[Req], trees: list[DraftTree], kv: KVContext) -> ForwardBatch:
+    """A VERIFY step (speculative decoding): each decoding request computes its draft tree in one
+    forward (the root, its last sampled token whose K/V is not in the pool yet, then the proposed
+    tokens) and every node is sampled, so that node i's logits check its children.
 
-    The k new KV slots are written into each request's row but its kv_len is left alone: how many
-    proposals are accepted, and so which slots the request keeps, is the caller's decision (a
-    speculative worker frees the rest). Nothing calls this yet."""
-    if not reqs or len(proposals) != len(reqs) or len({len(p) for p in proposals}) != 1:
-        raise ValueError("one list of proposed tokens per request, all of the same length")
-    k = 1 + len(proposals[0])
+    Node i's K/V goes to the slot of position kv_len + i in the request's row, though its position
+    is kv_len + its depth: which nodes are accepted, and so which K/V the request keeps (moved to
+    the positions of the accepted path), is decided after the forward (commit_verified). kv_len
+    is left alone here."""
+    if not reqs or len(trees) != len(reqs):
+        raise ValueError("one draft tree per request")
     table = kv.req_to_token_pool.req_to_token
     prefix_lens = [r.kv_len for r in reqs]
-    out_cache_loc = _allocate_extend(reqs, [k] * len(reqs), kv)
+    sizes = [len(t) for t in trees]
+    out_cache_loc = _allocate_extend(reqs, sizes, kv)
     input_ids: list[int] = []
-    positions: list[torch.Tensor] = []
+    positions: list[int] = []
     segments: list[ExtendSegment] = []
-    for index, (req, start, proposed) in enumerate(zip(reqs, prefix_lens, proposals, strict=True)):
+    offset = 0
+    for req, start, tree in zip(reqs, prefix_lens, trees, strict=True):
+        if tree.tokens[0] != req.output_ids[-1]:
+            raise ValueError(f"request {req.rid}'s draft tree is not rooted at its last token")
+        n = len(tree)
         row = table[req.req_pool_idx]
-        row[start : start + k] = out_cache_loc[index * k : (index + 1) * k]
-        input_ids += [req.output_ids[-1], *proposed]
-        positions.append(torch.arange(start, start + k))
-        segments.append(ExtendSegment(index * k, k, start, row[:start], row[: start + k]))
+        row[start : start + n] = out_cache_loc[offset : offset + n]
+        input_ids += tree.tokens
+        positions += [start + d for d in tree.depths]
+        segments.append(ExtendSegment(offset, n, start, row[:start], row[: start + n]))
+        offset += n
     device = kv.device
+    masks = [None if t.is_chain else t.visibility() for t in trees]
     return ForwardBatch(
         mode=ForwardMode.VERIFY,
         input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
-        positions=torch.cat(positions).to(device),
+        positions=torch.tensor(positions, dtype=torch.int64, device=device),
         out_cache_loc=out_cache_loc.to(device),
-        sample_rows=torch.arange(k * len(reqs), device=device),
+        sample_rows=torch.arange(offset, device=device),
         extend=segments,
-        verify_tokens=k,
+        verify_masks=masks if any(m is not None for m in masks) else None,
     )
+
+
+def truncate_kv(req: Req, keep: int, allocated_end: int, kv: KVContext) -> None:
+    """A request keeps the K/V of its first `keep` positions; the slots of positions [keep,
+    allocated_end) that it took for a verify step go back, in whole pages (a page holding a kept
+    position stays: later tokens of the request fill it)."""
+    page = kv.allocator.page_size
+    first_free = -(-keep // page) * page
+    if first_free < allocated_end:
+        row = kv.req_to_token_pool.req_to_token[req.req_pool_idx]
+        kv.allocator.free(row[first_free:allocated_end])
+    req.kv_len = keep

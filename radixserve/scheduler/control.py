@@ -162,6 +162,14 @@ def get_stats(scheduler: ControlledScheduler, args: dict[str, Any]) -> Reply:
             "gen_throughput": s.stats.gen_throughput,
             "inter_token_latency": s.stats.inter_token_latency,
             "time_to_first_token": s.stats.time_to_first_token,
+            # Speculative decoding (SGLang's names): tokens per request per verify step, and
+            # the share of draft tokens accepted; 0 when it is off or has not verified yet.
+            "speculative_algorithm": s.args.speculative_algorithm,
+            "avg_spec_accept_length": s.stats.spec_accept_length,
+            "spec_accept_rate": s.stats.spec_accept_rate,
+            "spec_verify_steps": s.stats.spec_verify_reqs,
+            "spec_draft_tokens": s.stats.spec_draft_tokens,
+            "spec_accepted_tokens": s.stats.spec_accepted_tokens,
             "num_grammar_queue_reqs": len(s.grammar_queue.pending),
             "memory_released": sorted(s.executor.released),
             "resident_bytes": s.executor.resident_bytes(),

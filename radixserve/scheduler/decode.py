@@ -8,9 +8,10 @@ from __future__ import annotations
 import logging
 
 from radixserve.config.server_args import ServerArgs
-from radixserve.scheduler.batch import KVContext, KVExhaustedError, build_decode_batch
+from radixserve.scheduler.batch import KVContext, KVExhaustedError, build_decode_batch, build_verify_batch
 from radixserve.scheduler.policy import CLIP_MAX_NEW_TOKENS_ESTIMATE
 from radixserve.scheduler.request import Req
+from radixserve.scheduler.speculative.worker import NgramSpeculator
 from radixserve.scheduler.state import RequestQueues, ScheduledBatch, release_kv, token_usage
 from radixserve.scheduler.stats import SchedulerStats
 
@@ -65,8 +66,9 @@ class DecodeManager:
             * self.new_token_ratio
         )
 
-    def next_batch(self) -> ScheduledBatch:
-        """One decode step of every running request (there must be one)."""
+    def next_batch(self, speculator: NgramSpeculator | None = None) -> ScheduledBatch:
+        """One decode step of every running request (there must be one): a verify step of their
+        drafts when the speculator has some."""
         queues = self.queues
         if self.kv.available_with_eviction() < self.kv.slots_needed_for_decode(queues.running):
             self.retract()
@@ -74,13 +76,17 @@ class DecodeManager:
             self.new_token_ratio = max(
                 self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio
             )
-        forward = build_decode_batch(queues.running, self.kv)
+        plan = None if speculator is None else speculator.plan(queues.running, self.kv)
+        if plan is None:
+            forward = build_decode_batch(queues.running, self.kv)
+        else:
+            forward = build_verify_batch(queues.running, plan.trees, self.kv)
         self.stats.record_decode(len(queues.running))
         if self.stats.decode_steps % self.args.decode_log_interval == 0:
             used = self.max_total_tokens - self.kv.available_with_eviction()
             usage = token_usage(self.kv, self.max_total_tokens)
             self.stats.log_decode(len(queues.running), used, usage, len(queues.waiting))
-        return ScheduledBatch(list(queues.running), forward, is_prefill=False)
+        return ScheduledBatch(list(queues.running), forward, is_prefill=False, verify=plan)
 
     def retract(self) -> None:
         """Free KV for the decode step by sending requests back to the queue, fewest outputs first."""

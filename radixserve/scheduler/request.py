@@ -19,6 +19,21 @@ from radixserve.scheduler.logit_processors import LogitProcessor
 _arrival_counter = itertools.count()
 
 
+@dataclass
+class SpeculationState:
+    """A request's part in speculative decoding (scheduler/speculative/)."""
+
+    # How many of its tokens (prompt, then output) are in the shared n-gram index.
+    indexed: int = 0
+    # Over the current window of verify steps with drafts: steps, and drafts accepted.
+    window_steps: int = 0
+    window_accepted: int = 0
+    # Verify steps to sit out before drafting again, and the next such pause (doubling while
+    # acceptance stays low).
+    pause: int = 0
+    next_pause: int = 1
+
+
 @dataclass(eq=False)
 class Req:
     rid: str
@@ -85,6 +100,7 @@ class Req:
     hidden_states: list[list[float]] = field(default_factory=list)
     # A custom logit processor (scheduler/logit_processors.py), when the request names one.
     logit_processor: LogitProcessor | None = None
+    speculation: SpeculationState = field(default_factory=SpeculationState)
 
     @property
     def fill_ids(self) -> list[int]:

@@ -49,6 +49,7 @@ from radixserve.scheduler.prefill import PrefillManager
 from radixserve.scheduler.profiler import StepProfiler
 from radixserve.scheduler.rank_sync import RankSync
 from radixserve.scheduler.request import Req
+from radixserve.scheduler.speculative.worker import NgramSpeculator
 from radixserve.scheduler.state import RequestQueues, ScheduledBatch, release_kv, token_usage
 from radixserve.scheduler.stats import SchedulerStats
 
@@ -106,6 +107,10 @@ class Scheduler:
             args, self.kv, self.queues, self.decode, self.stats, max_running, self.max_total_tokens
         )
         self.policy: SchedulePolicy = self.prefill.policy
+        # --speculative-algorithm: decode steps verify drafts when there are some.
+        self.speculator = None
+        if args.speculative_algorithm == "NGRAM" and not self.is_embedding:
+            self.speculator = NgramSpeculator(args, self.context_len, self.req_to_token_pool.max_context_len)
         self.grammar_queue = GrammarQueue(
             args.grammar_backend,
             args.grammar_timeout,
@@ -386,6 +391,17 @@ class Scheduler:
         self.stats.forward_time_s += time.perf_counter() - forward_started
         self.step_started = None
         self.profiler.after_step(batch.is_prefill)
+        if batch.verify is not None:
+            decided = self._decide_verified(batch, logits, hidden)
+        else:
+            decided = self._decide_sampled(batch, logits, hidden)
+        if self.publisher is None:
+            return published + self._publish(decided)
+        self._unpublished = decided
+        return published
+
+    def _decide_sampled(self, batch: ScheduledBatch, logits: torch.Tensor, hidden: torch.Tensor) -> Decided:
+        """A prefill or decode step's results: one token for each request that samples."""
         sampling_reqs = [r for r in batch.reqs if r.kv_len == r.seq_len]
         if batch.forward.logprob_rows is not None:
             record_input_logprobs(batch.reqs, logits[len(sampling_reqs) :])
@@ -396,11 +412,20 @@ class Scheduler:
         if sampling_reqs:
             vocab, sample = self.config.vocab_size, self.executor.sample
             next_ids = pick_next_tokens(sampling_reqs, logits, hidden, vocab, sample, self._grammar_mask)
-        decided = self._decide(batch, dict(zip(map(id, sampling_reqs), next_ids, strict=True)))
-        if self.publisher is None:
-            return published + self._publish(decided)
-        self._unpublished = decided
-        return published
+        return self._decide(batch, {id(r): [token] for r, token in zip(sampling_reqs, next_ids, strict=True)})
+
+    def _decide_verified(self, batch: ScheduledBatch, logits: torch.Tensor, hidden: torch.Tensor) -> Decided:
+        """A verify step's results: each request's accepted drafts and one token of the model's."""
+        plan, reqs, speculator = batch.verify, batch.reqs, self.speculator
+        assert plan is not None and speculator is not None
+        vocab, sample = self.config.vocab_size, self.executor.sample
+        verified = speculator.verify(reqs, plan, logits, hidden, vocab, sample, self._grammar_mask)
+        speculator.commit(reqs, plan, verified, self.kv, self.executor.move_kv)
+        before = [len(r.output_ids) for r in reqs]
+        decided = self._decide(batch, {id(r): v.tokens for r, v in zip(reqs, verified, strict=True)})
+        kept = [len(r.output_ids) - n for r, n in zip(reqs, before, strict=True)]
+        speculator.record(reqs, plan, verified, kept, logits, self.kv, self.stats)
+        return decided
 
     def _run_embedding_batch(self, batch: ScheduledBatch) -> list[ReqOutput]:
         """Embedding requests finish with their prompt's pass (a chunk of a long one only fills KV)."""
@@ -435,18 +460,21 @@ class Scheduler:
         if prefill is not None:
             return prefill
         if self.queues.running:
-            return self.decode.next_batch()
+            return self.decode.next_batch(self.speculator)
         return None
 
     # ------------------------------------------------------------------ results out
 
-    def _decide(self, batch: ScheduledBatch, next_ids: dict[int, int]) -> Decided:
-        """Everything about the step's results that the next batch depends on (outputs.py)."""
+    def _decide(self, batch: ScheduledBatch, next_ids: dict[int, list[int]]) -> Decided:
+        """Everything about the step's results that the next batch depends on (outputs.py).
+        next_ids: each sampling request's new tokens (several after a verify step; those after
+        one that finishes the request are dropped)."""
         decided = Decided()
         queues = self.queues
         # Sets, not list scans: this runs for every request on every step.
         running = {id(r) for r in queues.running}
         finished: set[int] = set()
+        generated = 0
         for req in batch.reqs:
             if req.kv_len < req.seq_len:
                 # A chunk of a long prompt: publish the computed part so later requests can share it.
@@ -456,15 +484,14 @@ class Scheduler:
                 # Prefilled only for its prompt logprobs (a scoring request): nothing to output.
                 req.finished_reason = FinishReason("length")
             else:
-                req.output_ids.append(next_ids[id(req)])
-                if len(req.output_ids) == 1:
-                    self.stats.record_first_token(time.monotonic() - req.arrival_time)
-                if req.grammar is not None:
-                    req.grammar.accept(req.output_ids[-1])
-                    if req.grammar.terminated:
-                        req.finished_reason = FinishReason("stop", matched=req.output_ids[-1])
-            req.check_finished(self.context_len, self._detokenize if req.sampling_params.stop else None)
+                for token in next_ids[id(req)]:
+                    self._append_token(req, token)
+                    generated += 1
+                    if req.finished:
+                        break
             if req.finished:
+                if self.speculator is not None:
+                    self.speculator.observe(req)  # its whole text, for later requests to draft from
                 # Out of reach of aborts now; its KV is released when it is published.
                 self.reqs.pop(req.rid, None)
                 finished.add(id(req))
@@ -477,8 +504,18 @@ class Scheduler:
                 decided.reqs.append((req, False))
         if finished:
             queues.running = [r for r in queues.running if id(r) not in finished]
-        self.stats.generated_tokens += len(next_ids)
+        self.stats.generated_tokens += generated
         return decided
+
+    def _append_token(self, req: Req, token: int) -> None:
+        req.output_ids.append(token)
+        if len(req.output_ids) == 1:
+            self.stats.record_first_token(time.monotonic() - req.arrival_time)
+        if req.grammar is not None:
+            req.grammar.accept(token)
+            if req.grammar.terminated:
+                req.finished_reason = FinishReason("stop", matched=token)
+        req.check_finished(self.context_len, self._detokenize if req.sampling_params.stop else None)
 
     def _publish(self, decided: Decided) -> list[ReqOutput]:
         """Releases finished requests' KV into the cache and builds the outputs (outputs.py)."""
@@ -537,6 +574,8 @@ class Scheduler:
         self.tree_cache.reset()
         self.allocator.clear()
         self.req_to_token_pool.clear()
+        if self.speculator is not None:
+            self.speculator.reset()  # the n-gram index is cached text too
         return True
 
     # ------------------------------------------------------------------ event loop

@@ -12,6 +12,7 @@ from radixserve.cache.radix_cache import PrefixCache
 from radixserve.forward.batch import ForwardBatch
 from radixserve.scheduler.batch import KVContext
 from radixserve.scheduler.request import Req
+from radixserve.scheduler.speculative.worker import VerifyPlan
 
 
 @dataclass
@@ -19,6 +20,8 @@ class ScheduledBatch:
     reqs: list[Req]
     forward: ForwardBatch
     is_prefill: bool
+    # A speculative verify step's drafts (forward.mode is VERIFY), else None.
+    verify: VerifyPlan | None = None
 
 
 @dataclass

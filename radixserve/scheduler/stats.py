@@ -31,6 +31,12 @@ class SchedulerStats:
     gen_throughput: float = 0.0
     inter_token_latency: float = 0.0
     time_to_first_token: float = 0.0
+    # Speculative decoding: verify steps taken per request (each emits one token or more), the
+    # draft tokens proposed and accepted in them, and the tokens they emitted.
+    spec_verify_reqs: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_emitted_tokens: int = 0
     _window_start: float = field(default_factory=time.perf_counter)
     _window_tokens: int = 0
     _window_steps: int = 0
@@ -59,6 +65,26 @@ class SchedulerStats:
         self._window_steps += 1
         self._window_tokens += batch_size
 
+    def record_extra_tokens(self, count: int) -> None:
+        """Tokens a decode step emitted beyond one per request (accepted speculative drafts)."""
+        self._window_tokens += count
+
+    def record_verify(self, drafted: int, accepted: int, emitted: int) -> None:
+        self.spec_verify_reqs += 1
+        self.spec_draft_tokens += drafted
+        self.spec_accepted_tokens += accepted
+        self.spec_emitted_tokens += emitted
+
+    @property
+    def spec_accept_length(self) -> float:
+        """Tokens emitted per request per verify step (1.0: no draft ever accepted)."""
+        return self.spec_emitted_tokens / self.spec_verify_reqs if self.spec_verify_reqs else 0.0
+
+    @property
+    def spec_accept_rate(self) -> float:
+        """The fraction of proposed draft tokens that were accepted."""
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
+
     def record_first_token(self, seconds: float) -> None:
         self._window_ttfts.append(seconds)
 
@@ -77,12 +103,18 @@ class SchedulerStats:
             self.time_to_first_token = sum(self._window_ttfts) / len(self._window_ttfts)
         self._window_start, self._window_tokens, self._window_steps = now, 0, 0
         self._window_ttfts = []
+        speculative = ""
+        if self.spec_verify_reqs:
+            speculative = (
+                f"accept len: {self.spec_accept_length:.2f}, accept rate: {self.spec_accept_rate:.2f}, "
+            )
         logger.info(
-            "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): %.2f, "
-            "ITL (ms): %.1f, TTFT (ms): %.1f, #queue-req: %d",
+            "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, %s"
+            "gen throughput (token/s): %.2f, ITL (ms): %.1f, TTFT (ms): %.1f, #queue-req: %d",
             running,
             used_tokens,
             usage,
+            speculative,
             self.gen_throughput,
             1000 * self.inter_token_latency,
             1000 * self.time_to_first_token,

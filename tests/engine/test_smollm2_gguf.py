@@ -40,7 +40,7 @@ def test_first_step_logits_match_transformers(smollm2_gguf_path: Path) -> None:
     batch = scheduler._next_batch()
     assert batch is not None
     ours = scheduler.executor.forward(batch.forward)[0][0]
-    scheduler._publish(scheduler._decide(batch, {id(batch.reqs[0]): int(ours.argmax())}))
+    scheduler._publish(scheduler._decide(batch, {id(batch.reqs[0]): [int(ours.argmax())]}))
     scheduler.check_kv_invariant()
 
     assert int(ours.argmax()) == int(expected.argmax())
@@ -68,7 +68,7 @@ def first_step_logits(dtype: str, prompts: list[list[int]]) -> list[torch.Tensor
         batch = scheduler._next_batch()
         assert batch is not None
         row = scheduler.executor.forward(batch.forward)[0][0].float()
-        scheduler._publish(scheduler._decide(batch, {id(batch.reqs[0]): int(row.argmax())}))
+        scheduler._publish(scheduler._decide(batch, {id(batch.reqs[0]): [int(row.argmax())]}))
         logits.append(row)
     scheduler.check_kv_invariant()
     return logits

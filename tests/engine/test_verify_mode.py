@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from radixserve.config.server_args import ServerArgs
+from radixserve.forward.draft_tree import DraftTree
 from radixserve.protocol.messages import GenerateRequest
 from radixserve.scheduler.batch import build_verify_batch
 from radixserve.scheduler.process import build_scheduler
@@ -39,7 +40,8 @@ def test_a_verify_step_matches_the_greedy_continuation(
     expected = [oracle("llama").continue_(p, K + 1) for p in prompts]
     # Propose the true continuation: every position must then predict the next true token.
     proposals = [tokens[1:K] for tokens in expected]
-    batch = build_verify_batch(reqs, proposals, scheduler.kv)
+    trees = [DraftTree.chain(r.output_ids[-1], p) for r, p in zip(reqs, proposals, strict=True)]
+    batch = build_verify_batch(reqs, trees, scheduler.kv)
     logits, _ = scheduler.executor.forward(batch)
     assert logits.shape[0] == K * len(reqs)
     for index, (prompt, tokens) in enumerate(zip(prompts, expected, strict=True)):

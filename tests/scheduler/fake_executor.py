@@ -163,6 +163,11 @@ class FakeExecutor:
     def sample(self, logits: torch.Tensor, sampling: SamplingBatch) -> torch.Tensor:
         return sample(logits, sampling)
 
+    def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        self._check_resident()
+        self.kv_tokens[dst] = self.kv_tokens[src].clone()
+        self.kv_positions[dst] = self.kv_positions[src].clone()
+
     def embed(self, batch: ForwardBatch) -> torch.Tensor:
         if not self.is_embedding:
             raise TypeError("the fake model only embeds when built with is_embedding=True")
@@ -197,10 +202,21 @@ class FakeExecutor:
         else:
             assert batch.extend is not None
             prefix_lens, extend_lens, segments = [], [], []
-            for s, seg in enumerate(batch.extend):
+            masks = batch.verify_masks or [None] * len(batch.extend)
+            for seg, mask in zip(batch.extend, masks, strict=True):
                 assert seg.context_slots is not None, "the scheduler's extend batches carry context_slots"
-                contexts.append(self._read(seg.context_slots))
-                rows += [(s, seg.prefix_len + i) for i in range(seg.q_len)]
+                if mask is None:
+                    contexts.append(self._read(seg.context_slots))
+                    rows += [(len(contexts) - 1, seg.prefix_len + i) for i in range(seg.q_len)]
+                else:
+                    # A draft tree: node i sees the prefix and the nodes its mask row marks.
+                    prefix = self._read(seg.prefix_slots)
+                    nodes = ids[seg.q_start : seg.q_start + seg.q_len]
+                    for i in range(seg.q_len):
+                        contexts.append(
+                            prefix + [t for t, seen in zip(nodes, mask[i].tolist(), strict=True) if seen]
+                        )
+                        rows.append((len(contexts) - 1, len(contexts[-1]) - 1))
                 prefix_lens.append(seg.prefix_len)
                 extend_lens.append(seg.q_len)
                 segments.append(ids[seg.q_start : seg.q_start + seg.q_len])

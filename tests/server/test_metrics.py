@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -43,3 +44,27 @@ def test_metrics_are_off_by_default(server: Any) -> None:
     with server.client() as client:
         off = client.get("/metrics")
         assert off.status_code == 404 and "--enable-metrics" in off.json()["error"]["message"]
+
+
+def test_speculative_decoding_over_http_streams_and_reports_acceptance(
+    tiny_model_dir: Callable[[str], Path], start_server: Any
+) -> None:
+    """A live server with --speculative-algorithm NGRAM: a streamed repeat of an earlier request
+    (drafted from the shared n-gram index) gives the same tokens as the first, non-streamed call,
+    and /metrics and /get_server_info report the acceptance."""
+    live = start_server(tiny_model_dir("llama"), "--enable-metrics", "--speculative-algorithm", "NGRAM")
+    body = {"input_ids": list(range(40, 60)), "sampling_params": {"max_new_tokens": 24, "temperature": 0}}
+    with live.client() as client:
+        first = client.post("/generate", json=body).json()
+        streamed: list[int] = []
+        with client.stream("POST", "/generate", json={**body, "stream": True}) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    streamed = json.loads(line[len("data: ") :])["output_ids"]
+        values = samples(client.get("/metrics").text)
+    assert streamed == first["output_ids"] and len(streamed) == 24
+    info = live.server_info()
+    assert info["speculative_algorithm"] == "NGRAM"
+    assert info["spec_accepted_tokens"] > 0 and info["avg_spec_accept_length"] > 1.0
+    assert values["radixserve:spec_accept_length"] == info["avg_spec_accept_length"]
+    live.assert_idle_and_kv_intact()

@@ -1,0 +1,82 @@
+"""The speculative decoding flags (SGLang's names), their checks and their command-line form.
+
+Kept apart from server_args.py, which holds the fields: one group of related knobs per module."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Protocol
+
+SPECULATIVE_ALGORITHMS: tuple[str, ...] = ("NGRAM",)
+NGRAM_MATCH_TYPES: tuple[str, ...] = ("BFS", "PROB")
+
+
+class SpeculativeFields(Protocol):
+    speculative_algorithm: str | None
+    speculative_num_draft_tokens: int
+    speculative_ngram_min_match_window_size: int
+    speculative_ngram_max_match_window_size: int
+    speculative_ngram_min_bfs_breadth: int
+    speculative_ngram_max_bfs_breadth: int
+    speculative_ngram_match_type: str
+    speculative_ngram_branch_length: int
+    speculative_ngram_capacity: int
+    enable_deterministic_inference: bool
+
+
+def validate_speculative_args(args: SpeculativeFields, error: type[ValueError]) -> None:
+    algorithm = args.speculative_algorithm
+    if algorithm is None:
+        return
+    if algorithm.upper() == "STANDALONE":
+        raise error(
+            "--speculative-algorithm STANDALONE (a draft model) is not built yet; NGRAM is (issue 18)"
+        )
+    if algorithm.upper() not in SPECULATIVE_ALGORITHMS:
+        raise error(
+            f"--speculative-algorithm must be one of {', '.join(SPECULATIVE_ALGORITHMS)}, got {algorithm!r}"
+        )
+    args.speculative_algorithm = algorithm.upper()
+    if args.speculative_num_draft_tokens < 2:
+        raise error("--speculative-num-draft-tokens must be >= 2 (the last token and at least one draft)")
+    low, high = args.speculative_ngram_min_match_window_size, args.speculative_ngram_max_match_window_size
+    if not 1 <= low <= high:
+        raise error("--speculative-ngram-min/max-match-window-size need 1 <= min <= max")
+    if not 1 <= args.speculative_ngram_min_bfs_breadth <= args.speculative_ngram_max_bfs_breadth:
+        raise error("--speculative-ngram-min/max-bfs-breadth need 1 <= min <= max")
+    if args.speculative_ngram_match_type.upper() not in NGRAM_MATCH_TYPES:
+        raise error(f"--speculative-ngram-match-type must be one of {', '.join(NGRAM_MATCH_TYPES)}")
+    args.speculative_ngram_match_type = args.speculative_ngram_match_type.upper()
+    if args.speculative_ngram_branch_length < 1 or args.speculative_ngram_capacity < 2:
+        raise error("--speculative-ngram-branch-length must be >= 1 and --speculative-ngram-capacity >= 2")
+    if args.enable_deterministic_inference:
+        raise error(
+            "--enable-deterministic-inference does not combine with speculative decoding yet: a verify "
+            "step computes a request's tokens in another order than a decode step"
+        )
+
+
+def add_speculative_args(parser: argparse.ArgumentParser) -> None:
+    spec = parser.add_argument_group("speculative decoding")
+    spec.add_argument(
+        "--speculative-algorithm",
+        default=None,
+        help="NGRAM: draft from n-grams of the requests' own and recent text, verify in one forward",
+    )
+    spec.add_argument(
+        "--speculative-num-draft-tokens",
+        type=int,
+        default=8,
+        help="tokens verified per request per step, the last sampled one included",
+    )
+    spec.add_argument("--speculative-ngram-min-match-window-size", type=int, default=1)
+    spec.add_argument("--speculative-ngram-max-match-window-size", type=int, default=12)
+    spec.add_argument("--speculative-ngram-min-bfs-breadth", type=int, default=1)
+    spec.add_argument("--speculative-ngram-max-bfs-breadth", type=int, default=10)
+    spec.add_argument("--speculative-ngram-match-type", default="BFS", help="BFS or PROB")
+    spec.add_argument(
+        "--speculative-ngram-branch-length", type=int, default=18, help="the deepest a draft tree grows"
+    )
+    spec.add_argument(
+        "--speculative-ngram-capacity", type=int, default=1_000_000, help="n-grams the shared index keeps"
+    )

@@ -1,0 +1,165 @@
+"""NGRAM speculative decoding end to end on a tiny random-weight model: fp32 greedy outputs equal
+transformers' and radixserve's own without speculation, token for token, whatever the batching,
+caching, chunking, paging or retraction; logprobs, penalties and stops behave as without it.
+
+A random model's text rarely repeats its prompt, so each test serves its prompts twice: the first
+pass fills the shared n-gram index with their outputs, and the second drafts from it (the
+"recently served text" case), which makes most drafts right and exercises acceptance."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import native_kernels_or_skip
+from tests.engine.oracle import GREEDY, GreedyOracle, random_prompts
+
+MAX_NEW = 24
+NGRAM = {"speculative_algorithm": "NGRAM"}
+
+
+def _generate(engine: Any, prompts: list[list[int]], **params: Any) -> list[dict[str, Any]]:
+    sampling = {**GREEDY, "max_new_tokens": MAX_NEW, **params.pop("sampling", {})}
+    results = engine.generate(input_ids=prompts, sampling_params=sampling, **params)
+    assert isinstance(results, list)
+    return results
+
+
+def _spec_stats(engine: Any) -> dict[str, Any]:
+    payload: dict[str, Any] = engine.control("get_stats").payload
+    return payload
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        {"attention_backend": "torch_native"},
+        {"attention_backend": "cpu_native"},
+        {"attention_backend": "torch_native", "page_size": 4, "chunked_prefill_size": 8},
+        {
+            "attention_backend": "torch_native",
+            "disable_radix_cache": True,
+            "speculative_ngram_match_type": "PROB",
+        },
+        {"attention_backend": "torch_native", "max_total_tokens": 200, "schedule_conservativeness": 0.05},
+    ],
+    ids=["torch", "cpu-native", "paged-chunked", "no-radix-prob", "retracting"],
+)
+def test_greedy_equals_transformers_with_drafts_accepted(
+    args: dict[str, Any],
+    tiny_model_dir: Callable[[str], Path],
+    oracle: Callable[[str], GreedyOracle],
+    make_engine: Callable[..., Any],
+) -> None:
+    if args["attention_backend"] == "cpu_native":
+        native_kernels_or_skip()
+    engine = make_engine(tiny_model_dir("llama"), **NGRAM, **args)
+    prompts = random_prompts(8, [9, 23, 40, 5, 17, 30, 12, 3], seed=11)
+    for turn in range(2):
+        for i, (result, prompt) in enumerate(zip(_generate(engine, prompts), prompts, strict=True)):
+            assert result["output_ids"] == oracle("llama").continue_(prompt, MAX_NEW), (
+                f"turn {turn}, prompt {i}"
+            )
+    stats = _spec_stats(engine)
+    assert stats["spec_accepted_tokens"] >= len(prompts) * MAX_NEW // 2
+    assert stats["avg_spec_accept_length"] > 1.5
+    if "max_total_tokens" in args:
+        assert stats["retracted_reqs"] > 0
+
+
+def test_logprobs_penalties_and_stops_match_decoding_without_speculation(
+    tiny_model_dir: Callable[[str], Path], make_engine: Callable[..., Any]
+) -> None:
+    prompts = random_prompts(4, [14, 6, 27, 9], seed=12)
+    plain = make_engine(tiny_model_dir("llama"), attention_backend="torch_native")
+    speculative = make_engine(tiny_model_dir("llama"), attention_backend="torch_native", **NGRAM)
+    reference = _generate(plain, prompts)
+    _generate(speculative, prompts)  # fills the n-gram index
+    # A stop token partway along the (accepted) repeat, and a cap inside a draft.
+    stop = reference[0]["output_ids"][10]
+    cases: list[dict[str, Any]] = [
+        {"return_logprob": True, "top_logprobs_num": 3},
+        {"sampling": {"frequency_penalty": 0.6, "presence_penalty": 0.2}},
+        {"sampling": {"repetition_penalty": 1.3}},
+        {"sampling": {"stop_token_ids": [stop], "min_new_tokens": 4}},
+        {"sampling": {"max_new_tokens": 13}},
+    ]
+    for case in cases:
+        expected = _generate(plain, prompts, **dict(case))
+        got = _generate(speculative, prompts, **dict(case))
+        for want, have in zip(expected, got, strict=True):
+            assert have["output_ids"] == want["output_ids"], case
+            assert have["meta_info"]["finish_reason"] == want["meta_info"]["finish_reason"], case
+            if "return_logprob" in case:
+                ours, theirs = (
+                    have["meta_info"]["output_token_logprobs"],
+                    want["meta_info"]["output_token_logprobs"],
+                )
+                assert len(ours) == len(have["output_ids"])
+                for (lp, token, _), (ref_lp, ref_token, _) in zip(ours, theirs, strict=True):
+                    assert token == ref_token and lp == pytest.approx(ref_lp, abs=1e-4)
+                tops = have["meta_info"]["output_top_logprobs"], want["meta_info"]["output_top_logprobs"]
+                assert [[t for _, t, _ in row] for row in tops[0]] == [
+                    [t for _, t, _ in row] for row in tops[1]
+                ]
+    assert _spec_stats(speculative)["spec_accepted_tokens"] > 0
+
+
+def test_bf16_native_kernels_with_speculation(
+    tiny_model_dir: Callable[[str], Path], make_engine: Callable[..., Any]
+) -> None:
+    native_kernels_or_skip()
+    engine = make_engine(tiny_model_dir("llama"), dtype="bfloat16", attention_backend="cpu_native", **NGRAM)
+    prompts = random_prompts(4, [30, 8, 19, 44], seed=13)
+    first = _generate(engine, prompts)
+    again = _generate(engine, prompts)
+    assert all(len(r["output_ids"]) == MAX_NEW for r in first + again)
+    assert _spec_stats(engine)["spec_accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("parallel", [{"tp_size": 2}, {"dp_size": 2}], ids=["tp2", "dp2"])
+def test_speculation_across_ranks_and_replicas(
+    parallel: dict[str, int],
+    tiny_model_dir: Callable[[str], Path],
+    oracle: Callable[[str], GreedyOracle],
+    make_engine: Callable[..., Any],
+) -> None:
+    path = tiny_model_dir("llama")
+    engine = make_engine(path, attention_backend="torch_native", **NGRAM, **parallel)
+    prompts = random_prompts(6, [9, 23, 40, 5, 17, 30], seed=14)
+    for _ in range(2):
+        for result, prompt in zip(_generate(engine, prompts), prompts, strict=True):
+            assert result["output_ids"] == oracle("llama").continue_(prompt, MAX_NEW)
+    assert _spec_stats(engine)["spec_accepted_tokens"] > 0
+    if "tp_size" in parallel:
+        # Seeded sampling: rank 0 draws for both ranks, drafts included, as one rank would.
+        single = make_engine(path, attention_backend="torch_native", **NGRAM)
+        sampled = {"temperature": 1.0, "top_p": 0.9, "max_new_tokens": MAX_NEW}
+        requests = [{**sampled, "seed": seed} for seed in range(len(prompts))]
+        for target in (engine, single):
+            target.generate(input_ids=prompts, sampling_params=requests)  # drafts for the repeat
+        two = engine.generate(input_ids=prompts, sampling_params=requests)
+        one = single.generate(input_ids=prompts, sampling_params=requests)
+        assert [r["output_ids"] for r in two] == [r["output_ids"] for r in one]
+
+
+def test_seeded_sampling_gives_the_tokens_it_gives_without_speculation(
+    tiny_model_dir: Callable[[str], Path], make_engine: Callable[..., Any]
+) -> None:
+    """A seeded request draws the same random numbers at the same output positions with and
+    without drafts, so (the logits being equal in fp32) it emits the very same tokens."""
+    prompts = random_prompts(6, [9, 23, 40, 5, 17, 30], seed=15)
+    requests = [
+        {"temperature": 0.8, "top_k": 20, "seed": seed, "max_new_tokens": MAX_NEW}
+        for seed in range(len(prompts))
+    ]
+    plain = make_engine(tiny_model_dir("llama"), attention_backend="torch_native")
+    speculative = make_engine(tiny_model_dir("llama"), attention_backend="torch_native", **NGRAM)
+    expected = plain.generate(input_ids=prompts, sampling_params=requests)
+    for _ in range(2):  # the second time, the first time's outputs are drafted
+        got = speculative.generate(input_ids=prompts, sampling_params=requests)
+        assert [r["output_ids"] for r in got] == [r["output_ids"] for r in expected]
+    assert _spec_stats(speculative)["spec_accepted_tokens"] > 0

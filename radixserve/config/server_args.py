@@ -117,6 +117,8 @@ class ServerArgs:
     speculative_ngram_match_type: str = "BFS"
     speculative_ngram_branch_length: int = 18
     speculative_ngram_capacity: int = 1_000_000
+    # Draft whatever the index offers, instead of what pays on this machine (speculative/cost.py).
+    disable_speculative_adaptive: bool = False
 
     # Parallelism (docs/parallelism.md): tp_size ranks share one model's weights; dp_size
     # replicas each serve a whole model (runtime/dp_router.py). A model's ranks may span nnodes

@@ -80,3 +80,9 @@ def add_speculative_args(parser: argparse.ArgumentParser) -> None:
     spec.add_argument(
         "--speculative-ngram-capacity", type=int, default=1_000_000, help="n-grams the shared index keeps"
     )
+    spec.add_argument(
+        "--disable-speculative-adaptive",
+        action="store_true",
+        help="draft whatever the index offers, not only the tokens likely enough to pay for their "
+        "verification on this machine",
+    )

@@ -19,19 +19,38 @@ from radixserve.scheduler.logit_processors import LogitProcessor
 _arrival_counter = itertools.count()
 
 
+# Speculative decoding's odds that a draft is accepted given its parent was: a Beta(1, 1) prior,
+# and the share of the evidence a step without a verify keeps (so old failures fade: slowly, as
+# each retry of a request that keeps failing costs a verify step).
+PRIOR_ACCEPTED = 1.0
+PRIOR_REJECTED = 1.0
+IDLE_DECAY = 0.97
+
+
 @dataclass
 class SpeculationState:
     """A request's part in speculative decoding (scheduler/speculative/)."""
 
     # How many of its tokens (prompt, then output) are in the shared n-gram index.
     indexed: int = 0
-    # Over the current window of verify steps with drafts: steps, and drafts accepted.
-    window_steps: int = 0
-    window_accepted: int = 0
-    # Verify steps to sit out before drafting again, and the next such pause (doubling while
-    # acceptance stays low).
-    pause: int = 0
-    next_pause: int = 1
+    # Decayed evidence on its drafts: accepted ones, and rejections (a verify step that stopped
+    # at a node with children).
+    accepted: float = 0.0
+    rejected: float = 0.0
+
+    @property
+    def accept_odds(self) -> float:
+        """The estimated chance that a draft is accepted given that its parent was."""
+        seen = self.accepted + self.rejected + PRIOR_ACCEPTED + PRIOR_REJECTED
+        return (self.accepted + PRIOR_ACCEPTED) / seen
+
+    def record(self, accepted: int, rejected: bool) -> None:
+        self.accepted += accepted
+        self.rejected += 1.0 if rejected else 0.0
+
+    def sit_out(self) -> None:
+        self.accepted *= IDLE_DECAY
+        self.rejected *= IDLE_DECAY
 
 
 @dataclass(eq=False)

@@ -395,6 +395,10 @@ class Scheduler:
             decided = self._decide_verified(batch, logits, hidden)
         else:
             decided = self._decide_sampled(batch, logits, hidden)
+        if self.speculator is not None and not batch.is_prefill:
+            # What the step cost, sampling included: what drafting weighs itself against.
+            seconds = time.perf_counter() - forward_started
+            self.speculator.observe_forward(batch.forward.num_tokens, seconds, plain=batch.verify is None)
         if self.publisher is None:
             return published + self._publish(decided)
         self._unpublished = decided

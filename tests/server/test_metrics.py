@@ -52,7 +52,8 @@ def test_speculative_decoding_over_http_streams_and_reports_acceptance(
     """A live server with --speculative-algorithm NGRAM: a streamed repeat of an earlier request
     (drafted from the shared n-gram index) gives the same tokens as the first, non-streamed call,
     and /metrics and /get_server_info report the acceptance."""
-    live = start_server(tiny_model_dir("llama"), "--enable-metrics", "--speculative-algorithm", "NGRAM")
+    flags = ("--enable-metrics", "--speculative-algorithm", "NGRAM", "--disable-speculative-adaptive")
+    live = start_server(tiny_model_dir("llama"), *flags)
     body = {"input_ids": list(range(40, 60)), "sampling_params": {"max_new_tokens": 24, "temperature": 0}}
     with live.client() as client:
         first = client.post("/generate", json=body).json()

@@ -76,38 +76,50 @@ class NgramIndex:
                 return [(token, count / total) for token, count in ranked]
         return []
 
-    def propose(self, context: list[int], budget: int, max_depth: int) -> DraftTree:
+    def propose(
+        self, context: list[int], budget: int, max_depth: int, odds: float = 1.0, min_reach: float = 0.0
+    ) -> DraftTree:
         """A draft tree of at most budget nodes (the root, context's last token, included) and at
-        most max_depth levels below the root (nor more than the configured depth)."""
+        most max_depth levels below the root (nor more than the configured depth). A node's reach,
+        its estimated chance of being emitted, is its parent's times `odds` (the chance a draft is
+        accepted given its parent was) times its share of the parent's continuations; nodes whose
+        reach is below min_reach are left out."""
         depth = min(max_depth, self.config.max_depth)
         if budget <= 1 or depth < 1:
             return DraftTree([context[-1]], [-1])
         # Only the last max_window tokens can match.
         context = context[-self.config.max_window :]
         if self.config.match_type == "PROB":
-            return self._best_first(context, budget, depth)
-        return self._breadth_first(context, budget, depth)
+            return self._best_first(context, budget, depth, odds, min_reach)
+        return self._breadth_first(context, budget, depth, odds, min_reach)
 
-    def _breadth_first(self, context: list[int], budget: int, max_depth: int) -> DraftTree:
+    def _breadth_first(
+        self, context: list[int], budget: int, max_depth: int, odds: float, min_reach: float
+    ) -> DraftTree:
         cfg = self.config
         tokens, parents = [context[-1]], [-1]
-        level = [(0, context)]
+        level = [(0, context, 1.0)]
         depth = 0
         while level and len(tokens) < budget and depth < max_depth:
             # Breadth narrows with depth: from max_breadth at the first level to min_breadth.
             breadth = max(cfg.min_breadth, cfg.max_breadth >> depth)
             next_level = []
-            for node, node_context in level:
-                for token, _ in self.continuations(node_context)[:breadth]:
-                    if len(tokens) >= budget:
+            for node, node_context, reach in level:
+                for token, share in self.continuations(node_context)[:breadth]:
+                    child_reach = reach * odds * share
+                    if len(tokens) >= budget or child_reach < min_reach:
                         break
                     tokens.append(token)
                     parents.append(node)
-                    next_level.append((len(tokens) - 1, [*node_context, token][-cfg.max_window :]))
+                    next_level.append(
+                        (len(tokens) - 1, [*node_context, token][-cfg.max_window :], child_reach)
+                    )
             level, depth = next_level, depth + 1
         return DraftTree(tokens, parents)
 
-    def _best_first(self, context: list[int], budget: int, max_depth: int) -> DraftTree:
+    def _best_first(
+        self, context: list[int], budget: int, max_depth: int, odds: float, min_reach: float
+    ) -> DraftTree:
         cfg = self.config
         tokens, parents, depths = [context[-1]], [-1], [0]
         contexts = [context]
@@ -120,8 +132,9 @@ class NgramIndex:
             if depths[node] >= max_depth:
                 return
             for token, share in self.continuations(contexts[node])[: cfg.max_breadth]:
-                heapq.heappush(frontier, (-reach * share, order, node, token))
-                order += 1
+                if reach * odds * share >= min_reach:
+                    heapq.heappush(frontier, (-reach * odds * share, order, node, token))
+                    order += 1
 
         expand(0, 1.0)
         while frontier and len(tokens) < budget:

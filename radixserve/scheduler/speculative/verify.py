@@ -47,6 +47,8 @@ class Verified:
     tokens: list[int]
     nodes: list[int]
     drafted: int  # draft nodes in the tree (its size less the root)
+    # Whether the walk stopped at a node with children (a draft was rejected), not at a leaf.
+    rejected: bool = False
 
     @property
     def accepted(self) -> int:
@@ -97,7 +99,7 @@ def draw_tree_tokens(
             if child is None:
                 break
             node = child
-        results.append(Verified(tokens, nodes, len(tree) - 1))
+        results.append(Verified(tokens, nodes, len(tree) - 1, rejected=bool(children[node])))
         offset += len(tree)
         if req.generator is not None and state is not None:
             _advance(req.generator, state, len(tokens))

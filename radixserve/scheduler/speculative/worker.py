@@ -14,9 +14,12 @@ request emits its accepted drafts plus one token of the target's own. Then (comm
 Requests with a grammar, a custom logit processor or hidden states take part with a root-only
 tree, sampled by the normal path (next_tokens.py), so they decode exactly as without speculation.
 
-Adaptive: a request whose drafts are seldom accepted pauses drafting for a while, doubling the
-pause each time acceptance stays low, so workloads with nothing to copy pay for few verify steps.
-A step where no request has a draft is a plain decode step (the fast fused path).
+Adaptive (cost.py): a draft token is proposed only when its estimated chance of being emitted
+beats what verifying it costs on this machine, measured from the forwards themselves; so a
+request whose drafts keep failing, or a batch too large for drafts to pay, stops drafting, and
+workloads with nothing to copy pay for few verify steps. A step where no request has a draft is a
+plain decode step (the fast fused path). --disable-speculative-adaptive drafts whatever the index
+offers.
 """
 
 from __future__ import annotations
@@ -32,15 +35,10 @@ from radixserve.scheduler.batch import KVContext, truncate_kv
 from radixserve.scheduler.logprobs import position_logprobs
 from radixserve.scheduler.next_tokens import GrammarMask, Sampler, pick_next_tokens
 from radixserve.scheduler.request import Req
+from radixserve.scheduler.speculative.cost import StepCost
 from radixserve.scheduler.speculative.ngram import NgramConfig, NgramIndex
 from radixserve.scheduler.speculative.verify import Verified, draw_tree_tokens
 from radixserve.scheduler.stats import SchedulerStats
-
-# Adaptive drafting: over each window of this many verify steps with drafts, a request that
-# accepted fewer than this many drafts per step pauses drafting (1, 2, 4, ... up to MAX_PAUSE steps).
-ACCEPT_WINDOW_STEPS = 8
-MIN_ACCEPTED_PER_STEP = 0.5
-MAX_PAUSE_STEPS = 64
 
 
 @dataclass
@@ -85,6 +83,12 @@ class NgramSpeculator:
         self.max_window = args.speculative_ngram_max_match_window_size
         self.context_len = context_len
         self.row_len = row_len
+        self.adaptive = not args.disable_speculative_adaptive
+        self.cost = StepCost()
+
+    def observe_forward(self, tokens: int, seconds: float, plain: bool) -> None:
+        """A decode (plain) or verify forward of `tokens` tokens took `seconds`."""
+        self.cost.observe(tokens, seconds, plain)
 
     def reset(self) -> None:
         """Forgets every n-gram (/flush_cache): later drafts come from later text only."""
@@ -96,18 +100,22 @@ class NgramSpeculator:
         """The verify step for the running requests, or None for a plain decode step (no request
         has a draft, or the KV pool cannot hold the drafts without a retraction)."""
         trees, speculating = [], []
+        if self.adaptive and self.cost.needs_plain_step:
+            return None  # keeps the cost fit informed about plain decode steps
+        min_reach = self.cost.reach_threshold(len(reqs)) if self.adaptive else 0.0
         for req in reqs:
             self.observe(req)
             tree = DraftTree([req.output_ids[-1]], [-1])
             able = speculates(req)
-            state = req.speculation
-            if able and state.pause > 0:
-                state.pause -= 1
-            elif able:
+            if able:
                 # Emitting depth + 1 tokens must stay within max_new_tokens and the context.
                 depth = min(req.remaining_new_tokens, self.context_len - req.seq_len) - 1
                 budget = min(self.num_draft_tokens, self.row_len - req.kv_len)
-                tree = self.index.propose(_text_from(req, req.seq_len - self.max_window), budget, depth)
+                odds = req.speculation.accept_odds if self.adaptive else 1.0
+                context = _text_from(req, req.seq_len - self.max_window)
+                tree = self.index.propose(context, budget, depth, odds, min_reach)
+                if len(tree) == 1:
+                    req.speculation.sit_out()
             trees.append(tree)
             speculating.append(able)
         if all(len(t) == 1 for t in trees):
@@ -227,7 +235,7 @@ class NgramSpeculator:
                     owners += [req] * count
                 if found.drafted:
                     stats.record_verify(found.drafted, found.accepted, len(found.tokens))
-                    self._adapt(req, found.accepted)
+                    req.speculation.record(found.accepted, found.rejected)
             offset += len(tree)
         if owners:
             rows = torch.tensor(logprob_rows, dtype=torch.int64, device=logits.device)
@@ -237,17 +245,3 @@ class NgramSpeculator:
                 assert req.logprobs is not None
                 req.logprobs.extend(entry)
         stats.record_extra_tokens(sum(kept) - len(reqs))
-
-    @staticmethod
-    def _adapt(req: Req, accepted: int) -> None:
-        state = req.speculation
-        state.window_steps += 1
-        state.window_accepted += accepted
-        if state.window_steps < ACCEPT_WINDOW_STEPS:
-            return
-        if state.window_accepted < MIN_ACCEPTED_PER_STEP * state.window_steps:
-            state.pause = state.next_pause
-            state.next_pause = min(2 * state.next_pause, MAX_PAUSE_STEPS)
-        else:
-            state.next_pause = 1
-        state.window_steps = state.window_accepted = 0

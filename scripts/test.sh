@@ -19,6 +19,7 @@ if [ $# -eq 0 ]; then
         RADIXSERVE_CPU_ISA=$isa .venv/bin/python -m pytest -q -p no:cacheprovider tests/kernels \
             tests/models/test_fused_decode.py \
             tests/attention/test_backends.py \
+            tests/engine/test_verify_mode.py \
             tests/engine/test_smollm2_gguf.py::test_bfloat16_logits_stay_close_to_float32
     done
 fi

@@ -28,7 +28,7 @@ from radixserve.attention.base import (
 from radixserve.attention.common import decode_shared_prefix, stack_by_kv_head
 from radixserve.attention.extend import CpuAttentionOps, extend_attention
 from radixserve.attention.staging import PrefixStaging, StagedPrefix
-from radixserve.forward.batch import DecodeLayout, ExtendSegment, ForwardMode
+from radixserve.forward.batch import DecodeLayout, ExtendSegment, ForwardBatch, ForwardMode
 from radixserve.kernels.cpu_ops import SharedPrefixResult
 
 # The AMX attention kernel is compiled for head dims that are multiples of 32, up to this.
@@ -117,6 +117,16 @@ class CpuNativeBackend(AttentionBackend):
             path = f"{loop}: {path}"
         return path
 
+    def plan(self, batch: ForwardBatch) -> AttentionMetadata:
+        if batch.mode is ForwardMode.VERIFY and batch.verify_masks is None and self.fused_decode:
+            # Chains only: every draft token is a decode query over its request's context up to
+            # itself, so the verify step runs as a decode step of one row per token, in the fused
+            # loop like any decode step (the K/V of a layer's rows are all written before its
+            # attention reads them). No shared prefix: a request's rows share all but their ends.
+            assert batch.extend is not None
+            return CpuDecodeMetadata(ForwardMode.DECODE, chain_decode_layout(batch.extend), None, None)
+        return super().plan(batch)
+
     def plan_decode(self, layout: DecodeLayout) -> CpuDecodeMetadata:
         if self.batch_invariant:
             # A prefix shared with the others would change how this request's sums are split.
@@ -199,3 +209,18 @@ class CpuNativeBackend(AttentionBackend):
 
     def stats(self) -> dict[str, Any]:
         return {"decode_staging_tokens": 0, "decode_staging_appends": 0, "decode_staging_refills": 0}
+
+
+def chain_decode_layout(segments: list[ExtendSegment]) -> DecodeLayout:
+    """A verify step of chains as decode rows: row j of a segment attends to the segment's first
+    prefix_len + j + 1 context slots (a table row per segment, shared by its rows)."""
+    width = max(seg.prefix_len + seg.q_len for seg in segments)
+    table = torch.zeros(len(segments), width, dtype=torch.int64)
+    rows: list[int] = []
+    lens: list[int] = []
+    for index, seg in enumerate(segments):
+        assert seg.context_slots is not None
+        table[index, : seg.prefix_len + seg.q_len] = seg.context_slots
+        rows += [index] * seg.q_len
+        lens += range(seg.prefix_len + 1, seg.prefix_len + seg.q_len + 1)
+    return DecodeLayout(table, torch.tensor(rows), torch.tensor(lens), request_ids=rows)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from radixserve.attention.base import AttentionCall
+from radixserve.attention.cpu_native import CpuDecodeMetadata
 from radixserve.distributed.parallel import SINGLE, ParallelContext
 from radixserve.forward.batch import ForwardBatch, ForwardMode
 from radixserve.layers.activation import silu_and_mul
@@ -160,7 +161,9 @@ class CausalLM(nn.Module):
                 hidden[row : row + len(vectors)] = vectors
         rope = self.rotary.lookup(batch.positions, hidden.dtype, self.kernels)
         fused = self.fused_decode
-        if fused is not None and batch.mode is ForwardMode.DECODE and fused.takes(attention):
+        # A verify step of chains runs fused too, when the backend planned it as decode rows.
+        as_decode = batch.mode is ForwardMode.DECODE or isinstance(attention.metadata, CpuDecodeMetadata)
+        if fused is not None and as_decode and fused.takes(attention):
             hidden = fused.run(hidden, attention, rope)
         else:
             for layer in self.layers:

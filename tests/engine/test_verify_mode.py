@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from radixserve.attention.cpu_native import CpuDecodeMetadata
 from radixserve.config.server_args import ServerArgs
 from radixserve.forward.draft_tree import DraftTree
 from radixserve.protocol.messages import GenerateRequest
@@ -52,6 +53,45 @@ def test_a_verify_step_matches_the_greedy_continuation(
         torch.testing.assert_close(rows, reference, atol=1e-4, rtol=1e-4)
 
     # No proposal is accepted here: the verify step's slots go back, and the requests finish normally.
+    scheduler.allocator.free(batch.out_cache_loc)
+    while not scheduler.is_idle:
+        scheduler.step()
+    scheduler.check_kv_invariant()
+
+
+def test_a_bf16_chain_verify_runs_in_the_fused_loop_and_agrees_with_the_extend_path(
+    tiny_model_dir: Callable[[str], Path], oracle: Callable[[str], GreedyOracle]
+) -> None:
+    """With the fused native decode loop, a verify step of chains runs as decode rows (one per
+    token, attention/cpu_native.py chain_decode_layout); its logits agree with the per-layer
+    extend path's to bf16 accuracy and give the same greedy tokens."""
+    native_kernels_or_skip()
+    args = ServerArgs(
+        model_path=str(tiny_model_dir("llama")), dtype="bfloat16", max_total_tokens=512,
+        attention_backend="cpu_native", disable_overlap_schedule=True, log_level="warning",
+    )  # fmt: skip
+    scheduler = build_scheduler(args)
+    runner = scheduler.executor
+    backend = runner.attention  # type: ignore[attr-defined]
+    if not backend.fused_decode:
+        pytest.skip("no fused decode loop on this machine's kernels")
+    prompts = random_prompts(3, [9, 23, 14], seed=51)
+    for i, prompt in enumerate(prompts):
+        scheduler.add_request(GenerateRequest(f"r{i}", prompt, {**GREEDY, "max_new_tokens": 32}))
+    scheduler.step()
+    reqs = list(scheduler.running)
+    expected = [oracle("llama").continue_(p, K + 1) for p in prompts]
+    trees = [DraftTree.chain(r.output_ids[-1], tokens[1:K]) for r, tokens in zip(reqs, expected, strict=True)]
+    batch = build_verify_batch(reqs, trees, scheduler.kv)
+    assert isinstance(backend.plan(batch), CpuDecodeMetadata)
+    fused, _ = runner.forward(batch)
+    backend.fused_decode = False
+    try:
+        per_layer, _ = runner.forward(batch)
+    finally:
+        backend.fused_decode = True
+    assert (fused - per_layer).abs().mean() < 0.05
+    assert torch.equal(fused.argmax(-1), per_layer.argmax(-1))
     scheduler.allocator.free(batch.out_cache_loc)
     while not scheduler.is_idle:
         scheduler.step()

@@ -6,37 +6,49 @@ from __future__ import annotations
 import pytest
 
 from radixserve.scheduler.request import SpeculationState
-from radixserve.scheduler.speculative.cost import INITIAL_REACH_THRESHOLD, PLAIN_STEP_INTERVAL, StepCost
+from radixserve.scheduler.speculative.cost import (
+    EXPLORE_INTERVAL,
+    INITIAL_REACH_THRESHOLD,
+    PLAIN_STEP_INTERVAL,
+    StepCost,
+)
 from radixserve.scheduler.speculative.ngram import NgramConfig, NgramIndex
 
 
-def _fed(intercept: float, slope: float, sizes: list[int]) -> StepCost:
+def _fed(plain: float, intercept: float, slope: float, sizes: list[int]) -> StepCost:
+    """A cost fed plain decode steps of one token (plain seconds each) and verify steps of the
+    given sizes (intercept + slope * size seconds)."""
     cost = StepCost()
     for n in sizes:
-        cost.observe(n, intercept + slope * n, plain=n == 1)
+        cost.observe(1, plain, plain=True)
+        cost.observe(n, intercept + slope * n, plain=False)
     return cost
 
 
-def test_the_fit_recovers_a_linear_cost_and_prices_a_draft() -> None:
-    # An AVX2-like machine: 10 ms per forward plus 6.6 ms per token.
-    cost = _fed(0.010, 0.0066, [1, 8, 1, 4, 2, 8, 1])
-    fitted = cost.fit()
+def test_the_verify_fit_prices_a_draft_and_gates_a_step() -> None:
+    # An AVX2-like machine: decode 16.6 ms a token; a verify step 20 ms plus 6.6 ms a token.
+    cost = _fed(0.0166, 0.020, 0.0066, [2, 8, 4, 3, 8])
+    fitted = cost.verify_fit()
     assert fitted is not None
-    assert fitted[0] == pytest.approx(0.010) and fitted[1] == pytest.approx(0.0066)
-    # One stream: a draft must be emitted with probability 6.6 / 16.6 to pay.
-    assert cost.reach_threshold(1) == pytest.approx(0.0066 / 0.0166)
-    # Eight streams decode eight tokens for 10 + 52.8 ms: a draft must be nearly certain.
-    assert cost.reach_threshold(8) == pytest.approx(0.0066 / (0.0628 / 8))
+    assert fitted[0] == pytest.approx(0.020) and fitted[1] == pytest.approx(0.0066)
+    assert cost.reach_threshold() == pytest.approx(0.0066 / 0.0166)
+    # One stream, three drafts expected to give 2.7 tokens: 3.7 tokens for 46.4 ms beats 16.6 ms each.
+    assert cost.worth_verifying(1, 3, 2.7)
+    # One draft at even odds: 1.5 tokens for 33.2 ms does not.
+    assert not cost.worth_verifying(1, 1, 0.5)
     # An AMX-like machine: drafts are nearly free, anything plausible is worth a try.
-    assert _fed(0.010, 0.0002, [1, 8, 1, 8]).reach_threshold(1) < 0.02
+    cheap = _fed(0.0166, 0.017, 0.0002, [2, 8, 4])
+    assert cheap.reach_threshold() < 0.02 and cheap.worth_verifying(1, 1, 0.3)
 
 
-def test_until_two_sizes_were_seen_the_threshold_is_the_cautious_default() -> None:
-    assert StepCost().reach_threshold(1) == INITIAL_REACH_THRESHOLD
-    assert _fed(0.01, 0.005, [1, 1, 1]).reach_threshold(1) == INITIAL_REACH_THRESHOLD
+def test_until_both_costs_are_measured_drafts_are_short_and_steps_verify() -> None:
+    assert StepCost().reach_threshold() == INITIAL_REACH_THRESHOLD
+    same_size = _fed(0.0166, 0.02, 0.005, [2, 2, 2])
+    assert same_size.reach_threshold() == INITIAL_REACH_THRESHOLD
+    assert same_size.worth_verifying(1, 1, 0.1)
 
 
-def test_a_plain_step_is_asked_for_after_a_run_of_verify_steps() -> None:
+def test_plain_and_verify_steps_are_each_asked_for_now_and_then() -> None:
     cost = StepCost()
     for _ in range(PLAIN_STEP_INTERVAL - 1):
         cost.observe(8, 0.05, plain=False)
@@ -45,6 +57,11 @@ def test_a_plain_step_is_asked_for_after_a_run_of_verify_steps() -> None:
     assert cost.needs_plain_step
     cost.observe(1, 0.02, plain=True)
     assert not cost.needs_plain_step
+    gated = _fed(0.0166, 0.020, 0.0066, [2, 8, 4])
+    assert not gated.worth_verifying(1, 1, 0.1)
+    for _ in range(EXPLORE_INTERVAL):
+        gated.observe(1, 0.0166, plain=True)
+    assert gated.worth_verifying(1, 1, 0.1)
 
 
 def test_odds_rise_with_acceptance_fall_with_rejection_and_fade_back() -> None:

@@ -102,7 +102,8 @@ class NgramSpeculator:
         trees, speculating = [], []
         if self.adaptive and self.cost.needs_plain_step:
             return None  # keeps the cost fit informed about plain decode steps
-        min_reach = self.cost.reach_threshold(len(reqs)) if self.adaptive else 0.0
+        min_reach = self.cost.reach_threshold() if self.adaptive else 0.0
+        expected_extra = 0.0  # the drafts' summed chance of being emitted
         for req in reqs:
             self.observe(req)
             tree = DraftTree([req.output_ids[-1]], [-1])
@@ -116,9 +117,13 @@ class NgramSpeculator:
                 tree = self.index.propose(context, budget, depth, odds, min_reach)
                 if len(tree) == 1:
                     req.speculation.sit_out()
+                expected_extra += sum(odds**d for d in tree.depths[1:])
             trees.append(tree)
             speculating.append(able)
-        if all(len(t) == 1 for t in trees):
+        drafts = sum(len(t) - 1 for t in trees)
+        if drafts == 0:
+            return None
+        if self.adaptive and not self.cost.worth_verifying(len(reqs), drafts, expected_extra):
             return None
         page = kv.allocator.page_size
         if kv.available_with_eviction() < sum(len(t) for t in trees) + len(reqs) * page:

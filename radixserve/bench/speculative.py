@@ -8,14 +8,15 @@ Workloads:
 - W3 (bench/workloads.py: random tokens, one stream, where nothing can be copied), on the
   random-weight SmolLM2-135M: the cost of speculation when it cannot help.
 
-Decode tok/s excludes the prefill: each run is timed twice on a flushed cache, once for one output
-token (the prefill) and once for the whole output, and decode tok/s = (tokens - 1) / (difference).
-Both settings run in the same process on the same weights, so their ratio is what to read.
+Decode tok/s excludes the prefill: each run is timed twice on a flushed cache (which empties the
+n-gram index too, so drafts come from the request's own text), once for one output token (the
+prefill) and once for the whole output, and decode tok/s = (tokens - 1) / (difference). Both
+settings run side by side on the same weights, taking turns pass by pass, so their ratio is what
+to read. The accept length is the NGRAM engine's since startup.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -94,14 +95,29 @@ def _timed(engine: Any, prompts: list[list[int]], max_new: int, ignore_eos: bool
     return elapsed, sum(len(r["output_ids"]) for r in results)
 
 
-def measure(engine: Any, prompts: list[list[int]], ignore_eos: bool, repeats: int) -> DecodeRun:
-    """Median decode time of the prompts run together (one call), over repeats."""
-    prefill = statistics.median(_timed(engine, prompts, 1, ignore_eos)[0] for _ in range(repeats))
-    runs = [_timed(engine, prompts, MAX_NEW_TOKENS, ignore_eos) for _ in range(repeats)]
-    whole = statistics.median(t for t, _ in runs)
-    tokens = runs[0][1]
-    # The first token of every request comes with the prefill.
-    return DecodeRun(tokens - len(prompts), max(whole - prefill, 1e-9))
+def measure(engine: Any, groups: list[list[list[int]]], ignore_eos: bool) -> DecodeRun:
+    """One timed pass: each group of prompts run together (one call), its decode time the
+    whole run's less its prefill's; the groups' tokens and decode times summed."""
+    tokens, seconds = 0, 0.0
+    for prompts in groups:
+        prefill, _ = _timed(engine, prompts, 1, ignore_eos)
+        whole, produced = _timed(engine, prompts, MAX_NEW_TOKENS, ignore_eos)
+        # The first token of every request comes with the prefill.
+        tokens += produced - len(prompts)
+        seconds += max(whole - prefill, 1e-9)
+    return DecodeRun(tokens, seconds)
+
+
+def compare(
+    engines: dict[str, Any], groups: list[list[list[int]]], ignore_eos: bool, repeats: int
+) -> dict[str, DecodeRun]:
+    """Per setting, the median pass; the settings take turns pass by pass, so that a machine
+    whose speed drifts during the run affects them alike."""
+    passes: dict[str, list[DecodeRun]] = {label: [] for label in engines}
+    for _ in range(repeats):
+        for label, engine in engines.items():
+            passes[label].append(measure(engine, groups, ignore_eos))
+    return {label: sorted(runs, key=lambda r: r.tok_per_s)[len(runs) // 2] for label, runs in passes.items()}
 
 
 def _engine(model_path: str | None, dtype: str, speculative: bool, extra: dict[str, Any]) -> Any:
@@ -125,35 +141,26 @@ def run_speculative_bench(
     extra = dict(engine_args or {})
     rows: list[dict[str, Any]] = []
     random_model = str(ensure_random_smollm2(work_dir, dtype))
-    w3 = make_workload("W3").prompts
-    for speculative in (False, True):
-        label = "NGRAM" if speculative else "off"
-        engine = _engine(None, dtype, speculative, extra)
+    for model, workload in ((None, "copy"), (random_model, "W3 (random)")):
+        engines = {label: _engine(model, dtype, label == "NGRAM", extra) for label in ("off", "NGRAM")}
         try:
-            chats = [engine.tokenize_chat(m) for m in copy_messages()]
-            single = [measure(engine, [p], ignore_eos=False, repeats=repeats) for p in chats]
-            tokens, seconds = sum(r.tokens for r in single), sum(r.decode_s for r in single)
-            batch = measure(engine, chats[:BATCH], ignore_eos=False, repeats=repeats)
-            stats = _accept_stats(engine) if speculative else {}
+            if workload == "copy":
+                chats = [engines["off"].tokenize_chat(m) for m in copy_messages()]
+                cases = [
+                    ("single stream", [[p] for p in chats], False),
+                    (f"batch {BATCH}", [chats[:BATCH]], False),
+                ]
+            else:
+                cases = [("single stream", [make_workload("W3").prompts], True)]
+            for mode, groups, ignore_eos in cases:
+                for label, run in compare(engines, groups, ignore_eos, repeats).items():
+                    stats = _accept_stats(engines[label]) if label == "NGRAM" else {}
+                    rows.append({"workload": workload, "mode": mode, "speculative": label,
+                                 "decode_tok_s": run.tok_per_s, "tokens": run.tokens, **stats})  # fmt: skip
+                    log(f"{workload}, {mode}, NGRAM {label}: {run.tok_per_s:.1f} decode tok/s")
         finally:
-            engine.shutdown()
-        rows.append({"workload": "copy", "mode": "single stream", "speculative": label,
-                     "decode_tok_s": tokens / seconds, "tokens": tokens, **stats})  # fmt: skip
-        rows.append({"workload": "copy", "mode": f"batch {BATCH}", "speculative": label,
-                     "decode_tok_s": batch.tok_per_s, "tokens": batch.tokens, **stats})  # fmt: skip
-        log(
-            f"copy, NGRAM {label}: single {rows[-2]['decode_tok_s']:.1f} tok/s, "
-            f"batch {batch.tok_per_s:.1f} tok/s"
-        )
-        engine = _engine(random_model, dtype, speculative, extra)
-        try:
-            run = measure(engine, w3, ignore_eos=True, repeats=repeats)
-            stats = _accept_stats(engine) if speculative else {}
-        finally:
-            engine.shutdown()
-        rows.append({"workload": "W3 (random)", "mode": "single stream", "speculative": label,
-                     "decode_tok_s": run.tok_per_s, "tokens": run.tokens, **stats})  # fmt: skip
-        log(f"W3, NGRAM {label}: {run.tok_per_s:.1f} tok/s")
+            for engine in engines.values():
+                engine.shutdown()
     return {"dtype": dtype, "repeats": repeats, "rows": rows}
 
 

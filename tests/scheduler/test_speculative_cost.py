@@ -15,12 +15,15 @@ from radixserve.scheduler.speculative.cost import (
 from radixserve.scheduler.speculative.ngram import NgramConfig, NgramIndex
 
 
-def _fed(plain: float, intercept: float, slope: float, sizes: list[int]) -> StepCost:
-    """A cost fed plain decode steps of one token (plain seconds each) and verify steps of the
-    given sizes (intercept + slope * size seconds)."""
+def _fed(
+    plain: float, intercept: float, slope: float, sizes: list[int], batch_slope: float = 0.0
+) -> StepCost:
+    """A cost fed plain decode steps (plain + batch_slope * (B - 1) seconds for B requests, B the
+    verify sizes less one) and verify steps of the given sizes (intercept + slope * size)."""
     cost = StepCost()
     for n in sizes:
         cost.observe(1, plain, plain=True)
+        cost.observe(n - 1, plain + batch_slope * (n - 2), plain=True)
         cost.observe(n, intercept + slope * n, plain=False)
     return cost
 
@@ -28,23 +31,31 @@ def _fed(plain: float, intercept: float, slope: float, sizes: list[int]) -> Step
 def test_the_verify_fit_prices_a_draft_and_gates_a_step() -> None:
     # An AVX2-like machine: decode 16.6 ms a token; a verify step 20 ms plus 6.6 ms a token.
     cost = _fed(0.0166, 0.020, 0.0066, [2, 8, 4, 3, 8])
-    fitted = cost.verify_fit()
+    fitted = cost.verify.fit()
     assert fitted is not None
     assert fitted[0] == pytest.approx(0.020) and fitted[1] == pytest.approx(0.0066)
-    assert cost.reach_threshold() == pytest.approx(0.0066 / 0.0166)
+    assert cost.reach_threshold(1) == pytest.approx(0.0066 / 0.0166)
     # One stream, three drafts expected to give 2.7 tokens: 3.7 tokens for 46.4 ms beats 16.6 ms each.
     assert cost.worth_verifying(1, 3, 2.7)
     # One draft at even odds: 1.5 tokens for 33.2 ms does not.
     assert not cost.worth_verifying(1, 1, 0.5)
     # An AMX-like machine: drafts are nearly free, anything plausible is worth a try.
     cheap = _fed(0.0166, 0.017, 0.0002, [2, 8, 4])
-    assert cheap.reach_threshold() < 0.02 and cheap.worth_verifying(1, 1, 0.3)
+    assert cheap.reach_threshold(1) < 0.02 and cheap.worth_verifying(1, 1, 0.3)
+
+
+def test_a_batch_that_decodes_cheaply_per_token_drafts_only_near_certainties() -> None:
+    # Plain steps cost 10 ms plus 6.6 ms per request: eight requests decode at 7.85 ms a token.
+    cost = _fed(0.0166, 0.020, 0.0066, [2, 9, 4, 6], batch_slope=0.0066)
+    assert cost.reach_threshold(8) == pytest.approx(0.0066 / ((0.01 + 8 * 0.0066) / 8))
+    # Eight requests, eight drafts all but certain: 16 tokens for 125.6 ms vs 8 * 7.85 each.
+    assert not cost.worth_verifying(8, 8, 7.2)
 
 
 def test_until_both_costs_are_measured_drafts_are_short_and_steps_verify() -> None:
-    assert StepCost().reach_threshold() == INITIAL_REACH_THRESHOLD
+    assert StepCost().reach_threshold(1) == INITIAL_REACH_THRESHOLD
     same_size = _fed(0.0166, 0.02, 0.005, [2, 2, 2])
-    assert same_size.reach_threshold() == INITIAL_REACH_THRESHOLD
+    assert same_size.reach_threshold(1) == INITIAL_REACH_THRESHOLD
     assert same_size.worth_verifying(1, 1, 0.1)
 
 

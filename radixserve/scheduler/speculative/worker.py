@@ -102,7 +102,7 @@ class NgramSpeculator:
         trees, speculating = [], []
         if self.adaptive and self.cost.needs_plain_step:
             return None  # keeps the cost fit informed about plain decode steps
-        min_reach = self.cost.reach_threshold() if self.adaptive else 0.0
+        min_reach = self.cost.reach_threshold(len(reqs)) if self.adaptive else 0.0
         expected_extra = 0.0  # the drafts' summed chance of being emitted
         for req in reqs:
             self.observe(req)

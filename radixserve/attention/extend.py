@@ -59,12 +59,25 @@ def extend_attention(
             if native is not None:
                 out[rows] = native
                 continue
-        keys, values = k[rows], v[rows]
-        if seg.prefix_len:
-            keys = torch.cat((k_cache.index_select(0, seg.prefix_slots), keys))
-            values = torch.cat((v_cache.index_select(0, seg.prefix_slots), values))
+        keys, values = _context_kv(k, v, k_cache, v_cache, seg, rows)
         out[rows] = _causal_sdpa(q[rows], keys, values, seg.prefix_len, scale)
     return out
+
+
+def _context_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seg: ExtendSegment,
+    rows: slice,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A segment's keys and values: its cached prefix's (gathered from the pool), then its new tokens'."""
+    keys, values = k[rows], v[rows]
+    if seg.prefix_len:
+        keys = torch.cat((k_cache.index_select(0, seg.prefix_slots), keys))
+        values = torch.cat((v_cache.index_select(0, seg.prefix_slots), values))
+    return keys, values
 
 
 def _shared_prefix_groups(segments: list[ExtendSegment]) -> list[list[int]]:
@@ -162,10 +175,7 @@ def tree_attention(
     out = torch.empty_like(q)
     for seg, tree in zip(segments, masks, strict=True):
         rows = slice(seg.q_start, seg.q_start + seg.q_len)
-        keys, values = k[rows], v[rows]
-        if seg.prefix_len:
-            keys = torch.cat((k_cache.index_select(0, seg.prefix_slots), keys))
-            values = torch.cat((v_cache.index_select(0, seg.prefix_slots), values))
+        keys, values = _context_kv(k, v, k_cache, v_cache, seg, rows)
         if tree is None:
             out[rows] = _causal_sdpa(q[rows], keys, values, seg.prefix_len, scale)
             continue

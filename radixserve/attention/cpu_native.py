@@ -3,9 +3,10 @@
 Decode reads each request's K/V in place from the paged pool through req_to_token (no gather, no
 padding to buckets, no staging copy). When every request of the batch starts with the same KV
 slots, all queries attend to that prefix in one GEMM-shaped call per layer (on AMX tiles where the
-CPU has them, else torch's flash kernel), the prefix's K/V kept contiguous between steps
+CPU has them, else a native vector kernel), the prefix's K/V kept contiguous between steps
 (PrefixStaging), and the kernel merges it in by log-sum-exp. Extend runs the cascade of
-attention/extend.py with the native merge, and on AMX the native causal and prefix kernels.
+attention/extend.py with the native merge, and the native causal and prefix kernels (AMX tiles or
+vector FMAs) in bf16.
 
 Which kernels run is decided here once, at startup, from the CPU and the model's head shape.
 """
@@ -31,8 +32,6 @@ from radixserve.attention.staging import PrefixStaging, StagedPrefix
 from radixserve.forward.batch import DecodeLayout, ExtendSegment, ForwardBatch, ForwardMode
 from radixserve.kernels.cpu_ops import SharedPrefixResult
 
-# The AMX attention kernel is compiled for head dims that are multiples of 32, up to this.
-AMX_MAX_HEAD_DIM = 256
 # Batch-invariant mode: contexts are cut into pieces of this many positions from position 0
 # (set_decode_fixed_pieces, kernels/csrc/cpu_kernels.cpp): small enough that one long request still
 # spreads over the cores, large enough that merging its pieces costs little.
@@ -40,6 +39,8 @@ INVARIANT_PIECE_TOKENS = 128
 # Batch-invariant extend hands its queries to the decode kernel in calls of at most this many rows
 # (the kernel's scratch grows with the rows of a call).
 INVARIANT_EXTEND_ROWS = 1024
+# What the decode path line says the shared prefix runs on (CpuKernels.prefix_attention_kernel).
+_PREFIX_KERNEL_NAMES = {"amx": "AMX tiles", "vector": "native vector kernel", None: "torch flash"}
 
 
 @dataclass
@@ -82,27 +83,24 @@ class CpuNativeBackend(AttentionBackend):
         super().__init__(spec)
         kernels = spec.kernels
         assert kernels is not None
-        amx = (
-            kernels.has_amx_linear
-            and spec.dtype == torch.bfloat16
-            and spec.head_dim % 32 == 0
-            and spec.head_dim <= AMX_MAX_HEAD_DIM
-        )
-        self.ops = CpuAttentionOps(kernels, amx)
+        prefix_kernel = None
+        if spec.dtype == torch.bfloat16:
+            prefix_kernel = kernels.prefix_attention_kernel(spec.num_heads, spec.num_kv_heads, spec.head_dim)
+        self.ops = CpuAttentionOps(kernels, prefix_kernel)
         self.batch_invariant = spec.batch_invariant
         kernels.set_decode_fixed_pieces(INVARIANT_PIECE_TOKENS if spec.batch_invariant else 0)
         self.prefix_staging = PrefixStaging(
             spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype, spec.device
         )
-        # Set by the model runner when decode steps run in the fused native loop, which (with AMX:
-        # fused_shared_prefix) reads the shared prefix from the pool by its slots: staging it would
-        # be a copy nobody reads. Without AMX, steps with a shared prefix run per layer, staged.
+        # Set by the model runner when decode steps run in the fused native loop, which (with a native
+        # prefix kernel: fused_shared_prefix) reads the shared prefix from the pool by its slots:
+        # staging it would be a copy nobody reads. Else steps with a shared prefix run per layer, staged.
         self.fused_decode = False
         self.fused_shared_prefix = False
 
     @property
     def decode_path(self) -> str:
-        prefix = "AMX tiles" if self.ops.amx else "torch flash"
+        prefix = _PREFIX_KERNEL_NAMES[self.ops.prefix_kernel]
         path = f"native paged decode kernel, shared-prefix cascade on {prefix}"
         if self.batch_invariant:
             path = (
@@ -194,8 +192,8 @@ class CpuNativeBackend(AttentionBackend):
             keys, values = metadata.staged_prefix.layer_kv(x.layer_id, x.k_cache, x.v_cache)
         else:
             keys, values = x.k_cache.index_select(0, slots), x.v_cache.index_select(0, slots)
-        if self.ops.amx:
-            native = self.ops.kernels.prefix_attention(x.q, keys, values, x.scale)
+        if self.ops.prefix_kernel is not None:
+            native = self.ops.kernels.prefix_attention(x.q, keys, values, x.scale, self.ops.prefix_kernel)
             if native is not None:
                 return native
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu

@@ -6,8 +6,9 @@ cached prefixes are the very same KV slots (the radix cache gives requests with 
 prefix the same slots) attend to that prefix in one call and to their own new tokens in another,
 and the two are merged by log-sum-exp (cascade attention).
 
-`CpuAttentionOps` carries the native kernels a backend chose at startup: the AMX kernels for the
-shared part and for single requests, and the native merge. Without them every part runs on torch.
+`CpuAttentionOps` carries the native kernels a backend chose at startup: the prefix attention kernel
+(AMX tiles or vector FMAs) for the shared part, AMX tiles for single requests, and the native merge.
+Without them every part runs on torch.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ class CpuAttentionOps:
     """Native kernels an attention backend uses, chosen once at startup."""
 
     kernels: CpuKernels
-    # Attention on AMX tiles (bf16, a CPU with AMX, a head_dim the kernel is compiled for).
-    amx: bool
+    # The native kernel of the queries' attention over a shared prefix (and with "amx", of one
+    # request's causal extend): "amx" or "vector" (CpuKernels.prefix_attention_kernel), or None.
+    prefix_kernel: str | None
 
 
 def extend_attention(
@@ -52,9 +54,11 @@ def extend_attention(
         if index in done:
             continue
         rows = slice(seg.q_start, seg.q_start + seg.q_len)
-        if ops is not None and ops.amx and seg.context_slots is not None:
+        # The vector kernel's causal mode is not taken here (see docs/architecture.md, "CPU
+        # specifics"): only AMX tiles replace torch's kernel for a single request.
+        if ops is not None and ops.prefix_kernel == "amx" and seg.context_slots is not None:
             native = ops.kernels.causal_attention(
-                q[rows], k_cache, v_cache, seg.context_slots, seg.prefix_len, scale
+                q[rows], k_cache, v_cache, seg.context_slots, seg.prefix_len, scale, ops.prefix_kernel
             )
             if native is not None:
                 out[rows] = native
@@ -121,8 +125,8 @@ def _cascade_extend(
     slots = group[0].prefix_slots
     prefix_k, prefix_v = k_cache.index_select(0, slots), v_cache.index_select(0, slots)
     shared = None
-    if ops is not None and ops.amx:
-        shared = ops.kernels.prefix_attention(queries, prefix_k, prefix_v, scale)
+    if ops is not None and ops.prefix_kernel is not None:
+        shared = ops.kernels.prefix_attention(queries, prefix_k, prefix_v, scale, ops.prefix_kernel)
     if shared is not None:
         shared_out, shared_lse = shared.out, shared.lse
     else:

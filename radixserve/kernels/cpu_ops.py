@@ -31,6 +31,9 @@ from radixserve.kernels.native import (
 
 logger = logging.getLogger(__name__)
 
+# The AMX attention kernels (csrc/amx_attention.cpp) are compiled for head dims that are multiples of
+# 32, up to this.
+AMX_MAX_HEAD_DIM = 256
 # bf16_linear_isa()'s values (csrc/bf16_linear.cpp) by name; 0: the build has no such kernel.
 _LINEAR_ISAS = {4: "avx512_bf16", 2: "avx512", 1: "avx2"}
 
@@ -86,6 +89,7 @@ class CpuKernels:
         self._amx_linear = library.amx_linear_bf16
         self._bf16_linear = library.bf16_linear
         self._amx_prefix_attention = library.amx_prefix_attention_bf16
+        self._vector_prefix_attention = library.prefix_attention_bf16
         self._fused_decode = library.fused_decode_bf16
         self._argmax_rows = library.argmax_rows_f32
         # Whether this build has the AMX matmul and the OS grants this process AMX tiles.
@@ -114,6 +118,17 @@ class CpuKernels:
             and heads % kv_heads == 0
             and bool(self._decode_supported(heads // kv_heads, head_dim))
         )
+
+    def prefix_attention_kernel(self, heads: int, kv_heads: int, head_dim: int) -> str | None:
+        """Which native kernel prefix_attention runs for this head shape (bf16): "amx" (tiles; a
+        head_dim a multiple of 32 up to 256), "vector" (fp32 FMAs on any x86-64 CPU; a multiple of
+        16), or None. A function of the shape only, so the per-layer path and the fused decode loop
+        always pick the same one."""
+        if kv_heads <= 0 or heads % kv_heads:
+            return None
+        if self.has_amx_linear and head_dim % 32 == 0 and head_dim <= AMX_MAX_HEAD_DIM:
+            return "amx"
+        return "vector" if head_dim % 16 == 0 and head_dim > 0 else None
 
     def set_decode_fixed_pieces(self, tokens: int) -> None:
         """Batch-invariant decode attention: contexts split into pieces of exactly `tokens`
@@ -311,10 +326,10 @@ class CpuKernels:
                 0 if residual is None else residual.stride(0), rows, n, k)  # fmt: skip
         return out
 
-    def _runs_amx_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
-        """What both AMX attention entry points need: bf16 on a CPU with AMX, queries as rows of
-        packed heads, keys and values alike ([*, Hkv, D]) with Hkv dividing the query heads."""
-        if not self.has_amx_linear or q.dtype != torch.bfloat16 or q.device.type != "cpu":
+    def _attention_inputs_fit(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
+        """What the native attention entry points need: bf16 on a CPU, queries as rows of packed
+        heads, keys and values alike ([*, Hkv, D]) with Hkv dividing the query heads."""
+        if q.dtype != torch.bfloat16 or q.device.type != "cpu":
             return False
         if keys.dtype != q.dtype or values.dtype != q.dtype or keys.dim() != 3 or keys.shape != values.shape:
             return False
@@ -328,23 +343,33 @@ class CpuKernels:
 
     @_counted
     def prefix_attention(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        scale: float,
+        kernel: str | None = None,
     ) -> SharedPrefixResult | None:
         """Every query (q: [N, H, D]) over the same keys and values ([L, Hkv, D], seen in full: no
-        mask), on AMX tiles; None where that kernel does not run (no AMX, not bf16, head_dim not a
-        multiple of 32 up to 256, layouts it cannot index)."""
+        mask), on the kernel prefix_attention_kernel names (or `kernel`: "vector" runs anywhere);
+        None where none runs (not bf16, a head shape without a kernel, layouts it cannot index)."""
         if (
-            not self._runs_amx_attention(q, keys, values)
+            not self._attention_inputs_fit(q, keys, values)
             or not (_rows_of_packed_heads(keys) and _rows_of_packed_heads(values))
             or keys.stride(0) != values.stride(0)
         ):
             return None
         count, heads, dim = q.shape
         length, kv_heads = keys.shape[0], keys.shape[1]
+        run = self._prefix_attention_function(
+            kernel or self.prefix_attention_kernel(heads, kv_heads, dim), dim
+        )
+        if run is None:
+            return None
         rows = count * (heads // kv_heads)
         out = torch.empty((kv_heads, rows, dim), dtype=q.dtype)
         lse = torch.empty((kv_heads, rows), dtype=torch.float32)
-        status = self._amx_prefix_attention(
+        status = run(
             q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(), keys.stride(0), None,
             out.data_ptr(), 0, lse.data_ptr(), count, heads, kv_heads, dim, length, scale, -1,
         )  # fmt: skip
@@ -359,13 +384,14 @@ class CpuKernels:
         slots: torch.Tensor,
         prefix_len: int,
         scale: float,
+        kernel: str | None = None,
     ) -> torch.Tensor | None:
-        """One request's extend attention on AMX tiles: its new tokens' queries (q: [N, H, D]) over
-        the K/V at `slots` (int64, [prefix_len + N], already in the pool), causally: token t sees
-        keys < prefix_len + t + 1. Returns [N, H, D]; None where the kernel does not run (as
-        prefix_attention)."""
+        """One request's extend attention: its new tokens' queries (q: [N, H, D]) over the K/V at
+        `slots` (int64, [prefix_len + N], already in the pool), causally: token t sees keys <
+        prefix_len + t + 1, on the kernel of prefix_attention. Returns [N, H, D]; None where no
+        kernel runs (as prefix_attention)."""
         if (
-            not self._runs_amx_attention(q, k_cache, v_cache)
+            not self._attention_inputs_fit(q, k_cache, v_cache)
             or not (k_cache.is_contiguous() and v_cache.is_contiguous())
             or slots.dtype != torch.int64
             or not slots.is_contiguous()
@@ -374,13 +400,26 @@ class CpuKernels:
             return None
         count, heads, dim = q.shape
         kv_heads = k_cache.shape[1]
+        run = self._prefix_attention_function(
+            kernel or self.prefix_attention_kernel(heads, kv_heads, dim), dim
+        )
+        if run is None:
+            return None
         out = torch.empty((count, heads, dim), dtype=q.dtype)
-        status = self._amx_prefix_attention(
+        status = run(
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), kv_heads * dim,
             slots.data_ptr(), out.data_ptr(), heads * dim, None, count, heads, kv_heads, dim, len(slots),
             scale, prefix_len,
         )  # fmt: skip
         return out if status == 0 else None
+
+    def _prefix_attention_function(self, kernel: str | None, dim: int) -> Callable[..., Any] | None:
+        """The entry point of a prefix attention kernel (amx_attention.cpp or prefix_attention.cpp)."""
+        if kernel == "amx" and self.has_amx_linear:
+            return self._amx_prefix_attention
+        if kernel == "vector" and dim % 16 == 0:
+            return self._vector_prefix_attention
+        return None
 
     def fused_decode(
         self,
@@ -406,8 +445,8 @@ class CpuKernels:
         place. layers: [L, 9] int64 addresses (models/fused_decode.py); positions, out_slots,
         req_rows, seq_lens: per request; cos/sin tables: [positions, head_dim / 2] fp32; request b's
         context is at req_to_token[req_rows[b], :seq_lens[b]]; shared_prefix: the KV slots every
-        request's context starts with (cascade; with AMX only), or None. The linears must be packed
-        by pack_linear of these kernels."""
+        request's context starts with (cascade, on prefix_attention_kernel's kernel), or None. The
+        linears must be packed by pack_linear of these kernels."""
         prefix = None if shared_prefix is None else shared_prefix.to(torch.int64).contiguous()
         rows = req_rows.to(torch.int64).contiguous()
         lens = seq_lens.to(torch.int64).contiguous()
@@ -417,12 +456,15 @@ class CpuKernels:
         if table.dtype != torch.int64 or table.stride(1) != 1:
             raise ValueError("req_to_token must be int64 with contiguous rows")
         batch, size = hidden.shape
-        if self.linear_kernel is None or (prefix is not None and not self.has_amx_linear):
+        prefix_kernel = self.prefix_attention_kernel(heads, kv_heads, head_dim)
+        if self.linear_kernel is None or (prefix is not None and prefix_kernel is None):
             raise ValueError(
-                "the fused decode loop needs a native linear kernel, and AMX for a shared prefix"
+                "the fused decode loop needs a native linear kernel, and a prefix attention kernel "
+                "for this head shape when a shared prefix is given"
             )
         status = self._fused_decode(
-            0 if self.has_amx_linear else 1, layers.data_ptr(), layers.shape[0], hidden.data_ptr(), batch,
+            0 if self.has_amx_linear else 1, 0 if prefix_kernel == "amx" else 1, layers.data_ptr(),
+            layers.shape[0], hidden.data_ptr(), batch,
             size, intermediate, heads, kv_heads, head_dim, eps, scale, cos_table.data_ptr(),
             sin_table.data_ptr(), positions.data_ptr(),
             slots.data_ptr(), table.data_ptr(), table.stride(0), rows.data_ptr(), lens.data_ptr(),

@@ -103,12 +103,17 @@ PLAIN_SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
         ctypes.c_int,
         [_P, _I, _P, _P, _I, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _I],
     ),
-    # linear_kind, layers, num_layers, hidden, batch, hidden_size, intermediate, heads, kv_heads,
+    # the same arguments, on vector FMAs (csrc/prefix_attention.cpp: any x86-64 CPU)
+    "prefix_attention_bf16": (
+        ctypes.c_int,
+        [_P, _I, _P, _P, _I, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _I],
+    ),
+    # linear_kind, prefix_kind, layers, num_layers, hidden, batch, hidden_size, intermediate, heads, kv_heads,
     # head_dim, eps, scale, cos, sin, positions, out_slots, req_to_token, table_stride, req_rows,
     # seq_lens, prefix_length, prefix_slots
     "fused_decode_bf16": (
         ctypes.c_int,
-        [_I, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _F, _P, _P, _P, _P, _P, _I, _P, _P, _I, _P],
+        [_I, _I, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _F, _P, _P, _P, _P, _P, _I, _P, _P, _I, _P],
     ),
 }
 

@@ -4,12 +4,13 @@ A model class that can run this way declares it (`fused_decode_plan()` on the Ll
 model runner asks once at startup and takes it when everything a layer runs has a native kernel:
 bf16 on a CPU with a native linear kernel (every linear packed for the AMX matmul, or for
 csrc/bf16_linear.cpp on AVX2 / AVX-512 CPUs without AMX), one tensor-parallel rank, no q/k norms, a
-head shape the decode (and, with AMX, prefix) attention kernels are compiled for, and the cpu_native
-attention backend. The native loop runs the same kernels in the same order as the per-layer path,
-so the result is bit for bit the same (tests/models/test_fused_decode.py); what goes is the Python
-and dispatch cost of ~15 calls per layer (figures: docs/architecture.md). Without AMX a step whose
-requests share a prefix runs per layer: there the cascade's shared part runs on torch's flash
-attention, which no native kernel reproduces bit for bit.
+head shape the decode attention kernel is compiled for, and the cpu_native attention backend. The
+native loop runs the same kernels in the same order as the per-layer path, so the result is bit for
+bit the same (tests/models/test_fused_decode.py); what goes is the Python
+and dispatch cost of ~15 calls per layer (figures: docs/architecture.md). A step whose requests share
+a prefix runs here too where a native prefix attention kernel exists for the head shape (AMX tiles,
+else vector FMAs: csrc/prefix_attention.cpp); else it runs per layer, its shared part on torch's
+flash attention, which no native kernel reproduces bit for bit.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ class FusedDecodePlan:
     intermediate: int
     eps: float
     scale: float
-    # Whether the native loop attends a shared prefix itself (AMX); else such steps run per layer.
+    # Whether the native loop attends a shared prefix itself (a native prefix attention kernel for
+    # the head shape); else such steps run per layer.
     shared_prefix: bool = False
 
     def ready(self) -> bool:

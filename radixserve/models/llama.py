@@ -179,12 +179,11 @@ class CausalLM(nn.Module):
     def fused_decode_plan(self) -> FusedDecodePlan | None:
         """This model's layers for the fused native decode loop (models/fused_decode.py), or None
         where it cannot run them: no native linear kernel here, q/k norms (Qwen3), tensor
-        parallelism, a head shape without compiled kernels (with AMX: head_dim a multiple of 32 for
-        its prefix attention), biases on o_proj/down_proj, or a linear the native kernel declined."""
+        parallelism, a head shape without a compiled decode attention kernel, biases on
+        o_proj/down_proj, or a linear the native kernel declined. Steps whose requests share a
+        prefix run in it where a native prefix attention kernel exists for the head shape."""
         kernels, config = self.kernels, self.config
         if kernels is None or kernels.linear_kernel is None or config.qk_norm:
-            return None
-        if kernels.has_amx_linear and config.head_dim % 32:
             return None
         layers = cast("list[DecoderLayer]", list(self.layers))
         first = layers[0]
@@ -218,7 +217,10 @@ class CausalLM(nn.Module):
             intermediate=first.mlp.down_proj.local_input,
             eps=first.input_layernorm.eps,
             scale=attention.scale,
-            shared_prefix=kernels.has_amx_linear,
+            shared_prefix=kernels.prefix_attention_kernel(
+                attention.num_heads, attention.num_kv_heads, config.head_dim
+            )
+            is not None,
         )
         return plan if plan.ready() else None
 

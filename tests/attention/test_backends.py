@@ -142,17 +142,24 @@ def test_extend_attention_over_a_shared_prefix_matches_dense() -> None:
         torch.testing.assert_close(out[rows], expected, atol=1e-5, rtol=1e-5)
 
 
-def test_extend_cascade_with_native_kernels_matches_torch() -> None:
-    """bf16 with SmolLM2's head shape: the shared part runs on the native (AMX) kernel where this
-    CPU has one, and the result must agree with the torch path."""
+@pytest.mark.parametrize("prefix_kernel", ["vector", "amx"])
+def test_extend_with_native_kernels_matches_torch(
+    prefix_kernel: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bf16 with SmolLM2's head shape: the shared part of a cascade runs on the native prefix
+    attention kernel (vector FMAs on any CPU, AMX tiles where this CPU has them; with AMX a single
+    request's causal extend too), and the result must agree with the torch path."""
     kernels = native_kernels_or_skip()
+    if prefix_kernel == "amx" and not kernels.has_amx_linear:
+        pytest.skip("this CPU (or OS) does not offer AMX tiles")
     torch.manual_seed(6)
     heads, kv_heads, dim = 9, 3, 64
     k_cache = torch.randn(700, kv_heads, dim, dtype=torch.bfloat16)
     v_cache = torch.randn(700, kv_heads, dim, dtype=torch.bfloat16)
-    shared = torch.randperm(700)[:200]
+    slots = torch.randperm(700)
+    shared = slots[:200]
     lengths = [7, 7, 7, 3]
-    total = sum(lengths)
+    total = sum(lengths) + 40
     q = torch.randn(total, heads, dim, dtype=torch.bfloat16)
     k = torch.randn(total, kv_heads, dim, dtype=torch.bfloat16)
     v = torch.randn(total, kv_heads, dim, dtype=torch.bfloat16)
@@ -160,7 +167,23 @@ def test_extend_cascade_with_native_kernels_matches_torch() -> None:
     for n in lengths:
         segments.append(ExtendSegment(q_start=start, q_len=n, prefix_len=len(shared), prefix_slots=shared))
         start += n
-    native = extend_attention(q, k, v, k_cache, v_cache, segments, dim**-0.5, CpuAttentionOps(kernels, True))
+    # One request alone: 40 new tokens after a 30-token cached prefix, its K/V in the pool.
+    alone = slots[200:270]
+    k_cache[alone[30:]], v_cache[alone[30:]] = k[start:], v[start:]
+    segments.append(ExtendSegment(start, 40, 30, alone[:30], context_slots=alone))
+    ran: list[str] = []
+    for name in ("prefix_attention", "causal_attention"):
+        original = getattr(CpuKernels, name)
+        monkeypatch.setattr(
+            CpuKernels, name, lambda self, *a, _f=original, _n=name: ran.append(_n) or _f(self, *a)
+        )
+    declined = kernels.fallbacks.copy()
+    native = extend_attention(
+        q, k, v, k_cache, v_cache, segments, dim**-0.5, CpuAttentionOps(kernels, prefix_kernel)
+    )
+    # A single request's extend runs natively on AMX only (extend.py says why).
+    natives = ["causal_attention", "prefix_attention"] if prefix_kernel == "amx" else ["prefix_attention"]
+    assert sorted(ran) == natives and kernels.fallbacks == declined
     plain = extend_attention(q, k, v, k_cache, v_cache, segments, dim**-0.5)
     torch.testing.assert_close(native.float(), plain.float(), rtol=2e-2, atol=2e-2)
 

@@ -212,9 +212,12 @@ def test_merge_by_lse_matches_torch(kernels: CpuKernels, dtype: torch.dtype) -> 
         (300, 6, 2, 64, 33),  # many rows (an extend's shared part)
     ],
 )
+@pytest.mark.parametrize("kernel", ["vector", "amx"])
 def test_prefix_attention_matches_sdpa(
-    amx_kernels: CpuKernels, count: int, heads: int, kv_heads: int, head_dim: int, length: int
+    kernels: CpuKernels, kernel: str, count: int, heads: int, kv_heads: int, head_dim: int, length: int
 ) -> None:
+    if kernel == "amx" and not kernels.has_amx_linear:
+        pytest.skip("this CPU (or OS) does not offer AMX tiles")
     torch.manual_seed(count + length)
     group = heads // kv_heads
     # Queries as rows of a wider projection, keys and values as a cache's rows.
@@ -223,7 +226,7 @@ def test_prefix_attention_matches_sdpa(
     keys = torch.randn(length, kv_heads, head_dim, dtype=torch.bfloat16)
     values = torch.randn(length, kv_heads, head_dim, dtype=torch.bfloat16)
     scale = head_dim**-0.5
-    result = amx_kernels.prefix_attention(q, keys, values, scale)
+    result = kernels.prefix_attention(q, keys, values, scale, kernel)
     assert result is not None and result.length == length
     rows = count * group
     assert result.out.shape == (kv_heads, rows, head_dim) and result.lse.shape == (kv_heads, rows)
@@ -241,7 +244,10 @@ def test_prefix_attention_declines_what_it_cannot_run(kernels: CpuKernels) -> No
     keys = torch.randn(40, 2, 64, dtype=torch.bfloat16)
     assert kernels.prefix_attention(q.float(), keys.float(), keys.float(), 0.1) is None  # fp32
     small = torch.randn(4, 4, 16, dtype=torch.bfloat16)
-    assert kernels.prefix_attention(small, small[:, :2], small[:, :2], 0.1) is None  # head_dim 16
+    assert kernels.prefix_attention(small, small[:, :2], small[:, :2], 0.1, "amx") is None  # head_dim 16
+    assert kernels.prefix_attention(small, small[:, :2], small[:, :2], 0.1, "vector") is not None
+    narrow = torch.randn(4, 4, 24, dtype=torch.bfloat16)
+    assert kernels.prefix_attention(narrow, narrow[:, :2], narrow[:, :2], 0.1) is None  # head_dim 24
     odd = torch.randn(40, 3, 64, dtype=torch.bfloat16)
     assert kernels.prefix_attention(q, odd, odd, 0.1) is None  # 4 heads over 3 K/V heads
     assert kernels.prefix_attention(q, keys.transpose(0, 1), keys.transpose(0, 1), 0.1) is None  # layout
@@ -274,9 +280,12 @@ def test_argmax_rows_matches_torch_max(kernels: CpuKernels, rows: int, cols: int
         (1, 6, 2, 64, 5),  # one new token
     ],
 )
+@pytest.mark.parametrize("kernel", ["vector", "amx"])
 def test_causal_attention_matches_sdpa(
-    amx_kernels: CpuKernels, count: int, heads: int, kv_heads: int, head_dim: int, prefix: int
+    kernels: CpuKernels, kernel: str, count: int, heads: int, kv_heads: int, head_dim: int, prefix: int
 ) -> None:
+    if kernel == "amx" and not kernels.has_amx_linear:
+        pytest.skip("this CPU (or OS) does not offer AMX tiles")
     torch.manual_seed(count + prefix)
     k_cache = torch.randn(600, kv_heads, head_dim, dtype=torch.bfloat16)
     v_cache = torch.randn(600, kv_heads, head_dim, dtype=torch.bfloat16)
@@ -284,7 +293,7 @@ def test_causal_attention_matches_sdpa(
     q = torch.randn(count, heads * head_dim + 24, dtype=torch.bfloat16)[:, : heads * head_dim]
     q = q.view(count, heads, head_dim)
     scale = head_dim**-0.5
-    native = amx_kernels.causal_attention(q, k_cache, v_cache, slots, prefix, scale)
+    native = kernels.causal_attention(q, k_cache, v_cache, slots, prefix, scale, kernel)
     assert native is not None and native.shape == (count, heads, head_dim)
     group = heads // kv_heads
     keys = k_cache[slots].float().repeat_interleave(group, dim=1).transpose(0, 1)
@@ -295,5 +304,5 @@ def test_causal_attention_matches_sdpa(
     )
     torch.testing.assert_close(native.float(), expected.transpose(0, 1), rtol=2e-2, atol=2e-2)
     assert (
-        amx_kernels.causal_attention(q, k_cache, v_cache, slots[:-1], prefix, scale) is None
+        kernels.causal_attention(q, k_cache, v_cache, slots[:-1], prefix, scale, kernel) is None
     )  # wrong length

@@ -101,9 +101,9 @@ def test_the_loaded_library_is_the_isa_asked_for() -> None:
 
 
 def test_elementwise_kernels_give_the_same_bits_on_every_isa() -> None:
-    """Under a forced ISA (scripts/test.sh): RMSNorm, SiLU-and-mul, rotary, the merge by lse and argmax
-    give exactly what the native build gives, so no CPU sees other numbers from them (FMA where
-    the native build uses it, floor and 2^n exact without AVX-512)."""
+    """Under a forced ISA (scripts/test.sh): RMSNorm, SiLU-and-mul, rotary, the merge by lse, argmax
+    and the vector prefix attention give exactly what the native build gives, so no CPU sees other
+    numbers from them (FMA where the native build uses it, floor and 2^n exact without AVX-512)."""
     isa = native.requested_isa() if os.environ.get(ISA_ENV) else "native"
     if isa == "native":
         pytest.skip(f"compares a forced ISA ({ISA_ENV}) with the native build")
@@ -140,3 +140,9 @@ def test_elementwise_kernels_give_the_same_bits_on_every_isa() -> None:
     scores[3, 17] = float("nan")
     mine, theirs = forced.argmax_rows(scores), reference.argmax_rows(scores)
     assert mine is not None and theirs is not None and torch.equal(mine, theirs)
+    # The vector prefix attention (csrc/prefix_attention.cpp): every sum in one order on any width.
+    q = torch.randn(13, 9, 64, dtype=torch.bfloat16)
+    keys, values = (torch.randn(300, 3, 64, dtype=torch.bfloat16) for _ in range(2))
+    prefix = [kernels.prefix_attention(q, keys, values, 0.125, "vector") for kernels in (forced, reference)]
+    assert prefix[0] is not None and prefix[1] is not None
+    assert torch.equal(prefix[0].out, prefix[1].out) and torch.equal(prefix[0].lse, prefix[1].lse)

@@ -11,9 +11,8 @@
 // hidden += down_proj.
 //
 // The linears run on the kernel the weights were packed for (the caller says which): the AMX matmul,
-// or bf16_linear.cpp's on a CPU without AMX. Without AMX there is no native shared-prefix attention
-// (the per-layer path runs torch's flash attention there, whose bits this loop could not reproduce),
-// so the caller runs steps with a shared prefix per layer and passes prefix_length 0 here.
+// or bf16_linear.cpp's on a CPU without AMX. The shared prefix runs on the prefix attention kernel the
+// per-layer path uses for this head shape (the caller says which): AMX tiles or vector FMAs.
 
 #include <stdint.h>
 #include <string.h>
@@ -39,6 +38,10 @@ void bf16_linear(const uint16_t *x, int64_t x_stride, const uint16_t *packed, ui
 void amx_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed, uint16_t *out, int64_t out_stride,
                      const uint16_t *bias, const uint16_t *residual, int64_t residual_stride, int64_t m, int64_t n,
                      int64_t k);
+int prefix_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, const uint16_t *v, int64_t kv_stride,
+                          const int64_t *slots, uint16_t *out, int64_t out_token, float *lse, int64_t n,
+                          int64_t heads, int64_t kv_heads, int64_t dim, int64_t length, float scale,
+                          int64_t causal_offset);
 int amx_prefix_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, const uint16_t *v,
                               int64_t kv_stride, const int64_t *slots, uint16_t *out, int64_t out_token,
                               float *lse, int64_t n, int64_t heads, int64_t kv_heads, int64_t dim, int64_t length,
@@ -61,19 +64,20 @@ struct Shape {
 }  // namespace
 
 // hidden [batch, hidden] is the residual stream, updated in place. linear_kind: 0 the AMX matmul, 1
-// bf16_linear. Returns 0; 1 for AMX asked of a build without it; 2 for a shared prefix without AMX;
-// or the failing kernel's status (the caller checked every condition first, so any is a bug).
-extern "C" int fused_decode_bf16(int64_t linear_kind, const Layer *layers, int64_t num_layers, uint16_t *hidden, int64_t batch,
+// bf16_linear; prefix_kind: 0 the AMX prefix attention, 1 the vector one. Returns 0; 1 for AMX asked
+// of a build without it; or the failing kernel's status (the caller checked every condition first,
+// so any is a bug).
+extern "C" int fused_decode_bf16(int64_t linear_kind, int64_t prefix_kind, const Layer *layers, int64_t num_layers, uint16_t *hidden, int64_t batch,
                                  int64_t hidden_size, int64_t intermediate, int64_t heads, int64_t kv_heads,
                                  int64_t head_dim, float eps, float scale, const float *cos_table,
                                  const float *sin_table, const int64_t *positions, const int64_t *out_slots,
                                  const int64_t *req_to_token, int64_t table_stride, const int64_t *req_rows,
                                  const int64_t *seq_lens, int64_t prefix_length, const int64_t *prefix_slots) {
 #ifndef RADIXSERVE_AMX
-    if (linear_kind == 0) return 1;
+    if (linear_kind == 0 || (prefix_length && prefix_kind == 0)) return 1;
 #endif
-    if (prefix_length && linear_kind != 0) return 2;
     auto *linear = linear_kind == 0 ? amx_linear_bf16 : bf16_linear;
+    auto *prefix_attention = prefix_kind == 0 ? amx_prefix_attention_bf16 : prefix_attention_bf16;
     const Shape s{batch, hidden_size, intermediate, heads, kv_heads, head_dim};
     const int64_t q_width = s.heads * s.head_dim, kv_width = s.kv_heads * s.head_dim;
     const int64_t qkv_width = q_width + 2 * kv_width, prefix_rows = s.batch * (s.heads / s.kv_heads);
@@ -104,7 +108,7 @@ extern "C" int fused_decode_bf16(int64_t linear_kind, const Layer *layers, int64
         }
         if (prefix_length) {
             const int status =
-                amx_prefix_attention_bf16(qkv, qkv_width, w.k_cache, w.v_cache, kv_width, prefix_slots, prefix_out,
+                prefix_attention(qkv, qkv_width, w.k_cache, w.v_cache, kv_width, prefix_slots, prefix_out,
                                           0, prefix_lse.data(), s.batch, s.heads, s.kv_heads, s.head_dim,
                                           prefix_length, scale, -1);
             if (status) return 100 + status;

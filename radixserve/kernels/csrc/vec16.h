@@ -123,29 +123,63 @@ inline v16f floor16(v16f x) {
 #endif
 }
 
-// 2^x for x <= 0 (x = -inf gives ~1e-38, which is 0 next to the terms it is added to); relative
-// error ~2e-7, about one fp32 ulp.
-inline v16f exp2_nonpositive(v16f x) {
-    const v16f lowest = v16f{} - 126.0f;
-    x = x < lowest ? lowest : x;
-    const v16f whole = floor16(x);
-    const v16f f = x - whole;
-    v16f p = fma16(f, v16f{} + 1.535336188319500e-4f, v16f{} + 1.339887440266574e-3f);
-    p = fma16(p, f, v16f{} + 9.618437357674640e-3f);
-    p = fma16(p, f, v16f{} + 5.550332471162809e-2f);
-    p = fma16(p, f, v16f{} + 2.402264791363012e-1f);
-    p = fma16(p, f, v16f{} + 6.931472028550421e-1f);
-    p = fma16(p, f, v16f{} + 1.0f);
-#if defined(__AVX512F__)
-    // p * 2^whole in one instruction (whole >= -126: a normal power of two, so exact either way).
-    __m512 out = _mm512_scalef_ps(reinterpret_cast<__m512 &>(p), reinterpret_cast<const __m512 &>(whole));
-    return reinterpret_cast<v16f &>(out);
+// ---- 8 lanes: one AVX2 register. GCC splits 64-byte vectors poorly without AVX-512 (a broadcast
+// becomes 16 scalar stores, a lane access spills), so hot loops there run on v8f with these. Each
+// gives every lane exactly the bits of its 16-lane twin.
+
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+inline v8f fma8(const v8f &a, const v8f &b, const v8f &c) {
+#if defined(__FMA__)
+    __m256 out = _mm256_fmadd_ps(reinterpret_cast<const __m256 &>(a), reinterpret_cast<const __m256 &>(b),
+                                 reinterpret_cast<const __m256 &>(c));
+    return reinterpret_cast<v8f &>(out);
 #else
-    const v16i bits = (__builtin_convertvector(whole, v16i) + 127) << 23;
-    v16f scale;
-    memcpy(&scale, &bits, 64);
-    return p * scale;
+    return a * b + c;
 #endif
+}
+
+inline v8f floor8(v8f x) {
+#if defined(__AVX__)
+    __m256 out = _mm256_round_ps(reinterpret_cast<__m256 &>(x), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    return reinterpret_cast<v8f &>(out);
+#else
+    const v8f truncated = __builtin_convertvector(__builtin_convertvector(x, v8i), v8f);
+    return truncated > x ? truncated - 1.0f : truncated;
+#endif
+}
+
+inline v16f fma_lanes(const v16f &a, const v16f &b, const v16f &c) { return fma16(a, b, c); }
+inline v8f fma_lanes(const v8f &a, const v8f &b, const v8f &c) { return fma8(a, b, c); }
+inline v16f floor_lanes(v16f x) { return floor16(x); }
+inline v8f floor_lanes(v8f x) { return floor8(x); }
+
+// 2^x for x <= 0 (x = -inf gives ~1e-38, which is 0 next to the terms it is added to); relative
+// error ~2e-7, about one fp32 ulp. V: v16f or v8f, the same bits per lane.
+template <typename V>
+inline V exp2_nonpositive(V x) {
+    typedef int32_t I __attribute__((vector_size(sizeof(V))));
+    const V lowest = V{} - 126.0f;
+    x = x < lowest ? lowest : x;
+    const V whole = floor_lanes(x);
+    const V f = x - whole;
+    V p = fma_lanes(f, V{} + 1.535336188319500e-4f, V{} + 1.339887440266574e-3f);
+    p = fma_lanes(p, f, V{} + 9.618437357674640e-3f);
+    p = fma_lanes(p, f, V{} + 5.550332471162809e-2f);
+    p = fma_lanes(p, f, V{} + 2.402264791363012e-1f);
+    p = fma_lanes(p, f, V{} + 6.931472028550421e-1f);
+    p = fma_lanes(p, f, V{} + 1.0f);
+#if defined(__AVX512F__)
+    if constexpr (sizeof(V) == 64) {
+        // p * 2^whole in one instruction (whole >= -126: a normal power of two, so exact either way).
+        __m512 out = _mm512_scalef_ps(reinterpret_cast<__m512 &>(p), reinterpret_cast<const __m512 &>(whole));
+        return reinterpret_cast<V &>(out);
+    }
+#endif
+    const I bits = (__builtin_convertvector(whole, I) + 127) << 23;
+    V scale;
+    memcpy(&scale, &bits, sizeof(V));
+    return p * scale;
 }
 
 inline v16f exp16(v16f x) {
@@ -168,16 +202,20 @@ inline v16f exp16(v16f x) {
 
 // x as the reference holds it after an op in dtype T: rounded to bf16, or unchanged for fp32.
 inline v16f as_dtype16(v16f x, const float *) { return x; }
-inline v16f as_dtype16(v16f x, const uint16_t *) {
-    v16u u;
-    memcpy(&u, &x, 64);
-    const v16u rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-    const v16u nan = (u | 0x00400000u) & 0xffff0000u;
-    const v16u out = (u & 0x7fffffffu) > 0x7f800000u ? nan : rounded;
-    v16f f;
-    memcpy(&f, &out, 64);
+// Rounded to the nearest bf16 (even on ties, NaN kept NaN), as fp32. V: v16f or v8f.
+template <typename V>
+inline V round_to_bf16(V x) {
+    typedef uint32_t U __attribute__((vector_size(sizeof(V))));
+    U u;
+    memcpy(&u, &x, sizeof(V));
+    const U rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    const U nan = (u | 0x00400000u) & 0xffff0000u;
+    const U out = (u & 0x7fffffffu) > 0x7f800000u ? nan : rounded;
+    V f;
+    memcpy(&f, &out, sizeof(V));
     return f;
 }
+inline v16f as_dtype16(v16f x, const uint16_t *) { return round_to_bf16(x); }
 
 // The first n (< 16) elements, zero-padded; and the store of the first n lanes. Tails of rows
 // go through these, so each kernel has one code path.

@@ -194,9 +194,13 @@ class Runtime:
         """Asks the scheduler to stop; it tells the detokenizer, which tells us. Then cleans up."""
         if self.closed:
             return
-        if self.dead_child() is None:
-            with contextlib.suppress(EngineDeadError):
-                self.broadcast(ShutdownRequest())
+        if self.dead_child() is not None:
+            # The request goes through the schedulers to the detokenizer: with a child dead it
+            # cannot reach the rest, so waiting for them would only run out the timeout.
+            self.kill()
+            return
+        with contextlib.suppress(EngineDeadError):
+            self.broadcast(ShutdownRequest())
         deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
         for child in self.children:
             try:

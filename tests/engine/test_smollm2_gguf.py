@@ -16,13 +16,6 @@ from radixserve.scheduler.process import build_scheduler
 PROMPT = "The capital of France is"
 
 
-def test_greedy_continues_with_paris(make_engine: Callable[..., Any]) -> None:
-    engine = make_engine(None, max_total_tokens=1024)
-    result = engine.generate(PROMPT, {"temperature": 0.0, "max_new_tokens": 4})
-    assert result["text"].startswith(" Paris"), result["text"]
-    assert result["meta_info"]["prompt_tokens"] == 5
-
-
 def test_first_step_logits_match_transformers(smollm2_gguf_path: Path) -> None:
     pytest.importorskip("accelerate", reason="transformers needs accelerate to load a GGUF file")
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -81,7 +74,12 @@ def test_bfloat16_logits_stay_close_to_float32(make_engine: Callable[..., Any]) 
     answer token of "What is the capital of France?" is only 0.08 logits ahead in fp32, and two
     equally accurate bf16 matmuls (oneDNN's and the AMX kernel's, mean |error| 0.11 and 0.10 here)
     break that tie differently. Computing RMSNorm's variance in bf16 measured 0.165 and is caught."""
-    tokenizer = make_engine(None, max_total_tokens=256).tokenizer
+    engine = make_engine(None, max_total_tokens=256)
+    # The engine on the default model (started here anyway, for its tokenizer) continues greedily.
+    result = engine.generate(PROMPT, {"temperature": 0.0, "max_new_tokens": 4})
+    assert result["text"].startswith(" Paris"), result["text"]
+    assert result["meta_info"]["prompt_tokens"] == 5
+    tokenizer = engine.tokenizer
     prompts = [
         tokenizer.encode(
             tokenizer.apply_chat_template(

@@ -165,10 +165,29 @@ def finish(server: LiveServer) -> None:
 
 @pytest.fixture(scope="module")
 def server(
+    request: pytest.FixtureRequest,
+    tiny_model_dir: Callable[[str], Path],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[LiveServer]:
+    """One tiny-llama server shared by a test module; by every module that sets SHARED_SERVER = True
+    (modules that only send requests, never a call that changes the server's state): a server
+    start is ~10 s of a 2-core CI machine."""
+    if getattr(request.module, "SHARED_SERVER", False):
+        shared: LiveServer = request.getfixturevalue("session_server")
+        yield shared
+        shared.assert_idle_and_kv_intact()  # after each module, so a leak names its module
+        return
+    live = launch(tiny_model_dir("llama"), tmp_path_factory.mktemp("server"))
+    yield live
+    finish(live)
+
+
+@pytest.fixture(scope="session")
+def session_server(
     tiny_model_dir: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LiveServer]:
-    """One tiny-llama server shared by a test module."""
-    live = launch(tiny_model_dir("llama"), tmp_path_factory.mktemp("server"))
+    """The tiny-llama server of the SHARED_SERVER modules, checked and stopped at the session's end."""
+    live = launch(tiny_model_dir("llama"), tmp_path_factory.mktemp("session-server"))
     yield live
     finish(live)
 

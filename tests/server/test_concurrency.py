@@ -130,7 +130,8 @@ def test_health_answers_while_every_stream_waits_on_a_long_step(server: LiveServ
     chunks = [0] * streams_n
 
     async def stream_one(client: httpx.AsyncClient, i: int) -> None:
-        body = {"input_ids": [40 + i, 41], "stream": True, "sampling_params": {**LONG, "max_new_tokens": 8}}
+        # 4 tokens: the step that gives each stream its second one, then the one the probes beat.
+        body = {"input_ids": [40 + i, 41], "stream": True, "sampling_params": {**LONG, "max_new_tokens": 4}}
         async with client.stream("POST", "/generate", json=body) as response:
             async for line in response.aiter_lines():
                 if line.startswith("data: {"):

@@ -9,6 +9,9 @@ import pytest
 
 from tests.server.conftest import LiveServer
 
+# Only requests, no state changes: the session's shared server (tests/server/conftest.py).
+SHARED_SERVER = True
+
 CHAT = "/v1/chat/completions"
 # Raw bodies: json.dumps cannot write a lone surrogate that Python's json.loads reads back as one.
 HOSTILE = [

@@ -7,6 +7,9 @@ from typing import Any
 
 from tests.server.conftest import LiveServer
 
+# Only requests, no state changes: the session's shared server (tests/server/conftest.py).
+SHARED_SERVER = True
+
 
 def test_native_logprobs_with_text(server: LiveServer) -> None:
     body = {

@@ -9,6 +9,9 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+# Only requests, no state changes: the session's shared server (tests/server/conftest.py).
+SHARED_SERVER = True
+
 
 def samples(text: str) -> dict[str, float]:
     return {

@@ -11,6 +11,9 @@ import pytest
 
 from tests.server.conftest import LiveServer
 
+# Only requests, no state changes: the session's shared server (tests/server/conftest.py).
+SHARED_SERVER = True
+
 GREEDY: dict[str, Any] = {"temperature": 0.0}
 
 

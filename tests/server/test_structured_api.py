@@ -13,6 +13,9 @@ import pytest
 from tests.engine.test_structured_output import SCHEMA
 from tests.server.conftest import LiveServer
 
+# Only requests, no state changes: the session's shared server (tests/server/conftest.py).
+SHARED_SERVER = True
+
 
 def test_response_format_json_schema_stream_and_not(server: LiveServer) -> None:
     client = server.openai()

@@ -73,7 +73,9 @@ def test_bfloat16_logits_stay_close_to_float32(make_engine: Callable[..., Any]) 
     above), measured over several chat prompts rather than by one knife-edge answer: the first
     answer token of "What is the capital of France?" is only 0.08 logits ahead in fp32, and two
     equally accurate bf16 matmuls (oneDNN's and the AMX kernel's, mean |error| 0.11 and 0.10 here)
-    break that tie differently. Computing RMSNorm's variance in bf16 measured 0.165 and is caught."""
+    break that tie differently. Its power is limited: the mean over eight prompts moves by ~0.03 with
+    any rounding change (a bf16 variance in RMSNorm measured 0.165 once and 0.113 later; see
+    docs/architecture.md, "Vector prefix attention"), so it catches gross errors, not fine ones."""
     engine = make_engine(None, max_total_tokens=256)
     # The engine on the default model (started here anyway, for its tokenizer) continues greedily.
     result = engine.generate(PROMPT, {"temperature": 0.0, "max_new_tokens": 4})

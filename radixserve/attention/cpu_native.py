@@ -5,8 +5,8 @@ padding to buckets, no staging copy). When every request of the batch starts wit
 slots, all queries attend to that prefix in one GEMM-shaped call per layer (on AMX tiles where the
 CPU has them, else a native vector kernel), the prefix's K/V kept contiguous between steps
 (PrefixStaging), and the kernel merges it in by log-sum-exp. Extend runs the cascade of
-attention/extend.py with the native merge, and the native causal and prefix kernels (AMX tiles or
-vector FMAs) in bf16.
+attention/extend.py with the native merge, the native prefix kernel (AMX tiles or vector FMAs) for
+its shared part in bf16, and on AMX the native causal kernel for single requests.
 
 Which kernels run is decided here once, at startup, from the CPU and the model's head shape.
 """

@@ -54,8 +54,8 @@ def extend_attention(
         if index in done:
             continue
         rows = slice(seg.q_start, seg.q_start + seg.q_len)
-        # The vector kernel's causal mode is not taken here (see docs/architecture.md, "CPU
-        # specifics"): only AMX tiles replace torch's kernel for a single request.
+        # The vector kernel's causal mode is not taken here (docs/architecture.md, "Vector prefix
+        # attention", says why): only AMX tiles replace torch's kernel for a single request.
         if ops is not None and ops.prefix_kernel == "amx" and seg.context_slots is not None:
             native = ops.kernels.causal_attention(
                 q[rows], k_cache, v_cache, seg.context_slots, seg.prefix_len, scale, ops.prefix_kernel

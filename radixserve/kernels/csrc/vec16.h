@@ -75,54 +75,6 @@ inline float hsum(v16f v) {
     return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-// e^x, Cody-Waite range reduction and Cephes' polynomial: within ~1 fp32 ulp, like torch's own
-// vectorized exp. Overflows to +inf and underflows to 0 as expf does (bar denormals).
-// a * b + c. Explicitly fused here: the kernels that call exp16 are compiled with contraction off,
-// which would otherwise split every polynomial step in two.
-// Without AVX-512, two 8-lane halves give the same bits (fma rounds once either way); only a CPU
-// without FMA (none of the forced ISAs of native.py) rounds twice.
-// Taken by reference: callers compiled with other optimize attributes (fp-contract=off) do not
-// inline it, and without AVX-512 GCC 12 passed the three 64-byte vectors on the stack and, in
-// silu_and_mul's loop, never popped them (192 bytes per call: a prefill-sized call overflowed the
-// OpenMP worker's stack, SIGSEGV).
-inline v16f fma16(const v16f &a, const v16f &b, const v16f &c) {
-#if defined(__AVX512F__)
-    __m512 out = _mm512_fmadd_ps(reinterpret_cast<const __m512 &>(a), reinterpret_cast<const __m512 &>(b),
-                                 reinterpret_cast<const __m512 &>(c));
-    return reinterpret_cast<v16f &>(out);
-#elif defined(__FMA__)
-    __m256 x[2], y[2], z[2];
-    memcpy(x, &a, 64);
-    memcpy(y, &b, 64);
-    memcpy(z, &c, 64);
-    for (int h = 0; h < 2; h++) x[h] = _mm256_fmadd_ps(x[h], y[h], z[h]);
-    v16f out;
-    memcpy(&out, x, 64);
-    return out;
-#else
-    return a * b + c;
-#endif
-}
-
-inline v16f floor16(v16f x) {
-#if defined(__AVX512F__)
-    __m512 out = _mm512_roundscale_ps(reinterpret_cast<__m512 &>(x), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    return reinterpret_cast<v16f &>(out);
-#elif defined(__AVX__)
-    __m256 halves[2];
-    memcpy(halves, &x, 64);
-    for (int h = 0; h < 2; h++) halves[h] = _mm256_round_ps(halves[h], _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    v16f out;
-    memcpy(&out, halves, 64);
-    return out;
-#else
-    // Exact for |x| < 2^31; beyond that (and for NaN) the int conversion gives INT_MIN, which the
-    // callers clamp away or replace (exp16 selects +inf or 0 by x itself).
-    const v16f truncated = __builtin_convertvector(__builtin_convertvector(x, v16i), v16f);
-    return truncated > x ? truncated - 1.0f : truncated;
-#endif
-}
-
 // ---- 8 lanes: one AVX2 register. GCC splits 64-byte vectors poorly without AVX-512 (a broadcast
 // becomes 16 scalar stores, a lane access spills), so hot loops there run on v8f with these. Each
 // gives every lane exactly the bits of its 16-lane twin.
@@ -144,8 +96,54 @@ inline v8f floor8(v8f x) {
     __m256 out = _mm256_round_ps(reinterpret_cast<__m256 &>(x), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
     return reinterpret_cast<v8f &>(out);
 #else
+    // Exact for |x| < 2^31; beyond that (and for NaN) the int conversion gives INT_MIN, which the
+    // callers clamp away or replace (exp16 selects +inf or 0 by x itself).
     const v8f truncated = __builtin_convertvector(__builtin_convertvector(x, v8i), v8f);
     return truncated > x ? truncated - 1.0f : truncated;
+#endif
+}
+
+// A 16-lane op as two 8-lane ones, on the low and high halves.
+template <typename Op>
+inline v16f by_halves(const v16f &a, const v16f &b, const v16f &c, Op op) {
+    v8f x[2], y[2], z[2];
+    memcpy(x, &a, 64);
+    memcpy(y, &b, 64);
+    memcpy(z, &c, 64);
+    for (int h = 0; h < 2; h++) x[h] = op(x[h], y[h], z[h]);
+    v16f out;
+    memcpy(&out, x, 64);
+    return out;
+}
+
+// e^x, Cody-Waite range reduction and Cephes' polynomial: within ~1 fp32 ulp, like torch's own
+// vectorized exp. Overflows to +inf and underflows to 0 as expf does (bar denormals).
+// a * b + c. Explicitly fused here: the kernels that call exp16 are compiled with contraction off,
+// which would otherwise split every polynomial step in two.
+// Without AVX-512, two 8-lane halves give the same bits (fma rounds once either way); only a CPU
+// without FMA (none of the forced ISAs of native.py) rounds twice.
+// Taken by reference: callers compiled with other optimize attributes (fp-contract=off) do not
+// inline it, and without AVX-512 GCC 12 passed the three 64-byte vectors on the stack and, in
+// silu_and_mul's loop, never popped them (192 bytes per call: a prefill-sized call overflowed the
+// OpenMP worker's stack, SIGSEGV).
+inline v16f fma16(const v16f &a, const v16f &b, const v16f &c) {
+#if defined(__AVX512F__)
+    __m512 out = _mm512_fmadd_ps(reinterpret_cast<const __m512 &>(a), reinterpret_cast<const __m512 &>(b),
+                                 reinterpret_cast<const __m512 &>(c));
+    return reinterpret_cast<v16f &>(out);
+#elif defined(__FMA__)
+    return by_halves(a, b, c, [](const v8f &x, const v8f &y, const v8f &z) { return fma8(x, y, z); });
+#else
+    return a * b + c;
+#endif
+}
+
+inline v16f floor16(v16f x) {
+#if defined(__AVX512F__)
+    __m512 out = _mm512_roundscale_ps(reinterpret_cast<__m512 &>(x), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    return reinterpret_cast<v16f &>(out);
+#else
+    return by_halves(x, x, x, [](const v8f &h, const v8f &, const v8f &) { return floor8(h); });
 #endif
 }
 

@@ -42,6 +42,8 @@ STARTUP_TIMEOUT_S = 600
 POLL_MS = 200
 # How long a clean shutdown may take before children are terminated.
 SHUTDOWN_TIMEOUT_S = 20
+# How long a dead child's traceback may still be on its way (its socket lingers 2 s).
+FAILURE_GRACE_S = 3.0
 
 
 class EngineDeadError(RuntimeError):
@@ -169,8 +171,19 @@ class Runtime:
             if isinstance(msg, SchedulerFailed):
                 raise EngineDeadError(f"the scheduler failed to start:\n{msg.error}")
             if (dead := self.dead_child()) is not None:
+                # A failing scheduler sends its traceback through the detokenizer and exits; the
+                # exit can be seen before the message arrives, so wait a moment for its last word.
+                if (error := self._failure_in_transit()) is not None:
+                    raise EngineDeadError(f"the scheduler failed to start:\n{error}")
                 raise EngineDeadError(f"{dead} during startup")
         raise EngineDeadError(f"the scheduler did not become ready within {STARTUP_TIMEOUT_S}s")
+
+    def _failure_in_transit(self) -> str | None:
+        deadline = time.monotonic() + FAILURE_GRACE_S
+        while time.monotonic() < deadline:
+            if isinstance(msg := self.recv(POLL_MS), SchedulerFailed):
+                return msg.error
+        return None
 
     def dead_child(self) -> str | None:
         """Why a child has stopped, or None while both run."""

@@ -1,5 +1,6 @@
 """How decode attention scales with mixed context lengths: the torch_native backend's bucketed layout
-against padding every request to the longest context, on the same K/V pool.
+against padding every request to the longest context, and the native paged decode kernel
+(csrc/decode_attention.cpp) built for each ISA this CPU can run, on the same K/V pool.
 
     .venv/bin/python benchmarks/decode_attention.py [--dtype bfloat16] [--batch 32]
 """
@@ -18,6 +19,8 @@ import torch.nn.functional as F
 from radixserve.attention.base import AttentionSpec, LayerInputs
 from radixserve.attention.torch_native import TorchNativeBackend
 from radixserve.forward.batch import build_decode_layout
+from radixserve.kernels.cpu_ops import CpuKernels
+from radixserve.kernels.native import NativeKernelsUnavailable, executable_isas, load_isa
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64  # SmolLM2-135M's attention shape
 
@@ -61,11 +64,18 @@ def main() -> None:
     q = torch.randn(batch, HEADS, HEAD_DIM, dtype=dtype)
     mixes = {
         "equal 512": [512] * batch,
-        "uniform 64..960": [64 + (896 * i) // (batch - 1) for i in range(batch)],
+        "uniform 64..960": [64 + (896 * i) // max(1, batch - 1) for i in range(batch)],
         "one long (1 x 1920, rest 64)": [1920] + [64] * (batch - 1),
     }
+    natives = {}
+    for isa in ["native", *executable_isas()]:
+        try:
+            natives[isa] = CpuKernels(load_isa(isa))
+        except NativeKernelsUnavailable as error:
+            print(f"no {isa} kernels: {error}")
     print(f"decode attention per layer, batch {batch}, {args.dtype}, {HEADS}/{KV_HEADS} heads x {HEAD_DIM}")
-    print(f"{'lengths':32s} {'total ctx':>9s} {'bucketed ms':>12s} {'buckets':>8s} {'padded ms':>10s}")
+    header = f"{'lengths':32s} {'total ctx':>9s} {'bucketed ms':>12s} {'buckets':>8s} {'padded ms':>10s}"
+    print(header + "".join(f" {isa + ' ms':>12s}" for isa in natives))
     for name, lengths in mixes.items():
         table = torch.zeros(batch, max(lengths), dtype=torch.int64)
         perm = torch.randperm(slots)
@@ -83,7 +93,13 @@ def main() -> None:
         inputs = LayerInputs(0, q, new_kv, new_kv, k_cache, v_cache, HEAD_DIM**-0.5)
         bucketed = _time_ms(partial(backend.decode, inputs, metadata))
         padded_ms = _time_ms(partial(_padded_to_longest, q, k_cache, v_cache, table, lens))
-        print(f"{name:32s} {sum(lengths):9d} {bucketed:12.2f} {len(metadata.buckets):8d} {padded_ms:10.2f}")
+        rows = torch.arange(batch)
+        native = [
+            _time_ms(partial(kernels.decode_attention, q, k_cache, v_cache, table, rows, lens, inputs.scale))
+            for kernels in natives.values()
+        ]
+        row = f"{name:32s} {sum(lengths):9d} {bucketed:12.2f} {len(metadata.buckets):8d} {padded_ms:10.2f}"
+        print(row + "".join(f" {ms:12.2f}" for ms in native))
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from radixserve.forward.batch import DecodeLayout, ExtendSegment, ForwardBatch, 
 from radixserve.kernels.cpu_ops import SharedPrefixResult
 
 # Batch-invariant mode: contexts are cut into pieces of this many positions from position 0
-# (set_decode_fixed_pieces, kernels/csrc/cpu_kernels.cpp): small enough that one long request still
+# (set_decode_fixed_pieces, kernels/csrc/decode_attention.cpp): small enough that one long request still
 # spreads over the cores, large enough that merging its pieces costs little.
 INVARIANT_PIECE_TOKENS = 128
 # Batch-invariant extend hands its queries to the decode kernel in calls of at most this many rows

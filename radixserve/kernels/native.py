@@ -17,6 +17,7 @@ to 3). A value this CPU cannot execute, or an unknown one, raises NativeKernelsU
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import functools
 import hashlib
@@ -266,16 +267,21 @@ def _build(compiler: str, openmp: Path, isa: str, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     logger.info("building native CPU kernels for %s with %s (once per machine)", isa, compiler)
     # Built beside the target, then renamed: processes building at once never load a partial file.
-    handle, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.partial")
-    os.close(handle)
-    command = [compiler, *compile_flags(isa), *map(str, SOURCES), "-o", partial, f"-L{openmp.parent}",
-               "-l:libgomp.so.1", f"-Wl,-rpath,{openmp.parent}"]  # fmt: skip
-    try:
-        _run(command)
+    # Each source compiles to its own object at the same time (the decode attention alone takes
+    # most of the build), then one link.
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as scratch:
+        objects = [os.path.join(scratch, f"{source.stem}.o") for source in SOURCES]
+        compiles = [
+            [compiler, *compile_flags(isa), "-c", str(source), "-o", obj]
+            for source, obj in zip(SOURCES, objects, strict=True)
+        ]
+        with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            for done in [pool.submit(_run, command) for command in compiles]:
+                done.result()
+        partial = os.path.join(scratch, "library.so")
+        _run([compiler, *compile_flags(isa), *objects, "-o", partial, f"-L{openmp.parent}",
+              "-l:libgomp.so.1", f"-Wl,-rpath,{openmp.parent}"])  # fmt: skip
         os.replace(partial, target)
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
 
 
 def _run(command: list[str]) -> str:

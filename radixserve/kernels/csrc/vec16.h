@@ -10,6 +10,9 @@
 
 namespace radixserve_vec {
 
+// Elementwise work below this many elements runs on one thread: waking the OpenMP pool costs more.
+constexpr int64_t kParallelMin = 1 << 15;
+
 typedef float v16f __attribute__((vector_size(64)));
 typedef float v8f __attribute__((vector_size(32)));
 typedef float v4f __attribute__((vector_size(16)));
@@ -68,11 +71,15 @@ inline void store16(uint16_t *p, v16f x) {
     memcpy(p, &h, 32);
 }
 
-inline float hsum(v16f v) {
-    v8f a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-            __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-    v4f b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+// The sum of a 16-lane vector held as its two halves, (lo, hi): the order hsum(v16f) adds in.
+inline float hsum(v8f lo, v8f hi) {
+    const v8f a = lo + hi;
+    const v4f b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
     return (b[0] + b[2]) + (b[1] + b[3]);
+}
+inline float hsum(v16f v) {
+    return hsum(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7),
+                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
 }
 
 // ---- 8 lanes: one AVX2 register. GCC splits 64-byte vectors poorly without AVX-512 (a broadcast

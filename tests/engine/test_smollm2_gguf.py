@@ -53,29 +53,41 @@ CHAT_QUESTIONS = [
 ]
 
 
-def first_step_logits(dtype: str, prompts: list[list[int]]) -> list[torch.Tensor]:
-    scheduler = build_scheduler(ServerArgs(dtype=dtype, max_total_tokens=1024, log_level="warning"))
+def prompt_logits(dtype: str, prompts: list[list[int]], cpu_kernels: str = "auto") -> list[torch.Tensor]:
+    """Each prompt's fp32 logits at every position of its prefill: the first answer token's row
+    first, then one row per prompt token after the first (the prompt logprobs' rows)."""
+    args = ServerArgs(dtype=dtype, cpu_kernels=cpu_kernels, max_total_tokens=1024, log_level="warning")
+    scheduler = build_scheduler(args)
     logits = []
     for index, ids in enumerate(prompts):
-        scheduler.add_request(GenerateRequest(f"logits-{index}", ids, {"max_new_tokens": 1}))
+        request = GenerateRequest(
+            f"logits-{index}", ids, {"max_new_tokens": 1}, return_logprob=True, logprob_start_len=0
+        )
+        scheduler.add_request(request)
         batch = scheduler._next_batch()
         assert batch is not None
-        row = scheduler.executor.forward(batch.forward)[0][0].float()
-        scheduler._publish(scheduler._decide(batch, {id(batch.reqs[0]): [int(row.argmax())]}))
-        logits.append(row)
+        rows = scheduler.executor.forward(batch.forward)[0].float()
+        assert rows.shape[0] == len(ids)
+        scheduler._publish(scheduler._decide(batch, {id(batch.reqs[0]): [int(rows[0].argmax())]}))
+        logits.append(rows)
     scheduler.check_kv_invariant()
     return logits
 
 
+def mean_error(exact: list[torch.Tensor], rounded: list[torch.Tensor]) -> float:
+    """Mean |logit error| over every position of every prompt (and the whole vocabulary)."""
+    return float(torch.cat([(b - a).abs().mean(dim=1) for a, b in zip(exact, rounded, strict=True)]).mean())
+
+
 def test_bfloat16_logits_stay_close_to_float32(make_engine: Callable[..., Any]) -> None:
     """bf16 rounding choices (a norm computed in bf16, say) can derail a small model at once. This
-    guards every bf16 kernel choice by its distance from fp32 (itself checked against transformers
-    above), measured over several chat prompts rather than by one knife-edge answer: the first
-    answer token of "What is the capital of France?" is only 0.08 logits ahead in fp32, and two
-    equally accurate bf16 matmuls (oneDNN's and the AMX kernel's, mean |error| 0.11 and 0.10 here)
-    break that tie differently. Its power is limited: the mean over eight prompts moves by ~0.03 with
-    any rounding change (a bf16 variance in RMSNorm measured 0.165 once and 0.113 later; see
-    docs/architecture.md, "Vector prefix attention"), so it catches gross errors, not fine ones."""
+    holds the bf16 path this CPU runs (native kernels of its ISA, or the one RADIXSERVE_CPU_ISA
+    forces) to torch's own bf16 ops: its mean |logit error| against fp32 (itself checked against
+    transformers above), over every position of eight chat prompts (~300 rows), may exceed
+    torch's by at most 15%. Over all positions the mean is stable to ~3% between prompt sets,
+    where the first answer token alone (eight rows) moved by ~25% with any rounding change and
+    could not tell a worse kernel from a better one (docs/architecture.md, "Vector prefix
+    attention", has the figures)."""
     engine = make_engine(None, max_total_tokens=256)
     # The engine on the default model (started here anyway, for its tokenizer) continues greedily.
     result = engine.generate(PROMPT, {"temperature": 0.0, "max_new_tokens": 4})
@@ -90,14 +102,15 @@ def test_bfloat16_logits_stay_close_to_float32(make_engine: Callable[..., Any]) 
         )
         for question in CHAT_QUESTIONS
     ]
-    exact = first_step_logits("float32", prompts)
-    rounded = first_step_logits("bfloat16", prompts)
-    errors = [float((b - a).abs().mean()) for a, b in zip(exact, rounded, strict=True)]
-    assert sum(errors) / len(errors) < 0.13, errors
+    exact = prompt_logits("float32", prompts)
+    rounded = prompt_logits("bfloat16", prompts)
+    by_torch = prompt_logits("bfloat16", prompts, cpu_kernels="torch")
+    ours, torchs = mean_error(exact, rounded), mean_error(exact, by_torch)
+    assert ours <= 1.15 * torchs, (ours, torchs)
     decided = 0
     for a, b in zip(exact, rounded, strict=True):
-        top = a.topk(2).values
+        top = a[0].topk(2).values
         if float(top[0] - top[1]) > 0.5:
             decided += 1
-            assert int(b.argmax()) == int(a.argmax())
+            assert int(b[0].argmax()) == int(a[0].argmax())
     assert decided >= 4, "too few prompts with a clear first token to compare"

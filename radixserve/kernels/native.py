@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from radixserve import paths
+
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
@@ -124,11 +126,7 @@ class NativeKernelsUnavailable(RuntimeError):
 
 
 def cache_dir() -> Path:
-    configured = os.environ.get("RADIXSERVE_KERNEL_CACHE")
-    if configured:
-        return Path(configured)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "radixserve" / "kernels"
+    return paths.cache_dir("kernels", "RADIXSERVE_KERNEL_CACHE")
 
 
 def requested_isa() -> str:

@@ -1,4 +1,4 @@
-"""Locate a checkpoint and stream its config, weights and tokenizer.
+"""Locate a checkpoint and stream its config and weights (its tokenizer: models/tokenizer.py).
 
 Two on-disk formats are supported: HF directories (``config.json`` + safetensors) and
 single-file GGUF. Either way, weights come out under HF Llama/Qwen parameter names so the
@@ -32,7 +32,6 @@ from radixserve.models.config import (
 
 if TYPE_CHECKING:
     from gguf import GGUFReader, ReaderField
-    from transformers import PreTrainedTokenizerBase
 
 __all__ = [
     "SUPPORTED",
@@ -41,7 +40,6 @@ __all__ = [
     "expected_weight_names",
     "iter_weights",
     "load_model_config",
-    "load_tokenizer",
     "resolve_model_source",
 ]
 
@@ -553,26 +551,6 @@ def _iter_gguf(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Ten
             bar.update(1)
 
 
-# ---------------------------------------------------------------------------------------
-# Tokenizer
-# ---------------------------------------------------------------------------------------
-
-
-def load_tokenizer(src: ModelSource) -> PreTrainedTokenizerBase:
-    """Load the checkpoint's tokenizer from local files only, chat template included."""
-    from transformers import AutoTokenizer
-
-    try:
-        if src.kind == "hf_dir":
-            return AutoTokenizer.from_pretrained(str(src.path), local_files_only=True)
-        tokenizer = AutoTokenizer.from_pretrained(
-            str(src.path.parent), gguf_file=src.path.name, local_files_only=True
-        )
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"Could not load tokenizer from {src.path}: {exc}") from exc
-
-    if not getattr(tokenizer, "chat_template", None):
-        template = _gguf_meta(_gguf_reader(src.path), "tokenizer.chat_template")
-        if template:
-            tokenizer.chat_template = template
-    return tokenizer
+def gguf_metadata(path: Path, key: str) -> Any:
+    """One metadata value of a GGUF file (None when absent)."""
+    return _gguf_meta(_gguf_reader(path), key)

@@ -20,7 +20,8 @@ from typing import Any
 
 from radixserve.config.log import configure_logging
 from radixserve.config.server_args import ServerArgs
-from radixserve.models.loader import ModelSource, load_tokenizer, resolve_model_source
+from radixserve.models.loader import ModelSource, resolve_model_source
+from radixserve.models.tokenizer import load_tokenizer
 from radixserve.protocol.messages import (
     AbortRequest,
     ControlRequest,

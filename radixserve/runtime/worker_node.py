@@ -16,7 +16,8 @@ from typing import Any
 import zmq
 
 from radixserve.config.server_args import ServerArgs
-from radixserve.models.loader import load_tokenizer, resolve_model_source
+from radixserve.models.loader import resolve_model_source
+from radixserve.models.tokenizer import load_tokenizer
 from radixserve.protocol.ipc import PARENT_CHECK_MS, Channel, IpcDir
 from radixserve.protocol.messages import SchedulerFailed
 from radixserve.runtime.launch import POLL_MS, Child, rank_name, scheduler_command

@@ -538,7 +538,8 @@ class Scheduler:
 
     def _get_tokenizer(self) -> Any:
         if self._tokenizer is None:
-            from radixserve.models.loader import load_tokenizer, resolve_model_source
+            from radixserve.models.loader import resolve_model_source
+            from radixserve.models.tokenizer import load_tokenizer
 
             self._tokenizer = load_tokenizer(
                 resolve_model_source(self.args.tokenizer_path or self.args.model_path)

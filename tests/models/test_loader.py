@@ -24,7 +24,6 @@ from radixserve.models.loader import (
     expected_weight_names,
     iter_weights,
     load_model_config,
-    load_tokenizer,
     resolve_model_source,
 )
 
@@ -219,11 +218,6 @@ def gguf_weights(gguf_src: ModelSource) -> dict[str, torch.Tensor]:
     return dict(iter_weights(gguf_src, load_model_config(gguf_src)))
 
 
-@pytest.fixture(scope="module")
-def gguf_tokenizer(gguf_src: ModelSource) -> Any:
-    return load_tokenizer(gguf_src)
-
-
 def test_gguf_config(gguf_src: ModelSource) -> None:
     cfg = load_model_config(gguf_src)
     assert cfg.architecture == "LlamaForCausalLM"
@@ -315,53 +309,6 @@ def test_llama3_rope_params_recovered_from_freq_factors() -> None:
         "original_max_position_embeddings": orig,
     }
     assert loader._llama3_params_from_freq_factors(np.linspace(1, 3, head_dim // 2), head_dim, theta) is None
-
-
-def test_gguf_tokenizer(gguf_tokenizer: Any, gguf_src: ModelSource) -> None:
-    tok = gguf_tokenizer
-    cfg = load_model_config(gguf_src)
-    assert len(tok) == cfg.vocab_size
-    assert tok("The capital of France is").input_ids == SMOLLM2_FRANCE_IDS
-    assert tok.decode(SMOLLM2_FRANCE_IDS) == "The capital of France is"
-    assert tok.eos_token_id in cfg.eos_token_ids
-    assert tok.convert_ids_to_tokens(cfg.eos_token_ids[0]) == "<|im_end|>"
-    assert tok.chat_template
-    text = tok.apply_chat_template(
-        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
-    )
-    assert "<|im_start|>user\nHi<|im_end|>" in text
-    assert text.endswith("<|im_start|>assistant\n")
-
-
-def test_gguf_chat_template_filled_from_metadata(
-    gguf_src: ModelSource, tiny_tokenizer: PreTrainedTokenizerFast, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import transformers
-
-    bare = PreTrainedTokenizerFast(tokenizer_object=tiny_tokenizer.backend_tokenizer)
-    assert not bare.chat_template
-    calls: list[dict[str, Any]] = []
-
-    def fake_from_pretrained(path: str, **kwargs: Any) -> PreTrainedTokenizerFast:
-        calls.append({"path": path, **kwargs})
-        return bare
-
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", fake_from_pretrained)
-    tok = load_tokenizer(gguf_src)
-    assert calls == [
-        {"path": str(gguf_src.path.parent), "gguf_file": gguf_src.path.name, "local_files_only": True}
-    ]
-    assert tok.chat_template and "<|im_start|>" in tok.chat_template
-
-
-def test_hf_dir_tokenizer(
-    tiny_model_dir: Callable[[str], Path], tiny_tokenizer: PreTrainedTokenizerFast
-) -> None:
-    tok = load_tokenizer(ModelSource("hf_dir", tiny_model_dir("qwen3")))
-    text = "def f(x):\n    return x + 1"
-    assert tok(text).input_ids == tiny_tokenizer(text).input_ids
-    assert tok.chat_template == tiny_tokenizer.chat_template
-    assert tok.eos_token == "<|endoftext|>"
 
 
 # --------------------------------------------------------------------------------------

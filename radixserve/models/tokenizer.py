@@ -1,0 +1,80 @@
+"""Tokenizer loading: a checkpoint directory's as it is; a GGUF's converted once and kept."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from radixserve.models.config import ModelLoadError
+from radixserve.models.loader import ModelSource, gguf_metadata
+from radixserve.paths import cache_dir
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger("radixserve")
+
+
+def load_tokenizer(src: ModelSource) -> PreTrainedTokenizerBase:
+    """Load the checkpoint's tokenizer from local files only, chat template included. A GGUF's is
+    converted once and kept (tokenizer_cache_dir): the conversion reads the whole vocabulary
+    from the file's metadata and takes seconds at every start, the saved copy a fraction of one."""
+    from transformers import AutoTokenizer
+
+    try:
+        if src.kind == "hf_dir":
+            return AutoTokenizer.from_pretrained(str(src.path), local_files_only=True)
+        saved = _saved_tokenizer_dir(src.path)
+        if (saved / "tokenizer_config.json").exists():
+            try:
+                return AutoTokenizer.from_pretrained(str(saved), local_files_only=True)
+            except (OSError, ValueError) as exc:
+                logger.warning("ignoring the saved tokenizer at %s (%s); converting the GGUF's", saved, exc)
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(src.path.parent), gguf_file=src.path.name, local_files_only=True
+        )
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"Could not load tokenizer from {src.path}: {exc}") from exc
+
+    if not getattr(tokenizer, "chat_template", None):
+        template = gguf_metadata(src.path, "tokenizer.chat_template")
+        if template:
+            tokenizer.chat_template = template
+    _save_tokenizer(tokenizer, saved)
+    return tokenizer
+
+
+def tokenizer_cache_dir() -> Path:
+    return cache_dir("tokenizers", "RADIXSERVE_TOKENIZER_CACHE")
+
+
+def _saved_tokenizer_dir(gguf: Path) -> Path:
+    """The converted tokenizer's place: keyed by the file (path, size, modification time) and the
+    transformers version that converted it, so a changed file or converter converts again."""
+    import transformers
+
+    stat = gguf.stat()
+    parts = [str(gguf.resolve()), str(stat.st_size), str(stat.st_mtime_ns), transformers.__version__]
+    return tokenizer_cache_dir() / hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def _save_tokenizer(tokenizer: PreTrainedTokenizerBase, target: Path) -> None:
+    """Saved beside the target, then renamed: a process loading at the same time never reads a
+    partial copy. A cache that cannot be written only costs the next start the conversion."""
+    scratch = None
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        scratch = tempfile.mkdtemp(dir=target.parent, prefix=".partial-")
+        tokenizer.save_pretrained(scratch)
+        os.replace(scratch, target)
+        scratch = None
+    except OSError as exc:
+        logger.info("the converted tokenizer was not saved (%s); the next start converts it again", exc)
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)

@@ -1,0 +1,123 @@
+"""Tokenizer loading: the packaged SmolLM2 GGUF's (converted once, then kept) and a directory's."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import PreTrainedTokenizerFast
+
+from radixserve.models.loader import ModelSource, load_model_config
+from radixserve.models.tokenizer import load_tokenizer, tokenizer_cache_dir
+
+# Reference ids from transformers' GGUF tokenizer for SmolLM2 (identical to the HF repo's).
+SMOLLM2_FRANCE_IDS = [504, 3575, 282, 4649, 314]
+
+
+@pytest.fixture(scope="module")
+def gguf_src(smollm2_gguf_path: Path) -> ModelSource:
+    return ModelSource("gguf", smollm2_gguf_path)
+
+
+@pytest.fixture(scope="module")
+def gguf_tokenizer(gguf_src: ModelSource) -> Any:
+    return load_tokenizer(gguf_src)
+
+
+def test_gguf_tokenizer(gguf_tokenizer: Any, gguf_src: ModelSource) -> None:
+    tok = gguf_tokenizer
+    cfg = load_model_config(gguf_src)
+    assert len(tok) == cfg.vocab_size
+    assert tok("The capital of France is").input_ids == SMOLLM2_FRANCE_IDS
+    assert tok.decode(SMOLLM2_FRANCE_IDS) == "The capital of France is"
+    assert tok.eos_token_id in cfg.eos_token_ids
+    assert tok.convert_ids_to_tokens(cfg.eos_token_ids[0]) == "<|im_end|>"
+    assert tok.chat_template
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert "<|im_start|>user\nHi<|im_end|>" in text
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_gguf_chat_template_filled_from_metadata(
+    gguf_src: ModelSource,
+    tiny_tokenizer: PreTrainedTokenizerFast,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import transformers
+
+    # An empty cache of its own: the conversion runs, and this stand-in is saved nowhere else.
+    monkeypatch.setenv("RADIXSERVE_TOKENIZER_CACHE", str(tmp_path))
+    bare = PreTrainedTokenizerFast(tokenizer_object=tiny_tokenizer.backend_tokenizer)
+    assert not bare.chat_template
+    calls: list[dict[str, Any]] = []
+
+    def fake_from_pretrained(path: str, **kwargs: Any) -> PreTrainedTokenizerFast:
+        calls.append({"path": path, **kwargs})
+        return bare
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", fake_from_pretrained)
+    tok = load_tokenizer(gguf_src)
+    assert calls == [
+        {"path": str(gguf_src.path.parent), "gguf_file": gguf_src.path.name, "local_files_only": True}
+    ]
+    assert tok.chat_template and "<|im_start|>" in tok.chat_template
+
+
+def test_hf_dir_tokenizer(
+    tiny_model_dir: Callable[[str], Path], tiny_tokenizer: PreTrainedTokenizerFast
+) -> None:
+    tok = load_tokenizer(ModelSource("hf_dir", tiny_model_dir("qwen3")))
+    text = "def f(x):\n    return x + 1"
+    assert tok(text).input_ids == tiny_tokenizer(text).input_ids
+    assert tok.chat_template == tiny_tokenizer.chat_template
+    assert tok.eos_token == "<|endoftext|>"
+
+
+def test_a_gguf_tokenizer_is_converted_once_and_then_loaded_as_saved(
+    gguf_src: ModelSource, gguf_tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import transformers
+
+    monkeypatch.setenv("RADIXSERVE_TOKENIZER_CACHE", str(tmp_path / "tokenizers"))
+    assert tokenizer_cache_dir() == tmp_path / "tokenizers"
+    calls: list[str] = []
+    real = transformers.AutoTokenizer.from_pretrained
+
+    def counting(path: str, **kwargs: Any) -> Any:
+        calls.append("gguf" if "gguf_file" in kwargs else "saved")
+        return real(path, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", counting)
+    first = load_tokenizer(gguf_src)
+    second = load_tokenizer(gguf_src)
+    assert calls == ["gguf", "saved"]
+    assert [p.name for p in (tmp_path / "tokenizers").iterdir() if p.name.startswith(".")] == []
+    chat = [{"role": "user", "content": "Hi"}]
+    for tok in (first, second):
+        assert tok("The capital of France is").input_ids == SMOLLM2_FRANCE_IDS
+        assert len(tok) == len(gguf_tokenizer)
+        assert tok.eos_token_id == gguf_tokenizer.eos_token_id
+        assert tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == (
+            gguf_tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        )
+
+
+def test_an_unusable_tokenizer_cache_only_costs_the_conversion(
+    gguf_src: ModelSource, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A file where the cache directory should be: nothing can be saved, and loading still works.
+    blocked = tmp_path / "not-a-dir"
+    blocked.write_text("")
+    monkeypatch.setenv("RADIXSERVE_TOKENIZER_CACHE", str(blocked / "tokenizers"))
+    assert load_tokenizer(gguf_src)("The capital of France is").input_ids == SMOLLM2_FRANCE_IDS
+    # A corrupt saved copy is ignored and replaced.
+    monkeypatch.setenv("RADIXSERVE_TOKENIZER_CACHE", str(tmp_path / "tokenizers"))
+    load_tokenizer(gguf_src)
+    (saved,) = (tmp_path / "tokenizers").iterdir()
+    (saved / "tokenizer.json").write_text("{not json")
+    assert load_tokenizer(gguf_src)("The capital of France is").input_ids == SMOLLM2_FRANCE_IDS

@@ -5,6 +5,7 @@ the setting itself, and (under a forced ISA) that the loaded library is the one 
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -101,9 +102,10 @@ def test_the_loaded_library_is_the_isa_asked_for() -> None:
 
 
 def test_elementwise_kernels_give_the_same_bits_on_every_isa() -> None:
-    """Under a forced ISA (scripts/test.sh): RMSNorm, SiLU-and-mul, rotary, the merge by lse, argmax
-    and the vector prefix attention give exactly what the native build gives, so no CPU sees other
-    numbers from them (FMA where the native build uses it, floor and 2^n exact without AVX-512)."""
+    """Under a forced ISA (scripts/test.sh): RMSNorm, SiLU-and-mul, rotary, the merge by lse, argmax,
+    the vector prefix attention and the paged decode attention give exactly what the native build
+    gives, so no CPU sees other numbers from them (FMA where the native build uses it, floor and 2^n
+    exact without AVX-512)."""
     isa = native.requested_isa() if os.environ.get(ISA_ENV) else "native"
     if isa == "native":
         pytest.skip(f"compares a forced ISA ({ISA_ENV}) with the native build")
@@ -146,3 +148,24 @@ def test_elementwise_kernels_give_the_same_bits_on_every_isa() -> None:
     prefix = [kernels.prefix_attention(q, keys, values, 0.125, "vector") for kernels in (forced, reference)]
     assert prefix[0] is not None and prefix[1] is not None
     assert torch.equal(prefix[0].out, prefix[1].out) and torch.equal(prefix[0].lse, prefix[1].lse)
+    # The paged decode attention (csrc/decode_attention.cpp): 16-lane code with AVX-512, 8-lane halves
+    # without, the same sums. bf16 queries and keys multiply by vdpbf16ps where the build has
+    # AVX512-BF16, which sums pairs in another order, so bf16 is compared only without it.
+    dtypes = (
+        [torch.float32] if native.load_isa("native").compiled_isa() & 4 else [torch.float32, torch.bfloat16]
+    )
+    for dtype, (group, dim), fixed in itertools.product(dtypes, [(3, 64), (1, 16), (8, 128)], [0, 128]):
+        slots, batch, kv_heads = 2000, 5, 2
+        k_cache, v_cache = (torch.randn(slots, kv_heads, dim).to(dtype) for _ in range(2))
+        table = torch.stack([torch.randperm(slots)[:700] for _ in range(batch)])
+        lens = torch.tensor([1, 33, 200, 640, 700])
+        q = (torch.randn(batch, kv_heads * group, dim) * 3).to(dtype)
+        decoded = []
+        for kernels in (forced, reference):
+            kernels.set_decode_fixed_pieces(fixed)
+            decoded.append(
+                kernels.decode_attention(q, k_cache, v_cache, table, torch.arange(batch), lens, 0.125)
+            )
+            kernels.set_decode_fixed_pieces(0)
+        assert decoded[0] is not None and decoded[1] is not None
+        assert torch.equal(decoded[0], decoded[1]), (dtype, group, dim, fixed)

@@ -7,7 +7,8 @@
 // build compiles the files in parallel.
 //
 // Numerics: fp32 sums in one order per query, fixed by its context (and, with the batch-invariant
-// pieces below, by nothing else); no fused multiply-add, so every ISA gives the same bits.
+// pieces below, by nothing else). The dot products and P.V sums are explicit fused multiply-adds
+// (fma_lanes), on any vector width, so no compiler contraction choice can make ISAs differ.
 
 #include <math.h>
 #include <omp.h>
@@ -40,6 +41,7 @@ constexpr int64_t kMinPieceTokens = 64;
 int64_t g_fixed_piece_tokens = 0;
 
 #if defined(__AVX512F__)
+// With AVX-512: 16-lane vectors, one zmm register each.
 
 // G query rows of one K/V head and their dot products with key rows. fp32 in general; for bf16
 // with AVX512-BF16, the queries stay bf16 and each instruction multiplies 32 pairs exactly and
@@ -58,7 +60,7 @@ struct Queries {
         for (int j = 0; j < DV; j++) k[j] = load16(key + 16 * j);
         for (int g = 0; g < G; g++) {
             v16f dot = rows[g][0] * k[0];
-            for (int j = 1; j < DV; j++) dot += rows[g][j] * k[j];
+            for (int j = 1; j < DV; j++) dot = fma_lanes(rows[g][j], k[j], dot);
             out[g][t] = hsum(dot) * scale;
         }
     }
@@ -146,7 +148,7 @@ void attend_range(const T *q, const T *k_cache, const T *v_cache, const int64_t 
             for (int j = 0; j < DV; j++) v[j] = load16(value + 16 * j);
             for (int g = 0; g < G; g++) {
                 const float p = scores[g][t];
-                for (int j = 0; j < DV; j++) acc[g][j] += p * v[j];
+                for (int j = 0; j < DV; j++) acc[g][j] = fma_lanes(v16f{} + p, v[j], acc[g][j]);
             }
         }
     }
@@ -162,7 +164,8 @@ void attend_range(const T *q, const T *k_cache, const T *v_cache, const int64_t 
 // The same arithmetic lane for lane on 8-lane vectors: with 16-lane ones GCC spills the queries and
 // sums, and splits each scalar broadcast into stores, when 64-byte registers are absent. A 16-lane
 // value v is the pair (v[0:8], v[8:16]) here; every sum runs in the order of the code above, so
-// both give the same bits (tests/kernels/test_native_isa.py compares them).
+// both give the same bits (on an AVX-512 CPU, tests/kernels/test_native_isa.py compares this build's
+// with the native one).
 template <typename T, int G, int DV>
 void attend_range(const T *q, const T *k_cache, const T *v_cache, const int64_t *slots, int64_t begin,
                   int64_t end, int64_t kv_heads, int64_t head, float q_scale, float *max_out, float *sum_out,
@@ -202,8 +205,8 @@ void attend_range(const T *q, const T *k_cache, const T *v_cache, const int64_t 
                 const float *row = query[g];
                 v8f lo = load8(row) * k[0], hi = load8(row + 8) * k[1];
                 for (int j = 1; j < DV; j++) {
-                    lo += load8(row + 16 * j) * k[2 * j];
-                    hi += load8(row + 16 * j + 8) * k[2 * j + 1];
+                    lo = fma_lanes(load8(row + 16 * j), k[2 * j], lo);
+                    hi = fma_lanes(load8(row + 16 * j + 8), k[2 * j + 1], hi);
                 }
                 scores[g][t] = hsum(lo, hi) * q_scale;
             }
@@ -231,7 +234,7 @@ void attend_range(const T *q, const T *k_cache, const T *v_cache, const int64_t 
             for (int t = 0; t < n; t++) {
                 const T *value = v_cache + (slots[start + t] * kv_heads + head) * D;
                 const float p = scores[g][t];
-                for (int h = 0; h < H; h++) sums[h] += p * load8(value + 8 * h);
+                for (int h = 0; h < H; h++) sums[h] = fma_lanes(v8f{} + p, load8(value + 8 * h), sums[h]);
             }
             for (int h = 0; h < H; h++) memcpy(&acc[g][8 * h], &sums[h], 32);
         }

@@ -34,7 +34,8 @@ def load_tokenizer(src: ModelSource) -> PreTrainedTokenizerBase:
             try:
                 return AutoTokenizer.from_pretrained(str(saved), local_files_only=True)
             except (OSError, ValueError) as exc:
-                logger.warning("ignoring the saved tokenizer at %s (%s); converting the GGUF's", saved, exc)
+                logger.warning("replacing the unusable saved tokenizer at %s (%s)", saved, exc)
+                shutil.rmtree(saved, ignore_errors=True)
         tokenizer = AutoTokenizer.from_pretrained(
             str(src.path.parent), gguf_file=src.path.name, local_files_only=True
         )

@@ -78,46 +78,69 @@ def test_hf_dir_tokenizer(
     assert tok.eos_token == "<|endoftext|>"
 
 
-def test_a_gguf_tokenizer_is_converted_once_and_then_loaded_as_saved(
-    gguf_src: ModelSource, gguf_tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.fixture(scope="module")
+def converted(gguf_src: ModelSource) -> Any:
+    """transformers' own conversion of the GGUF's tokenizer (done once here: it takes seconds)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(
+        str(gguf_src.path.parent), gguf_file=gguf_src.path.name, local_files_only=True
+    )
+
+
+def _convert_by_fixture(monkeypatch: pytest.MonkeyPatch, converted: Any) -> list[str]:
+    """Routes load_tokenizer's GGUF conversion to the fixture's result and counts the calls
+    ("gguf": a conversion, "saved": a load of the saved copy, which stays real)."""
     import transformers
 
-    monkeypatch.setenv("RADIXSERVE_TOKENIZER_CACHE", str(tmp_path / "tokenizers"))
-    assert tokenizer_cache_dir() == tmp_path / "tokenizers"
     calls: list[str] = []
     real = transformers.AutoTokenizer.from_pretrained
 
-    def counting(path: str, **kwargs: Any) -> Any:
+    def routed(path: str, **kwargs: Any) -> Any:
         calls.append("gguf" if "gguf_file" in kwargs else "saved")
-        return real(path, **kwargs)
+        return converted if "gguf_file" in kwargs else real(path, **kwargs)
 
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", counting)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", routed)
+    return calls
+
+
+def test_a_gguf_tokenizer_is_converted_once_and_then_loaded_as_saved(
+    gguf_src: ModelSource, converted: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RADIXSERVE_TOKENIZER_CACHE", str(tmp_path / "tokenizers"))
+    assert tokenizer_cache_dir() == tmp_path / "tokenizers"
+    calls = _convert_by_fixture(monkeypatch, converted)
     first = load_tokenizer(gguf_src)
     second = load_tokenizer(gguf_src)
     assert calls == ["gguf", "saved"]
     assert [p.name for p in (tmp_path / "tokenizers").iterdir() if p.name.startswith(".")] == []
     chat = [{"role": "user", "content": "Hi"}]
-    for tok in (first, second):
-        assert tok("The capital of France is").input_ids == SMOLLM2_FRANCE_IDS
-        assert len(tok) == len(gguf_tokenizer)
-        assert tok.eos_token_id == gguf_tokenizer.eos_token_id
-        assert tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == (
-            gguf_tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-        )
+    assert second("The capital of France is").input_ids == SMOLLM2_FRANCE_IDS
+    assert second.get_vocab() == first.get_vocab()
+    assert second.eos_token_id == first.eos_token_id and second.bos_token_id == first.bos_token_id
+    assert second.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == (
+        first.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    )
 
 
 def test_an_unusable_tokenizer_cache_only_costs_the_conversion(
-    gguf_src: ModelSource, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    gguf_src: ModelSource, converted: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    calls = _convert_by_fixture(monkeypatch, converted)
     # A file where the cache directory should be: nothing can be saved, and loading still works.
     blocked = tmp_path / "not-a-dir"
     blocked.write_text("")
     monkeypatch.setenv("RADIXSERVE_TOKENIZER_CACHE", str(blocked / "tokenizers"))
-    assert load_tokenizer(gguf_src)("The capital of France is").input_ids == SMOLLM2_FRANCE_IDS
-    # A corrupt saved copy is ignored and replaced.
+    assert load_tokenizer(gguf_src) is converted
+    assert load_tokenizer(gguf_src) is converted
+    assert calls == ["gguf", "gguf"]
+    # A corrupt saved copy is ignored, converted again and replaced.
     monkeypatch.setenv("RADIXSERVE_TOKENIZER_CACHE", str(tmp_path / "tokenizers"))
     load_tokenizer(gguf_src)
     (saved,) = (tmp_path / "tokenizers").iterdir()
     (saved / "tokenizer.json").write_text("{not json")
+    calls.clear()
+    assert load_tokenizer(gguf_src) is converted
+    assert calls == ["saved", "gguf"]
     assert load_tokenizer(gguf_src)("The capital of France is").input_ids == SMOLLM2_FRANCE_IDS
+    assert calls == ["saved", "gguf", "saved"]

@@ -40,6 +40,25 @@ constexpr int64_t kMinPieceTokens = 64;
 // 0: pieces sized from the batch so that every thread works (faster for small batches).
 int64_t g_fixed_piece_tokens = 0;
 
+// The K row of context position i, after asking for the K row kPrefetch positions ahead and for
+// this position's V row (used once the block's scores are known): the pool is paged, so hardware
+// prefetchers cannot guess the next slot.
+template <typename T, int64_t D>
+inline const T *key_row(const T *k_cache, const T *v_cache, const int64_t *slots, int64_t i, int64_t end,
+                        int64_t kv_heads, int64_t head) {
+    const int64_t row = (slots[i] * kv_heads + head) * D;
+    if (i + kPrefetch < end) {
+        const int64_t ahead = (slots[i + kPrefetch] * kv_heads + head) * D;
+        for (int64_t line = 0; line < D * (int64_t)sizeof(T); line += 64) {
+            __builtin_prefetch(reinterpret_cast<const char *>(k_cache + ahead) + line);
+        }
+    }
+    for (int64_t line = 0; line < D * (int64_t)sizeof(T); line += 64) {
+        __builtin_prefetch(reinterpret_cast<const char *>(v_cache + row) + line);
+    }
+    return k_cache + row;
+}
+
 #if defined(__AVX512F__)
 // With AVX-512: 16-lane vectors, one zmm register each.
 
@@ -112,18 +131,7 @@ void attend_range(const T *q, const T *k_cache, const T *v_cache, const int64_t 
     for (int64_t start = begin; start < end; start += kBlock) {
         const int n = end - start < kBlock ? static_cast<int>(end - start) : kBlock;
         for (int t = 0; t < n; t++) {
-            const T *key = k_cache + (slots[start + t] * kv_heads + head) * D;
-            // The pool is paged: hardware prefetchers cannot guess the next slot, so ask for it.
-            if (start + t + kPrefetch < end) {
-                const int64_t ahead = (slots[start + t + kPrefetch] * kv_heads + head) * D;
-                for (int64_t line = 0; line < D * (int64_t)sizeof(T); line += 64) {
-                    __builtin_prefetch(reinterpret_cast<const char *>(k_cache + ahead) + line);
-                }
-            }
-            // This token's V row, used once the block's scores are known.
-            for (int64_t line = 0; line < D * (int64_t)sizeof(T); line += 64) {
-                __builtin_prefetch(reinterpret_cast<const char *>(v_cache + (key - k_cache)) + line);
-            }
+            const T *key = key_row<T, D>(k_cache, v_cache, slots, start + t, end, kv_heads, head);
             queries.scores(key, scores, t);
         }
         for (int g = 0; g < G; g++) {
@@ -189,16 +197,7 @@ void attend_range(const T *q, const T *k_cache, const T *v_cache, const int64_t 
     for (int64_t start = begin; start < end; start += kBlock) {
         const int n = end - start < kBlock ? static_cast<int>(end - start) : kBlock;
         for (int t = 0; t < n; t++) {
-            const T *key = k_cache + (slots[start + t] * kv_heads + head) * D;
-            if (start + t + kPrefetch < end) {
-                const int64_t ahead = (slots[start + t + kPrefetch] * kv_heads + head) * D;
-                for (int64_t line = 0; line < D * (int64_t)sizeof(T); line += 64) {
-                    __builtin_prefetch(reinterpret_cast<const char *>(k_cache + ahead) + line);
-                }
-            }
-            for (int64_t line = 0; line < D * (int64_t)sizeof(T); line += 64) {
-                __builtin_prefetch(reinterpret_cast<const char *>(v_cache + (key - k_cache)) + line);
-            }
+            const T *key = key_row<T, D>(k_cache, v_cache, slots, start + t, end, kv_heads, head);
             v8f k[H];
             for (int h = 0; h < H; h++) k[h] = load8(key + 8 * h);
             for (int g = 0; g < G; g++) {

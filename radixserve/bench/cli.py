@@ -1,7 +1,7 @@
 """`radixserve bench offline | serving | soak | speculative`.
 
 offline: the in-process throughput benchmark against a transformers baseline.
-speculative: decode speed with NGRAM speculation on and off (radixserve/bench/speculative.py).
+speculative: decode speed with NGRAM (and a STANDALONE draft model) on and off (bench/speculative.py).
 serving: an OpenAI-API load test against any running server (radixserve/bench/serving.py).
 soak: a fault and soak harness against any running server (radixserve/bench/soak.py).
 """
@@ -426,7 +426,19 @@ def _bench_speculative(args: argparse.Namespace) -> int:
     from radixserve.bench.speculative import format_table, run_speculative_bench
 
     engine_args = {"cpu_isa": args.cpu_isa} if args.cpu_isa != "auto" else {}
-    report = run_speculative_bench(args.dtype, args.repeats, Path(args.work_dir), engine_args=engine_args)
+    draft = args.draft_model_path
+    if args.draft_early_exit is not None:
+        from radixserve.bench.model import ensure_truncated_smollm2
+
+        draft = str(ensure_truncated_smollm2(Path(args.work_dir), args.draft_early_exit))
+    report = run_speculative_bench(
+        args.dtype,
+        args.repeats,
+        Path(args.work_dir),
+        engine_args=engine_args,
+        draft_model_path=draft,
+        num_steps=args.speculative_num_steps,
+    )
     print()
     print(format_table(report))
     if args.out:
@@ -449,6 +461,20 @@ def _add_speculative_parser(bench_sub: Any) -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=_positive_int, default=3, help="timed runs per result; median")
     bench.add_argument("--work-dir", default="bench-work", help="where the random model is written")
     bench.add_argument("--cpu-isa", default="auto", choices=CPU_ISA_CHOICES, help="as for the server")
+    drafts = bench.add_mutually_exclusive_group()
+    drafts.add_argument(
+        "--draft-model-path", default=None, help="also measure STANDALONE with this draft model"
+    )
+    drafts.add_argument(
+        "--draft-early-exit",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="also measure STANDALONE, drafting with the packaged model's first N layers",
+    )
+    bench.add_argument(
+        "--speculative-num-steps", type=_positive_int, default=4, help="STANDALONE's drafts per step"
+    )
     bench.add_argument("--out", default=None, help="write the report as JSON here")
     bench.set_defaults(func=_bench_speculative)
     return bench

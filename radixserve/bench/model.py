@@ -134,3 +134,57 @@ def ensure_random_smollm2(out_dir: Path, dtype: str = "bfloat16") -> Path:
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
     return dirs[dtype]
+
+
+def ensure_truncated_smollm2(out_dir: Path, layers: int) -> Path:
+    """A draft model for STANDALONE speculation: the packaged SmolLM2-135M-Instruct's first
+    `layers` decoder layers, with its final norm and (tied) head, as an fp32 HF directory. The only
+    smaller model with this tokenizer available offline; untrained as a draft, it shows what an
+    early exit of the model itself agrees with."""
+    import torch
+    from safetensors.torch import save_file
+
+    from radixserve.models.loader import (
+        default_model_path,
+        iter_weights,
+        load_model_config,
+        resolve_model_source,
+    )
+    from radixserve.models.tokenizer import load_tokenizer
+
+    final = out_dir / f"smollm2-135m-instruct-first{layers}"
+    if _is_complete(final):
+        return final
+    source = resolve_model_source(default_model_path())
+    config = load_model_config(source)
+    if not 1 <= layers <= config.num_hidden_layers:
+        raise ValueError(f"layers must be in 1..{config.num_hidden_layers}, got {layers}")
+    kept: dict[str, torch.Tensor] = {}
+    for name, tensor in iter_weights(source, config):
+        parts = name.split(".")
+        if len(parts) > 2 and parts[1] == "layers" and int(parts[2]) >= layers:
+            continue
+        kept[name] = tensor.to(torch.float32).contiguous()
+    hf_config = {
+        **SMOLLM2_135M_CONFIG,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "num_hidden_layers": layers,
+        "max_position_embeddings": config.max_position_embeddings,
+        "rope_theta": config.rope_theta,
+        "rms_norm_eps": config.rms_norm_eps,
+        "torch_dtype": "float32",
+        "bos_token_id": config.eos_token_ids[0] if config.eos_token_ids else 0,
+        "eos_token_id": list(config.eos_token_ids),
+    }
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(kept, str(tmp / "model.safetensors"))
+    (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n", encoding="utf-8")
+    load_tokenizer(source).save_pretrained(tmp)
+    info = {"draft_of": str(source.path), "layers": layers}
+    (tmp / _DONE_MARKER).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    return final

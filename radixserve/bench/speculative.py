@@ -1,4 +1,6 @@
-"""`radixserve bench speculative`: decode speed with NGRAM speculation on and off.
+"""`radixserve bench speculative`: decode speed with NGRAM speculation on and off, and with a
+STANDALONE draft model when one is given (--draft-model-path, or --draft-early-exit N: the
+packaged model's first N layers, the only smaller model of its tokenizer available offline).
 
 Workloads:
 - copy: the real SmolLM2-135M-Instruct (the packaged GGUF) asked, through its chat template, to
@@ -12,7 +14,7 @@ Decode tok/s excludes the prefill: each run is timed twice on a flushed cache (w
 n-gram index too, so drafts come from the request's own text), once for one output token (the
 prefill) and once for the whole output, and decode tok/s = (tokens - 1) / (difference). Both
 settings run side by side on the same weights, taking turns pass by pass, so their ratio is what
-to read. The accept length is the NGRAM engine's since startup.
+to read. The accept length is each speculating engine's since startup.
 """
 
 from __future__ import annotations
@@ -120,13 +122,10 @@ def compare(
     return {label: sorted(runs, key=lambda r: r.tok_per_s)[len(runs) // 2] for label, runs in passes.items()}
 
 
-def _engine(model_path: str | None, dtype: str, speculative: bool, extra: dict[str, Any]) -> Any:
+def _engine(model_path: str | None, dtype: str, speculative: dict[str, Any], extra: dict[str, Any]) -> Any:
     from radixserve.runtime.engine import Engine
 
-    kwargs: dict[str, Any] = {"dtype": dtype, "log_level": "warning", **extra}
-    if speculative:
-        kwargs["speculative_algorithm"] = "NGRAM"
-    return Engine(model_path=model_path, **kwargs)
+    return Engine(model_path=model_path, dtype=dtype, log_level="warning", **speculative, **extra)
 
 
 def _accept_stats(engine: Any) -> dict[str, float]:
@@ -134,15 +133,28 @@ def _accept_stats(engine: Any) -> dict[str, float]:
     return {"accept_length": stats["avg_spec_accept_length"], "accept_rate": stats["spec_accept_rate"]}
 
 
+def settings(draft_model_path: str | None, num_steps: int) -> dict[str, dict[str, Any]]:
+    """Each compared setting's speculative engine arguments, by label."""
+    found: dict[str, dict[str, Any]] = {"off": {}, "NGRAM": {"speculative_algorithm": "NGRAM"}}
+    if draft_model_path is not None:
+        found["STANDALONE"] = {
+            "speculative_algorithm": "STANDALONE",
+            "speculative_draft_model_path": draft_model_path,
+            "speculative_num_steps": num_steps,
+        }
+    return found
+
+
 def run_speculative_bench(
     dtype: str = "bfloat16", repeats: int = 3, work_dir: Path = Path("bench-work"), log: Log = print,
-    engine_args: dict[str, Any] | None = None,
+    engine_args: dict[str, Any] | None = None, draft_model_path: str | None = None, num_steps: int = 4,
 ) -> dict[str, Any]:  # fmt: skip
     extra = dict(engine_args or {})
     rows: list[dict[str, Any]] = []
     random_model = str(ensure_random_smollm2(work_dir, dtype))
+    compared = settings(draft_model_path, num_steps)
     for model, workload in ((None, "copy"), (random_model, "W3 (random)")):
-        engines = {label: _engine(model, dtype, label == "NGRAM", extra) for label in ("off", "NGRAM")}
+        engines = {label: _engine(model, dtype, spec, extra) for label, spec in compared.items()}
         try:
             if workload == "copy":
                 chats = [engines["off"].tokenize_chat(m) for m in copy_messages()]
@@ -154,19 +166,19 @@ def run_speculative_bench(
                 cases = [("single stream", [make_workload("W3").prompts], True)]
             for mode, groups, ignore_eos in cases:
                 for label, run in compare(engines, groups, ignore_eos, repeats).items():
-                    stats = _accept_stats(engines[label]) if label == "NGRAM" else {}
+                    stats = _accept_stats(engines[label]) if label != "off" else {}
                     rows.append({"workload": workload, "mode": mode, "speculative": label,
                                  "decode_tok_s": run.tok_per_s, "tokens": run.tokens, **stats})  # fmt: skip
-                    log(f"{workload}, {mode}, NGRAM {label}: {run.tok_per_s:.1f} decode tok/s")
+                    log(f"{workload}, {mode}, {label}: {run.tok_per_s:.1f} decode tok/s")
         finally:
             for engine in engines.values():
                 engine.shutdown()
-    return {"dtype": dtype, "repeats": repeats, "rows": rows}
+    return {"dtype": dtype, "repeats": repeats, "draft_model_path": draft_model_path, "rows": rows}
 
 
 def format_table(report: dict[str, Any]) -> str:
     lines = [
-        "| workload | mode | NGRAM | decode tok/s | vs off | accept length |",
+        "| workload | mode | speculation | decode tok/s | vs off | accept length |",
         "|---|---|---|---|---|---|",
     ]
     base = {

@@ -110,6 +110,9 @@ class ServerArgs:
     # Speculative decoding (scheduler/speculative/; flags in config/speculative_args.py).
     speculative_algorithm: str | None = None
     speculative_num_draft_tokens: int = 8
+    # STANDALONE: the draft model, and how many tokens it drafts per step (None: the default).
+    speculative_draft_model_path: str | None = None
+    speculative_num_steps: int | None = None
     speculative_ngram_min_match_window_size: int = 1
     speculative_ngram_max_match_window_size: int = 12
     speculative_ngram_min_bfs_breadth: int = 1

@@ -7,13 +7,17 @@ from __future__ import annotations
 import argparse
 from typing import Protocol
 
-SPECULATIVE_ALGORITHMS: tuple[str, ...] = ("NGRAM",)
+SPECULATIVE_ALGORITHMS: tuple[str, ...] = ("NGRAM", "STANDALONE")
+# Drafts a STANDALONE model proposes per request per step when --speculative-num-steps is not given.
+DEFAULT_DRAFT_MODEL_STEPS = 4
 NGRAM_MATCH_TYPES: tuple[str, ...] = ("BFS", "PROB")
 
 
 class SpeculativeFields(Protocol):
     speculative_algorithm: str | None
     speculative_num_draft_tokens: int
+    speculative_draft_model_path: str | None
+    speculative_num_steps: int | None
     speculative_ngram_min_match_window_size: int
     speculative_ngram_max_match_window_size: int
     speculative_ngram_min_bfs_breadth: int
@@ -28,15 +32,20 @@ def validate_speculative_args(args: SpeculativeFields, error: type[ValueError]) 
     algorithm = args.speculative_algorithm
     if algorithm is None:
         return
-    if algorithm.upper() == "STANDALONE":
+    if algorithm.upper() in ("EAGLE", "EAGLE3", "NEXTN"):
         raise error(
-            "--speculative-algorithm STANDALONE (a draft model) is not built yet; NGRAM is (issue 18)"
+            f"--speculative-algorithm {algorithm} needs a trained draft head, which radixserve does not "
+            "run; use STANDALONE with a small model of the same tokenizer, or NGRAM"
         )
     if algorithm.upper() not in SPECULATIVE_ALGORITHMS:
         raise error(
             f"--speculative-algorithm must be one of {', '.join(SPECULATIVE_ALGORITHMS)}, got {algorithm!r}"
         )
     args.speculative_algorithm = algorithm.upper()
+    if args.speculative_algorithm == "STANDALONE":
+        _validate_draft_model_args(args, error)
+    elif args.speculative_draft_model_path is not None:
+        raise error("--speculative-draft-model-path is for --speculative-algorithm STANDALONE")
     if args.speculative_num_draft_tokens < 2:
         raise error("--speculative-num-draft-tokens must be >= 2 (the last token and at least one draft)")
     low, high = args.speculative_ngram_min_match_window_size, args.speculative_ngram_max_match_window_size
@@ -56,18 +65,47 @@ def validate_speculative_args(args: SpeculativeFields, error: type[ValueError]) 
         )
 
 
+def _validate_draft_model_args(args: SpeculativeFields, error: type[ValueError]) -> None:
+    """STANDALONE drafts a chain: --speculative-num-steps tokens, so the verified chain holds that
+    many plus the last sampled token (--speculative-num-draft-tokens follows from it, as in SGLang
+    with a top-k of 1)."""
+    if not args.speculative_draft_model_path:
+        raise error("--speculative-algorithm STANDALONE needs --speculative-draft-model-path")
+    steps = args.speculative_num_steps
+    if steps is None:
+        steps = DEFAULT_DRAFT_MODEL_STEPS
+    if steps < 1:
+        raise error(f"--speculative-num-steps must be >= 1, got {steps}")
+    args.speculative_num_steps = steps
+    args.speculative_num_draft_tokens = steps + 1
+
+
 def add_speculative_args(parser: argparse.ArgumentParser) -> None:
     spec = parser.add_argument_group("speculative decoding")
     spec.add_argument(
         "--speculative-algorithm",
         default=None,
-        help="NGRAM: draft from n-grams of the requests' own and recent text, verify in one forward",
+        help="NGRAM: draft from n-grams of the requests' own and recent text; STANDALONE: a smaller "
+        "model with the same tokenizer drafts (--speculative-draft-model-path); verified in one forward",
+    )
+    spec.add_argument(
+        "--speculative-draft-model-path",
+        default=None,
+        help="STANDALONE: the draft model (a directory, a .gguf file or a hub id in the local cache)",
+    )
+    spec.add_argument(
+        "--speculative-num-steps",
+        type=int,
+        default=None,
+        help="STANDALONE: tokens the draft model proposes per request per step "
+        f"(default {DEFAULT_DRAFT_MODEL_STEPS})",
     )
     spec.add_argument(
         "--speculative-num-draft-tokens",
         type=int,
         default=8,
-        help="tokens verified per request per step, the last sampled one included",
+        help="NGRAM: tokens verified per request per step, the last sampled one included "
+        "(STANDALONE: --speculative-num-steps + 1)",
     )
     spec.add_argument("--speculative-ngram-min-match-window-size", type=int, default=1)
     spec.add_argument("--speculative-ngram-max-match-window-size", type=int, default=12)

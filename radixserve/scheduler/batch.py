@@ -55,7 +55,8 @@ class KVContext:
         return sum(page for r in reqs if r.kv_len % page == 0)
 
 
-def _token_range(req: Req, start: int, end: int) -> list[int]:
+def token_range(req: Req, start: int, end: int) -> list[int]:
+    """The request's tokens (prompt, then output) at positions [start, end)."""
     prompt = req.origin_input_ids
     if end <= len(prompt):
         return prompt[start:end]
@@ -117,7 +118,7 @@ def build_extend_batch(reqs: list[Req], kv: KVContext) -> ForwardBatch:
     for req, start, n in zip(reqs, prefix_lens, extend_lens, strict=True):
         row = table[req.req_pool_idx]
         row[start : start + n] = out_cache_loc[offset : offset + n]
-        input_ids.extend(_token_range(req, start, start + n))
+        input_ids.extend(token_range(req, start, start + n))
         if req.input_embeds is not None and start < len(req.origin_input_ids):
             given_embeds.append((offset, req.input_embeds[start : start + n]))
         positions.append(torch.arange(start, start + n))
@@ -194,7 +195,21 @@ def build_decode_batch(reqs: list[Req], kv: KVContext) -> ForwardBatch:
     )
 
 
-def build_verify_batch(reqs: list[Req], trees: list[DraftTree], kv: KVContext) -> ForwardBatch:
+def allocate_verify_slots(reqs: list[Req], sizes: list[int], kv: KVContext) -> torch.Tensor:
+    """KV slots for a verify step, sizes[i] for request i at positions kv_len.., entered in each
+    request's row (kv_len is left alone: commit decides what is kept)."""
+    table = kv.req_to_token_pool.req_to_token
+    out_cache_loc = _allocate_extend(reqs, sizes, kv)
+    offset = 0
+    for req, n in zip(reqs, sizes, strict=True):
+        table[req.req_pool_idx, req.kv_len : req.kv_len + n] = out_cache_loc[offset : offset + n]
+        offset += n
+    return out_cache_loc
+
+
+def build_verify_batch(
+    reqs: list[Req], trees: list[DraftTree], kv: KVContext, out_cache_loc: torch.Tensor | None = None
+) -> ForwardBatch:
     """A VERIFY step (speculative decoding): each decoding request computes its draft tree in one
     forward (the root, its last sampled token whose K/V is not in the pool yet, then the proposed
     tokens) and every node is sampled, so that node i's logits check its children.
@@ -202,13 +217,17 @@ def build_verify_batch(reqs: list[Req], trees: list[DraftTree], kv: KVContext) -
     Node i's K/V goes to the slot of position kv_len + i in the request's row, though its position
     is kv_len + its depth: which nodes are accepted, and so which K/V the request keeps (moved to
     the positions of the accepted path), is decided after the forward (commit_verified). kv_len
-    is left alone here."""
+    is left alone here. out_cache_loc: the slots allocate_verify_slots took for the trees already
+    (a draft model wrote its own K/V there first), else they are taken now."""
     if not reqs or len(trees) != len(reqs):
         raise ValueError("one draft tree per request")
     table = kv.req_to_token_pool.req_to_token
     prefix_lens = [r.kv_len for r in reqs]
     sizes = [len(t) for t in trees]
-    out_cache_loc = _allocate_extend(reqs, sizes, kv)
+    if out_cache_loc is None:
+        out_cache_loc = allocate_verify_slots(reqs, sizes, kv)
+    elif int(out_cache_loc.shape[0]) != sum(sizes):
+        raise ValueError(f"{int(out_cache_loc.shape[0])} slots taken for trees of {sum(sizes)} nodes")
     input_ids: list[int] = []
     positions: list[int] = []
     segments: list[ExtendSegment] = []
@@ -218,7 +237,6 @@ def build_verify_batch(reqs: list[Req], trees: list[DraftTree], kv: KVContext) -
             raise ValueError(f"request {req.rid}'s draft tree is not rooted at its last token")
         n = len(tree)
         row = table[req.req_pool_idx]
-        row[start : start + n] = out_cache_loc[offset : offset + n]
         input_ids += tree.tokens
         positions += [start + d for d in tree.depths]
         segments.append(ExtendSegment(offset, n, start, row[:start], row[: start + n]))

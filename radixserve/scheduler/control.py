@@ -23,6 +23,7 @@ from radixserve.scheduler.internal_state import (
 from radixserve.scheduler.outputs import OverlappedPublisher
 from radixserve.scheduler.profiler import ProfilerError, StepProfiler
 from radixserve.scheduler.request import Req
+from radixserve.scheduler.speculative.worker import Speculator
 from radixserve.scheduler.stats import SchedulerStats
 
 
@@ -73,6 +74,9 @@ class ControlledScheduler(TunableScheduler, Protocol):
 
     @property
     def profiler(self) -> StepProfiler: ...
+
+    @property
+    def speculator(self) -> Speculator | None: ...
 
     def check_kv_invariant(self) -> None: ...
 
@@ -165,6 +169,7 @@ def get_stats(scheduler: ControlledScheduler, args: dict[str, Any]) -> Reply:
             # Speculative decoding (SGLang's names): tokens per request per verify step, and
             # the share of draft tokens accepted; 0 when it is off or has not verified yet.
             "speculative_algorithm": s.args.speculative_algorithm,
+            "speculative_draft_model_path": s.args.speculative_draft_model_path,
             "avg_spec_accept_length": s.stats.spec_accept_length,
             "spec_accept_rate": s.stats.spec_accept_rate,
             "spec_verify_steps": s.stats.spec_verify_reqs,
@@ -252,11 +257,16 @@ def release_memory_occupation(scheduler: ControlledScheduler, args: dict[str, An
     if "kv_cache" in tags:
         scheduler.flush_cache()  # the cached prefixes' KV is about to be gone
     scheduler.executor.release_memory(tags)
+    if scheduler.speculator is not None:
+        scheduler.speculator.release_memory(tags)  # a draft model's memory goes with the target's
     return Reply({"released": sorted(scheduler.executor.released)})
 
 
 def resume_memory_occupation(scheduler: ControlledScheduler, args: dict[str, Any]) -> Reply:
-    scheduler.executor.resume_memory(_tags(args))
+    tags = _tags(args)
+    scheduler.executor.resume_memory(tags)
+    if scheduler.speculator is not None:
+        scheduler.speculator.resume_memory(tags)
     return Reply({"released": sorted(scheduler.executor.released)})
 
 

@@ -11,7 +11,7 @@ from radixserve.config.server_args import ServerArgs
 from radixserve.scheduler.batch import KVContext, KVExhaustedError, build_decode_batch, build_verify_batch
 from radixserve.scheduler.policy import CLIP_MAX_NEW_TOKENS_ESTIMATE
 from radixserve.scheduler.request import Req
-from radixserve.scheduler.speculative.worker import NgramSpeculator
+from radixserve.scheduler.speculative.worker import Speculator
 from radixserve.scheduler.state import RequestQueues, ScheduledBatch, release_kv, token_usage
 from radixserve.scheduler.stats import SchedulerStats
 
@@ -66,7 +66,7 @@ class DecodeManager:
             * self.new_token_ratio
         )
 
-    def next_batch(self, speculator: NgramSpeculator | None = None) -> ScheduledBatch:
+    def next_batch(self, speculator: Speculator | None = None) -> ScheduledBatch:
         """One decode step of every running request (there must be one): a verify step of their
         drafts when the speculator has some."""
         queues = self.queues
@@ -80,7 +80,7 @@ class DecodeManager:
         if plan is None:
             forward = build_decode_batch(queues.running, self.kv)
         else:
-            forward = build_verify_batch(queues.running, plan.trees, self.kv)
+            forward = build_verify_batch(queues.running, plan.trees, self.kv, plan.out_cache_loc)
         self.stats.record_decode(len(queues.running))
         if self.stats.decode_steps % self.args.decode_log_interval == 0:
             used = self.max_total_tokens - self.kv.available_with_eviction()

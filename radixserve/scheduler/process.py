@@ -28,6 +28,7 @@ from radixserve.scheduler.watchdog import start_watchdog
 
 if TYPE_CHECKING:
     from radixserve.distributed.parallel import ParallelContext
+    from radixserve.executor.model_runner import ModelRunner
     from radixserve.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger("radixserve.scheduler")
@@ -45,7 +46,54 @@ def build_scheduler(
 
     parallel = parallel or SINGLE
     runner = ModelRunner(RunnerConfig.from_server_args(args), parallel=parallel)
-    return Scheduler(args, runner, tokenizer=tokenizer, parallel=parallel)
+    draft = None
+    if args.speculative_algorithm == "STANDALONE":
+        draft = build_draft_runner(args, runner, parallel)
+    return Scheduler(args, runner, tokenizer=tokenizer, parallel=parallel, draft=draft)
+
+
+def build_draft_runner(args: ServerArgs, target: ModelRunner, parallel: ParallelContext) -> ModelRunner:
+    """The STANDALONE draft model: the target's device, dtype and kernels, a KV pool of exactly
+    the target's slots (the scheduler's slots index both pools), and the target's context."""
+    import dataclasses
+
+    from radixserve.config.server_args import InvalidArgumentError
+    from radixserve.executor.model_runner import ModelRunner
+    from radixserve.executor.runner_config import RunnerConfig
+
+    config = dataclasses.replace(
+        RunnerConfig.from_server_args(args),
+        model_path=args.speculative_draft_model_path,
+        dtype=str(target.dtype).removeprefix("torch."),
+        context_length=None,
+        is_embedding=False,
+        max_total_tokens=target.max_total_tokens,
+        # A draft decode step follows a catch-up that rewrites positions; nothing to keep between.
+        decode_staging_tokens=0,
+    )
+    try:
+        draft = ModelRunner(config, parallel=parallel)
+    except InvalidArgumentError as error:
+        raise InvalidArgumentError(f"--speculative-draft-model-path: {error}") from error
+    problems = []
+    if draft.config.is_encoder:
+        problems.append("it is an encoder, not a causal language model")
+    if draft.context_len < target.context_len:
+        problems.append(
+            f"it handles {draft.context_len} positions and the served context is {target.context_len} "
+            "(lower --context-length)"
+        )
+    if draft.config.vocab_size < target.config.vocab_size:
+        problems.append(
+            f"its vocabulary ({draft.config.vocab_size}) is smaller than the target's "
+            f"({target.config.vocab_size}); it needs the same tokenizer"
+        )
+    if problems:
+        raise InvalidArgumentError(
+            f"the draft model {draft.source.path} cannot draft here: {'; '.join(problems)}"
+        )
+    logger.info("speculative draft model: %s (%s)", draft.source.path, draft.describe()["decode_path"])
+    return draft
 
 
 def place_rank(args: ServerArgs, dp_rank: int, tp_rank: int) -> None:

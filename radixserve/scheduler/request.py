@@ -37,6 +37,10 @@ class SpeculationState:
     # at a node with children).
     accepted: float = 0.0
     rejected: float = 0.0
+    # STANDALONE: the draft model's K/V holds this request's positions [0, draft_len), worked out
+    # at the admission numbered draft_admission (speculative/draft_model.py).
+    draft_len: int = 0
+    draft_admission: int = -1
 
     @property
     def accept_odds(self) -> float:

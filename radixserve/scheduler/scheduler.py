@@ -49,7 +49,8 @@ from radixserve.scheduler.prefill import PrefillManager
 from radixserve.scheduler.profiler import StepProfiler
 from radixserve.scheduler.rank_sync import RankSync
 from radixserve.scheduler.request import Req
-from radixserve.scheduler.speculative.worker import NgramSpeculator
+from radixserve.scheduler.speculative.draft_model import DraftModelSpeculator
+from radixserve.scheduler.speculative.worker import NgramSpeculator, Speculator
 from radixserve.scheduler.state import RequestQueues, ScheduledBatch, release_kv, token_usage
 from radixserve.scheduler.stats import SchedulerStats
 
@@ -67,9 +68,11 @@ class Scheduler:
         executor: Executor,
         tokenizer: Any = None,
         parallel: ParallelContext = SINGLE,
+        draft: Executor | None = None,
     ):
         """executor runs the model (executor/base.py); scheduler/process.py builds one for a real
-        model (build_scheduler), tests a fake one."""
+        model (build_scheduler), tests a fake one. draft: the draft model of
+        --speculative-algorithm STANDALONE, its KV pool as large as the executor's."""
         # Only stop strings need text here; without a tokenizer one is loaded when first needed.
         self._tokenizer = tokenizer
         self.executor = executor
@@ -108,9 +111,7 @@ class Scheduler:
         )
         self.policy: SchedulePolicy = self.prefill.policy
         # --speculative-algorithm: decode steps verify drafts when there are some.
-        self.speculator = None
-        if args.speculative_algorithm == "NGRAM" and not self.is_embedding:
-            self.speculator = NgramSpeculator(args, self.context_len, self.req_to_token_pool.max_context_len)
+        self.speculator = self._speculator(args, draft)
         self.grammar_queue = GrammarQueue(
             args.grammar_backend,
             args.grammar_timeout,
@@ -132,6 +133,18 @@ class Scheduler:
         self.profiler = StepProfiler()
         self._idle_checked = True
         self.idle_waiters: list[ControlRequest] = []
+
+    def _speculator(self, args: ServerArgs, draft: Executor | None) -> Speculator | None:
+        if self.is_embedding or args.speculative_algorithm is None:
+            return None
+        row_len, agree = self.req_to_token_pool.max_context_len, self.rank_sync.agree
+        if args.speculative_algorithm == "NGRAM":
+            return NgramSpeculator(args, self.context_len, row_len, agree)
+        if draft is None:
+            raise ValueError("--speculative-algorithm STANDALONE needs the draft model's executor")
+        if draft.info.max_total_tokens < self.max_total_tokens:
+            raise ValueError("the draft model's KV pool must hold as many slots as the target's")
+        return DraftModelSpeculator(args, self.context_len, row_len, draft, self.config.vocab_size, agree)
 
     # ------------------------------------------------------------------ state of the managers
     # The queues and the batch budgets live in RequestQueues, PrefillManager and DecodeManager;
@@ -375,6 +388,8 @@ class Scheduler:
         self.step_started = time.monotonic()
         if self.forward_sleep_s:
             time.sleep(self.forward_sleep_s)
+        if self.speculator is not None and batch.verify is None:
+            self.speculator.written(batch.forward)
         if self.is_embedding:
             return self._run_embedding_batch(batch)
         unpublished, self._unpublished = self._unpublished, None
@@ -566,6 +581,8 @@ class Scheduler:
         if self._idle_checked:
             return
         self.executor.idle()
+        if self.speculator is not None:
+            self.speculator.idle()
         self.check_kv_invariant()
         self._idle_checked = True
 
@@ -580,7 +597,7 @@ class Scheduler:
         self.allocator.clear()
         self.req_to_token_pool.clear()
         if self.speculator is not None:
-            self.speculator.reset()  # the n-gram index is cached text too
+            self.speculator.reset()  # the n-gram index and the draft's K/V are cached text too
         return True
 
     # ------------------------------------------------------------------ event loop

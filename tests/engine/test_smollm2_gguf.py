@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import hashlib
+import os
+import tempfile
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
+import radixserve
 from radixserve.config.server_args import ServerArgs
+from radixserve.models.loader import resolve_model_source
+from radixserve.models.tokenizer import load_tokenizer
 from radixserve.protocol.messages import GenerateRequest
 from radixserve.scheduler.process import build_scheduler
 
@@ -37,6 +41,7 @@ def test_first_step_logits_match_transformers(smollm2_gguf_path: Path) -> None:
     scheduler.check_kv_invariant()
 
     assert int(ours.argmax()) == int(expected.argmax())
+    assert tokenizer.decode([int(ours.argmax())]) == " Paris"
     assert torch.allclose(ours, expected, atol=1e-3, rtol=0), float((ours - expected).abs().max())
 
 
@@ -79,7 +84,34 @@ def mean_error(exact: list[torch.Tensor], rounded: list[torch.Tensor]) -> float:
     return float(torch.cat([(b - a).abs().mean(dim=1) for a, b in zip(exact, rounded, strict=True)]).mean())
 
 
-def test_bfloat16_logits_stay_close_to_float32(make_engine: Callable[..., Any]) -> None:
+def _reference_logits(model: Path, prompts: list[list[int]]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The fp32 logits and torch's own bf16 logits for the prompts. Kept under the temporary
+    directory between runs of the same sources, model and torch: CI's forced-ISA loop runs this
+    test again for the native kernels of each narrower ISA, and neither reference depends on them
+    in a way that matters here (fp32 is checked against transformers above; torch's bf16 ops are
+    torch's)."""
+    digest = hashlib.sha256()
+    stat = model.stat()
+    digest.update(f"{model}|{stat.st_size}|{stat.st_mtime_ns}|{torch.__version__}|{prompts}".encode())
+    package = Path(radixserve.__file__).parent
+    for source in sorted([*package.rglob("*.py"), *package.rglob("*.cpp"), *package.rglob("*.h")]):
+        digest.update(source.read_bytes())
+    cached = Path(tempfile.gettempdir()) / f"radixserve-bf16-references-{digest.hexdigest()[:16]}.pt"
+    if cached.is_file():
+        try:
+            exact, by_torch = torch.load(cached, weights_only=True)
+            return exact, by_torch
+        except Exception:  # a partial or foreign file: computed again below
+            cached.unlink(missing_ok=True)
+    exact = prompt_logits("float32", prompts)
+    by_torch = prompt_logits("bfloat16", prompts, cpu_kernels="torch")
+    partial = cached.with_suffix(f".{os.getpid()}.tmp")
+    torch.save((exact, by_torch), partial)
+    partial.replace(cached)
+    return exact, by_torch
+
+
+def test_bfloat16_logits_stay_close_to_float32(smollm2_gguf_path: Path) -> None:
     """bf16 rounding choices (a norm computed in bf16, say) can derail a small model at once. This
     holds the bf16 path this CPU runs (native kernels of its ISA, or the one RADIXSERVE_CPU_ISA
     forces) to torch's own bf16 ops: its mean |logit error| against fp32 (itself checked against
@@ -88,12 +120,7 @@ def test_bfloat16_logits_stay_close_to_float32(make_engine: Callable[..., Any]) 
     where the first answer token alone (eight rows) moved by ~25% with any rounding change and
     could not tell a worse kernel from a better one (docs/architecture.md, "Vector prefix
     attention", has the figures)."""
-    engine = make_engine(None, max_total_tokens=256)
-    # The engine on the default model (started here anyway, for its tokenizer) continues greedily.
-    result = engine.generate(PROMPT, {"temperature": 0.0, "max_new_tokens": 4})
-    assert result["text"].startswith(" Paris"), result["text"]
-    assert result["meta_info"]["prompt_tokens"] == 5
-    tokenizer = engine.tokenizer
+    tokenizer = load_tokenizer(resolve_model_source(smollm2_gguf_path))
     prompts = [
         tokenizer.encode(
             tokenizer.apply_chat_template(
@@ -102,9 +129,8 @@ def test_bfloat16_logits_stay_close_to_float32(make_engine: Callable[..., Any]) 
         )
         for question in CHAT_QUESTIONS
     ]
-    exact = prompt_logits("float32", prompts)
+    exact, by_torch = _reference_logits(smollm2_gguf_path, prompts)
     rounded = prompt_logits("bfloat16", prompts)
-    by_torch = prompt_logits("bfloat16", prompts, cpu_kernels="torch")
     ours, torchs = mean_error(exact, rounded), mean_error(exact, by_torch)
     assert ours <= 1.15 * torchs, (ours, torchs)
     decided = 0

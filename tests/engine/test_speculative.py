@@ -1,10 +1,15 @@
-"""NGRAM speculative decoding end to end on a tiny random-weight model: fp32 greedy outputs equal
+"""Speculative decoding end to end, NGRAM and STANDALONE, on a tiny random-weight model: fp32
+greedy outputs equal
 transformers' and radixserve's own without speculation, token for token, whatever the batching,
 caching, chunking, paging or retraction; logprobs, penalties and stops behave as without it.
 
 A random model's text rarely repeats its prompt, so each test serves its prompts twice: the first
 pass fills the shared n-gram index with their outputs, and the second drafts from it (the
-"recently served text" case), which makes most drafts right and exercises acceptance."""
+"recently served text" case), which makes most drafts right and exercises acceptance.
+
+A STANDALONE draft is the target model itself (so nearly every draft is accepted, and acceptance
+is checked) or another random model with the same tokenizer (so nearly every draft is rejected).
+The second pass then starts from the radix cache, the draft's K/V with it."""
 
 from __future__ import annotations
 
@@ -20,6 +25,16 @@ from tests.engine.oracle import GREEDY, GreedyOracle, random_prompts
 MAX_NEW = 24
 # Drafting as the index offers: what the adaptive gate drafts depends on how fast this machine is.
 NGRAM = {"speculative_algorithm": "NGRAM", "disable_speculative_adaptive": True}
+STANDALONE = {"speculative_algorithm": "STANDALONE", "disable_speculative_adaptive": True}
+
+
+def _speculation(args: dict[str, Any], tiny_model_dir: Callable[[str], Path]) -> dict[str, Any]:
+    """Engine arguments: NGRAM's unless args name a STANDALONE draft ("draft": a tiny architecture)."""
+    args = dict(args)
+    if "draft" not in args:
+        return {**NGRAM, **args}
+    draft = str(tiny_model_dir(args.pop("draft")))
+    return {**STANDALONE, "speculative_draft_model_path": draft, "speculative_num_steps": 3, **args}
 
 
 def _generate(engine: Any, prompts: list[list[int]], **params: Any) -> list[dict[str, Any]]:
@@ -45,8 +60,16 @@ def _spec_stats(engine: Any) -> dict[str, Any]:
             "max_total_tokens": 200, "schedule_conservativeness": 0.05,
         },
         {"attention_backend": "cpu_native", "disable_speculative_adaptive": False},
+        {"draft": "llama", "attention_backend": "cpu_native", "page_size": 4, "chunked_prefill_size": 8},
+        {
+            "draft": "qwen2", "attention_backend": "torch_native",
+            "max_total_tokens": 200, "schedule_conservativeness": 0.05,
+        },
     ],
-    ids=["cpu-native", "torch-paged-chunked", "torch-no-radix-prob-retracting", "adaptive"],
+    ids=[
+        "cpu-native", "torch-paged-chunked", "torch-no-radix-prob-retracting", "adaptive",
+        "standalone-self-draft-native-paged-chunked", "standalone-other-draft-torch-retracting",
+    ],
 )  # fmt: skip
 def test_greedy_equals_transformers_with_drafts_accepted(
     args: dict[str, Any],
@@ -56,7 +79,8 @@ def test_greedy_equals_transformers_with_drafts_accepted(
 ) -> None:
     if args["attention_backend"] == "cpu_native":
         native_kernels_or_skip()
-    engine = make_engine(tiny_model_dir("llama"), **{**NGRAM, **args})
+    spec = _speculation(args, tiny_model_dir)
+    engine = make_engine(tiny_model_dir("llama"), **spec)
     prompts = random_prompts(8, [9, 23, 40, 5, 17, 30, 12, 3], seed=11)
     for turn in range(2):
         for i, (result, prompt) in enumerate(zip(_generate(engine, prompts), prompts, strict=True)):
@@ -64,22 +88,31 @@ def test_greedy_equals_transformers_with_drafts_accepted(
                 f"turn {turn}, prompt {i}"
             )
     stats = _spec_stats(engine)
-    if not args.get("disable_speculative_adaptive", True):
-        return  # the adaptive gate's drafts depend on timings: only the outputs are checked
-    assert stats["spec_accepted_tokens"] >= len(prompts) * MAX_NEW // 2
-    assert stats["avg_spec_accept_length"] > 1.5
     if "max_total_tokens" in args:
         assert stats["retracted_reqs"] > 0
+    if not spec["disable_speculative_adaptive"]:
+        return  # the adaptive gate's drafts depend on timings: only the outputs are checked
+    if args.get("draft") == "qwen2":
+        assert stats["spec_draft_tokens"] > 0  # another model's drafts: hardly any accepted
+        return
+    if "draft" in args:
+        assert stats["speculative_draft_model_path"] == spec["speculative_draft_model_path"]
+        # The target drafting for itself: its drafts are its own greedy tokens.
+        assert stats["spec_accepted_tokens"] >= 0.8 * stats["spec_draft_tokens"]
+    assert stats["spec_accepted_tokens"] >= len(prompts) * MAX_NEW // 2
+    assert stats["avg_spec_accept_length"] > 1.5
 
 
+@pytest.mark.parametrize("algorithm", ["NGRAM", "STANDALONE"])
 def test_logprobs_penalties_stops_and_seeds_match_decoding_without_speculation(
-    tiny_model_dir: Callable[[str], Path], make_engine: Callable[..., Any]
+    algorithm: str, tiny_model_dir: Callable[[str], Path], make_engine: Callable[..., Any]
 ) -> None:
     prompts = random_prompts(4, [14, 6, 27, 9], seed=12)
     plain = make_engine(tiny_model_dir("llama"), attention_backend="torch_native")
-    speculative = make_engine(tiny_model_dir("llama"), attention_backend="torch_native", **NGRAM)
+    spec = _speculation({} if algorithm == "NGRAM" else {"draft": "llama"}, tiny_model_dir)
+    speculative = make_engine(tiny_model_dir("llama"), attention_backend="torch_native", **spec)
     reference = _generate(plain, prompts)
-    _generate(speculative, prompts)  # fills the n-gram index
+    _generate(speculative, prompts)  # fills the n-gram index (and the radix cache)
     # A stop token partway along the (accepted) repeat, and a cap inside a draft.
     stop = reference[0]["output_ids"][10]
     cases: list[dict[str, Any]] = [
@@ -119,11 +152,15 @@ def test_logprobs_penalties_stops_and_seeds_match_decoding_without_speculation(
     assert _spec_stats(speculative)["spec_accepted_tokens"] > 0
 
 
+@pytest.mark.parametrize("algorithm", ["NGRAM", "STANDALONE"])
 def test_bf16_native_kernels_with_speculation(
-    tiny_model_dir: Callable[[str], Path], make_engine: Callable[..., Any]
+    algorithm: str, tiny_model_dir: Callable[[str], Path], make_engine: Callable[..., Any]
 ) -> None:
+    """bf16 on the native kernels: verify chains in the fused decode loop, and a draft model's
+    decode steps there too."""
     native_kernels_or_skip()
-    engine = make_engine(tiny_model_dir("llama"), dtype="bfloat16", attention_backend="cpu_native", **NGRAM)
+    spec = _speculation({} if algorithm == "NGRAM" else {"draft": "llama"}, tiny_model_dir)
+    engine = make_engine(tiny_model_dir("llama"), dtype="bfloat16", attention_backend="cpu_native", **spec)
     prompts = random_prompts(4, [30, 8, 19, 44], seed=13)
     first = _generate(engine, prompts)
     again = _generate(engine, prompts)
@@ -131,17 +168,50 @@ def test_bf16_native_kernels_with_speculation(
     assert _spec_stats(engine)["spec_accepted_tokens"] > 0
 
 
-@pytest.mark.parametrize("parallel", [{"tp_size": 2}, {"dp_size": 2}], ids=["tp2", "dp2"])
+@pytest.mark.parametrize(
+    "parallel",
+    [{"tp_size": 2, "speculative_algorithm": "STANDALONE"}, {"dp_size": 2}],
+    ids=["tp2-standalone-adaptive", "dp2"],
+)
 def test_speculation_across_ranks_and_replicas(
-    parallel: dict[str, int],
+    parallel: dict[str, Any],
     tiny_model_dir: Callable[[str], Path],
     oracle: Callable[[str], GreedyOracle],
     make_engine: Callable[..., Any],
 ) -> None:
+    """tp2: the STANDALONE draft model sharded like the target; adaptive, as served by default,
+    which must keep the ranks' plans equal (their timings differ: rank 0's are shared)."""
     path = tiny_model_dir("llama")
-    engine = make_engine(path, attention_backend="torch_native", **NGRAM, **parallel)
+    if parallel.get("speculative_algorithm") == "STANDALONE":
+        spec = {**parallel, "speculative_draft_model_path": str(path)}
+    else:
+        spec = {**NGRAM, **parallel}
+    engine = make_engine(path, attention_backend="torch_native", **spec)
     prompts = random_prompts(6, [9, 23, 40, 5, 17, 30], seed=14)
     for _ in range(2):
         for result, prompt in zip(_generate(engine, prompts), prompts, strict=True):
             assert result["output_ids"] == oracle("llama").continue_(prompt, MAX_NEW)
-    assert _spec_stats(engine)["spec_accepted_tokens"] > 0
+    # Before the costs are measured every request drafts one token, on either algorithm.
+    assert _spec_stats(engine)["spec_draft_tokens"] > 0
+    if "dp_size" in parallel:
+        assert _spec_stats(engine)["spec_accepted_tokens"] > 0
+
+
+def test_a_draft_model_that_cannot_draft_is_refused(
+    tiny_model_dir: Callable[[str], Path], minilm_path: Path
+) -> None:
+    from radixserve.config.server_args import InvalidArgumentError, ServerArgs
+    from radixserve.executor.model_runner import ModelRunner
+    from radixserve.executor.runner_config import RunnerConfig
+    from radixserve.scheduler.process import build_draft_runner
+
+    args = ServerArgs(
+        model_path=str(tiny_model_dir("llama")),
+        speculative_algorithm="STANDALONE",
+        speculative_draft_model_path=str(minilm_path),
+        dtype="float32",
+        max_total_tokens=256,
+    )
+    target = ModelRunner(RunnerConfig.from_server_args(args))
+    with pytest.raises(InvalidArgumentError, match="cannot draft here: it is an encoder"):
+        build_draft_runner(args, target, target.parallel)

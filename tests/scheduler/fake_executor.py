@@ -294,6 +294,34 @@ class FakeExecutor:
         return len(named)
 
 
+@dataclass
+class FakeDraft(FakeExecutor):
+    """A draft model for STANDALONE speculation (scheduler/speculative/draft_model.py): the fake
+    model over a KV pool of its own. It drafts the target's own greedy token, except a wrong one
+    after every context whose length is a multiple of miss_period (0: never).
+
+    Every extend checks that the draft K/V it reads as its prefix is of the tokens the target's
+    pool holds at those slots: a slot the draft never computed, or computed for another token,
+    read as valid fails the test (as the base class's position check catches a slot overwritten)."""
+
+    target: FakeExecutor | None = None
+    miss_period: int = 0
+
+    def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        if batch.extend is not None and self.target is not None:
+            for seg in batch.extend:
+                mine, theirs = self.kv_tokens[seg.prefix_slots], self.target.kv_tokens[seg.prefix_slots]
+                assert torch.equal(mine, theirs), (
+                    f"the draft read K/V of tokens {mine.tolist()} where the target has {theirs.tolist()}"
+                )
+        logits, hidden = super().forward(batch)
+        if self.miss_period:
+            lengths = batch.positions[batch.sample_rows] + 1
+            missed = (lengths % self.miss_period == 0).nonzero().flatten()
+            logits[missed] = logits[missed].roll(1, dims=1)
+        return logits, hidden
+
+
 # ---- driving a scheduler
 
 
@@ -365,6 +393,40 @@ def run_until_idle(scheduler: Scheduler, results: Results, max_steps: int = 10_0
         raise AssertionError(f"the scheduler is still busy after {max_steps} steps")
     results.take(scheduler.step())
     check_kv_accounting(scheduler)
+
+
+def abort_after_first_verify(
+    scheduler: Scheduler, executor: FakeExecutor, victim: list[int], other: list[int], max_new: int
+) -> Results:
+    """Serves two requests and aborts "victim" right after the first verify step (between two
+    steps), checking the KV accounting after every step."""
+    results = Results()
+    submit(scheduler, results, "victim", victim, max_new)
+    submit(scheduler, results, "other", other, max_new)
+    while not any(b.mode is ForwardMode.VERIFY for b in executor.batches):
+        results.take(scheduler.step())
+        check_kv_accounting(scheduler)
+    results.take(scheduler.abort("victim"))
+    check_kv_accounting(scheduler)
+    run_until_idle(scheduler, results)
+    assert results.finish["victim"].type == "abort"
+    return results
+
+
+def check_finishes_partway(scheduler: Scheduler, results: Results, prompt: list[int], max_new: int) -> None:
+    """A stop token partway along the output, and a max_new_tokens cap, end each request exactly
+    there (drafts run past both), with nothing of the rest kept."""
+    expected = expected_output(prompt, max_new, scheduler.config.vocab_size)
+    stop = expected[17]
+    first = expected.index(stop)
+    submit(scheduler, results, "stop", prompt, max_new, stop_token_ids=[stop])
+    submit(scheduler, results, "cap", prompt, 13)
+    run_until_idle(scheduler, results)
+    assert results.tokens["stop"] == expected[: first + 1]
+    assert results.finish["stop"].type == "stop"
+    assert results.tokens["cap"] == expected[:13]
+    assert results.finish["cap"].type == "length"
+    scheduler.check_kv_invariant()
 
 
 class ReqView(NamedTuple):

@@ -14,6 +14,8 @@ from radixserve.scheduler.scheduler import Scheduler
 from tests.scheduler.fake_executor import (
     FakeExecutor,
     Results,
+    abort_after_first_verify,
+    check_finishes_partway,
     check_kv_accounting,
     expected_output,
     greedy,
@@ -118,23 +120,12 @@ def test_a_tree_of_several_branches_verifies_in_one_step() -> None:
 def test_a_finish_partway_along_an_accepted_draft_keeps_only_what_was_emitted() -> None:
     executor = FakeExecutor(vocab_size=VOCAB)
     scheduler = _scheduler(executor)
-    prompt = PROMPTS["p1"]
-    expected = expected_output(prompt, MAX_NEW, VOCAB)
     results = Results()
-    submit(scheduler, results, "warm", prompt, MAX_NEW)
+    submit(scheduler, results, "warm", PROMPTS["p1"], MAX_NEW)
     run_until_idle(scheduler, results)
     # The repeat's drafts run past the stop token; it must end exactly there, and its KV too.
-    stop = expected[17]
-    first = expected.index(stop)
-    submit(scheduler, results, "stop", prompt, MAX_NEW, stop_token_ids=[stop])
-    submit(scheduler, results, "cap", prompt, 13)
-    run_until_idle(scheduler, results)
-    assert results.tokens["stop"] == expected[: first + 1]
-    assert results.finish["stop"].type == "stop"
-    assert results.tokens["cap"] == expected[:13]
-    assert results.finish["cap"].type == "length"
+    check_finishes_partway(scheduler, results, PROMPTS["p1"], MAX_NEW)
     assert scheduler.stats.spec_accepted_tokens > 0
-    scheduler.check_kv_invariant()
 
 
 def test_an_abort_between_verify_steps_frees_everything() -> None:
@@ -143,15 +134,7 @@ def test_an_abort_between_verify_steps_frees_everything() -> None:
     results = Results()
     submit(scheduler, results, "warm", PROMPTS["p3"], MAX_NEW)
     run_until_idle(scheduler, results)
-    submit(scheduler, results, "victim", PROMPTS["p3"], MAX_NEW)
-    submit(scheduler, results, "other", PROMPTS["p0"], MAX_NEW)
-    while _verify_steps(executor) == 0:
-        results.take(scheduler.step())
-        check_kv_accounting(scheduler)
-    results.take(scheduler.abort("victim"))
-    check_kv_accounting(scheduler)
-    run_until_idle(scheduler, results)
-    assert results.finish["victim"].type == "abort"
+    results = abort_after_first_verify(scheduler, executor, PROMPTS["p3"], PROMPTS["p0"], MAX_NEW)
     assert results.tokens["other"] == expected_output(PROMPTS["p0"], MAX_NEW, VOCAB)
     scheduler.check_kv_invariant()
 

@@ -4,7 +4,8 @@ The fake model here is a Markov chain over six tokens: every position's logits d
 token there, so the exact distribution of any output sequence is a product of transition
 probabilities. Prompts cycle through the tokens, so the n-gram index drafts the cycle's next token,
 which the chain follows about half the time: drafts are accepted and rejected in roughly equal
-measure. Each request samples four tokens with its own seed, so the test is deterministic (it
+measure. As a STANDALONE draft model, the same chain drafts greedily (mostly the cycle's next token
+too). Each request samples four tokens with its own seed, so the test is deterministic (it
 cannot flake); its significance threshold is small enough that a correct sampler passes for any
 seeds with overwhelming probability, while a sampler that favoured drafts or drew from the wrong
 row would be off by far more than chance allows at this sample size.
@@ -18,9 +19,11 @@ from typing import Any
 import pytest
 import torch
 
+from radixserve.config.server_args import ServerArgs
 from radixserve.forward.batch import ForwardBatch
 from radixserve.protocol.messages import GenerateRequest
-from tests.scheduler.fake_executor import HIDDEN_SIZE, FakeExecutor, Results, make_scheduler, run_until_idle
+from radixserve.scheduler.scheduler import Scheduler
+from tests.scheduler.fake_executor import HIDDEN_SIZE, FakeExecutor, Results, run_until_idle
 
 VOCAB = 6
 NEW_TOKENS = 4
@@ -67,12 +70,23 @@ def _target_probs(params: dict[str, Any]) -> torch.Tensor:
     return kept / kept.sum(-1, keepdim=True)
 
 
-def _draw(speculative: bool, params: dict[str, Any]) -> tuple[list[tuple[int, ...]], Any]:
-    args: dict[str, Any] = {"disable_overlap_schedule": True, "max_running_requests": 256}
-    if speculative:
+def _draw(algorithm: str | None, params: dict[str, Any]) -> tuple[list[tuple[int, ...]], Any]:
+    args: dict[str, Any] = {
+        "disable_overlap_schedule": True,
+        "max_running_requests": 256,
+        "log_level": "warning",
+    }
+    draft = None
+    if algorithm == "NGRAM":
         args |= {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 4}
+    elif algorithm == "STANDALONE":
+        args |= {"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "markov"}
+        args |= {"speculative_num_steps": 3}
+        draft = MarkovExecutor(vocab_size=VOCAB, max_total_tokens=8192)
+    if algorithm is not None:
         args |= {"disable_speculative_adaptive": True}  # draft every step: the test needs drafts
-    scheduler = make_scheduler(MarkovExecutor(vocab_size=VOCAB, max_total_tokens=8192), **args)
+    executor = MarkovExecutor(vocab_size=VOCAB, max_total_tokens=8192)
+    scheduler = Scheduler(ServerArgs(**args), executor, draft=draft)
     results = Results()
     for seed in range(DRAWS):
         sampling = {"max_new_tokens": NEW_TOKENS, "ignore_eos": True, "seed": seed, **params}
@@ -122,17 +136,22 @@ def _chi_square_p(draws: list[tuple[int, ...]], exact: dict[tuple[int, ...], flo
 
 
 @pytest.mark.parametrize(
-    "params",
-    [{"temperature": 1.0}, {"temperature": 0.7, "top_k": 4}, {"temperature": 1.3, "top_p": 0.8}],
-    ids=["t1", "t0.7-topk4", "t1.3-topp0.8"],
+    ("algorithm", "params"),
+    [
+        ("NGRAM", {"temperature": 1.0}),
+        ("NGRAM", {"temperature": 0.7, "top_k": 4}),
+        ("NGRAM", {"temperature": 1.3, "top_p": 0.8}),
+        ("STANDALONE", {"temperature": 0.9, "top_k": 5}),
+    ],
+    ids=["ngram-t1", "ngram-t0.7-topk4", "ngram-t1.3-topp0.8", "standalone-t0.9-topk5"],
 )
-def test_speculative_sampling_matches_the_target_distribution(params: dict[str, Any]) -> None:
+def test_speculative_sampling_matches_the_target_distribution(algorithm: str, params: dict[str, Any]) -> None:
     exact = _sequence_probs(_target_probs(params))
-    draws, stats = _draw(speculative=True, params=params)
+    draws, stats = _draw(algorithm, params=params)
     # Drafts were both accepted and rejected often enough to matter.
     assert stats.spec_draft_tokens > DRAWS
     assert 0.2 < stats.spec_accept_rate < 0.9
     assert _chi_square_p(draws, exact) > SIGNIFICANCE
     # The same check holds without speculation (the reference computation is right).
-    plain, _ = _draw(speculative=False, params=params)
+    plain, _ = _draw(None, params=params)
     assert _chi_square_p(plain, exact) > SIGNIFICANCE

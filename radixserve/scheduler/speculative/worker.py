@@ -1,4 +1,9 @@
-"""NGRAM speculative decoding inside the scheduler: draft, verify in one forward, keep what holds.
+"""Speculative decoding inside the scheduler: draft, verify in one forward, keep what holds.
+
+Speculator holds what both algorithms share: verify, commit and record below, the cost model
+(cost.py) and the hooks the scheduler calls. A subclass plans the steps, drafting its own way:
+NgramSpeculator here from the shared n-gram index (ngram.py), DraftModelSpeculator
+(draft_model.py) with a smaller model.
 
 A decode step of the running batch becomes a VERIFY step when some request has a draft: each
 request's draft tree (scheduler/speculative/ngram.py; a root-only tree for a request with no draft
@@ -30,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.config.server_args import ServerArgs
+from radixserve.forward.batch import ForwardBatch
 from radixserve.forward.draft_tree import DraftTree
 from radixserve.scheduler.batch import KVContext, truncate_kv
 from radixserve.scheduler.logprobs import position_logprobs
@@ -50,6 +56,8 @@ class VerifyPlan:
     speculating: list[bool]
     # Each request's kv_len before the step: the tree's node i took the slot of position start + i.
     starts: list[int]
+    # The slots the trees took already (allocate_verify_slots), when drafting needed them first.
+    out_cache_loc: torch.Tensor | None = None
 
 
 def _text_from(req: Req, start: int) -> list[int]:
@@ -66,79 +74,55 @@ def speculates(req: Req) -> bool:
     return req.grammar is None and req.logit_processor is None and not req.return_hidden_states
 
 
-class NgramSpeculator:
-    def __init__(self, args: ServerArgs, context_len: int, row_len: int):
-        self.index = NgramIndex(
-            NgramConfig(
-                min_window=args.speculative_ngram_min_match_window_size,
-                max_window=args.speculative_ngram_max_match_window_size,
-                min_breadth=args.speculative_ngram_min_bfs_breadth,
-                max_breadth=args.speculative_ngram_max_bfs_breadth,
-                match_type=args.speculative_ngram_match_type,
-                max_depth=args.speculative_ngram_branch_length,
-                capacity=args.speculative_ngram_capacity,
-            )
-        )
-        self.num_draft_tokens = args.speculative_num_draft_tokens
-        self.max_window = args.speculative_ngram_max_match_window_size
+def agree_alone(values: list[int]) -> list[int]:
+    return values
+
+
+class Speculator:
+    """What the scheduler calls: plan before a decode step; verify, commit and record after a
+    verify step's forward; written, observe, observe_forward, reset and idle along the way."""
+
+    def __init__(
+        self,
+        args: ServerArgs,
+        context_len: int,
+        row_len: int,
+        agree: Callable[[list[int]], list[int]] = agree_alone,
+    ):
+        """agree: rank 0's values on every tensor-parallel rank (scheduler/rank_sync.py). The
+        cost model's timings differ between ranks, and their plans must not."""
         self.context_len = context_len
         self.row_len = row_len
         self.adaptive = not args.disable_speculative_adaptive
         self.cost = StepCost()
-
-    def observe_forward(self, tokens: int, seconds: float, plain: bool) -> None:
-        """A decode (plain) or verify forward of `tokens` tokens took `seconds`."""
-        self.cost.observe(tokens, seconds, plain)
-
-    def reset(self) -> None:
-        """Forgets every n-gram (/flush_cache): later drafts come from later text only."""
-        self.index = NgramIndex(self.index.config)
-
-    # ------------------------------------------------------------------ before the forward
+        self.agree = agree
 
     def plan(self, reqs: list[Req], kv: KVContext) -> VerifyPlan | None:
-        """The verify step for the running requests, or None for a plain decode step (no request
-        has a draft, or the KV pool cannot hold the drafts without a retraction)."""
-        trees, speculating = [], []
-        if self.adaptive and self.cost.needs_plain_step:
-            return None  # keeps the cost fit informed about plain decode steps
-        min_reach = self.cost.reach_threshold(len(reqs)) if self.adaptive else 0.0
-        expected_extra = 0.0  # the drafts' summed chance of being emitted
-        for req in reqs:
-            self.observe(req)
-            tree = DraftTree([req.output_ids[-1]], [-1])
-            able = speculates(req)
-            if able:
-                # Emitting depth + 1 tokens must stay within max_new_tokens and the context.
-                depth = min(req.remaining_new_tokens, self.context_len - req.seq_len) - 1
-                budget = min(self.num_draft_tokens, self.row_len - req.kv_len)
-                odds = req.speculation.accept_odds if self.adaptive else 1.0
-                context = _text_from(req, req.seq_len - self.max_window)
-                tree = self.index.propose(context, budget, depth, odds, min_reach)
-                if len(tree) == 1:
-                    req.speculation.sit_out()
-                expected_extra += sum(odds**d for d in tree.depths[1:])
-            trees.append(tree)
-            speculating.append(able)
-        drafts = sum(len(t) - 1 for t in trees)
-        if drafts == 0:
-            return None
-        if self.adaptive and not self.cost.worth_verifying(len(reqs), drafts, expected_extra):
-            return None
-        page = kv.allocator.page_size
-        if kv.available_with_eviction() < sum(len(t) for t in trees) + len(reqs) * page:
-            return None
-        return VerifyPlan(trees, speculating, [r.kv_len for r in reqs])
+        """The verify step for the running requests, or None for a plain decode step."""
+        raise NotImplementedError
+
+    def observe_forward(self, tokens: int, seconds: float, plain: bool) -> None:
+        """A decode (plain) or verify step of `tokens` tokens took `seconds`."""
+        (nanoseconds,) = self.agree([int(seconds * 1e9)])
+        self.cost.observe(tokens, nanoseconds / 1e9, plain)
+
+    def written(self, forward: ForwardBatch) -> None:
+        """The target model writes K/V at forward.out_cache_loc (any forward but a verify step's)."""
 
     def observe(self, req: Req) -> None:
-        """Adds the request's tokens not yet in the shared index (its prompt at its first decode
-        step, then each step's new output, and the rest when it finishes)."""
-        state = req.speculation
-        if state.indexed < req.seq_len:
-            # Windows ending at the new tokens reach back at most max_window tokens.
-            start = max(0, state.indexed - self.max_window)
-            self.index.add(_text_from(req, start), state.indexed - start)
-            state.indexed = req.seq_len
+        """The request's tokens so far (at each step's plan, and when it finishes)."""
+
+    def reset(self) -> None:
+        """/flush_cache: whatever the speculator keeps of past text goes."""
+
+    def idle(self) -> None:
+        """Nothing runs now."""
+
+    def release_memory(self, tags: set[str]) -> None:
+        """/release_memory_occupation: the target's memory of these tags is released."""
+
+    def resume_memory(self, tags: set[str]) -> None:
+        """/resume_memory_occupation: and back."""
 
     # ------------------------------------------------------------------ after the forward
 
@@ -250,3 +234,75 @@ class NgramSpeculator:
                 assert req.logprobs is not None
                 req.logprobs.extend(entry)
         stats.record_extra_tokens(sum(kept) - len(reqs))
+
+
+class NgramSpeculator(Speculator):
+    def __init__(
+        self,
+        args: ServerArgs,
+        context_len: int,
+        row_len: int,
+        agree: Callable[[list[int]], list[int]] = agree_alone,
+    ):
+        super().__init__(args, context_len, row_len, agree)
+        self.index = NgramIndex(
+            NgramConfig(
+                min_window=args.speculative_ngram_min_match_window_size,
+                max_window=args.speculative_ngram_max_match_window_size,
+                min_breadth=args.speculative_ngram_min_bfs_breadth,
+                max_breadth=args.speculative_ngram_max_bfs_breadth,
+                match_type=args.speculative_ngram_match_type,
+                max_depth=args.speculative_ngram_branch_length,
+                capacity=args.speculative_ngram_capacity,
+            )
+        )
+        self.num_draft_tokens = args.speculative_num_draft_tokens
+        self.max_window = args.speculative_ngram_max_match_window_size
+
+    def reset(self) -> None:
+        """Forgets every n-gram (/flush_cache): later drafts come from later text only."""
+        self.index = NgramIndex(self.index.config)
+
+    def plan(self, reqs: list[Req], kv: KVContext) -> VerifyPlan | None:
+        """The verify step for the running requests, or None for a plain decode step (no request
+        has a draft, or the KV pool cannot hold the drafts without a retraction)."""
+        trees, speculating = [], []
+        if self.adaptive and self.cost.needs_plain_step:
+            return None  # keeps the cost fit informed about plain decode steps
+        min_reach = self.cost.reach_threshold(len(reqs)) if self.adaptive else 0.0
+        expected_extra = 0.0  # the drafts' summed chance of being emitted
+        for req in reqs:
+            self.observe(req)
+            tree = DraftTree([req.output_ids[-1]], [-1])
+            able = speculates(req)
+            if able:
+                # Emitting depth + 1 tokens must stay within max_new_tokens and the context.
+                depth = min(req.remaining_new_tokens, self.context_len - req.seq_len) - 1
+                budget = min(self.num_draft_tokens, self.row_len - req.kv_len)
+                odds = req.speculation.accept_odds if self.adaptive else 1.0
+                context = _text_from(req, req.seq_len - self.max_window)
+                tree = self.index.propose(context, budget, depth, odds, min_reach)
+                if len(tree) == 1:
+                    req.speculation.sit_out()
+                expected_extra += sum(odds**d for d in tree.depths[1:])
+            trees.append(tree)
+            speculating.append(able)
+        drafts = sum(len(t) - 1 for t in trees)
+        if drafts == 0:
+            return None
+        if self.adaptive and not self.cost.worth_verifying(len(reqs), drafts, expected_extra):
+            return None
+        page = kv.allocator.page_size
+        if kv.available_with_eviction() < sum(len(t) for t in trees) + len(reqs) * page:
+            return None
+        return VerifyPlan(trees, speculating, [r.kv_len for r in reqs])
+
+    def observe(self, req: Req) -> None:
+        """Adds the request's tokens not yet in the shared index (its prompt at its first decode
+        step, then each step's new output, and the rest when it finishes)."""
+        state = req.speculation
+        if state.indexed < req.seq_len:
+            # Windows ending at the new tokens reach back at most max_window tokens.
+            start = max(0, state.indexed - self.max_window)
+            self.index.add(_text_from(req, start), state.indexed - start)
+            state.indexed = req.seq_len

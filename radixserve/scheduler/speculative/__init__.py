@@ -1,6 +1,7 @@
 """Speculative decoding: draft tokens cheaply, verify them in one forward of the target model.
 
-ngram.py drafts from a shared n-gram index, verify.py turns a verify step's logits into emitted
-tokens, worker.py (NgramSpeculator) plans verify steps and commits their results. docs/
-speculative.md has the flags and when they help.
+worker.py holds the Speculator base (verify, commit, acceptance) and NgramSpeculator, which drafts
+from ngram.py's shared n-gram index; draft_model.py's DraftModelSpeculator drafts with a smaller
+model (STANDALONE). verify.py turns a verify step's logits into emitted tokens; cost.py gates
+drafting by what it costs here. docs/speculative.md has the flags and when they help.
 """

@@ -25,7 +25,13 @@ from radixserve.executor.runner_config import RunnerConfig
 from radixserve.forward.batch import ForwardBatch
 from radixserve.kernels.cpu_ops import CpuKernels, select_cpu_kernels
 from radixserve.kernels.native import NativeKernelsUnavailable
-from radixserve.layers.linear import ParallelLinear, ParallelLMHead, split_kv_heads
+from radixserve.layers.linear import (
+    FP32_NATIVE_MAX_ROWS,
+    ParallelLinear,
+    ParallelLMHead,
+    split_kv_heads,
+    use_native_fp32_linears,
+)
 from radixserve.layers.packed_weights import PackedWeight, WeightPacking, cpu_packing_supported
 from radixserve.layers.sampler import SamplingBatch, sample
 from radixserve.models.bert import Encoder
@@ -232,9 +238,17 @@ class ModelRunner:
             "cpu_kernels": "torch" if self.kernels is None else "native",
             # The instruction set the native kernels were built for (None: torch ops only).
             "cpu_kernels_isa": None if self.kernels is None else self.kernels.isa,
-            # What bf16 linears run on (amx, native_<isa>, onednn, F.linear); fp32 ones run F.linear.
-            "linear_kernel": "F.linear" if self.packing is None else self.packing.kernel,
+            # What linears run on: bf16 (amx, native_<isa>, onednn, F.linear), or fp32 (native_fp32 for
+            # decode-sized row counts, else F.linear).
+            "linear_kernel": self._linear_kernel(),
         }
+
+    def _linear_kernel(self) -> str:
+        if self.packing is not None:
+            return self.packing.kernel
+        if self.native_fp32_linears:
+            return f"native_fp32 (up to {FP32_NATIVE_MAX_ROWS} rows), F.linear"
+        return "F.linear"
 
     def stats(self) -> dict[str, Any]:
         stats: dict[str, Any] = {
@@ -292,7 +306,15 @@ class ModelRunner:
         model.load_weights(iter_weights(self.source, self.config))
         if self.packing is not None:
             repack(model.modules(), self.packing)
+        if self.native_fp32_linears:
+            assert self.kernels is not None
+            use_native_fp32_linears(model, self.kernels)
         return model.eval()
+
+    @property
+    def native_fp32_linears(self) -> bool:
+        """fp32 on a CPU with the native kernels: decode-sized linears run on csrc/fp32_linear.cpp."""
+        return self.dtype == torch.float32 and self.kernels is not None and self.device.type == "cpu"
 
     def _kv_capacity(self, gathers_kv: bool) -> int:
         per_slot = KVCachePool.bytes_per_slot(

@@ -88,6 +88,7 @@ class CpuKernels:
         self.decode_fixed_pieces = 0
         self._amx_linear = library.amx_linear_bf16
         self._bf16_linear = library.bf16_linear
+        self._fp32_linear = library.fp32_linear
         self._amx_prefix_attention = library.amx_prefix_attention_bf16
         self._vector_prefix_attention = library.prefix_attention_bf16
         self._fused_decode = library.fused_decode_bf16
@@ -324,6 +325,29 @@ class CpuKernels:
                 None if bias is None else bias.data_ptr(),
                 None if residual is None else residual.data_ptr(),
                 0 if residual is None else residual.stride(0), rows, n, k)  # fmt: skip
+        return out
+
+    def fp32_linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [M, K] W^T (+ bias) in fp32 for W [N, K] as torch holds it (csrc/fp32_linear.cpp): for
+        the few rows of a decode step, where it streams the weights faster than F.linear."""
+        if x.dtype != torch.float32 or x.dim() != 2 or weight.dtype != torch.float32 or weight.dim() != 2:
+            raise ValueError(
+                f"expected fp32 [rows, k] and [n, k], got {x.dtype} {tuple(x.shape)}, {weight.dtype}"
+            )
+        n, k = weight.shape
+        if x.shape[1] != k or not weight.is_contiguous():
+            raise ValueError(f"expected input [rows, {k}] and a contiguous weight")
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        if bias is not None:
+            bias = bias.to(torch.float32).contiguous()
+        rows = x.shape[0]
+        out = torch.empty((rows, n), dtype=torch.float32)
+        if rows:
+            self._fp32_linear(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), n,
+                              None if bias is None else bias.data_ptr(), rows, n, k)  # fmt: skip
         return out
 
     def _attention_inputs_fit(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:

@@ -100,6 +100,8 @@ PLAIN_SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     # the same arguments, for the non-AMX layout (csrc/bf16_linear.cpp); and which variant it has
     "bf16_linear": (None, [_P, _I, _P, _P, _I, _P, _P, _I, _I, _I, _I]),
     "bf16_linear_isa": (ctypes.c_int, []),
+    # x, x_stride, weight [n, k] as torch holds it, out, out_stride, bias, m, n, k (csrc/fp32_linear.cpp)
+    "fp32_linear": (None, [_P, _I, _P, _P, _I, _P, _I, _I, _I]),
     # q, q_stride, k, v, kv_stride, slots, out, out_token, lse, n, heads, kv_heads, dim, length, scale,
     # causal_offset
     "amx_prefix_attention_bf16": (

@@ -19,7 +19,30 @@ from torch import nn
 from radixserve.distributed.parallel import SINGLE, ParallelContext, all_reduce, gather_last_dim
 
 if TYPE_CHECKING:
+    from radixserve.kernels.cpu_ops import CpuKernels
     from radixserve.layers.packed_weights import PackedWeight, WeightPacking
+
+# fp32 on a CPU with the native kernels: up to this many rows (a decode step's) run on
+# csrc/fp32_linear.cpp, which streams the weights faster than F.linear; more rows on F.linear,
+# whose blocked GEMM reuses each weight across rows.
+FP32_NATIVE_MAX_ROWS = 16
+
+
+def fp32_matmul(
+    kernels: CpuKernels | None, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    if kernels is not None and x.dim() == 2 and x.shape[0] <= FP32_NATIVE_MAX_ROWS:
+        return kernels.fp32_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def use_native_fp32_linears(model: nn.Module, kernels: CpuKernels) -> int:
+    """Routes the model's fp32 linears and LM head through fp32_matmul; returns how many. Chosen
+    once, where the model is loaded."""
+    layers = [m for m in model.modules() if isinstance(m, (ParallelLinear, ParallelLMHead))]
+    for layer in layers:
+        layer.fp32_kernels = kernels
+    return len(layers)
 
 
 class ShardingError(ValueError):
@@ -89,6 +112,8 @@ class ParallelLinear(nn.Module):
     weight: nn.Parameter
     bias: nn.Parameter | None
     packed: PackedWeight | None = None
+    # Set by use_native_fp32_linears for an fp32 model on a CPU.
+    fp32_kernels: CpuKernels | None = None
 
     def pack_for_cpu(self, packing: WeightPacking) -> None:
         self.packed = packing.pack(self.weight.data)
@@ -107,7 +132,7 @@ class ParallelLinear(nn.Module):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed is not None:
             return self.packed.matmul(x, bias)
-        return F.linear(x, self.weight, bias)
+        return fp32_matmul(self.fp32_kernels, x, self.weight, bias)
 
 
 class ColumnParallelLinear(ParallelLinear):
@@ -214,6 +239,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Output projection sharing the vocab split of the embedding (and its weight when tied)."""
 
     packed: PackedWeight | None = None
+    fp32_kernels: CpuKernels | None = None
 
     def pack_for_cpu(self, packing: WeightPacking) -> None:
         # A separate packed copy: with tied embeddings the plain weight still serves the lookups.
@@ -223,6 +249,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.packed = None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        out = self.packed.matmul(hidden) if self.packed is not None else F.linear(hidden, self.weight)
+        if self.packed is not None:
+            out = self.packed.matmul(hidden)
+        else:
+            out = fp32_matmul(self.fp32_kernels, hidden, self.weight)
         # Every rank gets the whole vocabulary's logits, so every rank takes the same decisions.
         return gather_last_dim(out, self.vocab_size, self.ctx)

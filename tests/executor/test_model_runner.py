@@ -45,6 +45,7 @@ def test_auto_takes_the_native_backend_where_the_kernels_load(
     assert described["attention_backend"] == "cpu_native"
     assert "native paged decode kernel" in described["decode_path"]
     assert described["cpu_kernels_isa"] in ("amx", "avx512_bf16", "avx512", "avx2", "x86-64")
+    assert described["linear_kernel"] == "native_fp32 (up to 16 rows), F.linear"  # fp32 on the kernels
     assert runner.stats()["kernel_fallbacks"] == {}  # nothing has run yet
 
 

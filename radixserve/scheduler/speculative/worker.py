@@ -29,6 +29,7 @@ offers.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -78,7 +79,7 @@ def agree_alone(values: list[int]) -> list[int]:
     return values
 
 
-class Speculator:
+class Speculator(ABC):
     """What the scheduler calls: plan before a decode step; verify, commit and record after a
     verify step's forward; written, observe, observe_forward, reset and idle along the way."""
 
@@ -97,9 +98,10 @@ class Speculator:
         self.cost = StepCost()
         self.agree = agree
 
+    @abstractmethod
     def plan(self, reqs: list[Req], kv: KVContext) -> VerifyPlan | None:
-        """The verify step for the running requests, or None for a plain decode step."""
-        raise NotImplementedError
+        """The verify step for the running requests, or None for a plain decode step: each
+        algorithm drafts its own way."""
 
     def observe_forward(self, tokens: int, seconds: float, plain: bool) -> None:
         """A decode (plain) or verify step of `tokens` tokens took `seconds`."""
@@ -108,21 +110,27 @@ class Speculator:
 
     def written(self, forward: ForwardBatch) -> None:
         """The target model writes K/V at forward.out_cache_loc (any forward but a verify step's)."""
+        return None  # a hook: nothing to do unless the algorithm keeps state for it
 
     def observe(self, req: Req) -> None:
         """The request's tokens so far (at each step's plan, and when it finishes)."""
+        return None  # a hook: nothing to do unless the algorithm keeps state for it
 
     def reset(self) -> None:
         """/flush_cache: whatever the speculator keeps of past text goes."""
+        return None  # a hook: nothing to do unless the algorithm keeps state for it
 
     def idle(self) -> None:
         """Nothing runs now."""
+        return None  # a hook: nothing to do unless the algorithm keeps state for it
 
     def release_memory(self, tags: set[str]) -> None:
         """/release_memory_occupation: the target's memory of these tags is released."""
+        return None  # a hook: nothing to do unless the algorithm keeps state for it
 
     def resume_memory(self, tags: set[str]) -> None:
         """/resume_memory_occupation: and back."""
+        return None  # a hook: nothing to do unless the algorithm keeps state for it
 
     # ------------------------------------------------------------------ after the forward
 

@@ -48,7 +48,12 @@ constexpr int64_t kPairElements = 32;    // one input pair of a block: 16 column
 constexpr int64_t kChunkBytes = 256 << 10;  // weights of the blocks sharing each row tile (in L2)
 constexpr int64_t kPrefetchBytes = 1024;  // how far ahead of the loads each block's stream is fetched
 constexpr int64_t kParallelWork = 1 << 18;  // m * n * k below which one thread does it all
-constexpr int kMaxRows = 4;             // rows of a register tile
+// Rows of a register tile: as many sums as the registers hold beside the weights in use.
+#if RADIXSERVE_LINEAR_ISA >= 2
+constexpr int kMaxRows = 4;
+#else
+constexpr int kMaxRows = 6;
+#endif
 
 // 16 fp32 lanes: one zmm, or two ymm.
 #if RADIXSERVE_LINEAR_ISA >= 2
@@ -158,9 +163,105 @@ void tile(const Call &c, int64_t row, int64_t block, bool prefetch) {
     }
 }
 
+#if RADIXSERVE_LINEAR_ISA == 1
+// The AVX2 register tile of 3 to 6 rows by one block, in assembly. Why: it needs all 16 ymm registers
+// (12 sums of 6 rows x 16 columns, two weight vectors, one broadcast input, the mask), and the
+// compiler, given the same loop in intrinsics, hoists the input broadcasts and spills sums to the
+// stack on every pair; that capped the C tile at about a third of the FMA peak. Each pair: the
+// odd weights of the line (the mask keeps each lane's high half), every row's odd FMA; then the even
+// weights (shifted up), every row's even FMA. So each sum takes its two adds per pair in the order
+// above, and the bits equal the C tile's and the AVX-512F build's.
+// Registers: ymm0-5 the sums of columns 0-7 of rows 0-5, ymm6-11 of columns 8-15, ymm12-13 the
+// weights, ymm14 the broadcast input, ymm15 the mask.
+#define RADIXSERVE_ROW(addr, lo, hi)        \
+    "vbroadcastss " addr ", %%ymm14\n\t"    \
+    "vfmadd231ps %%ymm12, %%ymm14, " lo "\n\t" \
+    "vfmadd231ps %%ymm13, %%ymm14, " hi "\n\t"
+#define RADIXSERVE_ROWS3(off)                                                       \
+    RADIXSERVE_ROW(off "(%[x0])", "%%ymm0", "%%ymm6")                               \
+    RADIXSERVE_ROW(off "(%[x0],%[s],1)", "%%ymm1", "%%ymm7")                        \
+    RADIXSERVE_ROW(off "(%[x0],%[s],2)", "%%ymm2", "%%ymm8")
+#define RADIXSERVE_ROWS4(off) RADIXSERVE_ROWS3(off) RADIXSERVE_ROW(off "(%[x3])", "%%ymm3", "%%ymm9")
+#define RADIXSERVE_ROWS5(off) \
+    RADIXSERVE_ROWS4(off) RADIXSERVE_ROW(off "(%[x3],%[s],1)", "%%ymm4", "%%ymm10")
+#define RADIXSERVE_ROWS6(off) \
+    RADIXSERVE_ROWS5(off) RADIXSERVE_ROW(off "(%[x3],%[s],2)", "%%ymm5", "%%ymm11")
+#define RADIXSERVE_TILE(ROWS)                                                                  \
+    asm volatile(                                                                              \
+        "vxorps %%ymm0, %%ymm0, %%ymm0\n\t"                                                    \
+        "vmovaps %%ymm0, %%ymm1\n\t" "vmovaps %%ymm0, %%ymm2\n\t" "vmovaps %%ymm0, %%ymm3\n\t" \
+        "vmovaps %%ymm0, %%ymm4\n\t" "vmovaps %%ymm0, %%ymm5\n\t" "vmovaps %%ymm0, %%ymm6\n\t" \
+        "vmovaps %%ymm0, %%ymm7\n\t" "vmovaps %%ymm0, %%ymm8\n\t" "vmovaps %%ymm0, %%ymm9\n\t" \
+        "vmovaps %%ymm0, %%ymm10\n\t" "vmovaps %%ymm0, %%ymm11\n\t"                            \
+        "vpcmpeqd %%ymm15, %%ymm15, %%ymm15\n\t"                                               \
+        "vpslld $16, %%ymm15, %%ymm15\n\t"                                                     \
+        "1:\n\t"                                                                               \
+        "prefetcht0 (%[pf])\n\t"                                                               \
+        "vpand (%[w]), %%ymm15, %%ymm12\n\t"                                                   \
+        "vpand 32(%[w]), %%ymm15, %%ymm13\n\t" ROWS("4")                                       \
+        "vmovdqu (%[w]), %%ymm12\n\t"                                                          \
+        "vpslld $16, %%ymm12, %%ymm12\n\t"                                                     \
+        "vmovdqu 32(%[w]), %%ymm13\n\t"                                                        \
+        "vpslld $16, %%ymm13, %%ymm13\n\t" ROWS("0")                                           \
+        "add $64, %[w]\n\t"                                                                    \
+        "add %[pf_step], %[pf]\n\t"                                                            \
+        "add $8, %[x0]\n\t"                                                                    \
+        "add $8, %[x3]\n\t"                                                                    \
+        "dec %[n]\n\t"                                                                         \
+        "jnz 1b\n\t"                                                                           \
+        "vmovups %%ymm0, (%[out])\n\t" "vmovups %%ymm6, 32(%[out])\n\t"                        \
+        "vmovups %%ymm1, 64(%[out])\n\t" "vmovups %%ymm7, 96(%[out])\n\t"                      \
+        "vmovups %%ymm2, 128(%[out])\n\t" "vmovups %%ymm8, 160(%[out])\n\t"                    \
+        "vmovups %%ymm3, 192(%[out])\n\t" "vmovups %%ymm9, 224(%[out])\n\t"                    \
+        "vmovups %%ymm4, 256(%[out])\n\t" "vmovups %%ymm10, 288(%[out])\n\t"                   \
+        "vmovups %%ymm5, 320(%[out])\n\t" "vmovups %%ymm11, 352(%[out])\n\t"                   \
+        : [w] "+r"(w), [pf] "+r"(pf), [x0] "+r"(x0), [x3] "+r"(x3), [n] "+r"(pairs)            \
+        : [s] "r"(s), [pf_step] "r"(pf_step), [out] "r"(sums)                                  \
+        : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9",       \
+          "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "cc", "memory")
+
+template <int R>
+void tile_asm(const Call &c, int64_t row, int64_t block, bool prefetch) {
+    static_assert(R >= 3 && R <= 6, "the assembly tile has 3 to 6 rows");
+    int64_t pairs = c.k / 2;
+    const uint16_t *w = c.packed + block * pairs * kPairElements;
+    // Without prefetching (row tiles after the first read the chunk from L2) the prefetch address
+    // stays on the first line, which costs nothing.
+    const char *pf = reinterpret_cast<const char *>(w) + (prefetch ? kPrefetchBytes : 0);
+    const int64_t pf_step = prefetch ? kPairElements * 2 : 0;
+    const float *x0 = c.xf + row * c.k, *x3 = x0 + 3 * c.k;
+    const int64_t s = c.k * 4;  // bytes between rows
+    float sums[6][16];          // row r's 16 sums
+    if (pairs <= 0) return;     // k is at least 2 (a multiple of 2, never 0 for a linear)
+    if constexpr (R == 3) RADIXSERVE_TILE(RADIXSERVE_ROWS3);
+    if constexpr (R == 4) RADIXSERVE_TILE(RADIXSERVE_ROWS4);
+    if constexpr (R == 5) RADIXSERVE_TILE(RADIXSERVE_ROWS5);
+    if constexpr (R == 6) RADIXSERVE_TILE(RADIXSERVE_ROWS6);
+    const int64_t column = block * kBlockColumns;
+    for (int r = 0; r < R; r++) {
+        v16f sum = radixserve_vec::load16(sums[r]);
+        if (c.bias) sum = sum + radixserve_vec::load16(c.bias + column);
+        if (c.residual) sum = sum + radixserve_vec::load16(c.residual + (row + r) * c.residual_stride + column);
+        radixserve_vec::store16(c.out + (row + r) * c.out_stride + column, sum);
+    }
+}
+#undef RADIXSERVE_ROW
+#undef RADIXSERVE_ROWS3
+#undef RADIXSERVE_ROWS4
+#undef RADIXSERVE_ROWS5
+#undef RADIXSERVE_ROWS6
+#undef RADIXSERVE_TILE
+#endif
+
 // Rows [row, row + R) over blocks [first, last): whole tiles, then single blocks.
 template <int R>
 void row_tile(const Call &c, int64_t row, int64_t first, int64_t last, bool prefetch) {
+#if RADIXSERVE_LINEAR_ISA == 1
+    if constexpr (R >= 3) {
+        for (int64_t block = first; block < last; block++) tile_asm<R>(c, row, block, prefetch);
+        return;
+    }
+#endif
     constexpr int B = tile_blocks<R>();
     int64_t block = first;
     for (; block + B <= last; block += B) tile<R, B>(c, row, block, prefetch);
@@ -190,13 +291,23 @@ void linear(const Call &c) {
         const int64_t most = std::max<int64_t>(1, kChunkBytes / block_bytes);
         for (int64_t chunk = begin; chunk < end; chunk += most) {
             const int64_t chunk_end = std::min(end, chunk + most);
-            for (int64_t row = 0; row < c.m; row += kMaxRows) {
-                const bool prefetch = row == 0;
-                switch (std::min<int64_t>(kMaxRows, c.m - row)) {
+            // Rows split evenly into the fewest tiles of at most kMaxRows (8 rows: 4 + 4, not 6 + 2,
+            // whose 2-row tile has too few sums to keep the FMAs busy).
+            const int64_t tiles = (c.m + kMaxRows - 1) / kMaxRows;
+            for (int64_t t = 0; t < tiles; t++) {
+                const int64_t row = t * c.m / tiles, rows = (t + 1) * c.m / tiles - row;
+                const bool prefetch = t == 0;
+                switch (rows) {
                     case 1: row_tile<1>(c, row, chunk, chunk_end, prefetch); break;
                     case 2: row_tile<2>(c, row, chunk, chunk_end, prefetch); break;
                     case 3: row_tile<3>(c, row, chunk, chunk_end, prefetch); break;
+#if RADIXSERVE_LINEAR_ISA >= 2
                     default: row_tile<4>(c, row, chunk, chunk_end, prefetch); break;
+#else
+                    case 4: row_tile<4>(c, row, chunk, chunk_end, prefetch); break;
+                    case 5: row_tile<5>(c, row, chunk, chunk_end, prefetch); break;
+                    default: row_tile<6>(c, row, chunk, chunk_end, prefetch); break;
+#endif
                 }
             }
         }

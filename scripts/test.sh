@@ -9,7 +9,7 @@ bash scripts/setup.sh
 .venv/bin/mypy
 .venv/bin/lint-imports
 # --durations: the slowest tests in every log, for keeping the run inside CI's 30 minutes.
-.venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 "$@"
+.venv/bin/python -m pytest -q -p no:cacheprovider --durations=60 "$@"
 # Without arguments, the native kernels are then tested as other CPUs run them: built for each
 # narrower ISA this CPU can execute (RADIXSERVE_CPU_ISA, radixserve/kernels/native.py), the kernel
 # tests and the bf16 accuracy test run again (about 2-3 minutes on 2 cores, builds included).

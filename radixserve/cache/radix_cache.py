@@ -18,6 +18,8 @@ from typing import Protocol
 
 import torch
 
+from radixserve.cache.block_hash import page_hashes
+from radixserve.cache.kv_events import KVEventRecorder
 from radixserve.cache.pools import KVSlotAllocator, ReqToTokenPool
 from radixserve.cache.tiers import CacheTier, DeviceOnlyTier
 
@@ -41,6 +43,8 @@ class TreeNode:
     parent: TreeNode | None = None
     key: list[int] = field(default_factory=list)
     value: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    # One hash per page of key (cache/block_hash.py), kept only while KV events are recorded.
+    hashes: list[int] = field(default_factory=list)
     # Number of locks held on this node or any descendant (locks are taken on a path to the root).
     lock_ref: int = 0
     # Logical clock, not wall time, so eviction order is deterministic.
@@ -173,13 +177,18 @@ class RadixCache(PrefixCache):
         allocator: KVSlotAllocator,
         page_size: int = 1,
         tier: CacheTier | None = None,
+        events: KVEventRecorder | None = None,
     ) -> None:
         super().__init__(req_to_token_pool, allocator, page_size)
         # The level below the device pool (cache/tiers.py): told of every eviction and lookup.
         self.tier = tier or DeviceOnlyTier()
+        # KV cache events (cache/kv_events.py): every page stored and removed, named by its hash.
+        self.events = events
         self.reset()
 
     def reset(self) -> None:
+        if self.events is not None:
+            self.events.cleared()
         self.root = TreeNode(value=self._empty())
         # The root is never evicted or counted; a permanent lock makes that explicit.
         self.root.lock_ref = 1
@@ -222,9 +231,11 @@ class RadixCache(PrefixCache):
             value=child.value[:at],
             lock_ref=child.lock_ref,
             last_access_time=child.last_access_time,
+            hashes=child.hashes[: at // self.page_size],
         )
         child.key = child.key[at:]
         child.value = child.value[at:]
+        child.hashes = child.hashes[at // self.page_size :]
         child.parent = mid
         mid.children[self._child_key(child.key, 0)] = child
         parent.children[first] = mid
@@ -280,6 +291,10 @@ class RadixCache(PrefixCache):
                 # Clone: callers pass views of a req_to_token row, which is reused after the request ends.
                 leaf = TreeNode(parent=node, key=keys[pos:], value=value[pos:].clone(), last_access_time=now)
                 node.children[ck] = leaf
+                if self.events is not None:
+                    parent_hash = node.hashes[-1] if node.hashes else None
+                    leaf.hashes = page_hashes(parent_hash, leaf.key, self.page_size)
+                    self.events.stored(leaf.hashes, parent_hash, leaf.key)
                 self._evictable += len(leaf.key)
                 return pos, leaf
             child.last_access_time = now
@@ -336,6 +351,8 @@ class RadixCache(PrefixCache):
             parent = node.parent
             assert parent is not None
             self.tier.on_evict(self._path_key(node), node.value)
+            if self.events is not None:
+                self.events.removed(node.hashes)
             to_free.append(node.value)
             del parent.children[self._child_key(node.key, 0)]
             node.parent = None

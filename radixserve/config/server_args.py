@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from radixserve.config.kv_events_args import parse_kv_events_config
 from radixserve.config.speculative_args import add_speculative_args, validate_speculative_args
 
 SchedulePolicyName = Literal["fcfs", "lpm", "dfs-weight", "lof", "random"]
@@ -74,6 +75,8 @@ class ServerArgs:
     chunked_prefill_size: int | None = 2048
     enable_mixed_chunk: bool = False
     disable_radix_cache: bool = False
+    # KV cache events over ZMQ (config/kv_events_args.py, scheduler/kv_events.py): the JSON object.
+    kv_events_config: str | None = None
     stream_interval: int = 1
     grammar_backend: str = "xgrammar"
     grammar_timeout: float = 300.0
@@ -206,6 +209,9 @@ class ServerArgs:
             )
         self._validate_parallelism()
         validate_speculative_args(self, InvalidArgumentError)
+        events = parse_kv_events_config(self.kv_events_config, InvalidArgumentError)
+        if events is not None and self.disable_radix_cache:
+            raise InvalidArgumentError("--kv-events-config needs the radix cache: drop --disable-radix-cache")
 
     def _validate_parallelism(self) -> None:
         if self.tp_size < 1:
@@ -327,6 +333,13 @@ class ServerArgs:
         sched.add_argument("--chunked-prefill-size", type=int, default=2048, help="-1 disables chunking")
         sched.add_argument("--enable-mixed-chunk", action="store_true")
         sched.add_argument("--disable-radix-cache", action="store_true")
+        sched.add_argument(
+            "--kv-events-config",
+            default=None,
+            metavar="JSON",
+            help='publish KV cache events over ZMQ, e.g. \'{"publisher": "zmq", "endpoint": '
+            '"tcp://127.0.0.1:5557", "replay_endpoint": "tcp://127.0.0.1:5558"}\' (docs/kv_events.md)',
+        )
         sched.add_argument("--stream-interval", type=int, default=1)
         sched.add_argument(
             "--grammar-backend",

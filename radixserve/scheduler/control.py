@@ -20,6 +20,7 @@ from radixserve.scheduler.internal_state import (
     get_internal_state,
     set_internal_state,
 )
+from radixserve.scheduler.kv_events import KVEventPublisher
 from radixserve.scheduler.outputs import OverlappedPublisher
 from radixserve.scheduler.profiler import ProfilerError, StepProfiler
 from radixserve.scheduler.request import Req
@@ -71,6 +72,9 @@ class ControlledScheduler(TunableScheduler, Protocol):
 
     @property
     def publisher(self) -> OverlappedPublisher | None: ...
+
+    @property
+    def kv_events(self) -> KVEventPublisher | None: ...
 
     @property
     def profiler(self) -> StepProfiler: ...
@@ -176,6 +180,10 @@ def get_stats(scheduler: ControlledScheduler, args: dict[str, Any]) -> Reply:
             "spec_draft_tokens": s.stats.spec_draft_tokens,
             "spec_accepted_tokens": s.stats.spec_accepted_tokens,
             "num_grammar_queue_reqs": len(s.grammar_queue.pending),
+            # --kv-events-config: where this replica publishes, and the batches sent and dropped.
+            "kv_events_endpoint": s.kv_events.endpoint if s.kv_events else None,
+            "kv_events_published": s.kv_events.published if s.kv_events else 0,
+            "kv_events_dropped": s.kv_events.dropped if s.kv_events else 0,
             "memory_released": sorted(s.executor.released),
             "resident_bytes": s.executor.resident_bytes(),
             # SGLang's load: KV tokens in use plus the tokens the waiting requests still need.

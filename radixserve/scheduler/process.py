@@ -35,7 +35,7 @@ logger = logging.getLogger("radixserve.scheduler")
 
 
 def build_scheduler(
-    args: ServerArgs, tokenizer: Any = None, parallel: ParallelContext | None = None
+    args: ServerArgs, tokenizer: Any = None, parallel: ParallelContext | None = None, dp_rank: int = 0
 ) -> Scheduler:
     """A scheduler over a real model: the composition root, where ServerArgs becomes the model
     runner's RunnerConfig. (Tests drive Scheduler with a fake executor instead.)"""
@@ -49,7 +49,7 @@ def build_scheduler(
     draft = None
     if args.speculative_algorithm == "STANDALONE":
         draft = build_draft_runner(args, runner, parallel)
-    return Scheduler(args, runner, tokenizer=tokenizer, parallel=parallel, draft=draft)
+    return Scheduler(args, runner, tokenizer=tokenizer, parallel=parallel, draft=draft, dp_rank=dp_rank)
 
 
 def build_draft_runner(args: ServerArgs, target: ModelRunner, parallel: ParallelContext) -> ModelRunner:
@@ -135,7 +135,7 @@ def run_scheduler_process(server_args: dict[str, Any], child: ChildArgs) -> None
             tp_rank, args.tp_size, child.ns.dist_init_addr or "", pick_device(args.device)
         )
         tokenizer = AutoTokenizer.from_pretrained(child.tokenizer_dir, local_files_only=True)
-        scheduler = build_scheduler(args, tokenizer=tokenizer, parallel=parallel)
+        scheduler = build_scheduler(args, tokenizer=tokenizer, parallel=parallel, dp_rank=dp_rank)
         # Ready only when every rank has its weights: the first broadcast would wait for them anyway.
         barrier(parallel)
         if inbox is not None:

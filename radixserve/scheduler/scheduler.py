@@ -19,6 +19,7 @@ import torch
 
 from radixserve.cache.pools import KVSlotAllocator, ReqToTokenPool
 from radixserve.cache.radix_cache import ChunkCache, PrefixCache, RadixCache
+from radixserve.config.kv_events_args import parse_kv_events_config
 from radixserve.config.server_args import ServerArgs
 from radixserve.distributed.parallel import SINGLE, ParallelContext
 from radixserve.executor.base import Executor
@@ -40,6 +41,7 @@ from radixserve.scheduler.control import handle_control
 from radixserve.scheduler.decode import DecodeManager
 from radixserve.scheduler.grammar import InvalidGrammarError, grammar_key
 from radixserve.scheduler.grammar_queue import GrammarQueue
+from radixserve.scheduler.kv_events import KVEventPublisher
 from radixserve.scheduler.logit_processors import ProcessorRegistry
 from radixserve.scheduler.logprobs import record_input_logprobs
 from radixserve.scheduler.next_tokens import pick_next_tokens, record_prompt_hidden_states
@@ -69,10 +71,12 @@ class Scheduler:
         tokenizer: Any = None,
         parallel: ParallelContext = SINGLE,
         draft: Executor | None = None,
+        dp_rank: int = 0,
     ):
         """executor runs the model (executor/base.py); scheduler/process.py builds one for a real
         model (build_scheduler), tests a fake one. draft: the draft model of
-        --speculative-algorithm STANDALONE, its KV pool as large as the executor's."""
+        --speculative-algorithm STANDALONE, its KV pool as large as the executor's. dp_rank: this
+        replica's place among --dp-size (its KV events' endpoint)."""
         # Only stop strings need text here; without a tokenizer one is loaded when first needed.
         self._tokenizer = tokenizer
         self.executor = executor
@@ -92,10 +96,21 @@ class Scheduler:
         # One spare request slot: a request being prefilled in chunks is not counted as running.
         self.req_to_token_pool = ReqToTokenPool(max_running + 1, self.context_len + args.page_size, device)
         self.allocator = KVSlotAllocator(self.max_total_tokens, args.page_size, device)
+        events = parse_kv_events_config(args.kv_events_config, ValueError)
+        self.kv_events = (
+            KVEventPublisher(events, args.page_size, "GPU" if device.type == "cuda" else "CPU", dp_rank)
+            if events is not None and parallel.is_leader and not args.disable_radix_cache
+            else None
+        )
         self.tree_cache: PrefixCache = (
             ChunkCache(self.req_to_token_pool, self.allocator, args.page_size)
             if args.disable_radix_cache
-            else RadixCache(self.req_to_token_pool, self.allocator, args.page_size)
+            else RadixCache(
+                self.req_to_token_pool,
+                self.allocator,
+                args.page_size,
+                events=self.kv_events.recorder if self.kv_events else None,
+            )
         )
         self.kv = KVContext(self.req_to_token_pool, self.allocator, self.tree_cache, device)
         self.eos_token_ids = frozenset(self.config.eos_token_ids)
@@ -365,6 +380,8 @@ class Scheduler:
         if self.grammar_queue.pending:
             outputs += self._move_ready_grammar_requests()
         outputs += self._run_one_batch()
+        if self.kv_events is not None:
+            self.kv_events.flush()
         if self.stats.forward_steps > steps:
             self.stats.step_time_s += time.perf_counter() - started
         if self.idle_waiters and self.is_idle:
@@ -619,6 +636,8 @@ class Scheduler:
                     self.grammar_queue.shutdown()
                     if self.publisher is not None:
                         self.publisher.shutdown()
+                    if self.kv_events is not None:
+                        self.kv_events.shutdown()
                     self.executor.close()
                     return
                 outputs += self.handle(msg)

@@ -6,6 +6,7 @@ Every server a test starts must, at the end, be idle with its KV accounting inta
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -60,6 +61,8 @@ class LiveServer:
     log_path: Path
     tmp_dir: Path
     api_key: str | None = None
+    # The KV cache events' PUB and replay endpoints, where --kv-events-config set them.
+    kv_events: tuple[str, str] | None = None
 
     @property
     def headers(self) -> dict[str, str]:
@@ -186,8 +189,18 @@ def server(
 def session_server(
     tiny_model_dir: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LiveServer]:
-    """The tiny-llama server of the SHARED_SERVER modules, checked and stopped at the session's end."""
-    live = launch(tiny_model_dir("llama"), tmp_path_factory.mktemp("session-server"))
+    """The tiny-llama server of the SHARED_SERVER modules, checked and stopped at the session's end.
+    It publishes KV cache events (tests/server/test_kv_events_server.py), so every shared module's
+    traffic goes through the event recording too."""
+    endpoints = (f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
+    # Replay keeps every batch of the session, so a test can rebuild the cache from the first one.
+    config = json.dumps(
+        {"endpoint": endpoints[0], "replay_endpoint": endpoints[1], "buffer_steps": 1_000_000}
+    )
+    live = launch(
+        tiny_model_dir("llama"), tmp_path_factory.mktemp("session-server"), "--kv-events-config", config
+    )
+    live.kv_events = endpoints
     yield live
     finish(live)
 

@@ -105,6 +105,22 @@ class KVCachePool:
             for buffer in buffers:
                 buffer.index_copy_(0, dst, buffer.index_select(0, src))
 
+    def read_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """Every layer's K and V at slots, as one tensor [num_layers, 2, len(slots), heads, head_dim]
+        (what a lower cache tier keeps of them)."""
+        return torch.stack(
+            [
+                torch.stack((k.index_select(0, slots), v.index_select(0, slots)))
+                for k, v in zip(self.k_buffers, self.v_buffers, strict=True)
+            ]
+        )
+
+    def write_slots(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        """The inverse of read_slots: kv [num_layers, 2, len(slots), heads, head_dim] into slots."""
+        for layer, (k, v) in enumerate(zip(self.k_buffers, self.v_buffers, strict=True)):
+            k.index_copy_(0, slots, kv[layer, 0].to(self.dtype))
+            v.index_copy_(0, slots, kv[layer, 1].to(self.dtype))
+
     @staticmethod
     def bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.config.log import configure_logging
+from radixserve.models.text_decoder import load_decoder
 from radixserve.protocol.ipc import ChildArgs, child_channels, parse_child_args
 from radixserve.protocol.messages import (
     ControlResult,
@@ -38,6 +40,8 @@ logger = logging.getLogger("radixserve.detokenizer")
 
 
 REPLACEMENT_CHAR = "\ufffd"
+# How often the detokenizer looks for the tokenizer the engine is writing at startup.
+TOKENIZER_POLL_S = 0.02
 
 
 @dataclass
@@ -165,11 +169,14 @@ def run_detokenizer_process(child: ChildArgs) -> None:
     # The scheduler connects to our inbox; the engine bound the socket we send to.
     with child_channels("detokenizer", child.inbox, child.outbox, bind_inbox=True) as (inbox, outbox):
         assert inbox is not None
-        from transformers import AutoTokenizer
-
-        manager = DetokenizerManager(
-            AutoTokenizer.from_pretrained(child.tokenizer_dir, local_files_only=True)
-        )
+        # The engine writes the tokenizer while the children start (runtime/launch.py); the inbox is
+        # bound meanwhile, so what a scheduler sends waits here.
+        while not os.path.isdir(child.tokenizer_dir):
+            if os.getppid() != child.parent_pid:
+                logger.warning("parent process is gone; detokenizer exiting")
+                return
+            time.sleep(TOKENIZER_POLL_S)
+        manager = DetokenizerManager(load_decoder(child.tokenizer_dir))
         stopped = 0
         while True:
             msg = inbox.recv(child.idle_wait_ms)

@@ -79,7 +79,14 @@ class Engine(EngineControl):
         tokenizer_source = (
             resolve_model_source(self.args.tokenizer_path) if self.args.tokenizer_path else self.source
         )
-        self.tokenizer = load_tokenizer(tokenizer_source)
+        # The schedulers start first: they load the model while this process loads the tokenizer.
+        self.runtime = Runtime(self.args)
+        try:
+            self.tokenizer = load_tokenizer(tokenizer_source)
+            self.runtime.provide_tokenizer(self.tokenizer)
+        except BaseException:
+            self.runtime.kill()
+            raise
         self.served_model_name = self.args.served_model_name or self.args.model_path
         self._on_fatal = on_fatal
         self._pending: dict[str, Deliver] = {}
@@ -98,7 +105,6 @@ class Engine(EngineControl):
         self.deadlines = RequestDeadlines(self.args.request_timeout)
 
         self.router = Router(self.args.dp_size, self.args.load_balance_method)
-        self.runtime = Runtime(self.args, self.tokenizer)
         try:
             ready = self.runtime.wait_ready()
         except BaseException:

@@ -116,11 +116,15 @@ class Child:
 class Runtime:
     """Owns the IPC directory, the sockets on the engine's side, and the child processes."""
 
-    def __init__(self, args: ServerArgs, tokenizer: Any):
+    def __init__(self, args: ServerArgs):
+        """Starts the children at once, before the tokenizer is written (provide_tokenizer): the
+        schedulers load the model while this process loads the tokenizer (seconds each). The
+        detokenizer waits for the tokenizer's directory; the schedulers read it only when a
+        request first needs it, after the engine is ready."""
         self.ipc = IpcDir()
         self.zmq: zmq.Context[Any] = zmq.Context()
-        tokenizer_dir = os.path.join(self.ipc.path, "tokenizer")
-        tokenizer.save_pretrained(tokenizer_dir)
+        self.args = args
+        self.tokenizer_dir = tokenizer_dir = os.path.join(self.ipc.path, "tokenizer")
         replicas = range(args.dp_size)
         to_schedulers = [self.ipc.address(f"scheduler-in-{i}") for i in replicas]
         init_addrs = [dist_init_addr(args, replica) for replica in replicas]
@@ -149,6 +153,13 @@ class Runtime:
                     command += ["--inbox", inbox]
                 self.children.append(Child(rank_name(args, replica, tp_rank), subprocess.Popen(command)))
         self.closed = False
+
+    def provide_tokenizer(self, tokenizer: Any) -> None:
+        """Writes the tokenizer where the children read it: whole or not at all (a scratch
+        directory renamed into place), since the detokenizer is waiting for it to appear."""
+        scratch = f"{self.tokenizer_dir}.partial"
+        tokenizer.save_pretrained(scratch)
+        os.replace(scratch, self.tokenizer_dir)
 
     @property
     def num_replicas(self) -> int:

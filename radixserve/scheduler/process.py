@@ -126,16 +126,14 @@ def run_scheduler_process(server_args: dict[str, Any], child: ChildArgs) -> None
     configure_logging(args.log_level, prefix=f" {name}")
     with child_channels(name, child.inbox, child.outbox, bind_inbox=False) as (inbox, outbox):
         place_rank(args, dp_rank, tp_rank)
-        from transformers import AutoTokenizer
-
         from radixserve.distributed.parallel import barrier, destroy, init_tensor_parallel
         from radixserve.executor.model_runner import pick_device
 
         parallel = init_tensor_parallel(
             tp_rank, args.tp_size, child.ns.dist_init_addr or "", pick_device(args.device)
         )
-        tokenizer = AutoTokenizer.from_pretrained(child.tokenizer_dir, local_files_only=True)
-        scheduler = build_scheduler(args, tokenizer=tokenizer, parallel=parallel, dp_rank=dp_rank)
+        # The tokenizer's directory: the scheduler loads it only if a stop string or grammar needs it.
+        scheduler = build_scheduler(args, tokenizer=child.tokenizer_dir, parallel=parallel, dp_rank=dp_rank)
         # Ready only when every rank has its weights: the first broadcast would wait for them anyway.
         barrier(parallel)
         if inbox is not None:

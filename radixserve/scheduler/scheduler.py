@@ -77,7 +77,9 @@ class Scheduler:
         model (build_scheduler), tests a fake one. draft: the draft model of
         --speculative-algorithm STANDALONE, its KV pool as large as the executor's. dp_rank: this
         replica's place among --dp-size (its KV events' endpoint)."""
-        # Only stop strings need text here; without a tokenizer one is loaded when first needed.
+        # Only stop strings and grammars need the tokenizer here, so it is loaded when first needed
+        # (importing transformers and loading one takes seconds of a server's start): tokenizer
+        # is one, or the directory to load it from, or None (then from the model's source).
         self._tokenizer = tokenizer
         self.executor = executor
         info = executor.info
@@ -569,7 +571,11 @@ class Scheduler:
         return [] if unpublished is None else self._publish(unpublished)
 
     def _get_tokenizer(self) -> Any:
-        if self._tokenizer is None:
+        if isinstance(self._tokenizer, str):
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self._tokenizer, local_files_only=True)
+        elif self._tokenizer is None:
             from radixserve.models.loader import resolve_model_source
             from radixserve.models.tokenizer import load_tokenizer
 

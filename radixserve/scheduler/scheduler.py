@@ -55,6 +55,7 @@ from radixserve.scheduler.speculative.draft_model import DraftModelSpeculator
 from radixserve.scheduler.speculative.worker import NgramSpeculator, Speculator
 from radixserve.scheduler.state import RequestQueues, ScheduledBatch, release_kv, token_usage
 from radixserve.scheduler.stats import SchedulerStats
+from radixserve.scheduler.tokenizer_access import SchedulerTokenizer
 
 logger = logging.getLogger("radixserve.scheduler")
 
@@ -77,10 +78,8 @@ class Scheduler:
         model (build_scheduler), tests a fake one. draft: the draft model of
         --speculative-algorithm STANDALONE, its KV pool as large as the executor's. dp_rank: this
         replica's place among --dp-size (its KV events' endpoint)."""
-        # Only stop strings and grammars need the tokenizer here, so it is loaded when first needed
-        # (importing transformers and loading one takes seconds of a server's start): tokenizer
-        # is one, or the directory to load it from, or None (then from the model's source).
-        self._tokenizer = tokenizer
+        # Loaded only when a stop string or grammar first needs it (scheduler/tokenizer_access.py).
+        self.tokenizer = SchedulerTokenizer(tokenizer, args)
         self.executor = executor
         info = executor.info
         self.is_embedding = info.is_embedding
@@ -132,7 +131,7 @@ class Scheduler:
         self.grammar_queue = GrammarQueue(
             args.grammar_backend,
             args.grammar_timeout,
-            self._get_tokenizer,
+            self.tokenizer.full,
             self.config.vocab_size,
             agree=self.rank_sync.agree,
         )
@@ -553,7 +552,7 @@ class Scheduler:
             req.grammar.accept(token)
             if req.grammar.terminated:
                 req.finished_reason = FinishReason("stop", matched=token)
-        req.check_finished(self.context_len, self._detokenize if req.sampling_params.stop else None)
+        req.check_finished(self.context_len, self.tokenizer.decode if req.sampling_params.stop else None)
 
     def _publish(self, decided: Decided) -> list[ReqOutput]:
         """Releases finished requests' KV into the cache and builds the outputs (outputs.py)."""
@@ -569,24 +568,6 @@ class Scheduler:
     def _publish_unpublished(self) -> list[ReqOutput]:
         unpublished, self._unpublished = self._unpublished, None
         return [] if unpublished is None else self._publish(unpublished)
-
-    def _get_tokenizer(self) -> Any:
-        if isinstance(self._tokenizer, str):
-            from transformers import AutoTokenizer
-
-            self._tokenizer = AutoTokenizer.from_pretrained(self._tokenizer, local_files_only=True)
-        elif self._tokenizer is None:
-            from radixserve.models.loader import resolve_model_source
-            from radixserve.models.tokenizer import load_tokenizer
-
-            self._tokenizer = load_tokenizer(
-                resolve_model_source(self.args.tokenizer_path or self.args.model_path)
-            )
-        return self._tokenizer
-
-    def _detokenize(self, ids: list[int]) -> str:
-        text: str = self._get_tokenizer().decode(ids)
-        return text
 
     def _release_kv(self, req: Req) -> None:
         release_kv(self.tree_cache, req)

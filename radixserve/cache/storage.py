@@ -185,12 +185,11 @@ class FileKVStorage:
         for path in self.directory.glob("*/*.kv"):
             try:
                 page_hash = int(path.stem, 16)
-                size = path.stat().st_size
-                mtime = path.stat().st_mtime
+                stat = path.stat()
             except (ValueError, OSError):
                 continue
-            if size == self.fingerprint.page_bytes:
-                found.append((mtime, page_hash, size))
+            if stat.st_size == self.fingerprint.page_bytes:
+                found.append((stat.st_mtime, page_hash, stat.st_size))
         for _, page_hash, size in sorted(found):
             self._pages[page_hash] = size
             self.used_bytes += size

@@ -123,7 +123,6 @@ class Runtime:
         request first needs it, after the engine is ready."""
         self.ipc = IpcDir()
         self.zmq: zmq.Context[Any] = zmq.Context()
-        self.args = args
         self.tokenizer_dir = tokenizer_dir = os.path.join(self.ipc.path, "tokenizer")
         replicas = range(args.dp_size)
         to_schedulers = [self.ipc.address(f"scheduler-in-{i}") for i in replicas]

@@ -49,8 +49,7 @@ def replica_endpoint(endpoint: str, dp_rank: int) -> str:
 def binds(endpoint: str) -> bool:
     if not endpoint.startswith("tcp://"):
         return True
-    host = urlsplit(endpoint).hostname or "*"
-    return host in _BIND_HOSTS or endpoint.startswith("tcp://*")
+    return urlsplit(endpoint).hostname in _BIND_HOSTS
 
 
 class KVEventPublisher:

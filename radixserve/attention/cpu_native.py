@@ -116,13 +116,15 @@ class CpuNativeBackend(AttentionBackend):
         return path
 
     def plan(self, batch: ForwardBatch) -> AttentionMetadata:
-        if batch.mode is ForwardMode.VERIFY and batch.verify_masks is None and self.fused_decode:
-            # Chains only: every draft token is a decode query over its request's context up to
-            # itself, so the verify step runs as a decode step of one row per token, in the fused
-            # loop like any decode step (the K/V of a layer's rows are all written before its
-            # attention reads them). No shared prefix: a request's rows share all but their ends.
+        if batch.mode is ForwardMode.VERIFY and self.fused_decode:
+            # Every draft token is a decode query over its request's context and its own ancestors
+            # (in a chain: every token before it), so the verify step runs as a decode step of one
+            # row per token, in the fused loop like any decode step (the K/V of a layer's rows are
+            # all written before its attention reads them). No shared prefix: a request's rows
+            # share all but their ends.
             assert batch.extend is not None
-            return CpuDecodeMetadata(ForwardMode.DECODE, chain_decode_layout(batch.extend), None, None)
+            layout = verify_decode_layout(batch.extend, batch.verify_masks)
+            return CpuDecodeMetadata(ForwardMode.DECODE, layout, None, None)
         return super().plan(batch)
 
     def plan_decode(self, layout: DecodeLayout) -> CpuDecodeMetadata:
@@ -209,16 +211,34 @@ class CpuNativeBackend(AttentionBackend):
         return {"decode_staging_tokens": 0, "decode_staging_appends": 0, "decode_staging_refills": 0}
 
 
-def chain_decode_layout(segments: list[ExtendSegment]) -> DecodeLayout:
-    """A verify step of chains as decode rows: row j of a segment attends to the segment's first
-    prefix_len + j + 1 context slots (a table row per segment, shared by its rows)."""
+def verify_decode_layout(
+    segments: list[ExtendSegment], masks: list[torch.Tensor | None] | None
+) -> DecodeLayout:
+    """A verify step as decode rows. For a chain (mask None), row j of a segment attends to its
+    first prefix_len + j + 1 context slots: one table row per segment, shared by its rows. For a
+    tree, each node gets a table row of its own: the context, then the slots of its ancestors and
+    itself in tree order (the keys the tree mask lets it see, in position order)."""
     width = max(seg.prefix_len + seg.q_len for seg in segments)
-    table = torch.zeros(len(segments), width, dtype=torch.int64)
+    tables: list[torch.Tensor] = []
     rows: list[int] = []
     lens: list[int] = []
     for index, seg in enumerate(segments):
-        assert seg.context_slots is not None
-        table[index, : seg.prefix_len + seg.q_len] = seg.context_slots
-        rows += [index] * seg.q_len
-        lens += range(seg.prefix_len + 1, seg.prefix_len + seg.q_len + 1)
-    return DecodeLayout(table, torch.tensor(rows), torch.tensor(lens), request_ids=rows)
+        slots = seg.context_slots
+        assert slots is not None
+        mask = None if masks is None else masks[index]
+        if mask is None:
+            rows += [len(tables)] * seg.q_len
+            lens += range(seg.prefix_len + 1, seg.prefix_len + seg.q_len + 1)
+            tables.append(torch.zeros(width, dtype=torch.int64))
+            tables[-1][: seg.prefix_len + seg.q_len] = slots
+            continue
+        new_slots = slots[seg.prefix_len :]
+        for node in range(seg.q_len):
+            seen = new_slots[mask[node]]
+            row = torch.zeros(width, dtype=torch.int64)
+            row[: seg.prefix_len] = slots[: seg.prefix_len]
+            row[seg.prefix_len : seg.prefix_len + seen.shape[0]] = seen
+            rows.append(len(tables))
+            lens.append(seg.prefix_len + int(seen.shape[0]))
+            tables.append(row)
+    return DecodeLayout(torch.stack(tables), torch.tensor(rows), torch.tensor(lens), request_ids=rows)

@@ -41,6 +41,12 @@ class SpeculationState:
     # at the admission numbered draft_admission (speculative/draft_model.py).
     draft_len: int = 0
     draft_admission: int = -1
+    # NGRAM: the first tokens of drafts offered for a step that then ran without a verify (the
+    # cost gate declined it), and the output length then. The token that step emitted shows whether
+    # they would have been accepted, for free; without this a request whose odds once fell would
+    # stay judged by old failures while its text turned copyable.
+    shadow: frozenset[int] = frozenset()
+    shadow_at: int = -1
 
     @property
     def accept_odds(self) -> float:
@@ -55,6 +61,17 @@ class SpeculationState:
     def sit_out(self) -> None:
         self.accepted *= IDLE_DECAY
         self.rejected *= IDLE_DECAY
+
+    def offer_shadow(self, first_tokens: frozenset[int], output_len: int) -> None:
+        self.shadow, self.shadow_at = first_tokens, output_len
+
+    def settle_shadow(self, output_ids: list[int]) -> None:
+        """Counts the shadow drafts as one verify step would have, once the step after them has
+        emitted exactly one token (else, after a retraction or a verify step, drops them)."""
+        if self.shadow and len(output_ids) == self.shadow_at + 1:
+            hit = output_ids[self.shadow_at] in self.shadow
+            self.record(1 if hit else 0, rejected=not hit)
+        self.shadow, self.shadow_at = frozenset(), -1
 
 
 @dataclass(eq=False)

@@ -59,12 +59,23 @@ def test_a_verify_step_matches_the_greedy_continuation(
     scheduler.check_kv_invariant()
 
 
-def test_a_bf16_chain_verify_runs_in_the_fused_loop_and_agrees_with_the_extend_path(
-    tiny_model_dir: Callable[[str], Path], oracle: Callable[[str], GreedyOracle]
+def _tree_with_a_wrong_branch(root: int, true: list[int], vocab: int) -> DraftTree:
+    """root -> true[0] -> true[1] -> ..., plus a wrong first token with a child of its own, put
+    between the true nodes so that the tree's rows are not in depth order per branch."""
+    wrong = (true[0] + 1) % vocab
+    tokens = [root, true[0], wrong, *true[1:], (wrong + 1) % vocab]
+    parents = [-1, 0, 0, 1, *range(3, len(true) + 1), 2]
+    return DraftTree(tokens, parents)
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_a_bf16_verify_runs_in_the_fused_loop_and_agrees_with_the_per_layer_path(
+    shape: str, tiny_model_dir: Callable[[str], Path], oracle: Callable[[str], GreedyOracle]
 ) -> None:
-    """With the fused native decode loop, a verify step of chains runs as decode rows (one per
-    token, attention/cpu_native.py chain_decode_layout); its logits agree with the per-layer
-    extend path's to bf16 accuracy and give the same greedy tokens."""
+    """With the fused native decode loop, a verify step runs as decode rows (one per token,
+    attention/cpu_native.py verify_decode_layout; a tree node's row holds its context and its
+    ancestors); its logits agree with the per-layer path's (extend math for chains, the masked
+    tree attention for trees) to bf16 accuracy and give the same greedy tokens."""
     native_kernels_or_skip()
     args = ServerArgs(
         model_path=str(tiny_model_dir("llama")), dtype="bfloat16", max_total_tokens=512,
@@ -81,8 +92,15 @@ def test_a_bf16_chain_verify_runs_in_the_fused_loop_and_agrees_with_the_extend_p
     scheduler.step()
     reqs = list(scheduler.running)
     expected = [oracle("llama").continue_(p, K + 1) for p in prompts]
-    trees = [DraftTree.chain(r.output_ids[-1], tokens[1:K]) for r, tokens in zip(reqs, expected, strict=True)]
+    vocab = scheduler.config.vocab_size
+    trees = [
+        DraftTree.chain(r.output_ids[-1], tokens[1:K])
+        if shape == "chain"
+        else _tree_with_a_wrong_branch(r.output_ids[-1], tokens[1:K], vocab)
+        for r, tokens in zip(reqs, expected, strict=True)
+    ]
     batch = build_verify_batch(reqs, trees, scheduler.kv)
+    assert (batch.verify_masks is None) == (shape == "chain")
     assert isinstance(backend.plan(batch), CpuDecodeMetadata)
     fused, _ = runner.forward(batch)
     backend.fused_decode = False

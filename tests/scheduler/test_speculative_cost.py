@@ -89,6 +89,31 @@ def test_odds_rise_with_acceptance_fall_with_rejection_and_fade_back() -> None:
     assert failing.accept_odds == pytest.approx(0.5, abs=0.01)
 
 
+def test_shadow_drafts_count_as_a_verify_step_would_once_one_token_follows() -> None:
+    """A plain step's emitted token tells whether the drafts offered for it would have held."""
+    state = SpeculationState()
+    for _ in range(3):
+        state.record(accepted=0, rejected=True)
+    low = state.accept_odds
+    output = [5, 6]
+    for token in range(7, 17):  # the text turns copyable: every offered first draft is emitted
+        state.offer_shadow(frozenset({token, 99}), len(output))
+        output.append(token)
+        state.settle_shadow(output)
+    assert state.accept_odds == pytest.approx(11 / 15) and low == pytest.approx(1 / 5)
+    state.offer_shadow(frozenset({1}), len(output))
+    output.append(2)  # a miss counts as a rejection
+    before = state.rejected
+    state.settle_shadow(output)
+    assert state.rejected == before + 1
+    # Anything but exactly one token later (a verify step, a retraction) drops the shadow.
+    state.offer_shadow(frozenset({3}), len(output))
+    output += [3, 4]
+    counts = (state.accepted, state.rejected)
+    state.settle_shadow(output)
+    assert (state.accepted, state.rejected) == counts and not state.shadow
+
+
 def test_the_threshold_prunes_the_draft_tree_by_reach() -> None:
     index = NgramIndex(NgramConfig())
     passage = list(range(100, 140))

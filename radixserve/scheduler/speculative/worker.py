@@ -281,6 +281,7 @@ class NgramSpeculator(Speculator):
         expected_extra = 0.0  # the drafts' summed chance of being emitted
         for req in reqs:
             self.observe(req)
+            req.speculation.settle_shadow(req.output_ids)
             tree = DraftTree([req.output_ids[-1]], [-1])
             able = speculates(req)
             if able:
@@ -298,10 +299,14 @@ class NgramSpeculator(Speculator):
         drafts = sum(len(t) - 1 for t in trees)
         if drafts == 0:
             return None
-        if self.adaptive and not self.cost.worth_verifying(len(reqs), drafts, expected_extra):
-            return None
         page = kv.allocator.page_size
-        if kv.available_with_eviction() < sum(len(t) for t in trees) + len(reqs) * page:
+        if (self.adaptive and not self.cost.worth_verifying(len(reqs), drafts, expected_extra)) or (
+            kv.available_with_eviction() < sum(len(t) for t in trees) + len(reqs) * page
+        ):
+            # A plain step instead; the token it emits still tells each request's odds.
+            for req, tree in zip(reqs, trees, strict=True):
+                if len(tree) > 1:
+                    req.speculation.offer_shadow(frozenset(tree.children()[0]), len(req.output_ids))
             return None
         return VerifyPlan(trees, speculating, [r.kv_len for r in reqs])
 

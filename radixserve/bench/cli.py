@@ -1,7 +1,8 @@
-"""`radixserve bench offline | serving | soak | speculative`.
+"""`radixserve bench offline | serving | soak | speculative | multiturn`.
 
 offline: the in-process throughput benchmark against a transformers baseline.
 speculative: decode speed with NGRAM (and a STANDALONE draft model) on and off (bench/speculative.py).
+multiturn: chats that outgrow the KV pool, with and without the storage tier (bench/multiturn.py).
 serving: an OpenAI-API load test against any running server (radixserve/bench/serving.py).
 soak: a fault and soak harness against any running server (radixserve/bench/soak.py).
 """
@@ -107,12 +108,13 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
         "`bench soak -h`.",
     )
     bench_sub = bench.add_subparsers(
-        dest="bench_command", required=True, metavar="{offline,serving,soak,speculative}"
+        dest="bench_command", required=True, metavar="{offline,serving,soak,speculative,multiturn}"
     )
     _add_offline_parser(bench_sub)
     _add_serving_parser(bench_sub)
     _add_soak_parser(bench_sub)
     _add_speculative_parser(bench_sub)
+    _add_multiturn_parser(bench_sub)
     return bench
 
 
@@ -420,9 +422,19 @@ def _add_soak_parser(bench_sub: Any) -> argparse.ArgumentParser:
     return soak
 
 
-def _bench_speculative(args: argparse.Namespace) -> int:
+def _print_report(table: str, report: dict[str, Any], out: str | None) -> int:
+    """A bench's table, and its report as JSON at --out if given."""
     import json
 
+    print()
+    print(table)
+    if out:
+        Path(out).write_text(json.dumps(report, indent=2), encoding="utf-8")
+        print(f"\nwrote {out}")
+    return 0
+
+
+def _bench_speculative(args: argparse.Namespace) -> int:
     from radixserve.bench.speculative import format_table, run_speculative_bench
 
     engine_args = {"cpu_isa": args.cpu_isa} if args.cpu_isa != "auto" else {}
@@ -439,12 +451,7 @@ def _bench_speculative(args: argparse.Namespace) -> int:
         draft_model_path=draft,
         num_steps=args.speculative_num_steps,
     )
-    print()
-    print(format_table(report))
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=2), encoding="utf-8")
-        print(f"\nwrote {args.out}")
-    return 0
+    return _print_report(format_table(report), report, args.out)
 
 
 def _add_speculative_parser(bench_sub: Any) -> argparse.ArgumentParser:
@@ -477,4 +484,45 @@ def _add_speculative_parser(bench_sub: Any) -> argparse.ArgumentParser:
     )
     bench.add_argument("--out", default=None, help="write the report as JSON here")
     bench.set_defaults(func=_bench_speculative)
+    return bench
+
+
+def _bench_multiturn(args: argparse.Namespace) -> int:
+    from radixserve.bench.multiturn import MultiTurnWorkload, format_table, run_multiturn_bench
+
+    workload = MultiTurnWorkload(
+        args.conversations, args.turns, args.user_tokens, args.reply_tokens, args.concurrency,
+        args.pool_conversations,
+    )  # fmt: skip
+    engine_args = {"cpu_isa": args.cpu_isa} if args.cpu_isa != "auto" else {}
+    storage = Path(args.storage_dir) if args.storage_dir else None
+    report = run_multiturn_bench(workload, args.dtype, storage, engine_args=engine_args)
+    return _print_report(format_table(report), report, args.out)
+
+
+def _add_multiturn_parser(bench_sub: Any) -> argparse.ArgumentParser:
+    bench: argparse.ArgumentParser = bench_sub.add_parser(
+        "multiturn",
+        help="multi-turn chats that outgrow the KV pool: the storage tier off, on, and after a restart",
+        description=(
+            "Runs conversations of several turns on the packaged SmolLM2-135M-Instruct, round by round, "
+            "with a KV pool that holds a few of them, and prints output tok/s and TTFT p50/p99 without "
+            "the storage tier, with it, and with a restarted engine on its directory."
+        ),
+    )
+    bench.add_argument("--conversations", type=_positive_int, default=64)
+    bench.add_argument("--turns", type=_positive_int, default=6)
+    bench.add_argument("--user-tokens", type=_positive_int, default=64, help="tokens of each new message")
+    bench.add_argument("--reply-tokens", type=_positive_int, default=32, help="tokens of each reply")
+    bench.add_argument("--concurrency", type=_positive_int, default=4, help="requests in flight")
+    bench.add_argument(
+        "--pool-conversations", type=_positive_int, default=8, help="the KV pool holds about this many whole"
+    )
+    bench.add_argument("--dtype", default="bfloat16", choices=_BENCH_DTYPES)
+    bench.add_argument("--cpu-isa", default="auto", choices=CPU_ISA_CHOICES, help="as for the server")
+    bench.add_argument(
+        "--storage-dir", default=None, help="the storage tier's directory (default: a new one)"
+    )
+    bench.add_argument("--out", default=None, help="write the report as JSON here")
+    bench.set_defaults(func=_bench_multiturn)
     return bench

@@ -180,8 +180,10 @@ class RadixCache(PrefixCache):
         events: KVEventRecorder | None = None,
     ) -> None:
         super().__init__(req_to_token_pool, allocator, page_size)
-        # The level below the device pool (cache/tiers.py): told of every eviction and lookup.
+        # The level below the device pool (cache/tiers.py): told of every insertion and eviction.
         self.tier = tier or DeviceOnlyTier()
+        # Whether the hooks are worth their arguments (a node's whole path, on every eviction).
+        self._tier_hooks = not isinstance(self.tier, DeviceOnlyTier)
         # KV cache events (cache/kv_events.py): every page stored and removed, named by its hash.
         self.events = events
         self.reset()
@@ -244,13 +246,6 @@ class RadixCache(PrefixCache):
     # ---- public API --------------------------------------------------------
 
     def match_prefix(self, key: Sequence[int]) -> MatchResult:
-        result = self._match_prefix(key)
-        if self.tier.on_match(key, len(result)) > 0:
-            # The tier put more of this prefix into the tree: match again.
-            result = self._match_prefix(key)
-        return result
-
-    def _match_prefix(self, key: Sequence[int]) -> MatchResult:
         keys = list(key[: len(key) - len(key) % self.page_size])
         now = self._tick()
         node = self.root
@@ -296,6 +291,8 @@ class RadixCache(PrefixCache):
                     leaf.hashes = page_hashes(parent_hash, leaf.key, self.page_size)
                     self.events.stored(leaf.hashes, parent_hash, leaf.key)
                 self._evictable += len(leaf.key)
+                if self._tier_hooks:
+                    self.tier.on_insert(keys, value, pos)
                 return pos, leaf
             child.last_access_time = now
             m = self._match_len(child.key, keys, pos)
@@ -350,7 +347,9 @@ class RadixCache(PrefixCache):
             _, _, node = heapq.heappop(heap)
             parent = node.parent
             assert parent is not None
-            self.tier.on_evict(self._path_key(node), node.value)
+            if self._tier_hooks:
+                path = self._path_key(node)
+                self.tier.on_evict(path, self._path_value(node), len(path) - len(node.key))
             if self.events is not None:
                 self.events.removed(node.hashes)
             to_free.append(node.value)

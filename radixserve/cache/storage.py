@@ -206,6 +206,10 @@ class FileKVStorage:
         except OSError as e:
             self._disable(f"cannot remove {self._path(page_hash)}: {e}")
 
+    def disable(self, why: str) -> None:
+        """Off for the rest of this process (the files stay), with one log line."""
+        self._disable(why)
+
     def _disable(self, why: str) -> None:
         if self.enabled:
             logger.warning("storage tier off: %s; serving without it", why)

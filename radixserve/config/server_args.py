@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from radixserve.config.hicache_args import add_hicache_args, validate_hicache_args
 from radixserve.config.kv_events_args import parse_kv_events_config
 from radixserve.config.speculative_args import add_speculative_args, validate_speculative_args
 
@@ -77,6 +78,15 @@ class ServerArgs:
     disable_radix_cache: bool = False
     # KV cache events over ZMQ (config/kv_events_args.py, scheduler/kv_events.py): the JSON object.
     kv_events_config: str | None = None
+    # The hierarchical cache (config/hicache_args.py, cache/storage_tier.py).
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float = 2.0
+    hicache_size: int = 0
+    hicache_write_policy: str = "write_through"
+    hicache_storage_backend: str | None = None
+    hicache_storage_dir: str | None = None
+    hicache_storage_size_gb: float = 16.0
+    hicache_storage_page_size: int | None = None
     stream_interval: int = 1
     grammar_backend: str = "xgrammar"
     grammar_timeout: float = 300.0
@@ -212,6 +222,7 @@ class ServerArgs:
         events = parse_kv_events_config(self.kv_events_config, InvalidArgumentError)
         if events is not None and self.disable_radix_cache:
             raise InvalidArgumentError("--kv-events-config needs the radix cache: drop --disable-radix-cache")
+        validate_hicache_args(self, InvalidArgumentError)
 
     def _validate_parallelism(self) -> None:
         if self.tp_size < 1:
@@ -367,6 +378,7 @@ class ServerArgs:
         )
 
         add_speculative_args(parser)
+        add_hicache_args(parser)
         if http:
             ServerArgs._add_http_args(parser)
 

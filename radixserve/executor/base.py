@@ -38,6 +38,14 @@ class ExecutorInfo:
     is_embedding: bool
 
 
+@dataclass(frozen=True)
+class KVLayout:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+
 class Executor(Protocol):
     @property
     def info(self) -> ExecutorInfo: ...
@@ -63,6 +71,18 @@ class Executor(Protocol):
     def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copies the K/V of slots src to slots dst in every layer (speculative decoding moves an
         accepted draft path's K/V to the positions it ends up at)."""
+        ...
+
+    def kv_layout(self) -> KVLayout:
+        """The shape of one slot's K/V in every layer (what a lower cache tier stores per token)."""
+        ...
+
+    def read_kv(self, slots: torch.Tensor) -> torch.Tensor:
+        """Every layer's K and V at slots, copied: [num_layers, 2, len(slots), kv_heads, head_dim]."""
+        ...
+
+    def write_kv(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        """The inverse of read_kv: kv into slots (a lower cache tier loads a prefix back)."""
         ...
 
     def idle(self) -> None:

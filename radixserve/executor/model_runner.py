@@ -20,7 +20,7 @@ from radixserve.attention.registry import choose_attention_backend
 from radixserve.cache.pools import KVCachePool
 from radixserve.config.server_args import InvalidArgumentError
 from radixserve.distributed.parallel import SINGLE, ParallelContext, broadcast_from_leader, min_over_ranks
-from radixserve.executor.base import ExecutorInfo, MemoryReleasedError
+from radixserve.executor.base import ExecutorInfo, KVLayout, MemoryReleasedError
 from radixserve.executor.runner_config import RunnerConfig
 from radixserve.forward.batch import ForwardBatch
 from radixserve.kernels.cpu_ops import CpuKernels, select_cpu_kernels
@@ -443,6 +443,18 @@ class ModelRunner:
     def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         self._check_resident("move_kv")
         self.kv_pool.move(src.to(self.device), dst.to(self.device))
+
+    def kv_layout(self) -> KVLayout:
+        pool = self.kv_pool
+        return KVLayout(pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.dtype)
+
+    def read_kv(self, slots: torch.Tensor) -> torch.Tensor:
+        self._check_resident("read_kv")
+        return self.kv_pool.read_slots(slots.to(self.device)).cpu()
+
+    def write_kv(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        self._check_resident("write_kv")
+        self.kv_pool.write_slots(slots.to(self.device), kv.to(self.device))
 
     def idle(self) -> None:
         """Nothing runs: gives back the memory the attention backend keeps between steps."""

@@ -75,3 +75,7 @@ class EngineControl(ABC):
 
     def flush_cache(self) -> bool:
         return self.control("flush_cache").ok
+
+    def clear_hicache_storage_backend(self) -> bool:
+        """Removes every page the storage tier keeps (flush_cache empties the device tree alone)."""
+        return self.control("clear_hicache_storage_backend").ok

@@ -27,6 +27,19 @@ SCHEDULER_GAUGES = {
     "num_retracted_reqs": "retracted_reqs",
     "spec_accept_length": "avg_spec_accept_length",
     "spec_accept_rate": "spec_accept_rate",
+    # --enable-hierarchical-cache with a storage tier (cache/storage_tier.py); 0 without one.
+    "hicache_storage_hit_tokens": "hicache_storage_hit_tokens",
+    "hicache_storage_loads": "hicache_storage_loads",
+    "hicache_storage_load_failures": "hicache_storage_load_failures",
+    "hicache_storage_pages_written": "hicache_storage_pages_written",
+    "hicache_storage_writes_dropped": "hicache_storage_writes_dropped",
+    "hicache_storage_bytes_read": "hicache_storage_bytes_read",
+    "hicache_storage_bytes_written": "hicache_storage_bytes_written",
+    "hicache_storage_load_seconds": "hicache_storage_load_seconds",
+    "hicache_storage_write_seconds": "hicache_storage_write_seconds",
+    "hicache_storage_queued_writes": "hicache_storage_queued_writes",
+    "hicache_storage_loads_in_flight": "hicache_storage_loads_in_flight",
+    "hicache_storage_bytes": "hicache_storage_bytes",
 }
 
 

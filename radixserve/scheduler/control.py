@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 from radixserve.cache.pools import KVSlotAllocator
 from radixserve.cache.radix_cache import KVLeakError, PrefixCache
+from radixserve.cache.tiers import CacheTier
 from radixserve.executor.base import MEMORY_TAGS, Executor, MemoryReleasedError
 from radixserve.protocol.messages import ControlRequest, ControlResult, SchedulerOutput
 from radixserve.scheduler.batch import KVContext
@@ -81,6 +82,9 @@ class ControlledScheduler(TunableScheduler, Protocol):
 
     @property
     def speculator(self) -> Speculator | None: ...
+
+    @property
+    def cache_tier(self) -> CacheTier: ...
 
     def check_kv_invariant(self) -> None: ...
 
@@ -184,6 +188,9 @@ def get_stats(scheduler: ControlledScheduler, args: dict[str, Any]) -> Reply:
             "kv_events_endpoint": s.kv_events.endpoint if s.kv_events else None,
             "kv_events_published": s.kv_events.published if s.kv_events else 0,
             "kv_events_dropped": s.kv_events.dropped if s.kv_events else 0,
+            # --enable-hierarchical-cache: the tier below the device pool (cache/storage_tier.py).
+            "hicache_tier": s.cache_tier.name,
+            **s.cache_tier.stats(),
             "memory_released": sorted(s.executor.released),
             "resident_bytes": s.executor.resident_bytes(),
             # SGLang's load: KV tokens in use plus the tokens the waiting requests still need.
@@ -234,6 +241,7 @@ def update_weights_from_disk(scheduler: ControlledScheduler, args: dict[str, Any
     """The new weights load first (a failure changes nothing); then every request in flight is
     aborted, since its KV came from the old weights, and the cache is emptied for the same reason."""
     path = scheduler.executor.load_other_weights(str(args.get("model_path")))
+    scheduler.cache_tier.weights_changed()
     outputs = scheduler.abort_all_and_flush()
     return Reply({"model_path": path}, outputs)
 
@@ -247,6 +255,7 @@ def update_weights_from_tensor(scheduler: ControlledScheduler, args: dict[str, A
     except Exception as exc:
         raise ControlError(f"the tensors are not valid safetensors data: {exc}") from exc
     used = scheduler.executor.update_weights_from_tensors(named)
+    scheduler.cache_tier.weights_changed()
     outputs = scheduler.abort_all_and_flush() if args.get("flush_cache", True) else []
     return Reply({"num_updated": used}, outputs)
 
@@ -278,7 +287,14 @@ def resume_memory_occupation(scheduler: ControlledScheduler, args: dict[str, Any
     return Reply({"released": sorted(scheduler.executor.released)})
 
 
+def clear_hicache_storage_backend(scheduler: ControlledScheduler, args: dict[str, Any]) -> Reply:
+    """Removes every page the storage tier keeps (/flush_cache empties the device tree alone)."""
+    scheduler.cache_tier.clear()
+    return Reply()
+
+
 COMMANDS: dict[str, Callable[[ControlledScheduler, dict[str, Any]], Reply]] = {
+    "clear_hicache_storage_backend": clear_hicache_storage_backend,
     "check_kv_invariant": check_kv_invariant,
     "flush_cache": flush_cache,
     "get_stats": get_stats,

@@ -127,4 +127,5 @@ class DecodeManager:
     def _send_back(self, victim: Req, retracted: list[Req]) -> None:
         release_kv(self.kv.tree_cache, victim)
         victim.retractions += 1
+        victim.tier_checked = False  # back in the queue: the tier below may hold what it computed
         retracted.append(victim)

@@ -7,10 +7,13 @@ running requests' share of the KV pool comes from the decode side (decode.py). W
 
 from __future__ import annotations
 
+from radixserve.cache.radix_cache import RadixCache
+from radixserve.cache.tiers import DeviceOnlyTier
 from radixserve.config.server_args import ServerArgs
 from radixserve.scheduler.batch import KVContext, build_extend_batch
 from radixserve.scheduler.decode import DecodeManager
 from radixserve.scheduler.policy import AddResult, PrefillAdder, SchedulePolicy
+from radixserve.scheduler.request import Req
 from radixserve.scheduler.state import RequestQueues, ScheduledBatch, token_usage
 from radixserve.scheduler.stats import SchedulerStats
 
@@ -37,6 +40,28 @@ class PrefillManager:
         self.max_total_tokens = max_total_tokens
         self.policy = SchedulePolicy(args.schedule_policy, kv.tree_cache, args.random_seed)
 
+    def _not_loading(self, waiting: list[Req]) -> list[Req]:
+        """The waiting requests that may be admitted now: a request whose prefix the cache tier
+        below the device has more of waits (in the queue, not blocking the batch) until the tier
+        has put that part into the tree. Each request is looked up once, when first seen here."""
+        cache = self.kv.tree_cache
+        if not isinstance(cache, RadixCache) or isinstance(cache.tier, DeviceOnlyTier):
+            return waiting
+        tier = cache.tier
+        tier.install(cache)
+        ready = []
+        for req in waiting:
+            if not req.tier_checked:
+                req.tier_checked = True
+                ids = req.prefix_match_ids()
+                req.tier_load = tier.prefetch(ids, cache.match_prefix(ids).kv_indices)
+            if req.tier_load is not None:
+                if not req.tier_load.done:
+                    continue
+                req.tier_load = None
+            ready.append(req)
+        return ready
+
     def next_batch(self) -> ScheduledBatch | None:
         """The next prefill batch, or None when nothing waits or nothing more can be admitted."""
         queues, args = self.queues, self.args
@@ -60,7 +85,7 @@ class PrefillManager:
         if queues.chunked_req is not None:
             adder.add_chunked_req(queues.chunked_req)
         has_chunked_req = queues.chunked_req is not None
-        for req in self.policy.order(queues.waiting):
+        for req in self.policy.order(self._not_loading(queues.waiting)):
             if running + len(adder.can_run) >= self.max_running:
                 break
             if adder.add_one_req(req, has_chunked_req=has_chunked_req) is not AddResult.CONTINUE:

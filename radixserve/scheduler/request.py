@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from radixserve.cache.radix_cache import TreeNode
+from radixserve.cache.tiers import TierLoad
 from radixserve.protocol.messages import FinishReason, TokenLogprobs
 from radixserve.protocol.sampling_params import SamplingParams
 from radixserve.scheduler.grammar import CompileResult, GrammarMatcher
@@ -102,6 +103,10 @@ class Req:
     prefix_node: TreeNode | None = None
     extend_len: int = 0
 
+    # The storage tier's load of more of this prompt's prefix, which it waits in the queue for
+    # (cache/tiers.py); tier_checked: looked up once, when the scheduler first considered it.
+    tier_load: TierLoad | None = None
+    tier_checked: bool = False
     # Prompt tokens served from the cache, and how far this request has computed on its own
     # (so that resuming after retraction or a chunk does not count its own KV as a cache hit).
     cached_tokens: int = 0

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from radixserve.cache.pools import KVSlotAllocator, ReqToTokenPool
-from radixserve.cache.radix_cache import ChunkCache, PrefixCache, RadixCache
+from radixserve.cache.radix_cache import ChunkCache, KVLeakError, PrefixCache, RadixCache
 from radixserve.config.kv_events_args import parse_kv_events_config
 from radixserve.config.server_args import ServerArgs
 from radixserve.distributed.parallel import SINGLE, ParallelContext
@@ -37,6 +37,7 @@ from radixserve.protocol.messages import (
 from radixserve.protocol.prompts import PromptLimits
 from radixserve.protocol.sampling_params import InvalidRequestError, SamplingParams
 from radixserve.scheduler.batch import KVContext
+from radixserve.scheduler.cache_tier import build_cache_tier
 from radixserve.scheduler.control import handle_control
 from radixserve.scheduler.decode import DecodeManager
 from radixserve.scheduler.grammar import InvalidGrammarError, grammar_key
@@ -103,6 +104,8 @@ class Scheduler:
             if events is not None and parallel.is_leader and not args.disable_radix_cache
             else None
         )
+        # --enable-hierarchical-cache: the tier below the device pool (cache/tiers.py).
+        self.cache_tier = build_cache_tier(args, executor, self.allocator)
         self.tree_cache: PrefixCache = (
             ChunkCache(self.req_to_token_pool, self.allocator, args.page_size)
             if args.disable_radix_cache
@@ -110,6 +113,7 @@ class Scheduler:
                 self.req_to_token_pool,
                 self.allocator,
                 args.page_size,
+                tier=self.cache_tier,
                 events=self.kv_events.recorder if self.kv_events else None,
             )
         )
@@ -399,6 +403,10 @@ class Scheduler:
                 # Only grammars are left to wait for: sleep on them instead of spinning.
                 self.grammar_queue.wait(GRAMMAR_POLL_S)
                 return published
+            if self.cache_tier.loading:
+                # Only prefixes loading from the tier below are left to wait for: likewise.
+                self.cache_tier.wait_for_loads(GRAMMAR_POLL_S)
+                return published
             self._check_idle()
             return published
         self.stats.forward_steps += 1
@@ -591,8 +599,12 @@ class Scheduler:
         self._idle_checked = True
 
     def check_kv_invariant(self) -> None:
-        """Raises KVLeakError unless every KV slot is free or evictable and every request slot is free."""
+        """Raises KVLeakError unless every KV slot is free or evictable and every request slot is
+        free, and the tier below keeps its own accounting."""
         self.tree_cache.check_invariant()
+        problems = self.cache_tier.check_invariant()
+        if problems:
+            raise KVLeakError("; ".join(problems))
 
     def flush_cache(self) -> bool:
         if not self.is_idle:
@@ -625,6 +637,7 @@ class Scheduler:
                         self.publisher.shutdown()
                     if self.kv_events is not None:
                         self.kv_events.shutdown()
+                    self.cache_tier.close()
                     self.executor.close()
                     return
                 outputs += self.handle(msg)

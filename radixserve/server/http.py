@@ -406,6 +406,11 @@ def _add_native_routes(app: FastAPI) -> None:
             return error_response(400, "cannot flush the cache while requests are running; retry when idle")
         return Response("Cache flushed.\n", status_code=200)
 
+    @app.api_route("/clear_hicache_storage_backend", methods=["GET", "POST"])
+    async def clear_hicache_storage_backend(request: Request) -> Response:
+        await asyncio.to_thread(engine_of(request).clear_hicache_storage_backend)
+        return Response("Hierarchical cache storage backend cleared.\n", status_code=200)
+
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:
         body = await _json_object(request)

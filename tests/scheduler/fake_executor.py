@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import torch
 
 from radixserve.config.server_args import ServerArgs
-from radixserve.executor.base import ExecutorInfo
+from radixserve.executor.base import ExecutorInfo, KVLayout
 from radixserve.forward.batch import ForwardBatch, ForwardMode
 from radixserve.layers.sampler import SamplingBatch, sample
 from radixserve.models.config import ModelConfig
@@ -167,6 +167,20 @@ class FakeExecutor:
         self._check_resident()
         self.kv_tokens[dst] = self.kv_tokens[src].clone()
         self.kv_positions[dst] = self.kv_positions[src].clone()
+
+    def kv_layout(self) -> KVLayout:
+        """One layer, one head of two values per slot: its token and its position (as K and V)."""
+        return KVLayout(1, 1, 1, torch.int64)
+
+    def read_kv(self, slots: torch.Tensor) -> torch.Tensor:
+        self._check_resident()
+        both = torch.stack((self.kv_tokens[slots], self.kv_positions[slots]))
+        return both.reshape(1, 2, -1, 1, 1).clone()
+
+    def write_kv(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        self._check_resident()
+        self.kv_tokens[slots] = kv[0, 0].reshape(-1)
+        self.kv_positions[slots] = kv[0, 1].reshape(-1)
 
     def embed(self, batch: ForwardBatch) -> torch.Tensor:
         if not self.is_embedding:

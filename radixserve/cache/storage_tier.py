@@ -1,0 +1,331 @@
+"""StorageTier: the hierarchical cache's storage level, K/V pages on disk (cache/storage.py).
+
+What it keeps: pages of `block_size` tokens (a multiple of the device page), each named by the hash
+chain of its tokens from the start of the text (cache/block_hash.py), so the same prefix finds the
+same pages in any process serving the same model: after a restart, or from another replica sharing
+the directory.
+
+When it writes (--hicache-write-policy, SGLang's names):
+- write_through (the default): every page that enters the device tree, as it is inserted;
+- write_back: a node's pages when it is evicted from the device pool;
+- write_through_selective: a page once a request's prompt hit it on the device (so it was used
+  twice), not on insertion nor on eviction.
+The K/V are copied out of the pool on the scheduler's thread (the slots may be reused right
+after) and written by the tier's I/O thread. At most `max_queued_writes` pages wait; past that a
+write is dropped and counted (the prefix is then recomputed if needed, never wrong).
+
+How it loads: a waiting request's prompt is looked up by `prefetch` (hashes and an in-memory
+index, no disk access) when the scheduler first considers it. If the storage holds pages past what
+the device tree matched, the I/O thread reads them while the request stays in the queue and the
+batch goes on without it; `install`, on the scheduler's thread before each prefill batch is
+chosen, puts them into the device pool and the tree, and the request is admitted with them as its
+cached prefix. A page that fails to read (removed, truncated, another model's) ends the load there.
+
+Threads: the scheduler's thread calls every method here; the I/O thread alone calls the backend's
+put, get and clear. `in` on the backend's index from the scheduler's thread is a single dict lookup
+(atomic under the GIL) and at worst stale: a page it thinks stored is checked again on load.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from radixserve.cache.block_hash import page_hashes
+from radixserve.cache.pools import KVSlotAllocator
+from radixserve.cache.storage import FileKVStorage
+from radixserve.cache.tiers import CacheTier, PrefixTree, TierLoad
+
+logger = logging.getLogger(__name__)
+
+WRITE_POLICIES = ("write_through", "write_back", "write_through_selective")
+# Job priorities: loads first (a request waits on them), then clears and writes, then drain's
+# marker (everything queued before it has run), then the stop.
+_LOAD, _CLEAR, _WRITE, _MARK, _STOP = 0, 1, 2, 3, 4
+
+
+class KVAccess(Protocol):
+    """The device pool's K/V, as the executor offers them (executor/base.py)."""
+
+    def read_kv(self, slots: torch.Tensor) -> torch.Tensor: ...
+
+    def write_kv(self, slots: torch.Tensor, kv: torch.Tensor) -> None: ...
+
+
+@dataclass
+class _Load:
+    tokens: list[int]  # the prompt up to the end of the last page to load
+    first_block: int
+    hashes: list[int]  # of blocks first_block, first_block + 1, ...
+    ticket: TierLoad
+    pages: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class StorageTierStats:
+    """Counters since startup (get_server_info, /metrics)."""
+
+    lookups: int = 0
+    hit_tokens: int = 0  # tokens the tier put back into the device tree
+    loads: int = 0
+    load_failures: int = 0  # loads that found a page missing or bad partway
+    pages_written: int = 0
+    writes_dropped: int = 0  # the write queue was full
+    bytes_read: int = 0
+    bytes_written: int = 0
+    load_seconds: float = 0.0
+    write_seconds: float = 0.0
+
+
+class StorageTier(CacheTier):
+    name = "storage"
+
+    def __init__(
+        self,
+        storage: FileKVStorage,
+        kv: KVAccess,
+        allocator: KVSlotAllocator,
+        write_policy: str = "write_through",
+        max_queued_writes: int = 4096,
+    ) -> None:
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"--hicache-write-policy must be one of {', '.join(WRITE_POLICIES)}")
+        self.storage = storage
+        self.kv = kv
+        self.allocator = allocator
+        self.block_size = storage.fingerprint.page_size
+        if self.block_size % allocator.page_size:
+            raise ValueError("the storage page must be a whole number of device pages")
+        self.write_policy = write_policy
+        self.max_queued_writes = max_queued_writes
+        self.counters = StorageTierStats()
+        self._jobs: queue.PriorityQueue[tuple[int, int, Any]] = queue.PriorityQueue()
+        self._order = itertools.count()
+        self._lock = threading.Lock()  # guards the fields below
+        self._queued_writes: set[int] = set()
+        self._finished: list[_Load] = []
+        self._in_flight = 0
+        self._load_finished = threading.Event()
+        self._thread = threading.Thread(target=self._work, name="radixserve-hicache-io", daemon=True)
+        self._thread.start()
+
+    # ---- the radix cache's hooks (scheduler thread) -----------------------------------------
+
+    def on_insert(self, tokens: Sequence[int], slots: torch.Tensor, new_from: int) -> None:
+        if self.write_policy == "write_through":
+            self._write(tokens, slots, new_from // self.block_size, len(tokens) // self.block_size)
+
+    def on_evict(self, tokens: Sequence[int], slots: torch.Tensor, own_from: int) -> None:
+        # write_through wrote these on insertion, unless its queue was full then: written now.
+        if self.write_policy != "write_through_selective":
+            self._write(tokens, slots, own_from // self.block_size, len(tokens) // self.block_size)
+
+    def prefetch(self, tokens: Sequence[int], matched: torch.Tensor) -> TierLoad | None:
+        if not self.storage.enabled:
+            return None
+        self.counters.lookups += 1
+        size, on_device = self.block_size, int(matched.shape[0])
+        blocks = len(tokens) // size
+        if self.write_policy == "write_through_selective":
+            self._write(tokens, matched, 0, on_device // size)
+        first = on_device // size
+        if first >= blocks:
+            return None
+        hashes = page_hashes(None, list(tokens[: blocks * size]), size)
+        last = first
+        while last < blocks and hashes[last] in self.storage:
+            last += 1
+        if last * size <= on_device:
+            return None
+        ticket = TierLoad()
+        load = _Load(list(tokens[: last * size]), first, hashes[first:last], ticket)
+        ticket.detail = load
+        with self._lock:
+            self._in_flight += 1
+        self._jobs.put((_LOAD, next(self._order), load))
+        return ticket
+
+    def install(self, cache: PrefixTree) -> None:
+        with self._lock:
+            finished, self._finished = self._finished, []
+        for load in finished:
+            load.ticket.tokens = self._install_one(cache, load)
+            load.ticket.done = True
+            self.counters.hit_tokens += load.ticket.tokens
+
+    def _install_one(self, cache: PrefixTree, load: _Load) -> int:
+        """The loaded pages into the pool and the tree past what the device matches now (which may
+        have changed since the lookup); the tokens added."""
+        size = self.block_size
+        end = (load.first_block + len(load.pages)) * size
+        if end <= load.first_block * size:
+            return 0
+        match = cache.match_prefix(load.tokens[:end])
+        on_device = len(match)
+        if on_device >= end or on_device < load.first_block * size:
+            return 0  # it arrived meanwhile, or the prefix it continues was evicted
+        need = end - on_device
+        cache.inc_lock_ref(match.last_node)  # making room must not evict the prefix it continues
+        try:
+            shortfall = need - self.allocator.available_size()
+            if shortfall > 0:
+                cache.evict(shortfall)
+            last_loc = int(match.kv_indices[-1]) if on_device else -1
+            slots = self.allocator.alloc_extend([on_device], [last_loc], [need])
+            if slots is None:
+                return 0
+            kv = torch.cat(load.pages, dim=2)[:, :, on_device - load.first_block * size :]
+            self.kv.write_kv(slots, kv)
+            present = cache.insert(load.tokens[:end], torch.cat([match.kv_indices, slots]))
+            assert present == on_device, "the tree changed between a match and an insert"
+        finally:
+            cache.dec_lock_ref(match.last_node)
+        return need
+
+    # ---- the rest of the tier's interface ----------------------------------------------------
+
+    def clear(self) -> None:
+        self._jobs.put((_CLEAR, next(self._order), None))
+
+    @property
+    def loading(self) -> bool:
+        with self._lock:
+            return self._in_flight > 0 or bool(self._finished)
+
+    def wait_for_loads(self, timeout_s: float) -> None:
+        if self._load_finished.wait(timeout_s):
+            self._load_finished.clear()
+
+    def weights_changed(self) -> None:
+        self.storage.disable("the model's weights changed, so the stored K/V no longer match them")
+
+    def drain(self, timeout_s: float = 30.0) -> None:
+        """Waits until every queued job has run (tests, shutdown)."""
+        done = threading.Event()
+        self._jobs.put((_MARK, next(self._order), done))
+        done.wait(timeout_s)
+
+    def check_invariant(self) -> list[str]:
+        problems = []
+        storage = self.storage
+        if storage.used_bytes > storage.budget_bytes:
+            problems.append(
+                f"storage tier: {storage.used_bytes} bytes stored > budget {storage.budget_bytes}"
+            )
+        if storage.used_bytes != len(storage) * storage.fingerprint.page_bytes:
+            problems.append("storage tier: bytes stored disagree with its pages")
+        return problems
+
+    def stats(self) -> dict[str, Any]:
+        c, storage = self.counters, self.storage
+        with self._lock:
+            queued, in_flight = len(self._queued_writes), self._in_flight
+        return {
+            "hicache_storage_enabled": storage.enabled,
+            "hicache_write_policy": self.write_policy,
+            "hicache_storage_page_tokens": self.block_size,
+            "hicache_storage_pages": len(storage),
+            "hicache_storage_bytes": storage.used_bytes,
+            "hicache_storage_budget_bytes": storage.budget_bytes,
+            "hicache_storage_lookups": c.lookups,
+            "hicache_storage_hit_tokens": c.hit_tokens,
+            "hicache_storage_loads": c.loads,
+            "hicache_storage_load_failures": c.load_failures,
+            "hicache_storage_pages_written": c.pages_written,
+            "hicache_storage_writes_dropped": c.writes_dropped,
+            "hicache_storage_bytes_read": c.bytes_read,
+            "hicache_storage_bytes_written": c.bytes_written,
+            "hicache_storage_load_seconds": c.load_seconds,
+            "hicache_storage_write_seconds": c.write_seconds,
+            "hicache_storage_queued_writes": queued,
+            "hicache_storage_loads_in_flight": in_flight,
+        }
+
+    def close(self) -> None:
+        self._jobs.put((_STOP, next(self._order), None))
+        self._thread.join(timeout=30)
+
+    # ---- writing (scheduler thread: the copy; I/O thread: the file) --------------------------
+
+    def _write(self, tokens: Sequence[int], slots: torch.Tensor, first: int, last: int) -> None:
+        """Queues blocks [first, last) of tokens (at slots) that are not stored or queued yet."""
+        if first >= last or not self.storage.enabled:
+            return
+        size = self.block_size
+        hashes = page_hashes(None, list(tokens[: last * size]), size)
+        wanted = []
+        with self._lock:
+            for block in range(first, last):
+                page_hash = hashes[block]
+                if page_hash in self.storage or page_hash in self._queued_writes:
+                    continue
+                if len(self._queued_writes) >= self.max_queued_writes:
+                    self.counters.writes_dropped += last - block
+                    break
+                self._queued_writes.add(page_hash)
+                wanted.append(block)
+        if not wanted:
+            return
+        index = torch.cat([torch.arange(b * size, (b + 1) * size) for b in wanted])
+        kv = self.kv.read_kv(slots[index])  # one copy for every page; each job a view of it
+        for i, block in enumerate(wanted):
+            page = kv[:, :, i * size : (i + 1) * size]
+            self._jobs.put((_WRITE, next(self._order), (hashes[block], page)))
+
+    # ---- the I/O thread ----------------------------------------------------------------------
+
+    def _work(self) -> None:
+        while True:
+            kind, _, job = self._jobs.get()
+            try:
+                if kind == _STOP:
+                    return
+                if kind == _LOAD:
+                    self._load(job)
+                elif kind == _WRITE:
+                    self._store(*job)
+                elif kind == _CLEAR:
+                    self.storage.clear()
+                else:
+                    job.set()  # drain's marker
+            except Exception:  # a bug here must not take the scheduler down: log, and go on
+                logger.exception("storage tier: an I/O job failed")
+                if kind == _LOAD:
+                    self._finish(job)
+
+    def _load(self, load: _Load) -> None:
+        started = time.perf_counter()
+        for page_hash in load.hashes:
+            page = self.storage.get(page_hash)
+            if page is None:
+                self.counters.load_failures += 1
+                break
+            load.pages.append(page)
+            self.counters.bytes_read += page.numel() * page.element_size()
+        self.counters.loads += 1
+        self.counters.load_seconds += time.perf_counter() - started
+        self._finish(load)
+
+    def _finish(self, load: _Load) -> None:
+        with self._lock:
+            self._finished.append(load)
+            self._in_flight -= 1
+        self._load_finished.set()
+
+    def _store(self, page_hash: int, page: torch.Tensor) -> None:
+        started = time.perf_counter()
+        stored = self.storage.put(page_hash, page.contiguous())
+        with self._lock:
+            self._queued_writes.discard(page_hash)
+        if stored:
+            self.counters.pages_written += 1
+            self.counters.bytes_written += page.numel() * page.element_size()
+        self.counters.write_seconds += time.perf_counter() - started

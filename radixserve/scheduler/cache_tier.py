@@ -1,0 +1,70 @@
+"""The cache tier below the device pool that the flags ask for (config/hicache_args.py): the
+device pool alone, or the storage tier on a directory of page files (cache/storage_tier.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+
+from radixserve.cache.pools import KVSlotAllocator
+from radixserve.cache.storage import FileKVStorage, StorageFingerprint
+from radixserve.cache.storage_tier import StorageTier
+from radixserve.cache.tiers import CacheTier, DeviceOnlyTier
+from radixserve.config.hicache_args import storage_dir
+from radixserve.config.server_args import ServerArgs
+from radixserve.executor.base import Executor
+
+logger = logging.getLogger("radixserve.scheduler")
+
+# Weight files whose names, sizes and modification times name the model's weights.
+_WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt")
+
+
+def model_identity(model_path: str | None, config_text: str) -> str:
+    """What a stored page's model must equal: the model's resolved path, its config, and the
+    names, sizes and modification times of its weight files (so re-saved weights, even under the
+    same path and config, never read another's pages)."""
+    digest = hashlib.blake2b(config_text.encode(), digest_size=8)
+    if model_path:
+        path = Path(model_path).expanduser().resolve()
+        digest.update(str(path).encode())
+        files = sorted(path.glob("*")) if path.is_dir() else [path]
+        for file in files:
+            if file.suffix in _WEIGHT_SUFFIXES and file.is_file():
+                stat = file.stat()
+                digest.update(f"{file.name}|{stat.st_size}|{stat.st_mtime_ns}".encode())
+    return digest.hexdigest()
+
+
+def build_cache_tier(args: ServerArgs, executor: Executor, allocator: KVSlotAllocator) -> CacheTier:
+    if not args.enable_hierarchical_cache:
+        return DeviceOnlyTier()
+    if executor.info.device.type == "cpu":
+        logger.info(
+            "hierarchical cache: the device pool is host memory here, so there is no separate L2 "
+            "(--hicache-ratio / --hicache-size unused)"
+        )
+    if args.hicache_storage_backend is None:
+        logger.info("hierarchical cache: no --hicache-storage-backend, so the device pool is the only tier")
+        return DeviceOnlyTier()
+    layout = executor.kv_layout()
+    assert args.hicache_storage_page_size is not None  # set by ServerArgs.validate
+    fingerprint = StorageFingerprint(
+        model_identity(args.model_path, repr(executor.info.config)),
+        layout.dtype,
+        args.hicache_storage_page_size,
+        layout.num_layers,
+        layout.num_kv_heads,
+        layout.head_dim,
+    )
+    root = storage_dir(args)
+    storage = FileKVStorage(root, fingerprint, int(args.hicache_storage_size_gb * (1 << 30)))
+    logger.info(
+        "hierarchical cache: storage tier in %s (%d pages of %d tokens found, %s)",
+        storage.directory,
+        len(storage),
+        fingerprint.page_size,
+        args.hicache_write_policy,
+    )
+    return StorageTier(storage, executor, allocator, args.hicache_write_policy)

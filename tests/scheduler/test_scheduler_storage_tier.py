@@ -1,0 +1,228 @@
+"""The storage tier in the scheduler, on the fake executor (whose "K/V" per slot is its token and
+position, checked on every read): multi-turn conversations far larger than the device pool come
+back from storage with exact outputs, across a restart too; bad files are never loaded; a broken
+disk turns the tier off without failing a request; the KV accounting holds after every step."""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from radixserve.cache.storage_tier import StorageTier
+from radixserve.protocol.messages import GenerateRequest, ReqOutput
+from radixserve.scheduler.scheduler import Scheduler
+from tests.scheduler.fake_executor import (
+    FakeExecutor,
+    check_kv_accounting,
+    expected_output,
+    greedy,
+    make_scheduler,
+)
+
+VOCAB = 1024
+POOL = 128  # device KV slots
+STORAGE_PAGE = 8
+CONVERSATIONS = 10
+MAX_NEW = 12
+
+
+def _scheduler(directory: Path, pool: int = POOL, **args: Any) -> Scheduler:
+    args = {
+        "enable_hierarchical_cache": True,
+        "hicache_storage_backend": "file",
+        "hicache_storage_dir": str(directory),
+        "hicache_storage_page_size": STORAGE_PAGE,
+        "disable_overlap_schedule": True,
+        **args,
+    }
+    return make_scheduler(FakeExecutor(vocab_size=VOCAB, max_total_tokens=pool), **args)
+
+
+def _tier(scheduler: Scheduler) -> StorageTier:
+    assert isinstance(scheduler.cache_tier, StorageTier)
+    return scheduler.cache_tier
+
+
+def _serve(scheduler: Scheduler, prompts: dict[str, list[int]]) -> dict[str, tuple[list[int], int]]:
+    """Each prompt (one at a time, as turns of a chat arrive), to the end: its output tokens and
+    the cached_tokens it reported; the KV accounting checked after every step."""
+    found: dict[str, tuple[list[int], int]] = {}
+    for rid, prompt in prompts.items():
+        outputs = scheduler.handle(GenerateRequest(rid, prompt, greedy(MAX_NEW)))
+        tokens: list[int] = []
+        for _ in range(1000):
+            for out in outputs:
+                if isinstance(out, ReqOutput) and out.rid == rid:
+                    tokens += out.new_token_ids
+                    if out.finished_reason is not None:
+                        found[rid] = (tokens, out.cached_tokens)
+            if rid in found:
+                break
+            check_kv_accounting(scheduler)
+            outputs = scheduler.step()
+        assert rid in found, f"{rid} did not finish"
+    scheduler.step()  # the idle step runs the scheduler's own KV check, the tier's included
+    scheduler.check_kv_invariant()
+    return found
+
+
+def _conversations(seed: int = 0) -> dict[str, list[int]]:
+    rng = random.Random(seed)
+    return {
+        f"c{i}": [rng.randrange(1, VOCAB) for _ in range(rng.randrange(40, 70))] for i in range(CONVERSATIONS)
+    }
+
+
+def _second_turns(
+    first: dict[str, list[int]], outputs: dict[str, tuple[list[int], int]]
+) -> dict[str, list[int]]:
+    return {f"{rid}-2": [*prompt, *outputs[rid][0], 7, 8, 9] for rid, prompt in first.items()}
+
+
+def _check_exact(prompts: dict[str, list[int]], outputs: dict[str, tuple[list[int], int]]) -> None:
+    for rid, prompt in prompts.items():
+        assert outputs[rid][0] == expected_output(prompt, MAX_NEW, VOCAB), rid
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_returning_turns_come_back_from_storage_with_exact_outputs(tmp_path: Path, policy: str) -> None:
+    scheduler = _scheduler(tmp_path, hicache_write_policy=policy)
+    first = _conversations()
+    # Together ten times the device pool: each conversation pushes the earlier ones out of it.
+    assert sum(len(p) + MAX_NEW for p in first.values()) * 2 > CONVERSATIONS * POOL // 10
+    first_out = _serve(scheduler, first)
+    _check_exact(first, first_out)
+    if policy == "write_back":
+        scheduler.tree_cache.evict(POOL)  # what is still on the device reaches storage only now
+    _tier(scheduler).drain()
+    second = _second_turns(first, first_out)
+    second_out = _serve(scheduler, second)
+    _check_exact(second, second_out)
+    stats = _tier(scheduler).stats()
+    assert stats["hicache_storage_hit_tokens"] > 0 and stats["hicache_storage_load_failures"] == 0
+    for rid, prompt in first.items():
+        # The first turn's whole pages (its prompt and what it generated, less the last token,
+        # whose K/V a finished request never computes) came from the cache.
+        stored = (len(prompt) + MAX_NEW - 1) // STORAGE_PAGE * STORAGE_PAGE
+        assert second_out[f"{rid}-2"][1] >= stored, rid
+    scheduler.tree_cache.evict(POOL)
+    scheduler.check_kv_invariant()
+
+
+def test_a_restarted_scheduler_serves_the_first_ones_prefixes_from_the_same_directory(tmp_path: Path) -> None:
+    first = _conversations(1)
+    before = _scheduler(tmp_path)
+    first_out = _serve(before, first)
+    _tier(before).close()  # drains its writes, as a shutdown does
+    after = _scheduler(tmp_path)
+    assert len(_tier(after).storage) > 0
+    second = _second_turns(first, first_out)
+    second_out = _serve(after, second)
+    _check_exact(second, second_out)
+    assert all(second_out[rid][1] >= STORAGE_PAGE * 4 for rid in second)
+    assert _tier(after).stats()["hicache_storage_hit_tokens"] >= STORAGE_PAGE * 4 * len(second)
+
+
+def test_a_corrupt_or_truncated_page_is_refused_and_the_output_stays_exact(tmp_path: Path) -> None:
+    first = _conversations(2)
+    before = _scheduler(tmp_path)
+    first_out = _serve(before, first)
+    _tier(before).close()
+    files = sorted(tmp_path.glob("*/*/*.kv"))
+    assert files
+    for index, path in enumerate(files):
+        data = path.read_bytes()
+        if index % 2:
+            path.write_bytes(data[: len(data) // 2])  # truncated: not even indexed
+        else:
+            path.write_bytes(data[:24] + bytes(8) + data[32:])  # the header names another page
+    after = _scheduler(tmp_path)
+    assert len(_tier(after).storage) == len(files[::2])
+    second = _second_turns(first, first_out)
+    _check_exact(second, _serve(after, second))
+    stats = _tier(after).stats()
+    assert stats["hicache_storage_load_failures"] > 0 and stats["hicache_storage_hit_tokens"] == 0
+    # Each refused file is removed, never offered again; the second turns, recomputing those
+    # pages, wrote good ones in their place.
+    remaining = sum(path.exists() and path.read_bytes()[24:32] == bytes(8) for path in files[::2])
+    assert remaining == len(files[::2]) - stats["hicache_storage_load_failures"]
+
+
+def test_a_broken_disk_turns_the_tier_off_and_serving_goes_on(tmp_path: Path) -> None:
+    scheduler = _scheduler(tmp_path)
+    tier = _tier(scheduler)
+    # The directory becomes a file: every write fails from now on.
+    shutil.rmtree(tier.storage.directory)
+    tier.storage.directory.write_bytes(b"")
+    first = _conversations(3)
+    first_out = _serve(scheduler, first)
+    _check_exact(first, first_out)
+    tier.drain()
+    assert not tier.storage.enabled  # one log line said so; no request saw it
+    second = _second_turns(first, first_out)
+    _check_exact(second, _serve(scheduler, second))
+    assert tier.stats()["hicache_storage_hit_tokens"] == 0
+
+
+def test_a_directory_that_cannot_be_made_means_no_storage_tier(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_bytes(b"")
+    scheduler = _scheduler(blocker / "below")
+    assert not _tier(scheduler).storage.enabled
+    first = _conversations(4)
+    _check_exact(first, _serve(scheduler, first))
+
+
+def test_write_through_selective_writes_only_what_a_prompt_hit_again(tmp_path: Path) -> None:
+    scheduler = _scheduler(tmp_path, hicache_write_policy="write_through_selective")
+    tier = _tier(scheduler)
+    first = dict(list(_conversations(5).items())[:1])
+    first_out = _serve(scheduler, first)
+    tier.drain()
+    assert len(tier.storage) == 0  # inserted and used once: not written
+    second = _second_turns(first, first_out)
+    _check_exact(second, _serve(scheduler, second))  # its prompt hits the first turn on the device
+    tier.drain()
+    (prompt,) = first.values()
+    assert len(tier.storage) == (len(prompt) + MAX_NEW - 1) // STORAGE_PAGE
+
+
+def test_clearing_the_storage_backend_removes_every_page(tmp_path: Path) -> None:
+    scheduler = _scheduler(tmp_path)
+    tier = _tier(scheduler)
+    first = _conversations(6)
+    first_out = _serve(scheduler, first)
+    tier.drain()
+    assert len(tier.storage) > 0
+    tier.clear()
+    tier.drain()
+    assert len(tier.storage) == 0 and not list(tmp_path.glob("*/*/*.kv"))
+    second = _second_turns(first, first_out)
+    _check_exact(second, _serve(scheduler, second))
+    scheduler.check_kv_invariant()
+
+
+def test_retracted_requests_resume_exactly_with_the_tier_below(tmp_path: Path) -> None:
+    # Admitting optimistically, so that decoding runs out of room and retracts.
+    scheduler = _scheduler(tmp_path, pool=96, schedule_conservativeness=0.05)
+    prompts = {rid: prompt[:24] for rid, prompt in _conversations(7).items()}
+    long_new = 40
+    finished: dict[str, list[int]] = {}
+    for rid, prompt in prompts.items():  # all at once: their outputs outgrow the pool
+        scheduler.handle(GenerateRequest(rid, prompt, greedy(long_new)))
+    for _ in range(5000):
+        check_kv_accounting(scheduler)
+        if scheduler.is_idle:
+            break
+        for out in scheduler.step():
+            if isinstance(out, ReqOutput):
+                finished.setdefault(out.rid, []).extend(out.new_token_ids)
+    assert scheduler.is_idle and scheduler.stats.retracted_reqs > 0
+    for rid, prompt in prompts.items():
+        assert finished[rid] == expected_output(prompt, long_new, VOCAB), rid
+    scheduler.step()
+    scheduler.check_kv_invariant()

@@ -124,7 +124,8 @@ class FileKVStorage:
         payload = kv.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
         header = _HEADER.pack(_MAGIC, FORMAT_VERSION, self.digest.encode(), page_hash, len(payload))
         path = self._path(page_hash)
-        partial = path.with_suffix(".partial")
+        # Named per process: replicas sharing the directory may write the same page at once.
+        partial = path.with_suffix(f".{os.getpid()}.partial")
         try:
             path.parent.mkdir(exist_ok=True)
             with open(partial, "wb") as f:

@@ -135,10 +135,10 @@ def test_a_failing_disk_turns_the_tier_off(tmp_path: Path, caplog: pytest.LogCap
     assert store.put(1, page(1))
     # Where page 2's file is written first, a directory: the write fails (a full disk, a read-only
     # mount or no permission fail the same way, with an OSError), whoever runs the test.
-    partial = store._path(2).with_suffix(".partial")
+    partial = store._path(2).with_suffix(f".{os.getpid()}.partial")
     partial.parent.mkdir(exist_ok=True)
     partial.mkdir()
     assert not store.put(2, page(2))
-    assert not store.enabled and not partial.with_suffix(".kv").exists()
+    assert not store.enabled and not store._path(2).exists()
     # Off for good: nothing stored, nothing served (the server recomputes instead).
     assert not store.put(3, page(3)) and store.get(1) is None and 1 not in store

@@ -88,9 +88,20 @@ def _check_exact(prompts: dict[str, list[int]], outputs: dict[str, tuple[list[in
         assert outputs[rid][0] == expected_output(prompt, MAX_NEW, VOCAB), rid
 
 
-@pytest.mark.parametrize("policy", ["write_through", "write_back"])
-def test_returning_turns_come_back_from_storage_with_exact_outputs(tmp_path: Path, policy: str) -> None:
-    scheduler = _scheduler(tmp_path, hicache_write_policy=policy)
+@pytest.mark.parametrize(
+    ("policy", "extra"),
+    [
+        ("write_through", {}),
+        ("write_back", {}),
+        ("write_through", {"page_size": 4}),
+        ("write_through", {"chunked_prefill_size": 16}),
+    ],
+    ids=["write-through", "write-back", "page4", "chunked"],
+)
+def test_returning_turns_come_back_from_storage_with_exact_outputs(
+    tmp_path: Path, policy: str, extra: dict[str, Any]
+) -> None:
+    scheduler = _scheduler(tmp_path, hicache_write_policy=policy, **extra)
     first = _conversations()
     # Together ten times the device pool: each conversation pushes the earlier ones out of it.
     assert sum(len(p) + MAX_NEW for p in first.values()) * 2 > CONVERSATIONS * POOL // 10

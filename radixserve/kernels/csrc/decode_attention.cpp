@@ -78,7 +78,10 @@ struct Queries {
         v16f k[DV];
         for (int j = 0; j < DV; j++) k[j] = load16(key + 16 * j);
         for (int g = 0; g < G; g++) {
-            v16f dot = rows[g][0] * k[0];
+            // The first product as an fma onto +0 (the same bits as the product): a plain product
+            // would let the compiler fuse it into the horizontal sum's first add where DV is 1, in
+            // one build and not the other.
+            v16f dot = fma_lanes(rows[g][0], k[0], v16f{});
             for (int j = 1; j < DV; j++) dot = fma_lanes(rows[g][j], k[j], dot);
             out[g][t] = hsum(dot) * scale;
         }
@@ -202,7 +205,9 @@ void attend_range(const T *q, const T *k_cache, const T *v_cache, const int64_t 
             for (int h = 0; h < H; h++) k[h] = load8(key + 8 * h);
             for (int g = 0; g < G; g++) {
                 const float *row = query[g];
-                v8f lo = load8(row) * k[0], hi = load8(row + 8) * k[1];
+                // As fmas onto +0, as in the AVX-512 build: with DV 1, plain products here were fused
+                // into hsum's first add (lo + hi), which changed the scores' last bit.
+                v8f lo = fma_lanes(load8(row), k[0], v8f{}), hi = fma_lanes(load8(row + 8), k[1], v8f{});
                 for (int j = 1; j < DV; j++) {
                     lo = fma_lanes(load8(row + 16 * j), k[2 * j], lo);
                     hi = fma_lanes(load8(row + 16 * j + 8), k[2 * j + 1], hi);

@@ -35,13 +35,9 @@ class SpeculationState:
     # How many of its tokens (prompt, then output) are in the shared n-gram index.
     indexed: int = 0
     # Decayed evidence on its drafts: accepted ones, and rejections (a verify step that stopped
-    # at a node with children); and the prior they start from (NGRAM seeds it from the recent
-    # requests' evidence, speculative/worker.py Speculator.seed_odds).
+    # at a node with children).
     accepted: float = 0.0
     rejected: float = 0.0
-    prior_accepted: float = PRIOR_ACCEPTED
-    prior_rejected: float = PRIOR_REJECTED
-    seeded: bool = False
     # STANDALONE: the draft model's K/V holds this request's positions [0, draft_len), worked out
     # at the admission numbered draft_admission (speculative/draft_model.py).
     draft_len: int = 0
@@ -56,8 +52,8 @@ class SpeculationState:
     @property
     def accept_odds(self) -> float:
         """The estimated chance that a draft is accepted given that its parent was."""
-        seen = self.accepted + self.rejected + self.prior_accepted + self.prior_rejected
-        return (self.accepted + self.prior_accepted) / seen
+        seen = self.accepted + self.rejected + PRIOR_ACCEPTED + PRIOR_REJECTED
+        return (self.accepted + PRIOR_ACCEPTED) / seen
 
     def record(self, accepted: int, rejected: bool) -> None:
         self.accepted += accepted
@@ -70,16 +66,13 @@ class SpeculationState:
     def offer_shadow(self, first_tokens: frozenset[int], output_len: int) -> None:
         self.shadow, self.shadow_at = first_tokens, output_len
 
-    def settle_shadow(self, output_ids: list[int]) -> bool | None:
+    def settle_shadow(self, output_ids: list[int]) -> None:
         """Counts the shadow drafts as one verify step would have, once the step after them has
-        emitted exactly one token (else, after a retraction or a verify step, drops them).
-        Returns whether they held (None: nothing to count)."""
-        hit = None
+        emitted exactly one token (else, after a retraction or a verify step, drops them)."""
         if self.shadow and len(output_ids) == self.shadow_at + 1:
             hit = output_ids[self.shadow_at] in self.shadow
             self.record(1 if hit else 0, rejected=not hit)
         self.shadow, self.shadow_at = frozenset(), -1
-        return hit
 
 
 @dataclass(eq=False)

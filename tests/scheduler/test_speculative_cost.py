@@ -125,28 +125,3 @@ def test_the_threshold_prunes_the_draft_tree_by_reach() -> None:
     prob = NgramIndex(NgramConfig(match_type="PROB"))
     prob.add(passage, 0)
     assert prob.propose(context, 8, 18, odds=0.8, min_reach=0.4).tokens == passage[9:14]
-
-
-def test_a_new_request_s_odds_start_from_the_recent_requests() -> None:
-    from radixserve.config.server_args import ServerArgs
-    from radixserve.protocol.sampling_params import SamplingParams
-    from radixserve.scheduler.request import Req
-    from radixserve.scheduler.speculative.worker import NgramSpeculator
-
-    speculator = NgramSpeculator(ServerArgs(model_path="m", speculative_algorithm="NGRAM"), 256, 256)
-    fresh = Req("fresh", [1, 2, 3], SamplingParams())
-    speculator.seed_odds(fresh)
-    assert fresh.speculation.accept_odds == pytest.approx(0.5)  # nothing seen yet: Beta(1, 1)
-    for _ in range(40):  # drafts hold: deep first drafts for the next request
-        speculator.remember(accepted=6, rejected=True)
-    copying = Req("copying", [1, 2, 3], SamplingParams())
-    speculator.seed_odds(copying)
-    assert copying.speculation.accept_odds > 0.8
-    for _ in range(200):  # then they fail: the next request hardly drafts
-        speculator.remember(accepted=0, rejected=True)
-    random_text = Req("random", [1, 2, 3], SamplingParams())
-    speculator.seed_odds(random_text)
-    assert random_text.speculation.accept_odds < 0.1
-    # A request is seeded once; its own evidence moves it from there.
-    speculator.seed_odds(copying)
-    assert copying.speculation.accept_odds > 0.8

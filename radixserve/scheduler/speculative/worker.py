@@ -41,7 +41,7 @@ from radixserve.forward.draft_tree import DraftTree
 from radixserve.scheduler.batch import KVContext, truncate_kv
 from radixserve.scheduler.logprobs import position_logprobs
 from radixserve.scheduler.next_tokens import GrammarMask, Sampler, pick_next_tokens
-from radixserve.scheduler.request import PRIOR_ACCEPTED, PRIOR_REJECTED, Req, SpeculationState
+from radixserve.scheduler.request import Req
 from radixserve.scheduler.speculative.cost import StepCost
 from radixserve.scheduler.speculative.ngram import NgramConfig, NgramIndex
 from radixserve.scheduler.speculative.verify import Verified, draw_tree_tokens
@@ -59,10 +59,6 @@ class VerifyPlan:
     starts: list[int]
     # The slots the trees took already (allocate_verify_slots), when drafting needed them first.
     out_cache_loc: torch.Tensor | None = None
-
-
-# How many observations a new request's prior (the recent requests' odds) is worth: Beta(1, 1)'s.
-PRIOR_WEIGHT = PRIOR_ACCEPTED + PRIOR_REJECTED
 
 
 def _text_from(req: Req, start: int) -> list[int]:
@@ -101,28 +97,11 @@ class Speculator(ABC):
         self.adaptive = not args.disable_speculative_adaptive
         self.cost = StepCost()
         self.agree = agree
-        # Every request's draft evidence together, decaying: what a new request's odds start from.
-        self.recent = SpeculationState()
 
     @abstractmethod
     def plan(self, reqs: list[Req], kv: KVContext) -> VerifyPlan | None:
         """The verify step for the running requests, or None for a plain decode step: each
         algorithm drafts its own way."""
-
-    def remember(self, accepted: int, rejected: bool) -> None:
-        """One request's verify step (or shadow check), into the evidence of all of them."""
-        self.recent.sit_out()  # decays, so that the prior follows the workload
-        self.recent.record(accepted, rejected)
-
-    def seed_odds(self, req: Req) -> None:
-        """A new request's prior: the recent requests' odds, worth PRIOR_WEIGHT observations, so
-        that on a workload whose drafts hold its first drafts are deep already, and where they
-        fail it hardly drafts at all; its own evidence takes over within a few steps."""
-        state = req.speculation
-        if not state.seeded:
-            odds = self.recent.accept_odds
-            state.prior_accepted, state.prior_rejected = PRIOR_WEIGHT * odds, PRIOR_WEIGHT * (1 - odds)
-            state.seeded = True
 
     def observe_forward(self, tokens: int, seconds: float, plain: bool) -> None:
         """A decode (plain) or verify step of `tokens` tokens took `seconds`."""
@@ -254,7 +233,6 @@ class Speculator(ABC):
                 if found.drafted:
                     stats.record_verify(found.drafted, found.accepted, len(found.tokens))
                     req.speculation.record(found.accepted, found.rejected)
-                    self.remember(found.accepted, found.rejected)
             offset += len(tree)
         if owners:
             rows = torch.tensor(logprob_rows, dtype=torch.int64, device=logits.device)
@@ -303,10 +281,7 @@ class NgramSpeculator(Speculator):
         expected_extra = 0.0  # the drafts' summed chance of being emitted
         for req in reqs:
             self.observe(req)
-            self.seed_odds(req)
-            held = req.speculation.settle_shadow(req.output_ids)
-            if held is not None:
-                self.remember(1 if held else 0, not held)
+            req.speculation.settle_shadow(req.output_ids)
             tree = DraftTree([req.output_ids[-1]], [-1])
             able = speculates(req)
             if able:

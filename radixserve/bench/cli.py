@@ -434,10 +434,15 @@ def _print_report(table: str, report: dict[str, Any], out: str | None) -> int:
     return 0
 
 
+def _isa_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine arguments --cpu-isa asks for (none for auto)."""
+    return {"cpu_isa": args.cpu_isa} if args.cpu_isa != "auto" else {}
+
+
 def _bench_speculative(args: argparse.Namespace) -> int:
     from radixserve.bench.speculative import format_table, run_speculative_bench
 
-    engine_args = {"cpu_isa": args.cpu_isa} if args.cpu_isa != "auto" else {}
+    engine_args = _isa_args(args)
     draft = args.draft_model_path
     if args.draft_early_exit is not None:
         from radixserve.bench.model import ensure_truncated_smollm2
@@ -494,7 +499,7 @@ def _bench_multiturn(args: argparse.Namespace) -> int:
         args.conversations, args.turns, args.user_tokens, args.reply_tokens, args.concurrency,
         args.pool_conversations,
     )  # fmt: skip
-    engine_args = {"cpu_isa": args.cpu_isa} if args.cpu_isa != "auto" else {}
+    engine_args = _isa_args(args)
     storage = Path(args.storage_dir) if args.storage_dir else None
     report = run_multiturn_bench(workload, args.dtype, storage, engine_args=engine_args)
     return _print_report(format_table(report), report, args.out)

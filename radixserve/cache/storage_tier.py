@@ -41,7 +41,7 @@ import torch
 
 from radixserve.cache.block_hash import page_hashes
 from radixserve.cache.pools import KVSlotAllocator
-from radixserve.cache.storage import FileKVStorage
+from radixserve.cache.storage import FileKVStorage, PageOrigin
 from radixserve.cache.tiers import CacheTier, PrefixTree, TierLoad
 
 logger = logging.getLogger(__name__)
@@ -278,7 +278,10 @@ class StorageTier(CacheTier):
         kv = self.kv.read_kv(slots[index])  # one copy for every page; each job a view of it
         for i, block in enumerate(wanted):
             page = kv[:, :, i * size : (i + 1) * size]
-            self._jobs.put((_WRITE, next(self._order), (hashes[block], page)))
+            origin = PageOrigin(
+                hashes[block - 1] if block else None, tokens[block * size : (block + 1) * size]
+            )
+            self._jobs.put((_WRITE, next(self._order), (hashes[block], page, origin)))
 
     # ---- the I/O thread ----------------------------------------------------------------------
 
@@ -320,9 +323,9 @@ class StorageTier(CacheTier):
             self._in_flight -= 1
         self._load_finished.set()
 
-    def _store(self, page_hash: int, page: torch.Tensor) -> None:
+    def _store(self, page_hash: int, page: torch.Tensor, origin: PageOrigin) -> None:
         started = time.perf_counter()
-        stored = self.storage.put(page_hash, page.contiguous())
+        stored = self.storage.put(page_hash, page.contiguous(), origin)
         with self._lock:
             self._queued_writes.discard(page_hash)
         if stored:

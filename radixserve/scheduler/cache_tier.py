@@ -7,6 +7,7 @@ import hashlib
 import logging
 from pathlib import Path
 
+from radixserve.cache.kv_events import KVEventRecorder
 from radixserve.cache.pools import KVSlotAllocator
 from radixserve.cache.storage import FileKVStorage, StorageFingerprint
 from radixserve.cache.storage_tier import StorageTier
@@ -37,7 +38,18 @@ def model_identity(model_path: str | None, config_text: str) -> str:
     return digest.hexdigest()
 
 
-def build_cache_tier(args: ServerArgs, executor: Executor, allocator: KVSlotAllocator) -> CacheTier:
+# KV cache events' medium for the storage tier's pages (the device pool's is "GPU" or "CPU").
+STORAGE_MEDIUM = "DISK"
+
+
+def build_cache_tier(
+    args: ServerArgs,
+    executor: Executor,
+    allocator: KVSlotAllocator,
+    events: KVEventRecorder | None = None,
+) -> CacheTier:
+    """events: the device tree's KV event recorder, when events are published; the storage tier
+    then records its own pages' events into the same stream."""
     if not args.enable_hierarchical_cache:
         return DeviceOnlyTier()
     if executor.info.device.type == "cpu":
@@ -59,7 +71,12 @@ def build_cache_tier(args: ServerArgs, executor: Executor, allocator: KVSlotAllo
         layout.head_dim,
     )
     root = storage_dir(args)
-    storage = FileKVStorage(root, fingerprint, int(args.hicache_storage_size_gb * (1 << 30)))
+    storage = FileKVStorage(
+        root,
+        fingerprint,
+        int(args.hicache_storage_size_gb * (1 << 30)),
+        events.for_medium(fingerprint.page_size, STORAGE_MEDIUM) if events is not None else None,
+    )
     logger.info(
         "hierarchical cache: storage tier in %s (%d pages of %d tokens found, %s)",
         storage.directory,

@@ -105,7 +105,9 @@ class Scheduler:
             else None
         )
         # --enable-hierarchical-cache: the tier below the device pool (cache/tiers.py).
-        self.cache_tier = build_cache_tier(args, executor, self.allocator)
+        self.cache_tier = build_cache_tier(
+            args, executor, self.allocator, self.kv_events.recorder if self.kv_events else None
+        )
         self.tree_cache: PrefixCache = (
             ChunkCache(self.req_to_token_pool, self.allocator, args.page_size)
             if args.disable_radix_cache

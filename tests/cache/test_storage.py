@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from radixserve.cache.block_hash import page_hashes
+from radixserve.cache.block_hash import page_hash, page_hashes
+from radixserve.cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventRecorder
 from radixserve.cache.pools import KVCachePool
-from radixserve.cache.storage import FileKVStorage, StorageFingerprint
+from radixserve.cache.storage import FileKVStorage, PageOrigin, StorageFingerprint
 
 FINGERPRINT = StorageFingerprint(
     "tiny-llama:abc", torch.bfloat16, 2, num_layers=3, num_kv_heads=2, head_dim=4
@@ -24,6 +25,15 @@ FINGERPRINT = StorageFingerprint(
 def page(seed: int, fingerprint: StorageFingerprint = FINGERPRINT) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randn(fingerprint.page_shape, generator=generator).to(fingerprint.dtype)
+
+
+def h(n: int) -> int:
+    """The hash of page n: a first page holding the tokens [n, n]."""
+    return page_hash(None, [n, n])
+
+
+def put(store: FileKVStorage, n: int, kv: torch.Tensor | None = None) -> bool:
+    return store.put(h(n), page(n) if kv is None else kv, PageOrigin(None, [n, n]))
 
 
 def storage(root: Path, pages: int = 100, fingerprint: StorageFingerprint = FINGERPRINT) -> FileKVStorage:
@@ -36,11 +46,11 @@ def test_a_page_comes_back_bit_for_bit(tmp_path: Path, dtype: torch.dtype) -> No
     store = storage(tmp_path, fingerprint=fingerprint)
     kv = page(1, fingerprint)
     kv[0, 0, 0, 0, 0] = float("nan")  # any bits, not only numbers
-    assert store.put(42, kv) and 42 in store
-    back = store.get(42)
+    assert put(store, 42, kv) and h(42) in store
+    back = store.get(h(42))
     assert back is not None and back.dtype == dtype
     assert torch.equal(back.view(torch.uint8), kv.view(torch.uint8))
-    assert store.get(43) is None
+    assert store.get(h(43)) is None
 
 
 def test_the_pool_reads_and_writes_pages_across_layers() -> None:
@@ -68,55 +78,55 @@ def test_another_model_dtype_or_layout_never_sees_the_pages(
     tmp_path: Path, other: StorageFingerprint
 ) -> None:
     store = storage(tmp_path)
-    store.put(7, page(7))
-    assert 7 not in storage(tmp_path, fingerprint=other)
-    assert 7 in storage(tmp_path)
+    put(store, 7)
+    assert h(7) not in storage(tmp_path, fingerprint=other)
+    assert h(7) in storage(tmp_path)
 
 
 def test_another_format_version_is_not_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    storage(tmp_path).put(7, page(7))
-    monkeypatch.setattr("radixserve.cache.storage.FORMAT_VERSION", 2)
-    assert 7 not in storage(tmp_path)  # the version is in the fingerprint's digest
+    put(storage(tmp_path), 7)
+    monkeypatch.setattr("radixserve.cache.storage.FORMAT_VERSION", 3)
+    assert h(7) not in storage(tmp_path)  # the version is in the fingerprint's digest
 
 
 def test_a_file_whose_header_disagrees_is_refused_and_removed(tmp_path: Path) -> None:
     store = storage(tmp_path)
-    store.put(7, page(7))
-    store.put(8, page(8))
+    put(store, 7)
+    put(store, 8)
     # Page 8's file put where page 7's belongs (a copy, a rename, a hash collision on disk).
-    path7, path8 = store._path(7), store._path(8)
+    path7, path8 = store._path(h(7)), store._path(h(8))
     os.replace(path8, path7)
     reopened = storage(tmp_path)
-    assert reopened.get(7) is None and not path7.exists()
+    assert reopened.get(h(7)) is None and not path7.exists()
     assert reopened.used_bytes == 0 and len(reopened) == 0
 
 
 def test_a_truncated_file_is_refused(tmp_path: Path) -> None:
     store = storage(tmp_path)
-    store.put(7, page(7))
-    path = store._path(7)
+    put(store, 7)
+    path = store._path(h(7))
     path.write_bytes(path.read_bytes()[:-1])
-    assert 7 not in storage(tmp_path)  # the wrong size is not even counted
-    assert store.get(7) is None  # and the process that wrote it refuses it too
+    assert h(7) not in storage(tmp_path) and not path.exists()  # the wrong size: removed at startup
+    assert store.get(h(7)) is None  # and the process that wrote it refuses it too
 
 
 def test_the_budget_evicts_the_least_recently_used(tmp_path: Path) -> None:
     store = storage(tmp_path, pages=3)
-    for h in (1, 2, 3):
-        store.put(h, page(h))
-    assert store.get(1) is not None  # 2 is now the least recently used
-    store.put(4, page(4))
-    assert sorted(store._pages) == [1, 3, 4] and not store._path(2).exists()
+    for n in (1, 2, 3):
+        put(store, n)
+    assert store.get(h(1)) is not None  # 2 is now the least recently used
+    put(store, 4)
+    assert sorted(store._pages) == sorted(map(h, (1, 3, 4))) and not store._path(h(2)).exists()
     assert store.used_bytes == 3 * FINGERPRINT.page_bytes
-    assert not FileKVStorage(tmp_path, FINGERPRINT, budget_bytes=FINGERPRINT.page_bytes - 1).put(9, page(9))
+    assert not put(FileKVStorage(tmp_path, FINGERPRINT, budget_bytes=FINGERPRINT.page_bytes - 1), 9)
 
 
 def test_a_restart_finds_the_pages_in_their_use_order(tmp_path: Path) -> None:
     store = storage(tmp_path, pages=3)
     chain = page_hashes(None, [1, 2, 3, 4, 5, 6], 2)
-    for i, h in enumerate(chain):
-        store.put(h, page(i))
-        os.utime(store._path(h), (1000 + i, 1000 + i))  # mtimes a second apart
+    for i, block in enumerate(chain):
+        store.put(block, page(i), PageOrigin(chain[i - 1] if i else None, [2 * i + 1, 2 * i + 2]))
+        os.utime(store._path(block), (1000 + i, 1000 + i))  # mtimes a second apart
     restarted = storage(tmp_path, pages=3)
     assert list(restarted._pages) == chain
     assert torch.equal(restarted.get(chain[1]), page(1))  # type: ignore[arg-type]
@@ -128,17 +138,66 @@ def test_a_failing_disk_turns_the_tier_off(tmp_path: Path, caplog: pytest.LogCap
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("")
     store = storage(blocker)  # its directory cannot be made
-    assert not store.enabled and not store.put(1, page(1)) and store.get(1) is None
+    assert not store.enabled and not put(store, 1) and store.get(h(1)) is None
     assert "storage tier off" in caplog.text
 
     store = storage(tmp_path / "ok")
-    assert store.put(1, page(1))
+    assert put(store, 1)
     # Where page 2's file is written first, a directory: the write fails (a full disk, a read-only
     # mount or no permission fail the same way, with an OSError), whoever runs the test.
-    partial = store._path(2).with_suffix(f".{os.getpid()}.partial")
+    partial = store._path(h(2)).with_suffix(f".{os.getpid()}.partial")
     partial.parent.mkdir(exist_ok=True)
     partial.mkdir()
-    assert not store.put(2, page(2))
-    assert not store.enabled and not store._path(2).exists()
+    assert not put(store, 2)
+    assert not store.enabled and not store._path(h(2)).exists()
     # Off for good: nothing stored, nothing served (the server recomputes instead).
-    assert not store.put(3, page(3)) and store.get(1) is None and 1 not in store
+    assert not put(store, 3) and store.get(h(1)) is None and h(1) not in store
+
+
+def test_a_damaged_head_is_removed_at_startup_and_a_damaged_payload_refused_on_load(tmp_path: Path) -> None:
+    store = storage(tmp_path)
+    put(store, 7)
+    put(store, 8)
+    head_damaged, payload_damaged = store._path(h(7)), store._path(h(8))
+    data = bytearray(head_damaged.read_bytes())
+    data[FINGERPRINT.payload_offset - 1] ^= 1  # a token id: the name is no longer its tokens' hash
+    head_damaged.write_bytes(bytes(data))
+    data = bytearray(payload_damaged.read_bytes())
+    data[-1] ^= 1  # one bit of the K/V: caught by the payload's CRC
+    payload_damaged.write_bytes(bytes(data))
+    reopened = storage(tmp_path)
+    assert h(7) not in reopened and not head_damaged.exists()
+    assert h(8) in reopened and reopened.get(h(8)) is None and not payload_damaged.exists()
+    assert reopened.used_bytes == 0
+
+
+def test_events_record_stores_removals_and_what_a_restart_finds(tmp_path: Path) -> None:
+    device = KVEventRecorder(page_size=1, medium="CPU")
+    store = FileKVStorage(tmp_path, FINGERPRINT, 2 * FINGERPRINT.page_bytes, device.for_medium(2, "DISK"))
+    for n in (1, 2, 3):  # the third evicts the first (two pages fit)
+        put(store, n)
+    batch = device.take()
+    assert batch is not None and batch.events == [
+        BlockStored([h(1)], None, [1, 1], 2, None, "DISK"),
+        BlockStored([h(2)], None, [2, 2], 2, None, "DISK"),
+        BlockRemoved([h(1)], "DISK"),
+        BlockStored([h(3)], None, [3, 3], 2, None, "DISK"),
+    ]
+    # A restart: the clear that opens its event stream (the device tree's) is followed by what
+    # the disk holds, read from the files' heads.
+    device = KVEventRecorder(page_size=1, medium="CPU")
+    restarted = FileKVStorage(tmp_path, FINGERPRINT, 2 * FINGERPRINT.page_bytes, device.for_medium(2, "DISK"))
+    device.cleared()
+    batch = device.take()
+    assert batch is not None and batch.events == [
+        AllBlocksCleared(),
+        BlockStored([h(2)], None, [2, 2], 2, None, "DISK"),
+        BlockStored([h(3)], None, [3, 3], 2, None, "DISK"),
+    ]
+    restarted.clear()
+    batch = device.take()
+    assert batch is not None and batch.events == [BlockRemoved([h(2), h(3)], "DISK")]
+    put(restarted, 4)
+    restarted.disable("a test")  # no longer served from: its pages are announced as removed
+    batch = device.take()
+    assert batch is not None and batch.events[-1] == BlockRemoved([h(4)], "DISK")

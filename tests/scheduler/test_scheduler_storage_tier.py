@@ -5,16 +5,22 @@ disk turns the tier off without failing a request; the KV accounting holds after
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from radixserve.cache.radix_cache import RadixCache
+from radixserve.cache.storage import StorageFingerprint
 from radixserve.cache.storage_tier import StorageTier
 from radixserve.protocol.messages import GenerateRequest, ReqOutput
 from radixserve.scheduler.scheduler import Scheduler
+from tests.cache.test_kv_events import tree_blocks
+from tests.kv_event_client import follow, replay
 from tests.scheduler.fake_executor import (
     FakeExecutor,
     check_kv_accounting,
@@ -22,6 +28,7 @@ from tests.scheduler.fake_executor import (
     greedy,
     make_scheduler,
 )
+from tests.scheduler.test_kv_events import free_port
 
 VOCAB = 1024
 POOL = 128  # device KV slots
@@ -145,22 +152,25 @@ def test_a_corrupt_or_truncated_page_is_refused_and_the_output_stays_exact(tmp_p
     _tier(before).close()
     files = sorted(tmp_path.glob("*/*/*.kv"))
     assert files
+    corrupt: dict[Path, bytes] = {}
     for index, path in enumerate(files):
         data = path.read_bytes()
         if index % 2:
-            path.write_bytes(data[: len(data) // 2])  # truncated: not even indexed
+            path.write_bytes(data[: len(data) // 2])  # truncated: removed at startup
         else:
-            path.write_bytes(data[:24] + bytes(8) + data[32:])  # the header names another page
+            corrupt[path] = data[:-1] + bytes([data[-1] ^ 1])  # one bit of the K/V flipped
+            path.write_bytes(corrupt[path])
     after = _scheduler(tmp_path)
-    assert len(_tier(after).storage) == len(files[::2])
+    assert len(_tier(after).storage) == len(corrupt)
+    assert not any(path.exists() for path in files[1::2])
     second = _second_turns(first, first_out)
     _check_exact(second, _serve(after, second))
     stats = _tier(after).stats()
     assert stats["hicache_storage_load_failures"] > 0 and stats["hicache_storage_hit_tokens"] == 0
     # Each refused file is removed, never offered again; the second turns, recomputing those
     # pages, wrote good ones in their place.
-    remaining = sum(path.exists() and path.read_bytes()[24:32] == bytes(8) for path in files[::2])
-    assert remaining == len(files[::2]) - stats["hicache_storage_load_failures"]
+    remaining = sum(path.exists() and path.read_bytes() == data for path, data in corrupt.items())
+    assert remaining == len(corrupt) - stats["hicache_storage_load_failures"]
 
 
 def test_a_broken_disk_turns_the_tier_off_and_serving_goes_on(tmp_path: Path) -> None:
@@ -237,3 +247,86 @@ def test_retracted_requests_resume_exactly_with_the_tier_below(tmp_path: Path) -
         assert finished[rid] == expected_output(prompt, long_new, VOCAB), rid
     scheduler.step()
     scheduler.check_kv_invariant()
+
+
+# Room for this many storage pages: the subscriber test's disk evicts (least recently used).
+EVENTS_TEST_PAGES = 48
+
+
+def _with_events(directory: Path) -> Scheduler:
+    layout = FakeExecutor().kv_layout()
+    page = StorageFingerprint(
+        "", layout.dtype, STORAGE_PAGE, layout.num_layers, layout.num_kv_heads, layout.head_dim
+    )
+    config = {
+        "publisher": "zmq",
+        "endpoint": f"tcp://127.0.0.1:{free_port()}",
+        "replay_endpoint": f"tcp://127.0.0.1:{free_port()}",
+        "buffer_steps": 100_000,
+    }
+    budget_gb = EVENTS_TEST_PAGES * page.page_bytes / (1 << 30)
+    return _scheduler(directory, kv_events_config=json.dumps(config), hicache_storage_size_gb=budget_gb)
+
+
+def _replayed_blocks(scheduler: Scheduler) -> dict[str | None, set[int]]:
+    """What a subscriber that joins now rebuilds from the replay alone (once every batch so far
+    has been published)."""
+    _tier(scheduler).drain()
+    scheduler.step()  # publishes what the I/O thread recorded meanwhile
+    publisher = scheduler.kv_events
+    assert publisher is not None and publisher.replay_endpoint is not None
+    deadline = time.monotonic() + 30
+    while not publisher._queue.empty() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    replayed = replay(publisher.replay_endpoint)
+    assert [seq for seq, _ in replayed] == list(range(publisher.published))
+    return follow([batch for _, batch in replayed])
+
+
+def _own_view(scheduler: Scheduler) -> dict[str | None, set[int]]:
+    assert isinstance(scheduler.tree_cache, RadixCache)
+    view = {"CPU": tree_blocks(scheduler.tree_cache), "DISK": set(_tier(scheduler).storage._pages)}
+    return {medium: blocks for medium, blocks in view.items() if blocks}
+
+
+def _shut(scheduler: Scheduler) -> None:
+    assert scheduler.kv_events is not None
+    scheduler.kv_events.shutdown()
+    _tier(scheduler).close()
+
+
+def test_a_subscriber_rebuilds_both_tiers_blocks_from_the_events_alone(tmp_path: Path) -> None:
+    scheduler = _with_events(tmp_path)
+    try:
+        first = _conversations(8)
+        first_out = _serve(scheduler, first)  # ten times the pool: evictions, writes to disk
+        _tier(scheduler).drain()
+        assert len(_tier(scheduler).storage) == EVENTS_TEST_PAGES  # and the disk's own evictions
+        # The latest first, while the disk still holds them (the disk's own evictions are LRU).
+        second = dict(reversed(_second_turns(first, first_out).items()))
+        _check_exact(second, _serve(scheduler, second))  # loads from disk
+        assert _tier(scheduler).stats()["hicache_storage_hit_tokens"] > 0
+        assert _replayed_blocks(scheduler) == _own_view(scheduler)
+        # flush_cache empties the device tree (AllBlocksCleared, which makes subscribers forget
+        # every medium) but not the disk, whose pages are announced again after it.
+        assert scheduler.flush_cache()
+        view = _own_view(scheduler)
+        assert "CPU" not in view and view["DISK"]
+        assert _replayed_blocks(scheduler) == view
+        third = {f"{rid}-3": prompt[:30] for rid, prompt in second.items()}
+        _check_exact(third, _serve(scheduler, third))
+        assert _replayed_blocks(scheduler) == _own_view(scheduler)
+        _tier(scheduler).clear()  # /clear_hicache_storage_backend: the disk's pages, removed
+        assert _replayed_blocks(scheduler) == _own_view(scheduler)
+        assert "DISK" not in _own_view(scheduler)
+        _serve(scheduler, dict(list(first.items())[:3]))
+        final = _replayed_blocks(scheduler)
+        assert final == _own_view(scheduler) and final["DISK"]
+    finally:
+        _shut(scheduler)
+    # A restart on the same directory: its stream opens with what the disk holds.
+    restarted = _with_events(tmp_path)
+    try:
+        assert _replayed_blocks(restarted) == {"DISK": final["DISK"]} == _own_view(restarted)
+    finally:
+        _shut(restarted)

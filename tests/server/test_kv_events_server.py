@@ -7,61 +7,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import msgspec
 import zmq
 
+from tests.kv_event_client import DECODER, AllBlocksCleared, Batch, BlockStored, follow, replay, stored_paths
 from tests.server.conftest import LiveServer
 
 SHARED_SERVER = True
-
-
-# The wire shape as a consumer writes it from vLLM's definitions (independent of radixserve's).
-class Event(msgspec.Struct, array_like=True, tag=True):
-    pass
-
-
-class BlockStored(Event):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-
-
-class BlockRemoved(Event):
-    block_hashes: list[int]
-    medium: str | None
-
-
-class AllBlocksCleared(Event):
-    pass
-
-
-class Batch(msgspec.Struct, array_like=True):
-    ts: float
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-    data_parallel_rank: int | None = None
-
-
-DECODER = msgspec.msgpack.Decoder(Batch)
-
-
-def stored_paths(batches: list[Batch]) -> dict[int, list[int]]:
-    """Every stored block's whole token path, from the parent chain (blocks whose parent was
-    stored before the first of these batches are left out)."""
-    paths: dict[int, list[int]] = {}
-    for batch in batches:
-        for event in batch.events:
-            if isinstance(event, BlockStored):
-                parent = event.parent_block_hash
-                if parent is not None and parent not in paths:
-                    continue
-                for i, block in enumerate(event.block_hashes):
-                    tokens = event.token_ids[i * event.block_size : (i + 1) * event.block_size]
-                    paths[block] = (paths[parent] if parent is not None else []) + tokens
-                    parent = block
-    return paths
 
 
 def generate(server: LiveServer, input_ids: list[int]) -> dict[str, Any]:
@@ -105,33 +56,11 @@ def test_a_subscriber_sees_the_request_s_tokens_stored(server: LiveServer) -> No
 def test_a_replay_from_the_first_batch_rebuilds_a_consistent_cache(server: LiveServer) -> None:
     assert server.kv_events is not None
     generate(server, [400, 401, 402, 403])
-    dealer = zmq.Context.instance().socket(zmq.DEALER)
-    dealer.connect(server.kv_events[1])
-    sequence: list[int] = []
-    batches: list[Batch] = []
-    try:
-        dealer.send_multipart((b"", (0).to_bytes(8, "big")))
-        while True:
-            assert dealer.poll(30_000), "the replay stopped before its end marker"
-            _empty, seq, payload = dealer.recv_multipart()
-            if int.from_bytes(seq, "big", signed=True) == -1:
-                break
-            sequence.append(int.from_bytes(seq, "big"))
-            batches.append(DECODER.decode(payload))
-    finally:
-        dealer.close(linger=0)
+    replayed = replay(server.kv_events[1])
+    sequence, batches = [seq for seq, _ in replayed], [batch for _, batch in replayed]
     assert sequence == list(range(len(sequence))) and sequence, "replay from 0 starts at 0, no gaps"
     assert isinstance(batches[0].events[0], AllBlocksCleared)  # the server's cache starts empty
-    blocks: set[int] = set()
-    for batch in batches:
-        assert batch.data_parallel_rank == 0
-        for event in batch.events:
-            if isinstance(event, AllBlocksCleared):
-                blocks.clear()
-            elif isinstance(event, BlockStored):
-                blocks.update(event.block_hashes)
-            else:
-                assert set(event.block_hashes) <= blocks, "removed a block that was never stored"
-                blocks.difference_update(event.block_hashes)
+    assert all(batch.data_parallel_rank == 0 for batch in batches)
+    blocks = follow(batches)
     paths = stored_paths(batches)
-    assert any(paths[h][:4] == [400, 401, 402, 403] for h in blocks), "the request's prefix is cached"
+    assert any(paths[h][:4] == [400, 401, 402, 403] for h in blocks["CPU"]), "the request's prefix is cached"

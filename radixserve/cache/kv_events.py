@@ -111,6 +111,13 @@ class KVEventRecorder:
             for announce in self._log.after_clear:
                 announce()
 
+    @property
+    def pending(self) -> bool:
+        """Events wait to be taken (the storage tier's I/O thread records while the scheduler
+        idles)."""
+        with self._log.lock:
+            return bool(self._log.pending)
+
     def take(self, data_parallel_rank: int | None = None) -> KVEventBatch | None:
         """The events since the last take, as one batch (None when there were none)."""
         with self._log.lock:

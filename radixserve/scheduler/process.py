@@ -166,6 +166,8 @@ def run_scheduler_process(server_args: dict[str, Any], child: ChildArgs) -> None
                     messages.append(first)
                 elif args.tp_size > 1:
                     break  # an empty share now and then keeps the other ranks' collective alive
+                elif scheduler.kv_events_pending:
+                    break  # the storage tier's I/O thread recorded events while idle: a step publishes them
             while (msg := inbox.recv(0)) is not None:
                 messages.append(msg)
             return messages

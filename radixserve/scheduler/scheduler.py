@@ -608,6 +608,11 @@ class Scheduler:
         if problems:
             raise KVLeakError("; ".join(problems))
 
+    @property
+    def kv_events_pending(self) -> bool:
+        """KV events recorded and not yet published: an idle scheduler steps once to send them."""
+        return self.kv_events is not None and self.kv_events.recorder.pending
+
     def flush_cache(self) -> bool:
         if not self.is_idle:
             return False

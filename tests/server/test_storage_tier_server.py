@@ -1,13 +1,17 @@
 """The storage tier behind a live server: its counters in /get_server_info and /metrics, the clear
-route, and a warm restart (a new server process on the same directory serves the first one's
-prefixes from disk)."""
+route, a warm restart (a new server process on the same directory serves the first one's
+prefixes from disk), and its pages' KV events (announced at the restart, removed by the clear)."""
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tests.kv_event_client import follow, replay, stored_paths
+from tests.scheduler.test_kv_events import free_port
 from tests.server.conftest import LiveServer
 
 PROMPT = list(range(100, 260))  # 160 tokens: ten stored pages of 16
@@ -29,6 +33,18 @@ def _generate(server: LiveServer) -> dict[str, Any]:
         return result
 
 
+def _disk_blocks_once(replay_endpoint: str, settled: Callable[[set[int]], bool]) -> tuple[set[int], Any]:
+    """The DISK blocks a subscriber rebuilds from a replay, asked again until `settled` (an idle
+    server publishes what its I/O thread recorded within a poll interval)."""
+    deadline = time.monotonic() + 30
+    while True:
+        batches = [batch for _, batch in replay(replay_endpoint)]
+        blocks = follow(batches).get("DISK", set())
+        if settled(blocks) or time.monotonic() > deadline:
+            return blocks, batches
+        time.sleep(0.2)
+
+
 def test_a_restarted_server_serves_the_first_ones_prefix_from_disk(
     tmp_path: Path, tiny_model_dir: Callable[[str], Path], start_server: Callable[..., LiveServer]
 ) -> None:
@@ -40,8 +56,19 @@ def test_a_restarted_server_serves_the_first_ones_prefix_from_disk(
     assert info["hicache_tier"] == "storage" and info["hicache_write_policy"] == "write_through"
     first.stop()  # SIGTERM: the queued writes finish before the process exits
 
-    second = start_server(tiny_model_dir("llama"), *_flags(directory))
-    assert second.server_info()["hicache_storage_pages"] >= len(PROMPT) // 16 - 1
+    replay_endpoint = f"tcp://127.0.0.1:{free_port()}"
+    events = {"endpoint": f"tcp://127.0.0.1:{free_port()}", "replay_endpoint": replay_endpoint}
+    second = start_server(
+        tiny_model_dir("llama"), *_flags(directory), "--kv-events-config", json.dumps(events)
+    )
+    pages = second.server_info()["hicache_storage_pages"]
+    assert pages >= len(PROMPT) // 16 - 1
+    # Before any request: the pages found on disk, announced with their tokens.
+    disk, batches = _disk_blocks_once(replay_endpoint, lambda blocks: len(blocks) >= pages)
+    assert len(disk) == pages
+    paths = stored_paths(batches)
+    assert sorted(len(paths[block]) for block in disk)[:3] == [16, 32, 48]
+    assert all(paths[block] == PROMPT[: len(paths[block])] for block in disk)
     result = _generate(second)
     assert result["output_ids"] == expected
     # The prompt less its last token (always computed) is whole pages up to 144 tokens.
@@ -54,4 +81,5 @@ def test_a_restarted_server_serves_the_first_ones_prefix_from_disk(
         ]
         assert float(hits[0].split()[-1]) >= 144
         assert client.post("/clear_hicache_storage_backend").status_code == 200
+    assert _disk_blocks_once(replay_endpoint, lambda blocks: not blocks)[0] == set()
     second.assert_idle_and_kv_intact()

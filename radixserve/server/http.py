@@ -18,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -145,6 +145,22 @@ class GenerateBody(BaseModel):
     return_hidden_states: bool = False
     # "module.path:ClassName" (needs --enable-custom-logit-processor); see docs/server.md.
     custom_logit_processor: str | None = None
+    # Fields sglang-router adds to every /generate it forwards. One model is served here, so
+    # `model` is not checked; log_metrics and no_logs change nothing; the three features below are
+    # not built, so asking for them is a 422 (their defaults, which the router sends, are fine).
+    model: str | None = None
+    log_metrics: bool = True
+    no_logs: bool = False
+    background: bool = False
+    return_bytes: bool = False
+    return_entropy: bool = False
+
+    @field_validator("background", "return_bytes", "return_entropy")
+    @classmethod
+    def _not_built(cls, value: bool, info: ValidationInfo) -> bool:
+        if value:
+            raise ValueError(f"{info.field_name} is not supported by this server")
+        return value
 
     def prompts(self, engine: Engine) -> PromptBatch:
         for name in ("text", "input_ids", "input_embeds"):
@@ -378,6 +394,7 @@ def _add_native_routes(app: FastAPI) -> None:
         engine_of(request).log_requests = body["log_requests"]
         return JSONResponse({"log_requests": body["log_requests"]})
 
+    @app.get("/model_info")  # the name sglang-router asks first
     @app.get("/get_model_info")
     async def get_model_info(request: Request) -> JSONResponse:
         engine = engine_of(request)
@@ -392,6 +409,7 @@ def _add_native_routes(app: FastAPI) -> None:
             }
         )
 
+    @app.get("/server_info")  # the name sglang-router asks first
     @app.get("/get_server_info")
     async def get_server_info(request: Request) -> JSONResponse:
         engine = engine_of(request)

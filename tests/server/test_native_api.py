@@ -96,6 +96,25 @@ def test_control_routes(server: LiveServer) -> None:
         assert client.get("/health").status_code == 200
         assert client.get("/health_generate").status_code == 200
         assert client.post("/flush_cache").status_code == 200
+        # sglang-router's names for the same two routes (it asks for these first).
+        assert client.get("/model_info").json() == info
+        assert client.get("/server_info").json()["max_total_tokens"] == 16384
+
+
+def test_generate_takes_the_fields_sglang_router_adds(server: LiveServer) -> None:
+    router_fields = {
+        "model": "any-name", "log_metrics": True, "no_logs": False,
+        "background": False, "return_bytes": False, "return_entropy": False,
+    }  # fmt: skip
+    body = {"input_ids": [5, 6, 7], "sampling_params": {**GREEDY, "max_new_tokens": 3}}
+    with server.client() as client:
+        plain = client.post("/generate", json=body)
+        forwarded = client.post("/generate", json={**body, **router_fields})
+        assert forwarded.status_code == 200, forwarded.text
+        assert forwarded.json()["output_ids"] == plain.json()["output_ids"]
+        refused = client.post("/generate", json={**body, "return_entropy": True})
+        assert refused.status_code == 422  # as every other invalid field here
+        assert "return_entropy is not supported" in refused.json()["error"]["message"]
 
 
 def test_abort_by_rid_and_abort_all_while_decoding(server: LiveServer) -> None:

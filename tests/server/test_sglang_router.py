@@ -1,0 +1,156 @@
+"""Two radixserve replicas behind sglang-router (PyPI, a test dependency), all on 127.0.0.1: the
+router finds both, mixed streaming and non-streaming traffic through it (native and OpenAI
+routes) gets the outputs the replicas give directly, both replicas serve, and a client that hangs
+up mid-stream aborts its request on the replica that ran it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.server.conftest import LiveServer, finish, free_port, launch
+
+SHARED_SERVER = True  # replica A; replica B is a server of this module's own
+GREEDY = {"temperature": 0.0, "max_new_tokens": 6}
+
+
+@pytest.fixture(scope="module")
+def replicas(
+    server: LiveServer, tiny_model_dir: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[LiveServer, LiveServer]]:
+    other = launch(tiny_model_dir("llama"), tmp_path_factory.mktemp("replica-b"))
+    yield server, other
+    finish(other)
+
+
+@pytest.fixture(scope="module")
+def router(
+    replicas: tuple[LiveServer, LiveServer], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("router") / "router.log"
+    cmd = [
+        sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+        "--worker-urls", *(replica.base_url for replica in replicas), "--policy", "cache_aware",
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--log-level", "warn",
+    ]  # fmt: skip
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # ready once it has registered both replicas as healthy workers
+            assert process.poll() is None, log_path.read_text(errors="replace")
+            try:
+                workers = httpx.get(f"{base}/workers", timeout=2).json()
+                if sum(1 for w in workers.get("workers", []) if w.get("is_healthy")) == 2:
+                    break
+            except (httpx.TransportError, ValueError):
+                pass
+            assert time.monotonic() < deadline, log_path.read_text(errors="replace")
+            time.sleep(0.2)
+        yield base
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def _generated(replica: LiveServer) -> int:
+    tokens: int = replica.server_info()["generated_tokens"]
+    return tokens
+
+
+def _native(base: str, prompt: list[int], stream: bool) -> list[int]:
+    body = {"input_ids": prompt, "sampling_params": GREEDY, "stream": stream}
+    with httpx.Client(base_url=base, timeout=120) as client:
+        if not stream:
+            reply = client.post("/generate", json=body)
+            assert reply.status_code == 200, reply.text
+            ids: list[int] = reply.json()["output_ids"]
+            return ids
+        last: dict[str, Any] = {}
+        with client.stream("POST", "/generate", json=body) as reply:
+            assert reply.status_code == 200
+            for line in reply.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    last = json.loads(line[len("data: ") :])
+        ids = last["output_ids"]
+        return ids
+
+
+def _chat(base: str, model: str, content: str, stream: bool) -> str:
+    body = {"model": model, "messages": [{"role": "user", "content": content}], "stream": stream,
+            "temperature": 0.0, "max_tokens": 6}  # fmt: skip
+    with httpx.Client(base_url=base, timeout=120) as client:
+        if not stream:
+            reply = client.post("/v1/chat/completions", json=body)
+            assert reply.status_code == 200, reply.text
+            text: str = reply.json()["choices"][0]["message"]["content"]
+            return text
+        parts = []
+        with client.stream("POST", "/v1/chat/completions", json=body) as reply:
+            assert reply.status_code == 200
+            for line in reply.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    delta = json.loads(line[len("data: ") :])["choices"][0]["delta"]
+                    parts.append(delta.get("content") or "")
+        return "".join(parts)
+
+
+def test_mixed_traffic_through_the_router_matches_the_replicas_and_reaches_both(
+    router: str, replicas: tuple[LiveServer, LiveServer]
+) -> None:
+    before = [_generated(replica) for replica in replicas]
+    model = httpx.get(f"{router}/v1/models", timeout=30).json()["data"][0]["id"]
+    prompts = [[11 + i, 40 + 3 * i, 7, 90 + i, 5 * i + 1] for i in range(8)]
+    jobs: list[tuple[str, Any, bool]] = [("native", p, i % 2 == 0) for i, p in enumerate(prompts)]
+    jobs += [("chat", f"Question {i}: what comes next?", i % 2 == 0) for i in range(4)]
+
+    def run(base: str, job: tuple[str, Any, bool]) -> Any:
+        kind, prompt, stream = job
+        return _native(base, prompt, stream) if kind == "native" else _chat(base, model, prompt, stream)
+
+    with ThreadPoolExecutor(6) as pool:
+        routed = list(pool.map(lambda job: run(router, job), jobs))
+    direct = [run(replicas[1].base_url, job) for job in jobs]
+    assert routed == direct  # greedy fp32, one model: any replica gives the same
+    served = [_generated(replica) - was for replica, was in zip(replicas, before, strict=True)]
+    assert all(tokens > 0 for tokens in served), f"both replicas serve: {served}"
+    for replica in replicas:
+        replica.assert_idle_and_kv_intact()
+
+
+def test_a_client_hanging_up_through_the_router_aborts_on_the_replica(
+    router: str, replicas: tuple[LiveServer, LiveServer]
+) -> None:
+    aborted = [replica.server_info()["aborted_reqs"] for replica in replicas]
+    long = {"temperature": 0.0, "max_new_tokens": 900, "ignore_eos": True}
+    body = {"input_ids": [3, 1, 4, 1, 5, 9, 2, 6], "sampling_params": long, "stream": True}
+    with (
+        httpx.Client(base_url=router, timeout=120) as client,
+        client.stream("POST", "/generate", json=body) as reply,
+    ):
+        assert reply.status_code == 200
+        chunks = 0
+        for line in reply.iter_lines():
+            chunks += line.startswith("data: ")
+            if chunks >= 3:
+                break  # hang up mid-stream
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        now = [replica.server_info()["aborted_reqs"] for replica in replicas]
+        if sum(now) > sum(aborted):
+            break
+        time.sleep(0.2)
+    assert sum(now) == sum(aborted) + 1, "the hang-up reached the replica as an abort"
+    for replica in replicas:
+        replica.assert_idle_and_kv_intact()

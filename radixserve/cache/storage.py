@@ -128,7 +128,7 @@ class FileKVStorage:
         self.enabled = True
         # page hash -> file bytes, least recently used first.
         self._pages: OrderedDict[int, int] = OrderedDict()
-        # What the pages hold, once known (stored here, or read from a file's head by announce).
+        # What each page holds: given to put, or read from its file's head when the directory is indexed.
         self._origins: dict[int, PageOrigin] = {}
         self.used_bytes = 0
         try:

@@ -5,7 +5,6 @@ instead of blocking the scheduler, and replicas publish on endpoints of their ow
 from __future__ import annotations
 
 import queue
-import socket
 import time
 from collections.abc import Iterator
 
@@ -16,13 +15,7 @@ import zmq
 from radixserve.cache.kv_events import AllBlocksCleared, BlockStored, KVEventBatch
 from radixserve.config.kv_events_args import KVEventsConfig
 from radixserve.scheduler.kv_events import END_OF_REPLAY, KVEventPublisher, binds, replica_endpoint
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+from tests.ports import free_port
 
 
 def test_replicas_offset_the_port_or_suffix_the_name() -> None:

@@ -21,6 +21,7 @@ from radixserve.protocol.messages import GenerateRequest, ReqOutput
 from radixserve.scheduler.scheduler import Scheduler
 from tests.cache.test_kv_events import tree_blocks
 from tests.kv_event_client import follow, replay
+from tests.ports import free_port
 from tests.scheduler.fake_executor import (
     FakeExecutor,
     check_kv_accounting,
@@ -28,7 +29,6 @@ from tests.scheduler.fake_executor import (
     greedy,
     make_scheduler,
 )
-from tests.scheduler.test_kv_events import free_port
 
 VOCAB = 1024
 POOL = 128  # device KV slots

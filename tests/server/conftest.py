@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,14 +21,9 @@ import httpx
 import openai
 import pytest
 
+from tests.ports import free_port
+
 STARTUP_TIMEOUT_S = 120
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def child_pids(pid: int) -> list[int]:

@@ -10,7 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tests.engine.oracle import GreedyOracle, random_prompts
-from tests.server.conftest import LiveServer, free_port
+from tests.ports import free_port
+from tests.server.conftest import LiveServer
 
 
 def test_two_launches_with_nnodes_2_serve_one_model(

@@ -17,7 +17,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.server.conftest import LiveServer, finish, free_port, launch
+from tests.ports import free_port
+from tests.server.conftest import LiveServer, finish, launch
 
 SHARED_SERVER = True  # replica A; replica B is a server of this module's own
 GREEDY = {"temperature": 0.0, "max_new_tokens": 6}

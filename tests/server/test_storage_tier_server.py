@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.kv_event_client import follow, replay, stored_paths
-from tests.scheduler.test_kv_events import free_port
+from tests.ports import free_port
 from tests.server.conftest import LiveServer
 
 PROMPT = list(range(100, 260))  # 160 tokens: ten stored pages of 16

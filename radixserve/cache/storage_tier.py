@@ -21,6 +21,12 @@ batch goes on without it; `install`, on the scheduler's thread before each prefi
 chosen, puts them into the device pool and the tree, and the request is admitted with them as its
 cached prefix. A page that fails to read (removed, truncated, another model's) ends the load there.
 
+Tensor parallelism: every rank keeps its own heads' pages (its own fingerprint) and runs this tier
+alike, and the ranks' schedulers must admit the same requests with the same cached prefixes. What
+a rank's disk holds, and when its loads finish, are its own, so both are agreed (`least`, the
+smallest over the ranks): a lookup loads only the pages every rank holds, and a load is installed,
+in the order the lookups were made, once every rank has finished it, as far as every rank read it.
+
 Threads: the scheduler's thread calls every method here; the I/O thread alone calls the backend's
 put, get and clear. `in` on the backend's index from the scheduler's thread is a single dict lookup
 (atomic under the GIL) and at worst stale: a page it thinks stored is checked again on load.
@@ -33,7 +39,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -67,6 +73,12 @@ class _Load:
     hashes: list[int]  # of blocks first_block, first_block + 1, ...
     ticket: TierLoad
     pages: list[torch.Tensor] = field(default_factory=list)
+    finished: bool = False  # the I/O thread is done with it (set under the tier's lock)
+
+
+def each_alone(values: list[int]) -> list[int]:
+    """One rank: its own values are everyone's."""
+    return values
 
 
 @dataclass
@@ -95,7 +107,9 @@ class StorageTier(CacheTier):
         allocator: KVSlotAllocator,
         write_policy: str = "write_through",
         max_queued_writes: int = 4096,
+        least: Callable[[list[int]], list[int]] = each_alone,
     ) -> None:
+        """least: each value's smallest over the tensor-parallel ranks (scheduler/rank_sync.py)."""
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"--hicache-write-policy must be one of {', '.join(WRITE_POLICIES)}")
         self.storage = storage
@@ -111,8 +125,9 @@ class StorageTier(CacheTier):
         self._order = itertools.count()
         self._lock = threading.Lock()  # guards the fields below
         self._queued_writes: set[int] = set()
-        self._finished: list[_Load] = []
-        self._in_flight = 0
+        self.least = least
+        # Loads not installed yet, in the order they were asked for (the scheduler's thread alone).
+        self._pending: list[_Load] = []
         self._load_finished = threading.Event()
         self._thread = threading.Thread(target=self._work, name="radixserve-hicache-io", daemon=True)
         self._thread.start()
@@ -129,37 +144,48 @@ class StorageTier(CacheTier):
             self._write(tokens, slots, own_from // self.block_size, len(tokens) // self.block_size)
 
     def prefetch(self, tokens: Sequence[int], matched: torch.Tensor) -> TierLoad | None:
-        if not self.storage.enabled:
-            return None
-        self.counters.lookups += 1
+        # Everything before the ranks agree below depends only on what every rank's scheduler
+        # sees alike (the prompt, the device tree), so all ranks reach it together.
         size, on_device = self.block_size, int(matched.shape[0])
         blocks = len(tokens) // size
-        if self.write_policy == "write_through_selective":
-            self._write(tokens, matched, 0, on_device // size)
+        if self.storage.enabled:
+            self.counters.lookups += 1
+            if self.write_policy == "write_through_selective":
+                self._write(tokens, matched, 0, on_device // size)
         first = on_device // size
         if first >= blocks:
             return None
         hashes = page_hashes(None, list(tokens[: blocks * size]), size)
         last = first
-        while last < blocks and hashes[last] in self.storage:
+        while self.storage.enabled and last < blocks and hashes[last] in self.storage:
             last += 1
+        (last,) = self.least([last])
         if last * size <= on_device:
             return None
         ticket = TierLoad()
         load = _Load(list(tokens[: last * size]), first, hashes[first:last], ticket)
         ticket.detail = load
-        with self._lock:
-            self._in_flight += 1
+        self._pending.append(load)
         self._jobs.put((_LOAD, next(self._order), load))
         return ticket
 
     def install(self, cache: PrefixTree) -> None:
+        if not self._pending:
+            return
         with self._lock:
-            finished, self._finished = self._finished, []
-        for load in finished:
+            # -1: not finished on this rank yet; else how many of its pages this rank read.
+            local = [len(load.pages) if load.finished else -1 for load in self._pending]
+        agreed = self.least(local)
+        waiting = []
+        for load, pages in zip(self._pending, agreed, strict=True):
+            if pages < 0:
+                waiting.append(load)
+                continue
+            del load.pages[pages:]  # as far as every rank read it
             load.ticket.tokens = self._install_one(cache, load)
             load.ticket.done = True
             self.counters.hit_tokens += load.ticket.tokens
+        self._pending = waiting
 
     def _install_one(self, cache: PrefixTree, load: _Load) -> int:
         """The loaded pages into the pool and the tree past what the device matches now (which may
@@ -197,8 +223,7 @@ class StorageTier(CacheTier):
 
     @property
     def loading(self) -> bool:
-        with self._lock:
-            return self._in_flight > 0 or bool(self._finished)
+        return bool(self._pending)
 
     def wait_for_loads(self, timeout_s: float) -> None:
         if self._load_finished.wait(timeout_s):
@@ -227,7 +252,8 @@ class StorageTier(CacheTier):
     def stats(self) -> dict[str, Any]:
         c, storage = self.counters, self.storage
         with self._lock:
-            queued, in_flight = len(self._queued_writes), self._in_flight
+            queued = len(self._queued_writes)
+        in_flight = sum(not load.finished for load in self._pending)
         return {
             "hicache_storage_enabled": storage.enabled,
             "hicache_write_policy": self.write_policy,
@@ -319,8 +345,7 @@ class StorageTier(CacheTier):
 
     def _finish(self, load: _Load) -> None:
         with self._lock:
-            self._finished.append(load)
-            self._in_flight -= 1
+            load.finished = True
         self._load_finished.set()
 
     def _store(self, page_hash: int, page: torch.Tensor, origin: PageOrigin) -> None:

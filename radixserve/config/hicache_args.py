@@ -30,8 +30,6 @@ class HiCacheFields(Protocol):
     hicache_storage_page_size: int | None
     page_size: int
     disable_radix_cache: bool
-    tp_size: int
-    speculative_algorithm: str | None
 
 
 def validate_hicache_args(args: HiCacheFields, error: type[ValueError]) -> None:
@@ -60,11 +58,6 @@ def validate_hicache_args(args: HiCacheFields, error: type[ValueError]) -> None:
     if page < 1 or page % args.page_size:
         raise error("--hicache-storage-page-size must be a positive multiple of --page-size")
     args.hicache_storage_page_size = page
-    if backend is not None and args.tp_size > 1:
-        # Every rank would keep its own heads' pages, and their loads would have to agree.
-        raise error("the storage tier runs with --tp-size 1 only, for now")
-    if backend is not None and args.speculative_algorithm == "STANDALONE":
-        raise error("the storage tier does not fill a STANDALONE draft model's KV pool yet")
 
 
 def storage_dir(args: HiCacheFields) -> Path:

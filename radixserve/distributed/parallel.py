@@ -111,13 +111,15 @@ def broadcast_from_leader(x: torch.Tensor, ctx: ParallelContext, cpu: bool = Fal
     return x
 
 
-def min_over_ranks(value: int, ctx: ParallelContext) -> int:
-    """The smallest of every rank's value: sizes that the ranks' schedulers must agree on."""
+def min_over_ranks(values: list[int], ctx: ParallelContext) -> list[int]:
+    """Each position's smallest value over the ranks: sizes that the ranks' schedulers must agree
+    on (every rank passes as many values)."""
     if ctx.tp_size == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.int64)
+        return values
+    t = torch.tensor(values, dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=ctx.cpu_group)
-    return int(t.item())
+    least: list[int] = t.tolist()
+    return least
 
 
 def barrier(ctx: ParallelContext) -> None:

@@ -144,7 +144,7 @@ class ModelRunner:
         )
         # Ranks see different free memory; their schedulers must count the same slots.
         gathers_kv = choice is not None and choice.backend.gathers_kv
-        self.max_total_tokens = min_over_ranks(self._kv_capacity(gathers_kv), parallel)
+        (self.max_total_tokens,) = min_over_ranks([self._kv_capacity(gathers_kv)], parallel)
         self.kv_pool = KVCachePool(
             num_slots=self.max_total_tokens,
             # An encoder keeps no K/V between steps: its slots are only accounting.

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from radixserve.cache.kv_events import KVEventRecorder
 from radixserve.cache.pools import KVSlotAllocator
@@ -14,7 +18,9 @@ from radixserve.cache.storage_tier import StorageTier
 from radixserve.cache.tiers import CacheTier, DeviceOnlyTier
 from radixserve.config.hicache_args import storage_dir
 from radixserve.config.server_args import ServerArgs
+from radixserve.distributed.parallel import SINGLE, ParallelContext
 from radixserve.executor.base import Executor
+from radixserve.scheduler.rank_sync import RankSync
 
 logger = logging.getLogger("radixserve.scheduler")
 
@@ -42,14 +48,35 @@ def model_identity(model_path: str | None, config_text: str) -> str:
 STORAGE_MEDIUM = "DISK"
 
 
+@dataclass(frozen=True)
+class NotifyingKVAccess:
+    """The executor's K/V as a tier reads and writes them, telling `written` of every slot a
+    tier's load wrote (a STANDALONE draft model then knows its own K/V there is stale)."""
+
+    executor: Executor
+    written: Callable[[torch.Tensor], None]
+
+    def read_kv(self, slots: torch.Tensor) -> torch.Tensor:
+        return self.executor.read_kv(slots)
+
+    def write_kv(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        self.executor.write_kv(slots, kv)
+        self.written(slots)
+
+
 def build_cache_tier(
     args: ServerArgs,
     executor: Executor,
     allocator: KVSlotAllocator,
     events: KVEventRecorder | None = None,
+    written: Callable[[torch.Tensor], None] | None = None,
+    parallel: ParallelContext = SINGLE,
 ) -> CacheTier:
     """events: the device tree's KV event recorder, when events are published; the storage tier
-    then records its own pages' events into the same stream."""
+    then records its own pages' events into the same stream. written: told of the slots a load
+    writes K/V to, past the executor. parallel: with tensor parallelism each rank stores its own
+    heads' pages under a fingerprint of its own, and the ranks agree on what they load
+    (cache/storage_tier.py)."""
     if not args.enable_hierarchical_cache:
         return DeviceOnlyTier()
     if executor.info.device.type == "cpu":
@@ -62,8 +89,11 @@ def build_cache_tier(
         return DeviceOnlyTier()
     layout = executor.kv_layout()
     assert args.hicache_storage_page_size is not None  # set by ServerArgs.validate
+    identity = model_identity(args.model_path, repr(executor.info.config))
+    if parallel.tp_size > 1:
+        identity += f"|tp{parallel.tp_rank}/{parallel.tp_size}"
     fingerprint = StorageFingerprint(
-        model_identity(args.model_path, repr(executor.info.config)),
+        identity,
         layout.dtype,
         args.hicache_storage_page_size,
         layout.num_layers,
@@ -84,4 +114,5 @@ def build_cache_tier(
         fingerprint.page_size,
         args.hicache_write_policy,
     )
-    return StorageTier(storage, executor, allocator, args.hicache_write_policy)
+    kv = executor if written is None else NotifyingKVAccess(executor, written)
+    return StorageTier(storage, kv, allocator, args.hicache_write_policy, least=RankSync(parallel).least)

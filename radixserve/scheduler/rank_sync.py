@@ -12,7 +12,7 @@ from __future__ import annotations
 import msgspec
 import torch
 
-from radixserve.distributed.parallel import SINGLE, ParallelContext, broadcast_from_leader
+from radixserve.distributed.parallel import SINGLE, ParallelContext, broadcast_from_leader, min_over_ranks
 from radixserve.protocol.ipc import decode, encode
 from radixserve.protocol.messages import SchedulerInput
 
@@ -40,6 +40,10 @@ class RankSync:
             return values
         shared: list[int] = self._share_tensor(torch.tensor(values, dtype=torch.int64)).tolist()
         return shared
+
+    def least(self, values: list[int]) -> list[int]:
+        """Each value's smallest over the ranks (what every rank has: loaded pages, say)."""
+        return min_over_ranks(values, self.parallel)
 
     def _share_bytes(self, data: bytes) -> bytes:
         return self._share_tensor(torch.frombuffer(bytearray(data), dtype=torch.uint8)).numpy().tobytes()

@@ -104,9 +104,17 @@ class Scheduler:
             if events is not None and parallel.is_leader and not args.disable_radix_cache
             else None
         )
-        # --enable-hierarchical-cache: the tier below the device pool (cache/tiers.py).
+        # --speculative-algorithm: decode steps verify drafts when there are some.
+        self.speculator = self._speculator(args, draft)
+        # --enable-hierarchical-cache: the tier below the device pool (cache/tiers.py). K/V it
+        # loads back were written without a draft model, which must not take them as its own.
         self.cache_tier = build_cache_tier(
-            args, executor, self.allocator, self.kv_events.recorder if self.kv_events else None
+            args,
+            executor,
+            self.allocator,
+            self.kv_events.recorder if self.kv_events else None,
+            written=self.speculator.written if self.speculator is not None else None,
+            parallel=parallel,
         )
         self.tree_cache: PrefixCache = (
             ChunkCache(self.req_to_token_pool, self.allocator, args.page_size)
@@ -132,8 +140,6 @@ class Scheduler:
             args, self.kv, self.queues, self.decode, self.stats, max_running, self.max_total_tokens
         )
         self.policy: SchedulePolicy = self.prefill.policy
-        # --speculative-algorithm: decode steps verify drafts when there are some.
-        self.speculator = self._speculator(args, draft)
         self.grammar_queue = GrammarQueue(
             args.grammar_backend,
             args.grammar_timeout,
@@ -417,7 +423,7 @@ class Scheduler:
         if self.forward_sleep_s:
             time.sleep(self.forward_sleep_s)
         if self.speculator is not None and batch.verify is None:
-            self.speculator.written(batch.forward)
+            self.speculator.written(batch.forward.out_cache_loc)
         if self.is_embedding:
             return self._run_embedding_batch(batch)
         unpublished, self._unpublished = self._unpublished, None

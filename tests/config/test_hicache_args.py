@@ -43,7 +43,6 @@ def test_the_command_line_takes_sglang_s_flags() -> None:
         ({"enable_hierarchical_cache": True, "hicache_storage_backend": "mooncake"}, "not available"),
         ({"enable_hierarchical_cache": True, "page_size": 4, "hicache_storage_page_size": 6}, "multiple"),
         ({"enable_hierarchical_cache": True, "hicache_storage_size_gb": 0}, "size-gb"),
-        ({"enable_hierarchical_cache": True, "hicache_storage_backend": "file", "tp_size": 2}, "tp-size 1"),
     ],
 )
 def test_what_cannot_work_is_refused_at_startup(fields: dict[str, object], message: str) -> None:

@@ -69,3 +69,66 @@ def test_returning_turns_after_a_restart_come_from_storage_and_equal_transformer
         whole_pages = (len(previous) + MAX_NEW - 1) // STORAGE_PAGE * STORAGE_PAGE
         assert result["meta_info"]["cached_tokens"] >= whole_pages
     assert _storage_stats(after)["hicache_storage_hit_tokens"] >= sum(len(p) for p in first) // 2
+
+
+def test_a_draft_model_drafts_over_prefixes_loaded_from_storage(
+    tmp_path: Path,
+    tiny_model_dir: Callable[[str], Path],
+    oracle: Callable[[str], GreedyOracle],
+    make_engine: Callable[..., Any],
+) -> None:
+    """STANDALONE with the storage tier: a loaded prefix brings the target's K/V only, and the
+    draft model (here the target itself, so its drafts are right) computes its own over it again.
+    Outputs equal transformers', and the drafts over loaded prefixes are still accepted."""
+    model, reference = tiny_model_dir("llama"), oracle("llama")
+    engine = make_engine(
+        model,
+        **_args(tmp_path),
+        speculative_algorithm="STANDALONE",
+        speculative_draft_model_path=str(model),
+        speculative_num_steps=3,
+        disable_speculative_adaptive=True,  # what the gate drafts depends on this machine's speed
+    )
+    first = random_prompts(8, [70, 90, 60, 100, 80, 75, 95, 85], seed=62)
+    first_out = _turns(engine, first)
+    second = [[*p, *r["output_ids"], 5, 6, 7] for p, r in zip(first, first_out, strict=True)]
+    again = _turns(engine, second[:4])
+    for prompt, result in zip(first + second[:4], first_out + again, strict=True):
+        assert result["output_ids"] == reference.continue_(prompt, MAX_NEW)
+    stats = _storage_stats(engine)
+    assert stats["hicache_storage_hit_tokens"] >= 4 * STORAGE_PAGE * 3
+    assert stats["spec_accepted_tokens"] >= 0.8 * stats["spec_draft_tokens"] > 0
+    engine.check_kv_invariant()
+
+
+def test_two_tensor_parallel_ranks_store_and_load_their_own_pages(
+    tmp_path: Path,
+    tiny_model_dir: Callable[[str], Path],
+    oracle: Callable[[str], GreedyOracle],
+    make_engine: Callable[..., Any],
+) -> None:
+    """--tp-size 2: each rank keeps its own heads' pages (a fingerprint directory each), the ranks
+    agree on what they load, and the returning turns, in the same engine and after a restart,
+    equal transformers with their prefixes from disk."""
+    model, reference = tiny_model_dir("llama"), oracle("llama")
+    first = random_prompts(8, [70, 90, 60, 100, 80, 75, 95, 85], seed=63)
+    before = make_engine(model, tp_size=2, **_args(tmp_path))
+    first_out = _turns(before, first)
+    second = [[*p, *r["output_ids"], 5, 6, 7] for p, r in zip(first, first_out, strict=True)]
+    again = _turns(before, second[:3])
+    for prompt, result in zip(first + second[:3], first_out + again, strict=True):
+        assert result["output_ids"] == reference.continue_(prompt, MAX_NEW)
+    assert _storage_stats(before)["hicache_storage_hit_tokens"] >= 3 * STORAGE_PAGE * 3
+    before.check_kv_invariant()
+    before.shutdown()
+    fingerprints = [d for d in tmp_path.iterdir() if d.is_dir()]
+    assert len(fingerprints) == 2, "one directory of pages per rank"
+    assert all(any(d.glob("*/*.kv")) for d in fingerprints)
+
+    after = make_engine(model, tp_size=2, **_args(tmp_path))
+    restarted = _turns(after, second[3:])
+    for prompt, previous, result in zip(second[3:], first[3:], restarted, strict=True):
+        assert result["output_ids"] == reference.continue_(prompt, MAX_NEW)
+        whole_pages = (len(previous) + MAX_NEW - 1) // STORAGE_PAGE * STORAGE_PAGE
+        assert result["meta_info"]["cached_tokens"] >= whole_pages
+    after.check_kv_invariant()

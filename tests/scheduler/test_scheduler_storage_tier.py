@@ -17,12 +17,14 @@ import pytest
 from radixserve.cache.radix_cache import RadixCache
 from radixserve.cache.storage import StorageFingerprint
 from radixserve.cache.storage_tier import StorageTier
+from radixserve.config.server_args import ServerArgs
 from radixserve.protocol.messages import GenerateRequest, ReqOutput
 from radixserve.scheduler.scheduler import Scheduler
 from tests.cache.test_kv_events import tree_blocks
 from tests.kv_event_client import follow, replay
 from tests.ports import free_port
 from tests.scheduler.fake_executor import (
+    FakeDraft,
     FakeExecutor,
     check_kv_accounting,
     expected_output,
@@ -187,6 +189,62 @@ def test_a_broken_disk_turns_the_tier_off_and_serving_goes_on(tmp_path: Path) ->
     second = _second_turns(first, first_out)
     _check_exact(second, _serve(scheduler, second))
     assert tier.stats()["hicache_storage_hit_tokens"] == 0
+
+
+def test_a_draft_model_drafts_again_over_a_prefix_loaded_from_storage(tmp_path: Path) -> None:
+    """STANDALONE with the storage tier: a loaded prefix holds the target's K/V only, so the draft
+    model must not take what its own pool holds at those slots (an earlier occupant's K/V) as
+    valid. FakeDraft fails the test on any such read; here it catches up over the loaded prefix
+    instead, and every draft of the perfect fake draft is still accepted."""
+    target = FakeExecutor(vocab_size=VOCAB, max_total_tokens=POOL)
+    draft = FakeDraft(vocab_size=VOCAB, max_total_tokens=POOL, target=target)
+    args = ServerArgs(
+        enable_hierarchical_cache=True,
+        hicache_storage_backend="file",
+        hicache_storage_dir=str(tmp_path),
+        hicache_storage_page_size=STORAGE_PAGE,
+        disable_overlap_schedule=True,
+        speculative_algorithm="STANDALONE",
+        speculative_draft_model_path="fake-draft",
+        disable_speculative_adaptive=True,  # the fakes' timings mean nothing
+        log_level="warning",
+    )
+    scheduler = Scheduler(args, target, draft=draft)
+    first = _conversations(5)
+    first_out = _serve(scheduler, first)
+    _check_exact(first, first_out)
+    _tier(scheduler).drain()
+    second = _second_turns(first, first_out)
+    second_out = _serve(scheduler, second)
+    _check_exact(second, second_out)
+    assert _tier(scheduler).stats()["hicache_storage_hit_tokens"] >= STORAGE_PAGE * len(second)
+    stats = scheduler.stats
+    assert stats.spec_draft_tokens > 0 and stats.spec_accepted_tokens == stats.spec_draft_tokens
+    scheduler.tree_cache.evict(POOL)
+    scheduler.check_kv_invariant()
+
+
+def _one_page_short(values: list[int]) -> list[int]:
+    """Plays a second tensor-parallel rank in StorageTier.least: each lookup finds one page fewer
+    there, and each load read one page fewer (unfinished loads, -1, stay unfinished)."""
+    return [value - 1 if value > 0 else value for value in values]
+
+
+def test_tensor_parallel_ranks_load_only_the_pages_every_rank_has(tmp_path: Path) -> None:
+    hits = []
+    for least in (None, _one_page_short):
+        scheduler = _scheduler(tmp_path / ("agreed" if least else "alone"))
+        if least is not None:
+            _tier(scheduler).least = least
+        first = _conversations(6)
+        first_out = _serve(scheduler, first)
+        _tier(scheduler).drain()
+        second = _second_turns(first, first_out)
+        _check_exact(second, _serve(scheduler, second))
+        hits.append(_tier(scheduler).stats()["hicache_storage_hit_tokens"])
+    alone, agreed = hits
+    # Two pages fewer per load (one not found there, one not read there), the outputs unchanged.
+    assert 0 < agreed < alone
 
 
 def test_a_directory_that_cannot_be_made_means_no_storage_tier(tmp_path: Path) -> None:

@@ -76,8 +76,8 @@ class DraftModelSpeculator(Speculator):
 
     # ------------------------------------------------------------------ hooks
 
-    def written(self, forward: ForwardBatch) -> None:
-        self.valid[forward.out_cache_loc] = False
+    def written(self, slots: torch.Tensor) -> None:
+        self.valid[slots] = False
 
     def observe_forward(self, tokens: int, seconds: float, plain: bool) -> None:
         if not plain:

@@ -36,7 +36,6 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.config.server_args import ServerArgs
-from radixserve.forward.batch import ForwardBatch
 from radixserve.forward.draft_tree import DraftTree
 from radixserve.scheduler.batch import KVContext, truncate_kv
 from radixserve.scheduler.logprobs import position_logprobs
@@ -108,8 +107,9 @@ class Speculator(ABC):
         (nanoseconds,) = self.agree([int(seconds * 1e9)])
         self.cost.observe(tokens, nanoseconds / 1e9, plain)
 
-    def written(self, forward: ForwardBatch) -> None:
-        """The target model writes K/V at forward.out_cache_loc (any forward but a verify step's)."""
+    def written(self, slots: torch.Tensor) -> None:
+        """The target's K/V at these slots were written without the draft: by a forward other than
+        a verify step's, or by a cache tier loading a prefix back."""
         return None  # a hook: nothing to do unless the algorithm keeps state for it
 
     def observe(self, req: Req) -> None:

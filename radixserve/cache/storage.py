@@ -42,6 +42,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -98,7 +99,19 @@ class StorageFingerprint:
 
     @property
     def page_bytes(self) -> int:
-        return self.payload_offset + self.dtype.itemsize * int(torch.Size(self.page_shape).numel())
+        return self.payload_offset + self.kv_bytes
+
+    @property
+    def kv_bytes(self) -> int:
+        """One page's K/V (the payload)."""
+        return self.dtype.itemsize * int(torch.Size(self.page_shape).numel())
+
+    def check_page(self, kv: torch.Tensor, tokens: Sequence[int]) -> None:
+        """Raises ValueError unless kv and tokens are one page of this layout."""
+        if tuple(kv.shape) != self.page_shape or kv.dtype != self.dtype:
+            raise ValueError(f"a page is {self.page_shape} {self.dtype}, got {tuple(kv.shape)} {kv.dtype}")
+        if len(tokens) != self.page_size:
+            raise ValueError(f"a page holds {self.page_size} tokens, got {len(tokens)}")
 
 
 @dataclass(frozen=True)
@@ -157,11 +170,7 @@ class FileKVStorage:
         if page_hash in self._pages:
             self._pages.move_to_end(page_hash)
             return True
-        if tuple(kv.shape) != self.fingerprint.page_shape or kv.dtype != self.fingerprint.dtype:
-            expected = f"{self.fingerprint.page_shape} {self.fingerprint.dtype}"
-            raise ValueError(f"a page is {expected}, got {tuple(kv.shape)} {kv.dtype}")
-        if len(origin.tokens) != self.fingerprint.page_size:
-            raise ValueError(f"a page holds {self.fingerprint.page_size} tokens, got {len(origin.tokens)}")
+        self.fingerprint.check_page(kv, origin.tokens)
         size = self.fingerprint.page_bytes
         if size > self.budget_bytes:
             return False
@@ -299,6 +308,23 @@ class FileKVStorage:
             self._path(page_hash).unlink(missing_ok=True)
         except OSError as e:
             self._disable(f"cannot remove {self._path(page_hash)}: {e}")
+
+    def level_stats(self) -> dict[str, Any]:
+        return {
+            "hicache_storage_enabled": self.enabled,
+            "hicache_storage_pages": len(self),
+            "hicache_storage_bytes": self.used_bytes,
+            "hicache_storage_budget_bytes": self.budget_bytes,
+        }
+
+    def check(self) -> list[str]:
+        """Problems with this level's accounting (checked with the KV invariant when idle)."""
+        problems = []
+        if self.used_bytes > self.budget_bytes:
+            problems.append(f"storage tier: {self.used_bytes} bytes stored > budget {self.budget_bytes}")
+        if self.used_bytes != len(self) * self.fingerprint.page_bytes:
+            problems.append("storage tier: bytes stored disagree with its pages")
+        return problems
 
     def disable(self, why: str) -> None:
         """Off for the rest of this process (the files stay), with one log line."""

@@ -46,8 +46,9 @@ from typing import Any, Protocol
 import torch
 
 from radixserve.cache.block_hash import page_hashes
+from radixserve.cache.host_storage import HostKVStorage
 from radixserve.cache.pools import KVSlotAllocator
-from radixserve.cache.storage import FileKVStorage, PageOrigin
+from radixserve.cache.storage import FileKVStorage, PageOrigin, StorageFingerprint
 from radixserve.cache.tiers import CacheTier, PrefixTree, TierLoad
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,27 @@ WRITE_POLICIES = ("write_through", "write_back", "write_through_selective")
 # Job priorities: loads first (a request waits on them), then clears and writes, then drain's
 # marker (everything queued before it has run), then the stop.
 _LOAD, _CLEAR, _WRITE, _MARK, _STOP = 0, 1, 2, 3, 4
+
+
+class PageStore(Protocol):
+    """A level that keeps pages (cache/storage.py's files, cache/host_storage.py's host memory)."""
+
+    fingerprint: StorageFingerprint
+    enabled: bool
+
+    def __contains__(self, page_hash: int) -> bool: ...
+
+    def put(self, page_hash: int, kv: torch.Tensor, origin: PageOrigin) -> bool: ...
+
+    def get(self, page_hash: int) -> torch.Tensor | None: ...
+
+    def clear(self) -> None: ...
+
+    def disable(self, why: str) -> None: ...
+
+    def check(self) -> list[str]: ...
+
+    def level_stats(self) -> dict[str, Any]: ...
 
 
 class KVAccess(Protocol):
@@ -92,6 +114,7 @@ class StorageTierStats:
     pages_written: int = 0
     writes_dropped: int = 0  # the write queue was full
     bytes_read: int = 0
+    pages_from_host: int = 0  # of the pages loaded, those L2 had (the rest came from disk)
     bytes_written: int = 0
     load_seconds: float = 0.0
     write_seconds: float = 0.0
@@ -102,20 +125,28 @@ class StorageTier(CacheTier):
 
     def __init__(
         self,
-        storage: FileKVStorage,
+        storage: FileKVStorage | None,
         kv: KVAccess,
         allocator: KVSlotAllocator,
         write_policy: str = "write_through",
         max_queued_writes: int = 4096,
         least: Callable[[list[int]], list[int]] = each_alone,
+        host: HostKVStorage | None = None,
     ) -> None:
-        """least: each value's smallest over the tensor-parallel ranks (scheduler/rank_sync.py)."""
+        """storage: the file backend; host: L2, host memory beside a CUDA device pool; at least
+        one. least: each value's smallest over the tensor-parallel ranks (scheduler/rank_sync.py)."""
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"--hicache-write-policy must be one of {', '.join(WRITE_POLICIES)}")
         self.storage = storage
+        self.host = host
+        # Fastest first: a page is written to every level and read from the first that has it.
+        self.levels: list[PageStore] = [level for level in (host, storage) if level is not None]
+        if not self.levels:
+            raise ValueError("a storage tier needs a host pool or a storage backend")
+        self.name = "storage" if storage is not None else "host"
         self.kv = kv
         self.allocator = allocator
-        self.block_size = storage.fingerprint.page_size
+        self.block_size = self.levels[0].fingerprint.page_size
         if self.block_size % allocator.page_size:
             raise ValueError("the storage page must be a whole number of device pages")
         self.write_policy = write_policy
@@ -148,7 +179,7 @@ class StorageTier(CacheTier):
         # sees alike (the prompt, the device tree), so all ranks reach it together.
         size, on_device = self.block_size, int(matched.shape[0])
         blocks = len(tokens) // size
-        if self.storage.enabled:
+        if self._enabled():
             self.counters.lookups += 1
             if self.write_policy == "write_through_selective":
                 self._write(tokens, matched, 0, on_device // size)
@@ -157,7 +188,7 @@ class StorageTier(CacheTier):
             return None
         hashes = page_hashes(None, list(tokens[: blocks * size]), size)
         last = first
-        while self.storage.enabled and last < blocks and hashes[last] in self.storage:
+        while last < blocks and self._holds(hashes[last]):
             last += 1
         (last,) = self.least([last])
         if last * size <= on_device:
@@ -230,7 +261,8 @@ class StorageTier(CacheTier):
             self._load_finished.clear()
 
     def weights_changed(self) -> None:
-        self.storage.disable("the model's weights changed, so the stored K/V no longer match them")
+        for level in self.levels:
+            level.disable("the model's weights changed, so the stored K/V no longer match them")
 
     def drain(self, timeout_s: float = 30.0) -> None:
         """Waits until every queued job has run (tests, shutdown)."""
@@ -239,28 +271,22 @@ class StorageTier(CacheTier):
         done.wait(timeout_s)
 
     def check_invariant(self) -> list[str]:
-        problems = []
-        storage = self.storage
-        if storage.used_bytes > storage.budget_bytes:
-            problems.append(
-                f"storage tier: {storage.used_bytes} bytes stored > budget {storage.budget_bytes}"
-            )
-        if storage.used_bytes != len(storage) * storage.fingerprint.page_bytes:
-            problems.append("storage tier: bytes stored disagree with its pages")
-        return problems
+        return [problem for level in self.levels for problem in level.check()]
 
     def stats(self) -> dict[str, Any]:
-        c, storage = self.counters, self.storage
+        c = self.counters
         with self._lock:
             queued = len(self._queued_writes)
         in_flight = sum(not load.finished for load in self._pending)
+        levels: dict[str, Any] = {}
+        for level in self.levels:
+            levels |= level.level_stats()
+        if self.host is not None:
+            levels["hicache_host_pages_loaded"] = c.pages_from_host
         return {
-            "hicache_storage_enabled": storage.enabled,
+            **levels,
             "hicache_write_policy": self.write_policy,
             "hicache_storage_page_tokens": self.block_size,
-            "hicache_storage_pages": len(storage),
-            "hicache_storage_bytes": storage.used_bytes,
-            "hicache_storage_budget_bytes": storage.budget_bytes,
             "hicache_storage_lookups": c.lookups,
             "hicache_storage_hit_tokens": c.hit_tokens,
             "hicache_storage_loads": c.loads,
@@ -283,7 +309,7 @@ class StorageTier(CacheTier):
 
     def _write(self, tokens: Sequence[int], slots: torch.Tensor, first: int, last: int) -> None:
         """Queues blocks [first, last) of tokens (at slots) that are not stored or queued yet."""
-        if first >= last or not self.storage.enabled:
+        if first >= last or not self._enabled():
             return
         size = self.block_size
         hashes = page_hashes(None, list(tokens[: last * size]), size)
@@ -291,7 +317,7 @@ class StorageTier(CacheTier):
         with self._lock:
             for block in range(first, last):
                 page_hash = hashes[block]
-                if page_hash in self.storage or page_hash in self._queued_writes:
+                if self._holds(page_hash) or page_hash in self._queued_writes:
                     continue
                 if len(self._queued_writes) >= self.max_queued_writes:
                     self.counters.writes_dropped += last - block
@@ -309,6 +335,24 @@ class StorageTier(CacheTier):
             )
             self._jobs.put((_WRITE, next(self._order), (hashes[block], page, origin)))
 
+    # ---- the levels --------------------------------------------------------------------------
+
+    def _enabled(self) -> bool:
+        return any(level.enabled for level in self.levels)
+
+    def _holds(self, page_hash: int) -> bool:
+        return any(page_hash in level for level in self.levels)
+
+    def _read(self, page_hash: int) -> torch.Tensor | None:
+        """The page from the fastest level that has it (I/O thread)."""
+        for level in self.levels:
+            page = level.get(page_hash)
+            if page is not None:
+                if level is self.host:
+                    self.counters.pages_from_host += 1
+                return page
+        return None
+
     # ---- the I/O thread ----------------------------------------------------------------------
 
     def _work(self) -> None:
@@ -322,7 +366,8 @@ class StorageTier(CacheTier):
                 elif kind == _WRITE:
                     self._store(*job)
                 elif kind == _CLEAR:
-                    self.storage.clear()
+                    for level in self.levels:
+                        level.clear()
                 else:
                     job.set()  # drain's marker
             except Exception:  # a bug here must not take the scheduler down: log, and go on
@@ -333,7 +378,7 @@ class StorageTier(CacheTier):
     def _load(self, load: _Load) -> None:
         started = time.perf_counter()
         for page_hash in load.hashes:
-            page = self.storage.get(page_hash)
+            page = self._read(page_hash)
             if page is None:
                 self.counters.load_failures += 1
                 break
@@ -350,7 +395,9 @@ class StorageTier(CacheTier):
 
     def _store(self, page_hash: int, page: torch.Tensor, origin: PageOrigin) -> None:
         started = time.perf_counter()
-        stored = self.storage.put(page_hash, page.contiguous(), origin)
+        page = page.contiguous()
+        # Every level, each on its own budget (a list, not any(): no level is skipped).
+        stored = any([level.put(page_hash, page, origin) for level in self.levels])
         with self._lock:
             self._queued_writes.discard(page_hash)
         if stored:

@@ -40,6 +40,10 @@ SCHEDULER_GAUGES = {
     "hicache_storage_queued_writes": "hicache_storage_queued_writes",
     "hicache_storage_loads_in_flight": "hicache_storage_loads_in_flight",
     "hicache_storage_bytes": "hicache_storage_bytes",
+    # L2, the host-memory pool beside a CUDA device pool (cache/host_storage.py); 0 without one.
+    "hicache_host_pages": "hicache_host_pages",
+    "hicache_host_bytes": "hicache_host_bytes",
+    "hicache_host_pages_loaded": "hicache_host_pages_loaded",
 }
 
 

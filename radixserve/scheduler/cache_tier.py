@@ -1,16 +1,19 @@
 """The cache tier below the device pool that the flags ask for (config/hicache_args.py): the
-device pool alone, or the storage tier on a directory of page files (cache/storage_tier.py)."""
+device pool alone, or the storage tier (cache/storage_tier.py) over an L2 host-memory pool (beside
+a CUDA device pool; cache/host_storage.py), a directory of page files, or both."""
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from radixserve.cache.host_storage import FORCE_HOST_POOL_ENV, HostKVStorage
 from radixserve.cache.kv_events import KVEventRecorder
 from radixserve.cache.pools import KVSlotAllocator
 from radixserve.cache.storage import FileKVStorage, StorageFingerprint
@@ -44,8 +47,11 @@ def model_identity(model_path: str | None, config_text: str) -> str:
     return digest.hexdigest()
 
 
-# KV cache events' medium for the storage tier's pages (the device pool's is "GPU" or "CPU").
+# KV cache events' media below the device pool (whose own is "GPU" or "CPU"): the storage tier's
+# pages, and L2's host memory (beside a GPU; "HOST" when forced beside a CPU device pool).
 STORAGE_MEDIUM = "DISK"
+HOST_MEDIUM = "CPU"
+FORCED_HOST_MEDIUM = "HOST"
 
 
 @dataclass(frozen=True)
@@ -79,12 +85,14 @@ def build_cache_tier(
     (cache/storage_tier.py)."""
     if not args.enable_hierarchical_cache:
         return DeviceOnlyTier()
-    if executor.info.device.type == "cpu":
+    device = executor.info.device
+    with_host = device.type == "cuda" or os.environ.get(FORCE_HOST_POOL_ENV) == "1"
+    if not with_host:
         logger.info(
             "hierarchical cache: the device pool is host memory here, so there is no separate L2 "
             "(--hicache-ratio / --hicache-size unused)"
         )
-    if args.hicache_storage_backend is None:
+    if args.hicache_storage_backend is None and not with_host:
         logger.info("hierarchical cache: no --hicache-storage-backend, so the device pool is the only tier")
         return DeviceOnlyTier()
     layout = executor.kv_layout()
@@ -100,19 +108,40 @@ def build_cache_tier(
         layout.num_kv_heads,
         layout.head_dim,
     )
-    root = storage_dir(args)
-    storage = FileKVStorage(
-        root,
-        fingerprint,
-        int(args.hicache_storage_size_gb * (1 << 30)),
-        events.for_medium(fingerprint.page_size, STORAGE_MEDIUM) if events is not None else None,
-    )
-    logger.info(
-        "hierarchical cache: storage tier in %s (%d pages of %d tokens found, %s)",
-        storage.directory,
-        len(storage),
-        fingerprint.page_size,
-        args.hicache_write_policy,
-    )
+    page_size = fingerprint.page_size
+    host = None
+    if with_host:
+        token_bytes = layout.num_layers * 2 * layout.num_kv_heads * layout.head_dim * layout.dtype.itemsize
+        budget = (
+            int(args.hicache_size * (1 << 30))
+            if args.hicache_size > 0
+            else int(args.hicache_ratio * executor.info.max_total_tokens * token_bytes)
+        )
+        medium = HOST_MEDIUM if device.type == "cuda" else FORCED_HOST_MEDIUM
+        host = HostKVStorage(
+            fingerprint, budget, events.for_medium(page_size, medium) if events is not None else None
+        )
+        logger.info(
+            "hierarchical cache: L2 host pool of %.2f GB (%d pages of %d tokens)",
+            budget / (1 << 30),
+            budget // max(1, host.page_bytes),
+            page_size,
+        )
+    storage = None
+    if args.hicache_storage_backend is not None:
+        storage = FileKVStorage(
+            storage_dir(args),
+            fingerprint,
+            int(args.hicache_storage_size_gb * (1 << 30)),
+            events.for_medium(page_size, STORAGE_MEDIUM) if events is not None else None,
+        )
+        logger.info(
+            "hierarchical cache: storage tier in %s (%d pages of %d tokens found, %s)",
+            storage.directory,
+            len(storage),
+            page_size,
+            args.hicache_write_policy,
+        )
     kv = executor if written is None else NotifyingKVAccess(executor, written)
-    return StorageTier(storage, kv, allocator, args.hicache_write_policy, least=RankSync(parallel).least)
+    least = RankSync(parallel).least
+    return StorageTier(storage, kv, allocator, args.hicache_write_policy, least=least, host=host)

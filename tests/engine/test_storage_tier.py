@@ -1,6 +1,8 @@
 """The storage tier end to end, on a tiny random-weight model in fp32: conversations that outgrow
 the device pool many times over, and a restarted engine on the same directory, give the greedy
-tokens transformers gives, with the returning turns' prefixes served from disk (cached_tokens)."""
+tokens transformers gives, with the returning turns' prefixes served from disk (cached_tokens);
+so do a STANDALONE draft model over loaded prefixes, two tensor-parallel ranks, and L2 (the CUDA
+path's host pool, forced beside the CPU pool)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from radixserve.cache.host_storage import FORCE_HOST_POOL_ENV
 from tests.engine.oracle import GREEDY, GreedyOracle, random_prompts
 
 MAX_NEW = 12
@@ -132,3 +137,34 @@ def test_two_tensor_parallel_ranks_store_and_load_their_own_pages(
         whole_pages = (len(previous) + MAX_NEW - 1) // STORAGE_PAGE * STORAGE_PAGE
         assert result["meta_info"]["cached_tokens"] >= whole_pages
     after.check_kv_invariant()
+
+
+def test_l2_host_pool_forced_on_a_cpu_serves_returning_turns(
+    tiny_model_dir: Callable[[str], Path],
+    oracle: Callable[[str], GreedyOracle],
+    make_engine: Callable[..., Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The CUDA path's L2 host pool (--enable-hierarchical-cache without a storage backend), forced
+    beside the CPU device pool: returning turns read back from host memory equal transformers."""
+    monkeypatch.setenv(FORCE_HOST_POOL_ENV, "1")  # inherited by the engine's processes
+    model, reference = tiny_model_dir("llama"), oracle("llama")
+    engine = make_engine(
+        model,
+        max_total_tokens=POOL,
+        enable_hierarchical_cache=True,
+        hicache_storage_page_size=STORAGE_PAGE,
+        hicache_ratio=8.0,
+    )
+    first = random_prompts(8, [70, 90, 60, 100, 80, 75, 95, 85], seed=64)
+    first_out = _turns(engine, first)
+    second = [[*p, *r["output_ids"], 5, 6, 7] for p, r in zip(first, first_out, strict=True)]
+    again = _turns(engine, second[:4])
+    for prompt, result in zip(first + second[:4], first_out + again, strict=True):
+        assert result["output_ids"] == reference.continue_(prompt, MAX_NEW)
+    for previous, result in zip(first[:4], again, strict=True):
+        whole_pages = (len(previous) + MAX_NEW - 1) // STORAGE_PAGE * STORAGE_PAGE
+        assert result["meta_info"]["cached_tokens"] >= whole_pages
+    stats = _storage_stats(engine)
+    assert stats["hicache_tier"] == "host" and stats["hicache_host_pages_loaded"] > 0
+    engine.check_kv_invariant()

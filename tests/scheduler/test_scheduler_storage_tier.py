@@ -14,8 +14,9 @@ from typing import Any
 
 import pytest
 
+from radixserve.cache.host_storage import FORCE_HOST_POOL_ENV
 from radixserve.cache.radix_cache import RadixCache
-from radixserve.cache.storage import StorageFingerprint
+from radixserve.cache.storage import FileKVStorage, StorageFingerprint
 from radixserve.cache.storage_tier import StorageTier
 from radixserve.config.server_args import ServerArgs
 from radixserve.protocol.messages import GenerateRequest, ReqOutput
@@ -54,6 +55,11 @@ def _scheduler(directory: Path, pool: int = POOL, **args: Any) -> Scheduler:
 def _tier(scheduler: Scheduler) -> StorageTier:
     assert isinstance(scheduler.cache_tier, StorageTier)
     return scheduler.cache_tier
+
+
+def _files(tier: StorageTier) -> FileKVStorage:
+    assert tier.storage is not None
+    return tier.storage
 
 
 def _serve(scheduler: Scheduler, prompts: dict[str, list[int]]) -> dict[str, tuple[list[int], int]]:
@@ -139,7 +145,7 @@ def test_a_restarted_scheduler_serves_the_first_ones_prefixes_from_the_same_dire
     first_out = _serve(before, first)
     _tier(before).close()  # drains its writes, as a shutdown does
     after = _scheduler(tmp_path)
-    assert len(_tier(after).storage) > 0
+    assert len(_files(_tier(after))) > 0
     second = _second_turns(first, first_out)
     second_out = _serve(after, second)
     _check_exact(second, second_out)
@@ -163,7 +169,7 @@ def test_a_corrupt_or_truncated_page_is_refused_and_the_output_stays_exact(tmp_p
             corrupt[path] = data[:-1] + bytes([data[-1] ^ 1])  # one bit of the K/V flipped
             path.write_bytes(corrupt[path])
     after = _scheduler(tmp_path)
-    assert len(_tier(after).storage) == len(corrupt)
+    assert len(_files(_tier(after))) == len(corrupt)
     assert not any(path.exists() for path in files[1::2])
     second = _second_turns(first, first_out)
     _check_exact(second, _serve(after, second))
@@ -179,13 +185,13 @@ def test_a_broken_disk_turns_the_tier_off_and_serving_goes_on(tmp_path: Path) ->
     scheduler = _scheduler(tmp_path)
     tier = _tier(scheduler)
     # The directory becomes a file: every write fails from now on.
-    shutil.rmtree(tier.storage.directory)
-    tier.storage.directory.write_bytes(b"")
+    shutil.rmtree(_files(tier).directory)
+    _files(tier).directory.write_bytes(b"")
     first = _conversations(3)
     first_out = _serve(scheduler, first)
     _check_exact(first, first_out)
     tier.drain()
-    assert not tier.storage.enabled  # one log line said so; no request saw it
+    assert not _files(tier).enabled  # one log line said so; no request saw it
     second = _second_turns(first, first_out)
     _check_exact(second, _serve(scheduler, second))
     assert tier.stats()["hicache_storage_hit_tokens"] == 0
@@ -251,7 +257,7 @@ def test_a_directory_that_cannot_be_made_means_no_storage_tier(tmp_path: Path) -
     blocker = tmp_path / "file"
     blocker.write_bytes(b"")
     scheduler = _scheduler(blocker / "below")
-    assert not _tier(scheduler).storage.enabled
+    assert not _files(_tier(scheduler)).enabled
     first = _conversations(4)
     _check_exact(first, _serve(scheduler, first))
 
@@ -262,12 +268,12 @@ def test_write_through_selective_writes_only_what_a_prompt_hit_again(tmp_path: P
     first = dict(list(_conversations(5).items())[:1])
     first_out = _serve(scheduler, first)
     tier.drain()
-    assert len(tier.storage) == 0  # inserted and used once: not written
+    assert len(_files(tier)) == 0  # inserted and used once: not written
     second = _second_turns(first, first_out)
     _check_exact(second, _serve(scheduler, second))  # its prompt hits the first turn on the device
     tier.drain()
     (prompt,) = first.values()
-    assert len(tier.storage) == (len(prompt) + MAX_NEW - 1) // STORAGE_PAGE
+    assert len(_files(tier)) == (len(prompt) + MAX_NEW - 1) // STORAGE_PAGE
 
 
 def test_clearing_the_storage_backend_removes_every_page(tmp_path: Path) -> None:
@@ -276,10 +282,10 @@ def test_clearing_the_storage_backend_removes_every_page(tmp_path: Path) -> None
     first = _conversations(6)
     first_out = _serve(scheduler, first)
     tier.drain()
-    assert len(tier.storage) > 0
+    assert len(_files(tier)) > 0
     tier.clear()
     tier.drain()
-    assert len(tier.storage) == 0 and not list(tmp_path.glob("*/*/*.kv"))
+    assert len(_files(tier)) == 0 and not list(tmp_path.glob("*/*/*.kv"))
     second = _second_turns(first, first_out)
     _check_exact(second, _serve(scheduler, second))
     scheduler.check_kv_invariant()
@@ -343,7 +349,10 @@ def _replayed_blocks(scheduler: Scheduler) -> dict[str | None, set[int]]:
 
 def _own_view(scheduler: Scheduler) -> dict[str | None, set[int]]:
     assert isinstance(scheduler.tree_cache, RadixCache)
-    view = {"CPU": tree_blocks(scheduler.tree_cache), "DISK": set(_tier(scheduler).storage._pages)}
+    tier = _tier(scheduler)
+    view = {"CPU": tree_blocks(scheduler.tree_cache), "DISK": set(_files(tier)._pages)}
+    if tier.host is not None:  # an L2 forced beside the CPU device pool: medium "HOST"
+        view["HOST"] = set(tier.host._pages)
     return {medium: blocks for medium, blocks in view.items() if blocks}
 
 
@@ -353,13 +362,19 @@ def _shut(scheduler: Scheduler) -> None:
     _tier(scheduler).close()
 
 
-def test_a_subscriber_rebuilds_both_tiers_blocks_from_the_events_alone(tmp_path: Path) -> None:
+@pytest.mark.parametrize("host_pool", [False, True], ids=["disk", "host-and-disk"])
+def test_a_subscriber_rebuilds_every_tiers_blocks_from_the_events_alone(
+    tmp_path: Path, host_pool: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if host_pool:
+        monkeypatch.setenv(FORCE_HOST_POOL_ENV, "1")
     scheduler = _with_events(tmp_path)
+    assert (_tier(scheduler).host is not None) == host_pool
     try:
         first = _conversations(8)
         first_out = _serve(scheduler, first)  # ten times the pool: evictions, writes to disk
         _tier(scheduler).drain()
-        assert len(_tier(scheduler).storage) == EVENTS_TEST_PAGES  # and the disk's own evictions
+        assert len(_files(_tier(scheduler))) == EVENTS_TEST_PAGES  # and the disk's own evictions
         # The latest first, while the disk still holds them (the disk's own evictions are LRU).
         second = dict(reversed(_second_turns(first, first_out).items()))
         _check_exact(second, _serve(scheduler, second))  # loads from disk
@@ -369,14 +384,14 @@ def test_a_subscriber_rebuilds_both_tiers_blocks_from_the_events_alone(tmp_path:
         # every medium) but not the disk, whose pages are announced again after it.
         assert scheduler.flush_cache()
         view = _own_view(scheduler)
-        assert "CPU" not in view and view["DISK"]
+        assert "CPU" not in view and view["DISK"] and ("HOST" in view) == host_pool
         assert _replayed_blocks(scheduler) == view
         third = {f"{rid}-3": prompt[:30] for rid, prompt in second.items()}
         _check_exact(third, _serve(scheduler, third))
         assert _replayed_blocks(scheduler) == _own_view(scheduler)
         _tier(scheduler).clear()  # /clear_hicache_storage_backend: the disk's pages, removed
         assert _replayed_blocks(scheduler) == _own_view(scheduler)
-        assert "DISK" not in _own_view(scheduler)
+        assert not {"DISK", "HOST"} & set(_own_view(scheduler))
         _serve(scheduler, dict(list(first.items())[:3]))
         final = _replayed_blocks(scheduler)
         assert final == _own_view(scheduler) and final["DISK"]

@@ -291,15 +291,21 @@ def _add_native_routes(app: FastAPI) -> None:
 
     @app.get("/get_load")
     async def get_load(request: Request) -> JSONResponse:
+        """One entry per data-parallel rank, as SGLang answers (sglang-router reads this list)."""
         stats = await asyncio.to_thread(engine_of(request).get_stats)
+        replicas = stats.get("dp_replicas") or [stats]
         return JSONResponse(
-            {
-                "num_reqs": stats["num_running_reqs"]
-                + stats["num_waiting_reqs"]
-                + stats["num_grammar_queue_reqs"],
-                "num_waiting_reqs": stats["num_waiting_reqs"],
-                "num_tokens": stats["load_tokens"],
-            }
+            [
+                {
+                    "dp_rank": rank,
+                    "num_reqs": replica["num_running_reqs"]
+                    + replica["num_waiting_reqs"]
+                    + replica["num_grammar_queue_reqs"],
+                    "num_waiting_reqs": replica["num_waiting_reqs"],
+                    "num_tokens": replica["load_tokens"],
+                }
+                for rank, replica in enumerate(replicas)
+            ]
         )
 
     @app.get("/get_internal_state")

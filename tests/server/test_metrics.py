@@ -25,7 +25,8 @@ def test_metrics_count_what_was_sent(tiny_model_dir: Callable[[str], Path], star
     live = start_server(tiny_model_dir("llama"), "--enable-metrics")
     prompts = [[5, 6, 7], [5, 6, 7, 8], [9, 10, 11, 12, 13]]
     with live.client() as client:
-        assert client.get("/get_load").json() == {"num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
+        idle = {"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
+        assert client.get("/get_load").json() == [idle]  # one entry per data-parallel rank
         for ids in prompts:
             body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
             assert client.post("/generate", json=body).status_code == 200

@@ -5,6 +5,7 @@ up mid-stream aborts its request on the replica that ran it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -33,15 +34,14 @@ def replicas(
     finish(other)
 
 
-@pytest.fixture(scope="module")
-def router(
-    replicas: tuple[LiveServer, LiveServer], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[str]:
+@contextlib.contextmanager
+def _router(replicas: tuple[LiveServer, LiveServer], policy: str, log_path: Path) -> Iterator[str]:
+    """`python -m sglang_router.launch_router` in front of the replicas, once it has registered
+    both as healthy workers; its base URL."""
     port = free_port()
-    log_path = tmp_path_factory.mktemp("router") / "router.log"
     cmd = [
         sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-        "--worker-urls", *(replica.base_url for replica in replicas), "--policy", "cache_aware",
+        "--worker-urls", *(replica.base_url for replica in replicas), "--policy", policy,
         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--log-level", "warn",
     ]  # fmt: skip
     with open(log_path, "wb") as log:
@@ -49,7 +49,7 @@ def router(
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
-        while True:  # ready once it has registered both replicas as healthy workers
+        while True:
             assert process.poll() is None, log_path.read_text(errors="replace")
             try:
                 workers = httpx.get(f"{base}/workers", timeout=2).json()
@@ -63,6 +63,14 @@ def router(
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def router(
+    replicas: tuple[LiveServer, LiveServer], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    with _router(replicas, "cache_aware", tmp_path_factory.mktemp("router") / "router.log") as base:
+        yield base
 
 
 def _generated(replica: LiveServer) -> int:
@@ -153,5 +161,43 @@ def test_a_client_hanging_up_through_the_router_aborts_on_the_replica(
             break
         time.sleep(0.2)
     assert sum(now) == sum(aborted) + 1, "the hang-up reached the replica as an abort"
+    for replica in replicas:
+        replica.assert_idle_and_kv_intact()
+
+
+def test_flush_cache_and_load_reports_through_the_router(
+    router: str, replicas: tuple[LiveServer, LiveServer]
+) -> None:
+    for replica in replicas:  # something cached on both
+        _native(replica.base_url, [21, 22, 23, 24, 25, 26, 27, 28], stream=False)
+        assert replica.server_info()["evictable_tokens"] > 0
+    # The router asks every worker's /get_load and lists what each said.
+    loads = httpx.get(f"{router}/get_loads", timeout=30)
+    assert loads.status_code == 200, loads.text
+    reported = {entry["worker"]: entry["load"] for entry in loads.json()["workers"]}
+    # -1 is the router's "could not read it"; idle replicas report 0 tokens.
+    assert reported == {replica.base_url: 0 for replica in replicas}, reported
+    # POST /flush_cache on the router flushes every worker's radix cache.
+    flushed = httpx.post(f"{router}/flush_cache", timeout=60)
+    assert flushed.status_code == 200, flushed.text
+    for replica in replicas:
+        replica.assert_idle_and_kv_intact()
+        assert replica.server_info()["evictable_tokens"] == 0
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "power_of_two", "random"])
+def test_other_routing_policies_reach_both_replicas_with_the_same_outputs(
+    policy: str, replicas: tuple[LiveServer, LiveServer], tmp_path: Path
+) -> None:
+    prompts = [[31 + i, 8, 60 + 2 * i, 3, 7 * i + 2] for i in range(8)]
+    direct = [_native(replicas[0].base_url, p, stream=False) for p in prompts]
+    before = [_generated(replica) for replica in replicas]
+    with _router(replicas, policy, tmp_path / "router.log") as base, ThreadPoolExecutor(4) as pool:
+        routed = list(pool.map(lambda p: _native(base, p, stream=bool(p[0] % 2)), prompts))
+    assert routed == direct
+    served = [_generated(replica) - was for replica, was in zip(replicas, before, strict=True)]
+    if policy == "round_robin":
+        assert all(tokens > 0 for tokens in served), f"both replicas serve: {served}"
+    assert sum(served) >= len(prompts)
     for replica in replicas:
         replica.assert_idle_and_kv_intact()

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from radixserve.cache.kv_events import KVEventRecorder
-from radixserve.cache.storage import PageOrigin, StorageFingerprint
+from radixserve.cache.storage import PageOrigin, StorageFingerprint, accounting_problems
 
 logger = logging.getLogger(__name__)
 
@@ -128,12 +128,9 @@ class HostKVStorage:
 
     def check(self) -> list[str]:
         """Problems with this level's accounting (checked with the KV invariant when idle)."""
-        problems = []
-        if self.used_bytes > self.budget_bytes:
-            problems.append(f"host pool: {self.used_bytes} bytes held > budget {self.budget_bytes}")
-        if self.used_bytes != len(self._pages) * self.page_bytes:
-            problems.append("host pool: bytes held disagree with its pages")
-        return problems
+        return accounting_problems(
+            "host pool", self.used_bytes, self.budget_bytes, len(self), self.page_bytes
+        )
 
     def _remove(self, page_hash: int) -> None:
         """Drops the page (under the lock)."""

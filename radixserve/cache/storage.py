@@ -114,6 +114,16 @@ class StorageFingerprint:
             raise ValueError(f"a page holds {self.page_size} tokens, got {len(tokens)}")
 
 
+def accounting_problems(level: str, used: int, budget: int, pages: int, page_bytes: int) -> list[str]:
+    """What is wrong with a page store's byte count: over its budget, or not its pages' size."""
+    problems = []
+    if used > budget:
+        problems.append(f"{level}: {used} bytes held > budget {budget}")
+    if used != pages * page_bytes:
+        problems.append(f"{level}: bytes held disagree with its pages")
+    return problems
+
+
 @dataclass(frozen=True)
 class PageOrigin:
     """What a stored page holds the K/V of: its tokens, after the prefix its parent names."""
@@ -319,12 +329,9 @@ class FileKVStorage:
 
     def check(self) -> list[str]:
         """Problems with this level's accounting (checked with the KV invariant when idle)."""
-        problems = []
-        if self.used_bytes > self.budget_bytes:
-            problems.append(f"storage tier: {self.used_bytes} bytes stored > budget {self.budget_bytes}")
-        if self.used_bytes != len(self) * self.fingerprint.page_bytes:
-            problems.append("storage tier: bytes stored disagree with its pages")
-        return problems
+        return accounting_problems(
+            "storage tier", self.used_bytes, self.budget_bytes, len(self), self.fingerprint.page_bytes
+        )
 
     def disable(self, why: str) -> None:
         """Off for the rest of this process (the files stay), with one log line."""

@@ -21,7 +21,6 @@ from radixserve.cache.storage_tier import StorageTier
 from radixserve.cache.tiers import CacheTier, DeviceOnlyTier
 from radixserve.config.hicache_args import storage_dir
 from radixserve.config.server_args import ServerArgs
-from radixserve.distributed.parallel import SINGLE, ParallelContext
 from radixserve.executor.base import Executor
 from radixserve.scheduler.rank_sync import RankSync
 
@@ -76,13 +75,13 @@ def build_cache_tier(
     allocator: KVSlotAllocator,
     events: KVEventRecorder | None = None,
     written: Callable[[torch.Tensor], None] | None = None,
-    parallel: ParallelContext = SINGLE,
+    rank_sync: RankSync | None = None,
 ) -> CacheTier:
     """events: the device tree's KV event recorder, when events are published; the storage tier
     then records its own pages' events into the same stream. written: told of the slots a load
-    writes K/V to, past the executor. parallel: with tensor parallelism each rank stores its own
-    heads' pages under a fingerprint of its own, and the ranks agree on what they load
-    (cache/storage_tier.py)."""
+    writes K/V to, past the executor. rank_sync: the scheduler's; with tensor parallelism each rank
+    stores its own heads' pages under a fingerprint of its own, and the ranks agree on what they
+    load (cache/storage_tier.py)."""
     if not args.enable_hierarchical_cache:
         return DeviceOnlyTier()
     device = executor.info.device
@@ -98,6 +97,8 @@ def build_cache_tier(
     layout = executor.kv_layout()
     assert args.hicache_storage_page_size is not None  # set by ServerArgs.validate
     identity = model_identity(args.model_path, repr(executor.info.config))
+    rank_sync = rank_sync or RankSync()
+    parallel = rank_sync.parallel
     if parallel.tp_size > 1:
         identity += f"|tp{parallel.tp_rank}/{parallel.tp_size}"
     fingerprint = StorageFingerprint(
@@ -111,7 +112,7 @@ def build_cache_tier(
     page_size = fingerprint.page_size
     host = None
     if with_host:
-        token_bytes = layout.num_layers * 2 * layout.num_kv_heads * layout.head_dim * layout.dtype.itemsize
+        token_bytes = fingerprint.kv_bytes // page_size
         budget = (
             int(args.hicache_size * (1 << 30))
             if args.hicache_size > 0
@@ -143,5 +144,4 @@ def build_cache_tier(
             args.hicache_write_policy,
         )
     kv = executor if written is None else NotifyingKVAccess(executor, written)
-    least = RankSync(parallel).least
-    return StorageTier(storage, kv, allocator, args.hicache_write_policy, least=least, host=host)
+    return StorageTier(storage, kv, allocator, args.hicache_write_policy, least=rank_sync.least, host=host)

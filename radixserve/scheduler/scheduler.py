@@ -114,7 +114,7 @@ class Scheduler:
             self.allocator,
             self.kv_events.recorder if self.kv_events else None,
             written=self.speculator.written if self.speculator is not None else None,
-            parallel=parallel,
+            rank_sync=self.rank_sync,
         )
         self.tree_cache: PrefixCache = (
             ChunkCache(self.req_to_token_pool, self.allocator, args.page_size)

@@ -36,6 +36,21 @@ def _turns(engine: Any, prompts: list[list[int]]) -> list[dict[str, Any]]:
     return [engine.generate(input_ids=prompt, sampling_params=params) for prompt in prompts]
 
 
+Turns = tuple[list[list[int]], list[dict[str, Any]], list[list[int]], list[dict[str, Any]]]
+
+
+def _two_turns(engine: Any, reference: GreedyOracle, seed: int, returning: int) -> Turns:
+    """Eight conversations' first turns, then the second turns of the first `returning` of them,
+    each equal to transformers: (first prompts, their results, second prompts, their results)."""
+    first = random_prompts(8, [70, 90, 60, 100, 80, 75, 95, 85], seed=seed)
+    first_out = _turns(engine, first)
+    second = [[*p, *r["output_ids"], 5, 6, 7] for p, r in zip(first, first_out, strict=True)]
+    again = _turns(engine, second[:returning])
+    for prompt, result in zip(first + second[:returning], first_out + again, strict=True):
+        assert result["output_ids"] == reference.continue_(prompt, MAX_NEW)
+    return first, first_out, second, again
+
+
 def _storage_stats(engine: Any) -> dict[str, Any]:
     payload: dict[str, Any] = engine.control("get_stats").payload
     return payload
@@ -94,12 +109,7 @@ def test_a_draft_model_drafts_over_prefixes_loaded_from_storage(
         speculative_num_steps=3,
         disable_speculative_adaptive=True,  # what the gate drafts depends on this machine's speed
     )
-    first = random_prompts(8, [70, 90, 60, 100, 80, 75, 95, 85], seed=62)
-    first_out = _turns(engine, first)
-    second = [[*p, *r["output_ids"], 5, 6, 7] for p, r in zip(first, first_out, strict=True)]
-    again = _turns(engine, second[:4])
-    for prompt, result in zip(first + second[:4], first_out + again, strict=True):
-        assert result["output_ids"] == reference.continue_(prompt, MAX_NEW)
+    _two_turns(engine, reference, seed=62, returning=4)
     stats = _storage_stats(engine)
     assert stats["hicache_storage_hit_tokens"] >= 4 * STORAGE_PAGE * 3
     assert stats["spec_accepted_tokens"] >= 0.8 * stats["spec_draft_tokens"] > 0
@@ -116,13 +126,8 @@ def test_two_tensor_parallel_ranks_store_and_load_their_own_pages(
     agree on what they load, and the returning turns, in the same engine and after a restart,
     equal transformers with their prefixes from disk."""
     model, reference = tiny_model_dir("llama"), oracle("llama")
-    first = random_prompts(8, [70, 90, 60, 100, 80, 75, 95, 85], seed=63)
     before = make_engine(model, tp_size=2, **_args(tmp_path))
-    first_out = _turns(before, first)
-    second = [[*p, *r["output_ids"], 5, 6, 7] for p, r in zip(first, first_out, strict=True)]
-    again = _turns(before, second[:3])
-    for prompt, result in zip(first + second[:3], first_out + again, strict=True):
-        assert result["output_ids"] == reference.continue_(prompt, MAX_NEW)
+    first, _, second, _ = _two_turns(before, reference, seed=63, returning=3)
     assert _storage_stats(before)["hicache_storage_hit_tokens"] >= 3 * STORAGE_PAGE * 3
     before.check_kv_invariant()
     before.shutdown()
@@ -156,12 +161,7 @@ def test_l2_host_pool_forced_on_a_cpu_serves_returning_turns(
         hicache_storage_page_size=STORAGE_PAGE,
         hicache_ratio=8.0,
     )
-    first = random_prompts(8, [70, 90, 60, 100, 80, 75, 95, 85], seed=64)
-    first_out = _turns(engine, first)
-    second = [[*p, *r["output_ids"], 5, 6, 7] for p, r in zip(first, first_out, strict=True)]
-    again = _turns(engine, second[:4])
-    for prompt, result in zip(first + second[:4], first_out + again, strict=True):
-        assert result["output_ids"] == reference.continue_(prompt, MAX_NEW)
+    first, _, _, again = _two_turns(engine, reference, seed=64, returning=4)
     for previous, result in zip(first[:4], again, strict=True):
         whole_pages = (len(previous) + MAX_NEW - 1) // STORAGE_PAGE * STORAGE_PAGE
         assert result["meta_info"]["cached_tokens"] >= whole_pages

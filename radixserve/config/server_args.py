@@ -7,6 +7,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from radixserve.config.disaggregation_args import (
+    DEFAULT_BOOTSTRAP_PORT,
+    DEFAULT_TIMEOUT_S,
+    add_disaggregation_args,
+    validate_disaggregation_args,
+)
 from radixserve.config.hicache_args import add_hicache_args, validate_hicache_args
 from radixserve.config.kv_events_args import parse_kv_events_config
 from radixserve.config.speculative_args import add_speculative_args, validate_speculative_args
@@ -78,6 +84,11 @@ class ServerArgs:
     disable_radix_cache: bool = False
     # KV cache events over ZMQ (config/kv_events_args.py, scheduler/kv_events.py): the JSON object.
     kv_events_config: str | None = None
+    # Prefill/decode disaggregation (config/disaggregation_args.py, docs/parallelism.md).
+    disaggregation_mode: str = "null"
+    disaggregation_bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT
+    disaggregation_transfer_backend: str = "gloo"
+    disaggregation_timeout: float = DEFAULT_TIMEOUT_S
     # The hierarchical cache (config/hicache_args.py, cache/storage_tier.py).
     enable_hierarchical_cache: bool = False
     hicache_ratio: float = 2.0
@@ -223,6 +234,7 @@ class ServerArgs:
         if events is not None and self.disable_radix_cache:
             raise InvalidArgumentError("--kv-events-config needs the radix cache: drop --disable-radix-cache")
         validate_hicache_args(self, InvalidArgumentError)
+        validate_disaggregation_args(self, InvalidArgumentError)
 
     def _validate_parallelism(self) -> None:
         if self.tp_size < 1:
@@ -379,6 +391,7 @@ class ServerArgs:
 
         add_speculative_args(parser)
         add_hicache_args(parser)
+        add_disaggregation_args(parser)
         if http:
             ServerArgs._add_http_args(parser)
 

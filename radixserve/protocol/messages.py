@@ -15,6 +15,17 @@ FinishType = Literal["stop", "length", "abort"]
 
 
 @dataclass
+class BootstrapInfo:
+    """Where a request's other half runs under prefill/decode disaggregation, as sglang-router
+    --pd-disaggregation sends it: the prefill server's host and bootstrap port, and the room (a
+    number the router picks) that names this request on both servers."""
+
+    host: str
+    port: int
+    room: int
+
+
+@dataclass
 class GenerateRequest:
     rid: str
     input_ids: list[int]
@@ -37,6 +48,8 @@ class GenerateRequest:
     # "module.path:ClassName" of a logit processor the server can import (needs
     # --enable-custom-logit-processor); its arguments are sampling_params["custom_params"].
     custom_logit_processor: str | None = None
+    # Under --disaggregation-mode: the other server of this request (BootstrapInfo).
+    bootstrap: BootstrapInfo | None = None
 
 
 @dataclass

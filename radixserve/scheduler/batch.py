@@ -264,3 +264,37 @@ def truncate_kv(req: Req, keep: int, allocated_end: int, kv: KVContext) -> None:
         row = kv.req_to_token_pool.req_to_token[req.req_pool_idx]
         kv.allocator.free(row[first_free:allocated_end])
     req.kv_len = keep
+
+
+def reserve_prompt_kv(req: Req, kv: KVContext, headroom: int = 0) -> bool:
+    """A request slot and KV slots for the whole prompt, with no cached prefix, for K/V computed
+    elsewhere (a decode server under disaggregation), leaving `headroom` slots. False, and nothing
+    taken, when either is short. The request owns the slots with kv_len 0 until the K/V is written."""
+    length = len(req.origin_input_ids)
+    page = kv.allocator.page_size
+    if kv.available_with_eviction() < length + page + headroom:
+        return False
+    idx = kv.req_to_token_pool.alloc()
+    if idx is None:
+        return False
+    kv.make_room(length + page)
+    slots = kv.allocator.alloc_extend([0], [-1], [length])
+    if slots is None:
+        kv.req_to_token_pool.free(idx)
+        return False
+    kv.req_to_token_pool.req_to_token[idx, :length] = slots
+    req.req_pool_idx = idx
+    req.admission = next(_admissions)
+    req.cached_len = req.kv_len = 0
+    return True
+
+
+def release_unfilled_prompt_kv(req: Req, kv: KVContext) -> None:
+    """Gives back what reserve_prompt_kv took when the K/V never came (nothing goes to the cache)."""
+    if req.req_pool_idx is None:
+        return
+    row = kv.req_to_token_pool.req_to_token[req.req_pool_idx]
+    kv.allocator.free(row[: len(req.origin_input_ids)])
+    kv.req_to_token_pool.free(req.req_pool_idx)
+    req.req_pool_idx = None
+    req.cached_len = req.kv_len = 0

@@ -38,6 +38,8 @@ class ControlledScheduler(TunableScheduler, Protocol):
     @property
     def is_idle(self) -> bool: ...
 
+    def disaggregation_stats(self) -> dict[str, Any]: ...
+
     @property
     def max_total_tokens(self) -> int: ...
 
@@ -191,6 +193,8 @@ def get_stats(scheduler: ControlledScheduler, args: dict[str, Any]) -> Reply:
             # --enable-hierarchical-cache: the tier below the device pool (cache/storage_tier.py).
             "hicache_tier": s.cache_tier.name,
             **s.cache_tier.stats(),
+            # --disaggregation-mode: this half's handoffs (distributed/kv_transfer.py).
+            "disaggregation": s.disaggregation_stats(),
             "memory_released": sorted(s.executor.released),
             "resident_bytes": s.executor.resident_bytes(),
             # SGLang's load: KV tokens in use plus the tokens the waiting requests still need.

@@ -59,8 +59,9 @@ class OutputBuilder:
         )
 
     @staticmethod
-    def error(rid: str, prompt_tokens: int, message: str) -> ReqOutput:
-        return ReqOutput(rid, [], FinishReason("abort", message=message), prompt_tokens, 0, 0)
+    def error(rid: str, prompt_tokens: int, message: str, status_code: int | None = None) -> ReqOutput:
+        finish = FinishReason("abort", message=message, status_code=status_code)
+        return ReqOutput(rid, [], finish, prompt_tokens, 0, 0)
 
 
 def _unsent_prompt_hidden_states(req: Req) -> list[list[float]] | None:

@@ -12,7 +12,7 @@ import torch
 
 from radixserve.cache.radix_cache import TreeNode
 from radixserve.cache.tiers import TierLoad
-from radixserve.protocol.messages import FinishReason, TokenLogprobs
+from radixserve.protocol.messages import BootstrapInfo, FinishReason, TokenLogprobs
 from radixserve.protocol.sampling_params import SamplingParams
 from radixserve.scheduler.grammar import CompileResult, GrammarMatcher
 from radixserve.scheduler.logit_processors import LogitProcessor
@@ -146,6 +146,8 @@ class Req:
     # A custom logit processor (scheduler/logit_processors.py), when the request names one.
     logit_processor: LogitProcessor | None = None
     speculation: SpeculationState = field(default_factory=SpeculationState)
+    # Under --disaggregation-mode: the request's other half (scheduler/disaggregation/).
+    bootstrap: BootstrapInfo | None = None
 
     @property
     def fill_ids(self) -> list[int]:

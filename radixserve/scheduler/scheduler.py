@@ -40,6 +40,7 @@ from radixserve.scheduler.batch import KVContext
 from radixserve.scheduler.cache_tier import build_cache_tier
 from radixserve.scheduler.control import handle_control
 from radixserve.scheduler.decode import DecodeManager
+from radixserve.scheduler.disaggregation.build import build_handoffs
 from radixserve.scheduler.grammar import InvalidGrammarError, grammar_key
 from radixserve.scheduler.grammar_queue import GrammarQueue
 from radixserve.scheduler.kv_events import KVEventPublisher
@@ -128,6 +129,10 @@ class Scheduler:
             )
         )
         self.kv = KVContext(self.req_to_token_pool, self.allocator, self.tree_cache, device)
+        # --disaggregation-mode: the prefill side hands prompts' K/V on, the decode side takes it.
+        self.prefill_handoffs, self.decode_handoffs = build_handoffs(
+            args, executor, self.kv, self.speculator.written if self.speculator is not None else None
+        )
         self.eos_token_ids = frozenset(self.config.eos_token_ids)
         self.logit_processors = ProcessorRegistry(args.enable_custom_logit_processor)
         self._next_stand_in_id = self.config.vocab_size
@@ -298,7 +303,11 @@ class Scheduler:
         if params.max_new_tokens == 0 and not req.needs_input_logprobs and not self.is_embedding:
             req.finished_reason = FinishReason("length")
             return [self.outputs.final(req)]
+        if (error := self._admit_handoff(req, msg)) is not None:
+            return [self.outputs.error(msg.rid, prompt_len, error, status_code=400)]
         self.reqs[req.rid] = req
+        if self.decode_handoffs is not None:
+            return []  # it waits for its prompt's K/V, outside the queues
         self._idle_checked = False
         if (key := grammar_key(params)) is not None:
             try:
@@ -309,6 +318,44 @@ class Scheduler:
             return self._move_ready_grammar_requests()
         self.queues.waiting.append(req)
         return []
+
+    def _admit_handoff(self, req: Req, msg: GenerateRequest) -> str | None:
+        """Under --disaggregation-mode: why the request cannot run on this half, or None."""
+        req.bootstrap = msg.bootstrap
+        if self.prefill_handoffs is not None:
+            return self.prefill_handoffs.admit(req)
+        if self.decode_handoffs is None:
+            return None
+        if grammar_key(req.sampling_params) is not None:
+            return "structured output is not served under prefill/decode disaggregation yet"
+        return self.decode_handoffs.admit(req)
+
+    def _take_handoffs(self) -> list[ReqOutput]:
+        """Decode side: reserve KV for requests waiting for theirs, and start the ones whose K/V
+        came (scheduler/disaggregation/decode.py); they join the running batch."""
+        handoffs = self.decode_handoffs
+        assert handoffs is not None
+        handoffs.reserve_and_claim(self.queues.running)
+        outputs = []
+        for got in handoffs.receive():
+            req = got.req
+            if got.error is not None:
+                req.abort(got.error, got.status_code)
+                self.stats.aborted_reqs += 1
+                outputs.append(self._finish(req))
+                continue
+            self._append_token(req, got.first_token)
+            self.stats.generated_tokens += 1
+            if req.finished:
+                self.reqs.pop(req.rid, None)
+                self._release_kv(req)
+                outputs.append(self.outputs.final(req))
+                continue
+            self.tree_cache.cache_unfinished_req(req, req.fill_ids)
+            self.queues.running.append(req)
+            if self.outputs.unsent_tokens(req) >= self.args.stream_interval:
+                outputs.append(self.outputs.progress(req))
+        return outputs
 
     def _move_ready_grammar_requests(self) -> list[ReqOutput]:
         ready, failed = self.grammar_queue.poll()
@@ -373,8 +420,12 @@ class Scheduler:
         for req in targets:
             req.abort(message, status_code)
             self.stats.aborted_reqs += 1
+            if self.prefill_handoffs is not None:
+                self.prefill_handoffs.finished(req)  # the decode side stops waiting for it
             if req in queues.waiting:
                 queues.waiting.remove(req)
+            elif self.decode_handoffs is not None and self.decode_handoffs.abort(req):
+                pass  # it waited for K/V, which it gave back
             elif not self.grammar_queue.remove(req):  # one still compiling holds nothing yet
                 # Between steps no forward is in flight, so the KV can be released right away.
                 self._release_kv(req)
@@ -392,6 +443,8 @@ class Scheduler:
         outputs: list[SchedulerOutput] = []
         if self.grammar_queue.pending:
             outputs += self._move_ready_grammar_requests()
+        if self.decode_handoffs is not None and self.decode_handoffs.awaiting:
+            outputs += self._take_handoffs()
         outputs += self._run_one_batch()
         if self.kv_events is not None:
             self.kv_events.flush()
@@ -414,6 +467,10 @@ class Scheduler:
             if self.cache_tier.loading:
                 # Only prefixes loading from the tier below are left to wait for: likewise.
                 self.cache_tier.wait_for_loads(GRAMMAR_POLL_S)
+                return published
+            if self.decode_handoffs is not None and self.decode_handoffs.awaiting:
+                # Only K/V from prefill servers is left to wait for: likewise.
+                self.decode_handoffs.wait(GRAMMAR_POLL_S)
                 return published
             self._check_idle()
             return published
@@ -504,6 +561,7 @@ class Scheduler:
             or queues.chunked_req
             or self.grammar_queue.pending
             or self._unpublished is not None
+            or (self.decode_handoffs is not None and bool(self.decode_handoffs.awaiting))
         )
 
     def _next_batch(self) -> ScheduledBatch | None:
@@ -575,6 +633,8 @@ class Scheduler:
         outputs = []
         for req, finished in decided.reqs:
             if finished:
+                if self.prefill_handoffs is not None:
+                    self.prefill_handoffs.finished(req)  # copies its prompt's K/V out first
                 self._release_kv(req)
                 outputs.append(self.outputs.final(req))
             else:
@@ -593,6 +653,10 @@ class Scheduler:
         return self.outputs.final(req)
 
     # ------------------------------------------------------------------ accounting
+
+    def disaggregation_stats(self) -> dict[str, Any]:
+        handoffs = self.prefill_handoffs or self.decode_handoffs
+        return {"mode": "null"} if handoffs is None else handoffs.stats()
 
     def token_usage(self) -> float:
         return token_usage(self.kv, self.max_total_tokens)
@@ -651,6 +715,9 @@ class Scheduler:
                     if self.kv_events is not None:
                         self.kv_events.shutdown()
                     self.cache_tier.close()
+                    for handoffs in (self.prefill_handoffs, self.decode_handoffs):
+                        if handoffs is not None:
+                            handoffs.close()
                     self.executor.close()
                     return
                 outputs += self.handle(msg)

@@ -27,10 +27,11 @@ from radixserve.protocol.messages import GenerateRequest
 from radixserve.protocol.prompts import PromptBatch, split_prompts
 from radixserve.protocol.sampling_params import InvalidRequestError
 from radixserve.runtime.engine import Engine, EngineDeadError, GenerateOutput, QueueFullError
+from radixserve.server.bootstrap_fields import bootstrap_infos
 from radixserve.server.embeddings_api import router as embeddings_router
 from radixserve.server.errors import ApiError, error_body, error_response
 from radixserve.server.json_values import BadJsonValue, ParsedJsonRoute, check_body
-from radixserve.server.limits import check_batch, check_sampling_params, check_token_ids
+from radixserve.server.limits import check_batch, check_sampling_params, check_token_ids, per_prompt
 from radixserve.server.openai_api import SSE_DONE, SSE_MEDIA_TYPE, engine_of, router, sse, stream_error
 from radixserve.server.streams import ClientDisconnected, collect, merged_stream
 
@@ -145,6 +146,10 @@ class GenerateBody(BaseModel):
     return_hidden_states: bool = False
     # "module.path:ClassName" (needs --enable-custom-logit-processor); see docs/server.md.
     custom_logit_processor: str | None = None
+    # Under --disaggregation-mode: where the request's other half runs (server/bootstrap_fields.py).
+    bootstrap_host: str | list[str] | None = None
+    bootstrap_port: int | list[int | None] | None = None
+    bootstrap_room: int | list[int] | None = None
     # Fields sglang-router adds to every /generate it forwards. One model is served here, so
     # `model` is not checked; log_metrics and no_logs change nothing; the three features below are
     # not built, so asking for them is a 422 (their defaults, which the router sends, are fine).
@@ -460,19 +465,10 @@ def _add_native_routes(app: FastAPI) -> None:
         return JSONResponse(results[0] if single else results)
 
 
-def _per_prompt(value: Any, count: int, name: str) -> list[Any]:
-    """A field given once for the batch or once per prompt, as one value per prompt."""
-    if isinstance(value, list):
-        if len(value) != count:
-            raise ApiError(400, f"{name} must have one entry per prompt", param=name)
-        return value
-    return [value] * count
-
-
 def _native_requests(engine: Engine, batch: PromptBatch, body: GenerateBody) -> list[GenerateRequest]:
     prompts = batch.ids
     count = len(prompts)
-    params = _per_prompt(body.sampling_params or {}, count, "sampling_params")
+    params = per_prompt(body.sampling_params or {}, count, "sampling_params")
     per_prompt_params = isinstance(body.sampling_params, list)
     params = [
         check_sampling_params(sp, f"sampling_params[{i}]" if per_prompt_params else "sampling_params")
@@ -481,18 +477,19 @@ def _native_requests(engine: Engine, batch: PromptBatch, body: GenerateBody) -> 
     rid = body.rid
     rids: list[str | None]
     if isinstance(rid, list) or count == 1:
-        rids = _per_prompt(rid, count, "rid")
+        rids = per_prompt(rid, count, "rid")
     else:
         rids = [f"{rid}-{i}" if rid else None for i in range(count)]
-    logprobs = _per_prompt(body.return_logprob, count, "return_logprob")
-    tops = _per_prompt(body.top_logprobs_num, count, "top_logprobs_num")
-    starts = _per_prompt(body.logprob_start_len, count, "logprob_start_len")
+    logprobs = per_prompt(body.return_logprob, count, "return_logprob")
+    tops = per_prompt(body.top_logprobs_num, count, "top_logprobs_num")
+    starts = per_prompt(body.logprob_start_len, count, "logprob_start_len")
     named = body.token_ids_logprob
     per_prompt_ids = isinstance(named, list) and bool(named) and isinstance(named[0], list)
-    id_lists = _per_prompt(named, count, "token_ids_logprob") if per_prompt_ids else [named] * count
+    id_lists = per_prompt(named, count, "token_ids_logprob") if per_prompt_ids else [named] * count
     if body.session_params is not None and count != 1:
         raise ApiError(400, "session_params takes a single prompt", param="session_params")
-    return [
+    bootstraps = bootstrap_infos(body.bootstrap_host, body.bootstrap_port, body.bootstrap_room, count)
+    reqs = [
         engine.requests.build(
             p,
             sp,
@@ -510,6 +507,9 @@ def _native_requests(engine: Engine, batch: PromptBatch, body: GenerateBody) -> 
             prompts, params, rids, logprobs, tops, starts, id_lists, batch.embeds, strict=True
         )
     ]
+    for req, info in zip(reqs, bootstraps, strict=True):
+        req.bootstrap = info
+    return reqs
 
 
 def _native_result(state: GenerateOutput, tokenizer: Any | None) -> dict[str, Any]:

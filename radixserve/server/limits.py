@@ -17,6 +17,15 @@ from radixserve.server.errors import ApiError
 MAX_BATCH = 1024
 
 
+def per_prompt(value: Any, count: int, name: str) -> list[Any]:
+    """A field given once for the batch or once per prompt, as one value per prompt."""
+    if isinstance(value, list):
+        if len(value) != count:
+            raise ApiError(400, f"{name} must have one entry per prompt", param=name)
+        return value
+    return [value] * count
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 

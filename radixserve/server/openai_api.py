@@ -13,9 +13,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 
-from radixserve.protocol.messages import FinishReason, TokenLogprobs
+from radixserve.protocol.messages import FinishReason, GenerateRequest, TokenLogprobs
 from radixserve.protocol.sampling_params import InvalidRequestError, choice_params
 from radixserve.runtime.engine import Engine, EngineDeadError, GenerateOutput, QueueFullError
+from radixserve.server.bootstrap_fields import bootstrap_infos
 from radixserve.server.errors import ApiError, sse_error
 from radixserve.server.json_values import ParsedJsonRoute
 from radixserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest
@@ -152,6 +153,12 @@ def completion_logprobs(
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 
+def attach_bootstrap(body: CompletionRequest | ChatCompletionRequest, reqs: list[GenerateRequest]) -> None:
+    infos = bootstrap_infos(body.bootstrap_host, body.bootstrap_port, body.bootstrap_room, len(reqs))
+    for req, info in zip(reqs, infos, strict=True):
+        req.bootstrap = info
+
+
 @router.post("/v1/completions", response_model=None)
 async def completions(body: CompletionRequest, request: Request) -> Response:
     engine = engine_of(request)
@@ -166,6 +173,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         for ids in prompts
         for j in range(body.n)
     ]
+    attach_bootstrap(body, reqs)
     echoes = [str(engine.tokenizer.decode(r.input_ids)) if body.echo else "" for r in reqs]
     prompt_tokens = sum(len(reqs[i * body.n].input_ids) for i in range(len(prompts)))
     reply = Reply(engine, "text_completion", prompt_tokens, body.include_usage, id=f"cmpl-{uuid.uuid4().hex}")
@@ -285,6 +293,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         )
         for j in range(body.n)
     ]
+    attach_bootstrap(body, reqs)
     reply = Reply(
         engine, "chat.completion", len(prompt), body.include_usage, id=f"chatcmpl-{uuid.uuid4().hex}"
     )

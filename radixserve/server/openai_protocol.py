@@ -46,6 +46,10 @@ class _SamplingFields(BaseModel):
     user: str | None = None
     # SGLang extras
     top_k: int | None = None
+    # sglang-router --pd-disaggregation's (server/bootstrap_fields.py).
+    bootstrap_host: str | list[str] | None = None
+    bootstrap_port: int | list[int | None] | None = None
+    bootstrap_room: int | list[int] | None = None
     min_p: float | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None

@@ -385,6 +385,13 @@ def check_kv_accounting(scheduler: Scheduler) -> None:
         assert req.req_pool_idx is None, f"waiting request {req.rid} holds a request slot"
     # A request owns whole pages from its cached (page-aligned) length on.
     owned = sum(-(-(r.kv_len - r.cached_len) // page) * page for r in holders)
+    # A decode server's request waiting for its prompt's K/V owns the slots reserved for it.
+    handoffs = scheduler.decode_handoffs
+    reserved = (
+        [e.req for e in handoffs.awaiting.values() if e.req.req_pool_idx is not None] if handoffs else []
+    )
+    owned += sum(-(-len(r.origin_input_ids) // page) * page for r in reserved)
+    holders += reserved
     cache, allocator = scheduler.tree_cache, scheduler.allocator
     accounted = allocator.available_size() + cache.evictable_size() + cache.protected_size() + owned
     assert accounted == allocator.total_slots, (

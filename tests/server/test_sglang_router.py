@@ -5,10 +5,6 @@ up mid-stream aborts its request on the replica that ran it."""
 
 from __future__ import annotations
 
-import contextlib
-import json
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -18,8 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.ports import free_port
 from tests.server.conftest import LiveServer, finish, launch
+from tests.server.router import chat_text, generated_ids, launch_router
 
 SHARED_SERVER = True  # replica A; replica B is a server of this module's own
 GREEDY = {"temperature": 0.0, "max_new_tokens": 6}
@@ -34,35 +30,10 @@ def replicas(
     finish(other)
 
 
-@contextlib.contextmanager
-def _router(replicas: tuple[LiveServer, LiveServer], policy: str, log_path: Path) -> Iterator[str]:
-    """`python -m sglang_router.launch_router` in front of the replicas, once it has registered
-    both as healthy workers; its base URL."""
-    port = free_port()
-    cmd = [
-        sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-        "--worker-urls", *(replica.base_url for replica in replicas), "--policy", policy,
-        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--log-level", "warn",
-    ]  # fmt: skip
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert process.poll() is None, log_path.read_text(errors="replace")
-            try:
-                workers = httpx.get(f"{base}/workers", timeout=2).json()
-                if sum(1 for w in workers.get("workers", []) if w.get("is_healthy")) == 2:
-                    break
-            except (httpx.TransportError, ValueError):
-                pass
-            assert time.monotonic() < deadline, log_path.read_text(errors="replace")
-            time.sleep(0.2)
-        yield base
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
+def _router(replicas: tuple[LiveServer, LiveServer], policy: str, log_path: Path) -> Any:
+    """The router in front of the replicas, once it has registered both as healthy workers."""
+    urls = [replica.base_url for replica in replicas]
+    return launch_router(["--worker-urls", *urls, "--policy", policy], log_path, healthy_workers=2)
 
 
 @pytest.fixture(scope="module")
@@ -79,54 +50,24 @@ def _generated(replica: LiveServer) -> int:
 
 
 def _native(base: str, prompt: list[int], stream: bool) -> list[int]:
-    body = {"input_ids": prompt, "sampling_params": GREEDY, "stream": stream}
-    with httpx.Client(base_url=base, timeout=120) as client:
-        if not stream:
-            reply = client.post("/generate", json=body)
-            assert reply.status_code == 200, reply.text
-            ids: list[int] = reply.json()["output_ids"]
-            return ids
-        last: dict[str, Any] = {}
-        with client.stream("POST", "/generate", json=body) as reply:
-            assert reply.status_code == 200
-            for line in reply.iter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    last = json.loads(line[len("data: ") :])
-        ids = last["output_ids"]
-        return ids
+    return generated_ids(base, prompt, stream, GREEDY)
 
 
-def _chat(base: str, model: str, content: str, stream: bool) -> str:
-    body = {"model": model, "messages": [{"role": "user", "content": content}], "stream": stream,
-            "temperature": 0.0, "max_tokens": 6}  # fmt: skip
-    with httpx.Client(base_url=base, timeout=120) as client:
-        if not stream:
-            reply = client.post("/v1/chat/completions", json=body)
-            assert reply.status_code == 200, reply.text
-            text: str = reply.json()["choices"][0]["message"]["content"]
-            return text
-        parts = []
-        with client.stream("POST", "/v1/chat/completions", json=body) as reply:
-            assert reply.status_code == 200
-            for line in reply.iter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    delta = json.loads(line[len("data: ") :])["choices"][0]["delta"]
-                    parts.append(delta.get("content") or "")
-        return "".join(parts)
+def _chat(base: str, content: str, stream: bool) -> str:
+    return chat_text(base, content, stream, max_tokens=6)
 
 
 def test_mixed_traffic_through_the_router_matches_the_replicas_and_reaches_both(
     router: str, replicas: tuple[LiveServer, LiveServer]
 ) -> None:
     before = [_generated(replica) for replica in replicas]
-    model = httpx.get(f"{router}/v1/models", timeout=30).json()["data"][0]["id"]
     prompts = [[11 + i, 40 + 3 * i, 7, 90 + i, 5 * i + 1] for i in range(8)]
     jobs: list[tuple[str, Any, bool]] = [("native", p, i % 2 == 0) for i, p in enumerate(prompts)]
     jobs += [("chat", f"Question {i}: what comes next?", i % 2 == 0) for i in range(4)]
 
     def run(base: str, job: tuple[str, Any, bool]) -> Any:
         kind, prompt, stream = job
-        return _native(base, prompt, stream) if kind == "native" else _chat(base, model, prompt, stream)
+        return _native(base, prompt, stream) if kind == "native" else _chat(base, prompt, stream)
 
     with ThreadPoolExecutor(6) as pool:
         routed = list(pool.map(lambda job: run(router, job), jobs))

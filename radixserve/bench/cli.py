@@ -301,7 +301,7 @@ def _add_serving_parser(bench_sub: Any) -> argparse.ArgumentParser:
     data.add_argument(
         "--tokenizer",
         default=None,
-        help="local tokenizer dir: exact ShareGPT lengths, and text prompts for --backend chat",
+        help="a local tokenizer dir or GGUF file: exact ShareGPT lengths; text prompts for chat",
     )
     data.add_argument(
         "--sharegpt-output-len", type=_positive_int, default=None, help="fixed output length for ShareGPT"

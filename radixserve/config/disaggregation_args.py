@@ -26,6 +26,7 @@ class DisaggregationFields(Protocol):
     disaggregation_transfer_backend: str
     disaggregation_timeout: float
     tp_size: int
+    pp_size: int
     dp_size: int
     nnodes: int
     is_embedding: bool
@@ -50,10 +51,10 @@ def validate_disaggregation_args(args: DisaggregationFields, error: type[ValueEr
         raise error("--disaggregation-timeout must be > 0")
     if args.disaggregation_mode == "null":
         return
-    if args.tp_size != 1 or args.dp_size != 1 or args.nnodes != 1:
+    if args.tp_size != 1 or args.pp_size != 1 or args.dp_size != 1 or args.nnodes != 1:
         raise error(
-            "--disaggregation-mode runs one rank per server for now: --tp-size, --dp-size and --nnodes "
-            "must be 1 (run more servers behind sglang-router instead)"
+            "--disaggregation-mode runs one rank per server for now: --tp-size, --pp-size, --dp-size "
+            "and --nnodes must be 1 (run more servers behind sglang-router instead)"
         )
     if args.is_embedding:
         raise error("--disaggregation-mode serves generation; an embedding model has nothing to decode")

@@ -151,6 +151,9 @@ class ServerArgs:
     # replicas each serve a whole model (runtime/dp_router.py). A model's ranks may span nnodes
     # machines, which meet at dist_init_addr (HOST:PORT, reachable from every node).
     tp_size: int = 1
+    # Pipeline parallelism: pp_size stages, each holding a contiguous share of the layers and
+    # tp_size ranks of its own (docs/parallelism.md).
+    pp_size: int = 1
     dp_size: int = 1
     load_balance_method: str = "round_robin"
     nnodes: int = 1
@@ -239,6 +242,21 @@ class ServerArgs:
     def _validate_parallelism(self) -> None:
         if self.tp_size < 1:
             raise InvalidArgumentError(f"--tp-size must be >= 1, got {self.tp_size}")
+        if self.pp_size < 1:
+            raise InvalidArgumentError(f"--pp-size must be >= 1, got {self.pp_size}")
+        if self.pp_size > 1:
+            not_built = [
+                flag
+                for flag, used in (
+                    ("--dp-size", self.dp_size > 1),
+                    ("--speculative-algorithm", self.speculative_algorithm is not None),
+                    ("--enable-hierarchical-cache", self.enable_hierarchical_cache),
+                    ("--is-embedding", self.is_embedding),
+                )
+                if used
+            ]
+            if not_built:
+                raise InvalidArgumentError(f"--pp-size > 1 does not run with {', '.join(not_built)} yet")
         if self.nnodes < 1:
             raise InvalidArgumentError(f"--nnodes must be >= 1, got {self.nnodes}")
         if not 0 <= self.node_rank < self.nnodes:
@@ -252,17 +270,22 @@ class ServerArgs:
                 raise InvalidArgumentError(
                     "--nnodes > 1 needs --dist-init-addr HOST:PORT: an address of node 0 all nodes reach"
                 )
-            if self.tp_size % self.nnodes:
+            if self.model_ranks % self.nnodes:
                 raise InvalidArgumentError(
-                    f"--tp-size ({self.tp_size}) must be a multiple of --nnodes ({self.nnodes}): "
-                    "each node runs the same number of ranks"
+                    f"--tp-size x --pp-size ({self.model_ranks}) must be a multiple of --nnodes "
+                    f"({self.nnodes}): each node runs the same number of ranks"
                 )
             if self.dp_size != 1:
                 raise InvalidArgumentError("--nnodes > 1 supports --dp-size 1 only")
 
     @property
-    def tp_ranks_per_node(self) -> int:
-        return self.tp_size // self.nnodes
+    def model_ranks(self) -> int:
+        """The ranks of one model (replica): tp_size per pipeline stage."""
+        return self.tp_size * self.pp_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.model_ranks // self.nnodes
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, http: bool = True) -> None:
@@ -414,6 +437,10 @@ class ServerArgs:
         parallel.add_argument(
             "--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1,
             help="ranks that split one model's weights (tensor parallelism)",
+        )  # fmt: skip
+        parallel.add_argument(
+            "--pp-size", "--pipeline-parallel-size", dest="pp_size", type=int, default=1,
+            help="pipeline stages that split one model's layers (each of --tp-size ranks)",
         )  # fmt: skip
         parallel.add_argument("--dp-size", type=int, default=1, help="scheduler replicas (data parallelism)")
         parallel.add_argument(

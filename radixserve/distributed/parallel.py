@@ -1,4 +1,4 @@
-"""Tensor parallelism: the process group of one model's ranks and the collectives its layers use.
+"""Tensor and pipeline parallelism: the process groups of one model's ranks and their collectives.
 
 Every rank runs its own scheduler process over a shard of the weights (see docs/parallelism.md).
 The group is torch.distributed's: gloo on a CPU, NCCL on CUDA, plus a gloo group on CUDA for the
@@ -27,25 +27,64 @@ class DistributedInitError(RuntimeError):
 
 @dataclass(frozen=True, eq=False)
 class ParallelContext:
-    """This rank's place in its tensor-parallel group. `group` carries the model's collectives (on
-    its device); `cpu_group` carries the scheduler's (host tensors). Both are None for tp 1."""
+    """This rank's place among the ranks of one model: tp_size ranks per pipeline stage, pp_size
+    stages. `group` carries the tensor-parallel collectives of its stage (on its device) and
+    `cpu_group` their host-side twin; `world_group` / `world_cpu_group` span every rank of the
+    model (the schedulers' agreement, the sampled tokens, the last stage's logits). For one stage
+    the world groups are the stage's own. All are None for a single rank."""
 
     tp_rank: int = 0
     tp_size: int = 1
     group: Any = None
     cpu_group: Any = None
+    pp_rank: int = 0
+    pp_size: int = 1
+    world_group: Any = None
+    world_cpu_group: Any = None
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+    @property
+    def rank(self) -> int:
+        """The rank among all of the model's: stage by stage, tensor-parallel ranks within."""
+        return self.pp_rank * self.tp_size + self.tp_rank
 
     @property
     def is_leader(self) -> bool:
-        return self.tp_rank == 0
+        """Rank 0, which receives the requests, samples, and answers for the group."""
+        return self.rank == 0
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
 
 
 SINGLE = ParallelContext()
 
 
-def init_tensor_parallel(tp_rank: int, tp_size: int, init_addr: str, device: torch.device) -> ParallelContext:
-    """Joins the group of tp_size ranks whose rank 0 listens at init_addr ('host:port')."""
-    if tp_size == 1:
+def stage_layers(num_layers: int, ctx: ParallelContext) -> range:
+    """The layers this rank's pipeline stage holds: contiguous, the first stages taking one more
+    where they do not divide evenly."""
+    if num_layers < ctx.pp_size:
+        raise ValueError(f"{num_layers} layers cannot be split over --pp-size {ctx.pp_size} stages")
+    base, extra = divmod(num_layers, ctx.pp_size)
+    start = ctx.pp_rank * base + min(ctx.pp_rank, extra)
+    return range(start, start + base + (1 if ctx.pp_rank < extra else 0))
+
+
+def init_model_parallel(
+    rank: int, tp_size: int, pp_size: int, init_addr: str, device: torch.device
+) -> ParallelContext:
+    """Joins the group of tp_size x pp_size ranks whose rank 0 listens at init_addr ('host:port'):
+    rank r is tensor-parallel rank r % tp_size of pipeline stage r // tp_size."""
+    world = tp_size * pp_size
+    if world == 1:
         return SINGLE
     host, port = parse_host_port(init_addr)
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -53,18 +92,32 @@ def init_tensor_parallel(tp_rank: int, tp_size: int, init_addr: str, device: tor
         dist.init_process_group(
             backend,
             init_method=f"tcp://{host}:{port}",
-            rank=tp_rank,
-            world_size=tp_size,
+            rank=rank,
+            world_size=world,
             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
             device_id=device if device.type == "cuda" else None,
         )
     except (RuntimeError, ValueError, OSError) as exc:
         raise DistributedInitError(
-            f"tensor-parallel rank {tp_rank}/{tp_size} could not join the group at {host}:{port}: {exc}"
+            f"rank {rank} of {world} (--tp-size {tp_size}, --pp-size {pp_size}) could not join the "
+            f"group at {host}:{port}: {exc}"
         ) from exc
-    group = dist.group.WORLD
-    cpu_group = group if backend == "gloo" else dist.new_group(backend="gloo")
-    return ParallelContext(tp_rank, tp_size, group, cpu_group)
+    world_group = dist.group.WORLD
+    world_cpu_group = world_group if backend == "gloo" else dist.new_group(backend="gloo")
+    tp_rank, pp_rank = rank % tp_size, rank // tp_size
+    if pp_size == 1:
+        return ParallelContext(
+            tp_rank, tp_size, world_group, world_cpu_group, 0, 1, world_group, world_cpu_group
+        )
+    # Every rank creates every stage's groups, in the same order (torch.distributed's rule).
+    group = cpu_group = None
+    for stage in range(pp_size):
+        ranks = list(range(stage * tp_size, (stage + 1) * tp_size))
+        device_group = dist.new_group(ranks)
+        host_group = device_group if backend == "gloo" else dist.new_group(ranks, backend="gloo")
+        if stage == pp_rank:
+            group, cpu_group = device_group, host_group
+    return ParallelContext(tp_rank, tp_size, group, cpu_group, pp_rank, pp_size, world_group, world_cpu_group)
 
 
 def all_reduce(x: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
@@ -105,28 +158,47 @@ def gather_shards(local: torch.Tensor, dim: int, start: int, full: int, ctx: Par
 
 
 def broadcast_from_leader(x: torch.Tensor, ctx: ParallelContext, cpu: bool = False) -> torch.Tensor:
-    """Rank 0's x on every rank (x must have the same shape and dtype everywhere)."""
-    if ctx.tp_size > 1:
-        dist.broadcast(x, src=0, group=ctx.cpu_group if cpu else ctx.group)
+    """Rank 0's x on every rank of the model (x must have the same shape and dtype everywhere)."""
+    if ctx.world_size > 1:
+        dist.broadcast(x, src=0, group=ctx.world_cpu_group if cpu else ctx.world_group)
+    return x
+
+
+def broadcast_from_last_stage(x: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
+    """The last pipeline stage's x (its first tensor-parallel rank's) on every rank; the others pass
+    a tensor of the same shape and dtype to receive into."""
+    if ctx.pp_size > 1:
+        dist.broadcast(x, src=(ctx.pp_size - 1) * ctx.tp_size, group=ctx.world_group)
+    return x
+
+
+def send_to_next_stage(x: torch.Tensor, ctx: ParallelContext) -> None:
+    """x to the same tensor-parallel rank of the next pipeline stage."""
+    dist.send(x.contiguous(), dst=ctx.rank + ctx.tp_size, group=ctx.world_group)
+
+
+def receive_from_previous_stage(x: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
+    """What the same tensor-parallel rank of the previous stage sent, into x."""
+    dist.recv(x, src=ctx.rank - ctx.tp_size, group=ctx.world_group)
     return x
 
 
 def min_over_ranks(values: list[int], ctx: ParallelContext) -> list[int]:
-    """Each position's smallest value over the ranks: sizes that the ranks' schedulers must agree
-    on (every rank passes as many values)."""
-    if ctx.tp_size == 1:
+    """Each position's smallest value over all of the model's ranks: sizes that the ranks'
+    schedulers must agree on (every rank passes as many values)."""
+    if ctx.world_size == 1:
         return values
     t = torch.tensor(values, dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=ctx.cpu_group)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=ctx.world_cpu_group)
     least: list[int] = t.tolist()
     return least
 
 
 def barrier(ctx: ParallelContext) -> None:
-    if ctx.tp_size > 1:
-        dist.barrier(group=ctx.cpu_group)
+    if ctx.world_size > 1:
+        dist.barrier(group=ctx.world_cpu_group)
 
 
 def destroy(ctx: ParallelContext) -> None:
-    if ctx.tp_size > 1 and dist.is_initialized():
+    if ctx.world_size > 1 and dist.is_initialized():
         dist.destroy_process_group()

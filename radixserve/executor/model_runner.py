@@ -19,7 +19,13 @@ from radixserve.attention.cpu_native import CpuNativeBackend
 from radixserve.attention.registry import choose_attention_backend
 from radixserve.cache.pools import KVCachePool
 from radixserve.config.server_args import InvalidArgumentError
-from radixserve.distributed.parallel import SINGLE, ParallelContext, broadcast_from_leader, min_over_ranks
+from radixserve.distributed.parallel import (
+    SINGLE,
+    ParallelContext,
+    broadcast_from_leader,
+    min_over_ranks,
+    stage_layers,
+)
 from radixserve.executor.base import ExecutorInfo, KVLayout, MemoryReleasedError
 from radixserve.executor.runner_config import RunnerConfig
 from radixserve.forward.batch import ForwardBatch
@@ -110,8 +116,10 @@ class ModelRunner:
         self.context_len = self._context_len(self.config, config)
         # An embedding model answers embedding requests only (like SGLang's --is-embedding).
         self.is_embedding = config.is_embedding or self.config.is_encoder
-        if self.config.is_encoder and parallel.tp_size > 1:
-            raise InvalidArgumentError("encoder (BERT) models run with --tp-size 1 only")
+        if self.config.is_encoder and parallel.world_size > 1:
+            raise InvalidArgumentError("encoder (BERT) models run with --tp-size 1 and --pp-size 1 only")
+        # The layers (and so the K/V) this rank's pipeline stage holds.
+        self.num_local_layers = len(stage_layers(self.config.num_hidden_layers, parallel))
         self.local_kv_heads = split_kv_heads(self.config.num_key_value_heads, 1, parallel).local
         self.kernels = self._select_kernels()
         # bf16 linear weights on a CPU are held packed for a matmul kernel (layers/packed_weights.py).
@@ -148,7 +156,7 @@ class ModelRunner:
         self.kv_pool = KVCachePool(
             num_slots=self.max_total_tokens,
             # An encoder keeps no K/V between steps: its slots are only accounting.
-            num_layers=0 if self.config.is_encoder else self.config.num_hidden_layers,
+            num_layers=0 if self.config.is_encoder else self.num_local_layers,
             num_kv_heads=self.local_kv_heads,
             head_dim=self.config.head_dim,
             dtype=self.dtype,
@@ -174,7 +182,7 @@ class ModelRunner:
 
     def _attention_spec(self, staging_tokens: int) -> AttentionSpec:
         return AttentionSpec(
-            num_layers=self.config.num_hidden_layers,
+            num_layers=self.num_local_layers,
             num_heads=self.config.num_attention_heads // self.parallel.tp_size,
             num_kv_heads=self.local_kv_heads,
             head_dim=self.config.head_dim,
@@ -318,7 +326,7 @@ class ModelRunner:
 
     def _kv_capacity(self, gathers_kv: bool) -> int:
         per_slot = KVCachePool.bytes_per_slot(
-            self.config.num_hidden_layers,
+            self.num_local_layers,
             self.local_kv_heads,
             self.config.head_dim,
             self.dtype,
@@ -473,9 +481,9 @@ class ModelRunner:
         return finish_embeddings(pooled, self.pooling)
 
     def sample(self, logits: torch.Tensor, sampling: SamplingBatch) -> torch.Tensor:
-        """With tensor parallelism rank 0 samples and the others take its tokens: one broadcast of
-        a few ids keeps the ranks in step, whatever the seeds and the random state."""
-        if self.parallel.tp_size == 1:
+        """With several ranks rank 0 samples and the others take its tokens: one broadcast of a few
+        ids keeps the ranks in step, whatever the seeds and the random state."""
+        if self.parallel.world_size == 1:
             return sample(logits, sampling, self.kernels)
         if self.parallel.is_leader:
             tokens = sample(logits, sampling, self.kernels)

@@ -15,7 +15,14 @@ from torch import nn
 
 from radixserve.attention.base import AttentionCall
 from radixserve.attention.cpu_native import CpuDecodeMetadata
-from radixserve.distributed.parallel import SINGLE, ParallelContext
+from radixserve.distributed.parallel import (
+    SINGLE,
+    ParallelContext,
+    broadcast_from_last_stage,
+    receive_from_previous_stage,
+    send_to_next_stage,
+    stage_layers,
+)
 from radixserve.forward.batch import ForwardBatch, ForwardMode
 from radixserve.layers.activation import silu_and_mul
 from radixserve.layers.linear import (
@@ -115,6 +122,7 @@ _STACKED = {
     "up_proj": ("gate_up_proj", 1),
 }
 _STACKED_NAME = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.")
+_LAYER_INDEX = re.compile(r"^layers\.(\d+)\.")
 
 
 class CausalLM(nn.Module):
@@ -125,18 +133,30 @@ class CausalLM(nn.Module):
         ctx: ParallelContext = SINGLE,
         kernels: CpuKernels | None = None,
     ):
-        """kernels: the native CPU kernels to use where they apply (None: torch ops only)."""
+        """kernels: the native CPU kernels to use where they apply (None: torch ops only). With
+        pipeline parallelism (ctx.pp_size > 1) this rank's stage holds only its layers (keyed by
+        their checkpoint index; their KV pool index is their place in the stage), the first
+        stage the embedding, the last the final norm and the LM head (and the embedding when tied)."""
         super().__init__()
         self.config = config
         self.kernels = kernels
+        self.ctx = ctx
+        self.stage = stage_layers(config.num_hidden_layers, ctx)
+        # What a stage after the first receives its hidden states in (the model is built in it).
+        self.activation_dtype = torch.get_default_dtype()
         self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, i, ctx, kernels) for i in range(config.num_hidden_layers)
+        needs_embedding = ctx.is_first_stage or (ctx.is_last_stage and config.tie_word_embeddings)
+        self.embed_tokens = (
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx) if needs_embedding else None
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, ctx)
-        if config.tie_word_embeddings:
+        self.layers = nn.ModuleDict(
+            {str(i): DecoderLayer(config, local, ctx, kernels) for local, i in enumerate(self.stage)}
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels) if ctx.is_last_stage else None
+        self.lm_head = (
+            ParallelLMHead(config.vocab_size, config.hidden_size, ctx) if ctx.is_last_stage else None
+        )
+        if self.lm_head is not None and self.embed_tokens is not None and config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         # Set by the model runner when decode steps run in the fused native loop (fused_decode_plan).
         self.fused_decode: FusedDecodePlan | None = None
@@ -147,12 +167,26 @@ class CausalLM(nn.Module):
         hidden states of those rows, then of `batch.hidden_rows`."""
         hidden = self.final_hidden(batch, attention)
         with_logits = hidden.shape[0] - (0 if batch.hidden_rows is None else len(batch.hidden_rows))
-        return self.lm_head.logits(hidden[:with_logits]).float(), hidden
+        if self.ctx.pp_size == 1:
+            assert self.lm_head is not None
+            return self.lm_head.logits(hidden[:with_logits]).float(), hidden
+        # Every rank's scheduler samples from (rank 0) or looks at the same logits: the last stage's.
+        logits = torch.empty(with_logits, self.config.vocab_size, dtype=torch.float32, device=hidden.device)
+        if self.lm_head is not None:
+            logits = self.lm_head.logits(hidden[:with_logits]).float().contiguous()
+        return broadcast_from_last_stage(logits, self.ctx), broadcast_from_last_stage(
+            hidden.contiguous(), self.ctx
+        )
 
     @torch.inference_mode()
     def final_hidden(self, batch: ForwardBatch, attention: AttentionCall) -> torch.Tensor:
-        """The last layer's normed hidden states for the rows forward() returns logits of."""
-        if batch.input_embeds is None:
+        """The last layer's normed hidden states for the rows forward() returns logits of (on a
+        pipeline stage before the last: a tensor of their shape, to receive them into)."""
+        if self.embed_tokens is None or not self.ctx.is_first_stage:
+            shape = (batch.input_ids.shape[0], self.config.hidden_size)
+            empty = torch.empty(shape, dtype=self.activation_dtype, device=batch.input_ids.device)
+            hidden = receive_from_previous_stage(empty, self.ctx)
+        elif batch.input_embeds is None:
             hidden = self.embed_tokens(batch.input_ids)
         else:
             # Rows with given vectors carry stand-in ids outside the vocabulary.
@@ -166,13 +200,16 @@ class CausalLM(nn.Module):
         if fused is not None and as_decode and fused.takes(attention):
             hidden = fused.run(hidden, attention, rope)
         else:
-            for layer in self.layers:
+            for layer in self.layers.values():
                 hidden = layer(hidden, attention, rope)
         # Only the rows that sample need the final norm and the (large) vocabulary projection.
         rows = batch.sample_rows
         extra = [r for r in (batch.logprob_rows, batch.hidden_rows) if r is not None]
         if extra:
             rows = torch.cat([rows, *extra])
+        if self.norm is None:
+            send_to_next_stage(hidden, self.ctx)
+            return hidden.new_empty((rows.shape[0], self.config.hidden_size))
         normed: torch.Tensor = self.norm(hidden[rows])
         return normed
 
@@ -185,7 +222,7 @@ class CausalLM(nn.Module):
         kernels, config = self.kernels, self.config
         if kernels is None or kernels.linear_kernel is None or config.qk_norm:
             return None
-        layers = cast("list[DecoderLayer]", list(self.layers))
+        layers = cast("list[DecoderLayer]", list(self.layers.values()))
         first = layers[0]
         attention = first.self_attn
         if attention.o_proj.ctx.tp_size != 1 or not kernels.handles_decode_attention(
@@ -231,6 +268,15 @@ class CausalLM(nn.Module):
         if "rotary_emb.inv_freq" in name:
             return None
         path = name.removeprefix("model.")
+        # Another pipeline stage's part of the model.
+        layer = _LAYER_INDEX.match(path)
+        if layer is not None and int(layer.group(1)) not in self.stage:
+            return None
+        if (
+            path.split(".")[0] in ("embed_tokens", "norm", "lm_head")
+            and getattr(self, path.split(".")[0]) is None
+        ):
+            return None
         shard = 0
         match = _STACKED_NAME.search(path)
         if match:

@@ -80,7 +80,9 @@ def read_weight(model: ResolvingModel, name: str) -> torch.Tensor:
     tensor parallelism every rank must call this together: the ranks' shards are gathered."""
     target = model.resolve(name) or model.resolve(name.removeprefix("model."))
     if target is None:
-        raise KeyError(f"{name} is not stored separately in this model (tied to another weight?)")
+        raise KeyError(
+            f"{name} is not stored separately here (tied to another weight, or on another pipeline stage)"
+        )
     module = target.module
     tensor = getattr(module, target.param)
     if isinstance(module, ParallelLinear) and target.param == "weight":

@@ -68,9 +68,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def dist_init_addr(args: ServerArgs, replica: int) -> str | None:
-    """Where the tensor-parallel ranks of one replica meet: --dist-init-addr (its port plus the
-    replica's index), else a free local port."""
-    if args.tp_size == 1:
+    """Where the ranks of one replica (tensor and pipeline parallel) meet: --dist-init-addr (its
+    port plus the replica's index), else a free local port."""
+    if args.model_ranks == 1:
         return None
     if args.dist_init_addr is None:
         return f"127.0.0.1:{free_port()}"
@@ -85,21 +85,22 @@ def scheduler_command(
     parent: str,
     idle_wait: str,
     replica: int,
-    tp_rank: int,
+    rank: int,
     init_addr: str | None,
 ) -> list[str]:
     command = [
         sys.executable, "-m", "radixserve.scheduler.process",
         "--server-args-json", json.dumps(child_args), "--tokenizer-dir", tokenizer_dir,
         "--outbox", outbox, "--parent-pid", parent, "--idle-wait-ms", idle_wait,
-        "--dp-rank", str(replica), "--tp-rank", str(tp_rank),
+        "--dp-rank", str(replica), "--rank", str(rank),
     ]  # fmt: skip
     return command + (["--dist-init-addr", init_addr] if init_addr else [])
 
 
-def rank_name(args: ServerArgs, replica: int, tp_rank: int) -> str:
+def rank_name(args: ServerArgs, replica: int, rank: int) -> str:
     where = [f"dp rank {replica}"] if args.dp_size > 1 else []
-    where += [f"tp rank {tp_rank}"] if args.tp_size > 1 else []
+    where += [f"pp rank {rank // args.tp_size}"] if args.pp_size > 1 else []
+    where += [f"tp rank {rank % args.tp_size}"] if args.tp_size > 1 else []
     return "scheduler" + (f" ({', '.join(where)})" if where else "")
 
 
@@ -144,13 +145,13 @@ class Runtime:
         self.children = [Child("detokenizer", subprocess.Popen(detokenizer_cmd))]
         for replica, inbox, init_addr in zip(replicas, to_schedulers, init_addrs, strict=True):
             # This node's ranks: node 0 holds rank 0, which receives the replica's requests.
-            for tp_rank in range(args.tp_ranks_per_node):
+            for rank in range(args.ranks_per_node):
                 command = scheduler_command(
-                    child_args, tokenizer_dir, to_detokenizer, parent, idle_wait, replica, tp_rank, init_addr
+                    child_args, tokenizer_dir, to_detokenizer, parent, idle_wait, replica, rank, init_addr
                 )
-                if tp_rank == 0:
+                if rank == 0:
                     command += ["--inbox", inbox]
-                self.children.append(Child(rank_name(args, replica, tp_rank), subprocess.Popen(command)))
+                self.children.append(Child(rank_name(args, replica, rank), subprocess.Popen(command)))
         self.closed = False
 
     def provide_tokenizer(self, tokenizer: Any) -> None:

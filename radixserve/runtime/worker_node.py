@@ -41,15 +41,15 @@ class WorkerNode:
         failures = self.ipc.address("failures")
         self._failures = Channel(self.zmq, failures, send=False, bind=True)
         child_args = {**args.to_dict(), "api_key": None}
-        per_node = args.tp_ranks_per_node
+        per_node = args.ranks_per_node
         self.children = []
         for local in range(per_node):
-            tp_rank = args.node_rank * per_node + local
+            rank = args.node_rank * per_node + local
             command = scheduler_command(
-                child_args, tokenizer_dir, failures, str(os.getpid()), str(PARENT_CHECK_MS), 0, tp_rank,
+                child_args, tokenizer_dir, failures, str(os.getpid()), str(PARENT_CHECK_MS), 0, rank,
                 args.dist_init_addr,
             )  # fmt: skip
-            self.children.append(Child(rank_name(args, 0, tp_rank), subprocess.Popen(command)))
+            self.children.append(Child(rank_name(args, 0, rank), subprocess.Popen(command)))
         logger.info("node %d runs %s; waiting for node 0 at %s", args.node_rank,
                     ", ".join(c.name for c in self.children), args.dist_init_addr)  # fmt: skip
 

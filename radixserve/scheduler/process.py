@@ -96,24 +96,25 @@ def build_draft_runner(args: ServerArgs, target: ModelRunner, parallel: Parallel
     return draft
 
 
-def place_rank(args: ServerArgs, dp_rank: int, tp_rank: int) -> None:
+def place_rank(args: ServerArgs, dp_rank: int, rank: int) -> None:
     """Each rank on this machine gets a GPU of its own, or on a CPU its share of the cores (ranks
     competing for every core run slower than each on its own share)."""
     import torch
 
-    per_node = args.tp_ranks_per_node
+    per_node = args.ranks_per_node
     local_ranks = args.dp_size * per_node
     if local_ranks == 1:
         return
     if args.device in ("auto", "cuda") and torch.cuda.is_available():
-        args.device = f"cuda:{(dp_rank * per_node + tp_rank % per_node) % torch.cuda.device_count()}"
+        args.device = f"cuda:{(dp_rank * per_node + rank % per_node) % torch.cuda.device_count()}"
     elif args.device in ("auto", "cpu"):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
 
 
-def scheduler_name(args: ServerArgs, dp_rank: int, tp_rank: int) -> str:
+def scheduler_name(args: ServerArgs, dp_rank: int, rank: int) -> str:
     parts = [f"dp{dp_rank}"] if args.dp_size > 1 else []
-    parts += [f"tp{tp_rank}"] if args.tp_size > 1 else []
+    parts += [f"pp{rank // args.tp_size}"] if args.pp_size > 1 else []
+    parts += [f"tp{rank % args.tp_size}"] if args.tp_size > 1 else []
     return "-".join(["scheduler", *parts])
 
 
@@ -121,16 +122,17 @@ def run_scheduler_process(server_args: dict[str, Any], child: ChildArgs) -> None
     """Outputs go to the detokenizer (outbox), which passes on what is not token ids. A
     tensor-parallel rank > 0 has no inbox and sends nothing but its last word if it fails."""
     args = ServerArgs(**server_args)
-    dp_rank, tp_rank = int(child.ns.dp_rank), int(child.ns.tp_rank)
-    name = scheduler_name(args, dp_rank, tp_rank)
+    dp_rank, rank = int(child.ns.dp_rank), int(child.ns.rank)
+    name = scheduler_name(args, dp_rank, rank)
     configure_logging(args.log_level, prefix=f" {name}")
     with child_channels(name, child.inbox, child.outbox, bind_inbox=False) as (inbox, outbox):
-        place_rank(args, dp_rank, tp_rank)
-        from radixserve.distributed.parallel import barrier, destroy, init_tensor_parallel
+        place_rank(args, dp_rank, rank)
+        from radixserve.distributed.parallel import barrier, destroy, init_model_parallel
         from radixserve.executor.model_runner import pick_device
 
-        parallel = init_tensor_parallel(
-            tp_rank, args.tp_size, child.ns.dist_init_addr or "", pick_device(args.device)
+        device = pick_device(args.device)
+        parallel = init_model_parallel(
+            rank, args.tp_size, args.pp_size, child.ns.dist_init_addr or "", device
         )
         # The tokenizer's directory: the scheduler loads it only if a stop string or grammar needs it.
         scheduler = build_scheduler(args, tokenizer=child.tokenizer_dir, parallel=parallel, dp_rank=dp_rank)
@@ -164,7 +166,7 @@ def run_scheduler_process(server_args: dict[str, Any], child: ChildArgs) -> None
                     break
                 if (first := inbox.recv(child.idle_wait_ms)) is not None:
                     messages.append(first)
-                elif args.tp_size > 1:
+                elif args.model_ranks > 1:
                     break  # an empty share now and then keeps the other ranks' collective alive
                 elif scheduler.kv_events_pending:
                     break  # the storage tier's I/O thread recorded events while idle: a step publishes them
@@ -201,7 +203,8 @@ def main() -> None:
         lambda parser: (
             parser.add_argument("--server-args-json", required=True),
             parser.add_argument("--dp-rank", type=int, default=0),
-            parser.add_argument("--tp-rank", type=int, default=0),
+            # This rank among the replica's tp_size x pp_size (parallel.py's ParallelContext.rank).
+            parser.add_argument("--rank", type=int, default=0),
             parser.add_argument("--dist-init-addr", default=None),
         ),
     )

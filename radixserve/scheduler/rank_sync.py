@@ -29,14 +29,14 @@ class RankSync:
 
     def share_messages(self, messages: list[SchedulerInput]) -> list[SchedulerInput]:
         """Rank 0's messages on every rank (the others pass an empty list)."""
-        if self.parallel.tp_size == 1:
+        if self.parallel.world_size == 1:
             return messages
         payload = self._share_bytes(msgspec.msgpack.encode([encode(m) for m in messages]))
         return [decode(frames) for frames in _frames_decoder.decode(payload)]
 
     def agree(self, values: list[int]) -> list[int]:
         """Rank 0's values on every rank."""
-        if self.parallel.tp_size == 1:
+        if self.parallel.world_size == 1:
             return values
         shared: list[int] = self._share_tensor(torch.tensor(values, dtype=torch.int64)).tolist()
         return shared

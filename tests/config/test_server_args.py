@@ -28,3 +28,25 @@ def test_cpu_isa_flag_parses() -> None:
     args = ServerArgs.from_cli_args(parser.parse_args(["--model-path", "m", "--cpu-isa", "avx512"]))
     assert args.cpu_isa == "avx512"
     assert ServerArgs.from_cli_args(parser.parse_args(["--model-path", "m"])).cpu_isa == "auto"
+
+
+def test_pipeline_parallelism_flags_and_what_they_refuse() -> None:
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = ServerArgs.from_cli_args(
+        parser.parse_args(["--model-path", "m", "--pipeline-parallel-size", "2", "--tp-size", "2"])
+    )
+    assert (args.pp_size, args.model_ranks, args.ranks_per_node) == (2, 4, 4)
+    with pytest.raises(InvalidArgumentError, match="--pp-size must be >= 1"):
+        ServerArgs(model_path="m", pp_size=0)
+    for fields, flag in (
+        ({"dp_size": 2}, "--dp-size"),
+        ({"speculative_algorithm": "NGRAM"}, "--speculative-algorithm"),
+        ({"enable_hierarchical_cache": True}, "--enable-hierarchical-cache"),
+    ):
+        with pytest.raises(InvalidArgumentError, match=f"--pp-size > 1 does not run with {flag}"):
+            ServerArgs(model_path="m", pp_size=2, **fields)  # type: ignore[arg-type]
+    with pytest.raises(
+        InvalidArgumentError, match=r"--tp-size x --pp-size \(3\) must be a multiple of --nnodes"
+    ):
+        ServerArgs(model_path="m", pp_size=3, nnodes=2, dist_init_addr="127.0.0.1:5000")

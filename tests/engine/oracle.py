@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from radixserve.protocol.messages import FinishReason, GenerateRequest, ReqOutput
+from radixserve.runtime.engine import Engine
 from radixserve.scheduler.scheduler import Scheduler
 
 
@@ -78,3 +79,44 @@ def final_output(box: queue.Queue[Any], timeout: float = 60) -> Any:
     while out.finished_reason is None:
         out = box.get(timeout=timeout)
     return out
+
+
+def assert_greedy_matches(
+    engine: Engine, prompts: list[list[int]], oracle: GreedyOracle, max_new: int
+) -> None:
+    """The engine's greedy tokens for the prompts, batched, equal transformers'."""
+    results = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": max_new})
+    assert isinstance(results, list)
+    for i, (res, prompt) in enumerate(zip(results, prompts, strict=True)):
+        assert res["output_ids"] == oracle.continue_(prompt, max_new), (
+            f"prompt {i} (len {len(prompt)}) differs"
+        )
+
+
+def assert_batched_and_cached_match(engine: Engine, oracle: GreedyOracle, max_new: int) -> None:
+    """16 prompts of mixed lengths at once, then prompts sharing a 64-token prefix one after the
+    other (cache hits): transformers' greedy tokens every time."""
+    assert_greedy_matches(engine, random_prompts(16, seed=1), oracle, max_new)
+    prefix = random_prompts(1, [64], seed=2)[0]
+    for tail in random_prompts(3, seed=3):
+        (res,) = engine.generate(
+            input_ids=[prefix + tail], sampling_params={**GREEDY, "max_new_tokens": max_new}
+        )
+        assert res["output_ids"] == oracle.continue_(prefix + tail, max_new)
+    assert res["meta_info"]["cached_tokens"] >= 64
+
+
+def sampled_like_one_rank(engine: Engine, single: Engine, return_logprob: bool = False) -> list[Any]:
+    """Seeded sampling and a regex grammar on several ranks give one rank's tokens; the results of
+    both engines, pairwise."""
+    requests: list[dict[str, Any]] = [
+        {"temperature": 1.0, "top_p": 0.9, "seed": seed, "max_new_tokens": 16} for seed in range(6)
+    ]
+    requests += [{"temperature": 1.0, "seed": 7, "max_new_tokens": 16, "regex": r"[a-c]{2,4}-[0-9]{3}"}]
+    prompts = random_prompts(len(requests), seed=4)
+    many = engine.generate(input_ids=prompts, sampling_params=requests, return_logprob=return_logprob)
+    one = single.generate(input_ids=prompts, sampling_params=requests, return_logprob=return_logprob)
+    assert isinstance(many, list) and isinstance(one, list)
+    assert [r["output_ids"] for r in many] == [r["output_ids"] for r in one]
+    assert one[-1]["meta_info"]["finish_reason"]["type"] == "stop"
+    return list(zip(many, one, strict=True))

@@ -49,7 +49,8 @@ def test_each_of_two_ranks_holds_half_the_weights(arch: str, tiny_model_dir: Cal
         elif name.endswith(("o_proj.weight", "down_proj.weight")):
             assert torch.equal(torch.cat(parts, dim=1), whole), name
         elif "qkv_proj" in name:
-            q, k, v = [sum(s.local for s in full.layers[0].self_attn.qkv_proj.shards[:i]) for i in (1, 2, 3)]
+            shards = full.layers["0"].self_attn.qkv_proj.shards
+            q, k, v = [sum(s.local for s in shards[:i]) for i in (1, 2, 3)]
             halves = [p.split([q // 2, (k - q) // 2, (v - k) // 2]) for p in parts]
             pieces = [torch.cat([h[i] for h in halves]) for i in range(3)]
             assert torch.equal(torch.cat(pieces), whole), name

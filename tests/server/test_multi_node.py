@@ -1,5 +1,6 @@
-"""Two "nodes" on loopback serve one --tp-size 2 model: node 0 runs the HTTP server and rank 0,
-node 1 (a second launch with --node-rank 1) runs rank 1 and stops when node 0 shuts down."""
+"""Two "nodes" on loopback serve one --tp-size 2 (or --pp-size 2) model: node 0 runs the HTTP
+server and rank 0, node 1 (a second launch with --node-rank 1) runs rank 1 (the second pipeline
+stage) and stops when node 0 shuts down."""
 
 from __future__ import annotations
 
@@ -9,16 +10,19 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from tests.engine.oracle import GreedyOracle, random_prompts
 from tests.ports import free_port
 from tests.server.conftest import LiveServer
 
 
+@pytest.mark.parametrize("split", ["--tp-size", "--pp-size"])
 def test_two_launches_with_nnodes_2_serve_one_model(
-    tiny_model_dir: Callable[[str], Path], start_server: Callable[..., LiveServer], tmp_path: Path
+    split: str, tiny_model_dir: Callable[[str], Path], start_server: Callable[..., LiveServer], tmp_path: Path
 ) -> None:
     path = tiny_model_dir("llama")
-    common = ["--tp-size", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{free_port()}"]
+    common = [split, "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{free_port()}"]
     worker_log = tmp_path / "node1.log"
     worker_cmd = [
         sys.executable, "-m", "radixserve.launch_server", "--model-path", str(path),

@@ -73,7 +73,7 @@ def test_ctrl_c_shuts_down_cleanly(tiny_model_dir: Callable[[str], Path], start_
 
 
 @pytest.mark.parametrize(
-    ("flags", "rank_flag"), [(["--tp-size", "2"], "--tp-rank 1"), (["--dp-size", "2"], "--dp-rank 1")]
+    ("flags", "rank_flag"), [(["--tp-size", "2"], "--rank 1"), (["--dp-size", "2"], "--dp-rank 1")]
 )
 def test_a_killed_rank_or_replica_makes_the_server_exit_nonzero_fast(
     tiny_model_dir: Callable[[str], Path], start_server: Any, flags: list[str], rank_flag: str

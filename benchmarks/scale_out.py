@@ -1,7 +1,7 @@
-"""W1/W2 with --tp-size 1 and 2 and the overlap schedule off and on, and the scheduler's own time
-per step, through the Engine on this machine.
+"""W1/W2 with --tp-size 1 and 2 and the overlap schedule off and on (or, with --pp, --pp-size 1
+and 2), and the scheduler's own time per step, through the Engine on this machine.
 
-    python benchmarks/scale_out.py [--work bench-work] [--repeats 3]
+    python benchmarks/scale_out.py [--work bench-work] [--repeats 3] [--pp]
 
 SmolLM2-135M's 9 attention heads do not split over 2 ranks, so this runs a random model of the
 same size and shape but 8 heads of 72 and 4 KV heads (written on first use to
@@ -23,7 +23,9 @@ from radixserve.bench.model import ensure_random_smollm2
 from radixserve.bench.workloads import make_workload, time_engine_runs
 from radixserve.runtime.engine import Engine
 
-SETUPS = [(1, False), (1, True), (2, False), (2, True)]
+# (tp_size, pp_size, overlap)
+SETUPS = [(1, 1, False), (1, 1, True), (2, 1, False), (2, 1, True)]
+PP_SETUPS = [(1, 1, False), (1, 2, False)]
 SHAPE = {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 72}
 
 
@@ -44,12 +46,12 @@ def ensure_tp_model(work: Path) -> Path:
     return out
 
 
-def run(model: Path, tp_size: int, overlap: bool, repeats: int) -> dict[str, Any]:
+def run(model: Path, tp_size: int, pp_size: int, overlap: bool, repeats: int) -> dict[str, Any]:
     results: dict[str, Any] = {}
     flag = "enable_overlap_schedule" if overlap else "disable_overlap_schedule"
     with Engine(
-        str(model), dtype="bfloat16", tp_size=tp_size, max_total_tokens=40000, schedule_policy="lpm",
-        log_level="warning", **{flag: True},
+        str(model), dtype="bfloat16", tp_size=tp_size, pp_size=pp_size, max_total_tokens=40000,
+        schedule_policy="lpm", log_level="warning", **{flag: True},
     ) as engine:  # fmt: skip
         for workload in (make_workload("W1"), make_workload("W2")):
             runs = time_engine_runs(engine, workload, repeats)
@@ -69,20 +71,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, default=Path("bench-work"))
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--pp", action="store_true", help="--pp-size 1 and 2 instead of the TP setups")
     args = parser.parse_args()
     model = ensure_tp_model(args.work)
-    print(f"{'tp':>3} {'overlap':>8}  {'W1 tok/s':>9} {'ratio':>6} {'sched ms':>8} {'fwd ms':>7}"
+    print(f"{'tp':>3} {'pp':>3} {'overlap':>8}  {'W1 tok/s':>9} {'ratio':>6} {'sched ms':>8} {'fwd ms':>7}"
           f"  {'W2 tok/s':>9} {'ratio':>6} {'sched ms':>8} {'fwd ms':>7}")  # fmt: skip
     baseline: dict[str, float] = {}
-    for tp_size, overlap in SETUPS:
-        r = run(model, tp_size, overlap, args.repeats)
+    for tp_size, pp_size, overlap in PP_SETUPS if args.pp else SETUPS:
+        r = run(model, tp_size, pp_size, overlap, args.repeats)
         cells = []
         for name in ("W1", "W2"):
             baseline.setdefault(name, r[name]["tok_s"])
             w = r[name]
             ratio = w["tok_s"] / baseline[name]
             cells.append(f"{w['tok_s']:>9.0f} {ratio:>6.2f} {w['sched_ms']:>8.2f} {w['fwd_ms']:>7.1f}")
-        print(f"{tp_size:>3} {'on' if overlap else 'off':>8}  " + "  ".join(cells), flush=True)
+        print(f"{tp_size:>3} {pp_size:>3} {'on' if overlap else 'off':>8}  " + "  ".join(cells), flush=True)
 
 
 if __name__ == "__main__":

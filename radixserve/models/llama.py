@@ -271,7 +271,9 @@ class CausalLM(nn.Module):
         # Another pipeline stage's part of the model.
         layer = _LAYER_INDEX.match(path)
         if layer is not None and int(layer.group(1)) not in self.stage:
-            return None
+            if int(layer.group(1)) < self.config.num_hidden_layers:
+                return None
+            raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
         if (
             path.split(".")[0] in ("embed_tokens", "norm", "lm_head")
             and getattr(self, path.split(".")[0]) is None

@@ -46,6 +46,7 @@ from radixserve.scheduler.grammar_queue import GrammarQueue
 from radixserve.scheduler.kv_events import KVEventPublisher
 from radixserve.scheduler.logit_processors import ProcessorRegistry
 from radixserve.scheduler.logprobs import record_input_logprobs
+from radixserve.scheduler.manager_views import ManagerViews
 from radixserve.scheduler.next_tokens import pick_next_tokens, record_prompt_hidden_states
 from radixserve.scheduler.outputs import Decided, OutputBuilder, OverlappedPublisher, overlap_enabled
 from radixserve.scheduler.policy import SchedulePolicy
@@ -66,7 +67,7 @@ DEFAULT_MAX_RUNNING_REQUESTS = 256
 GRAMMAR_POLL_S = 0.01
 
 
-class Scheduler:
+class Scheduler(ManagerViews):
     def __init__(
         self,
         args: ServerArgs,
@@ -178,65 +179,6 @@ class Scheduler:
         if draft.info.max_total_tokens < self.max_total_tokens:
             raise ValueError("the draft model's KV pool must hold as many slots as the target's")
         return DraftModelSpeculator(args, self.context_len, row_len, draft, self.config.vocab_size, agree)
-
-    # ------------------------------------------------------------------ state of the managers
-    # The queues and the batch budgets live in RequestQueues, PrefillManager and DecodeManager;
-    # these keep the scheduler's own names for them (control commands, the watchdog, tests).
-
-    @property
-    def waiting(self) -> list[Req]:
-        return self.queues.waiting
-
-    @waiting.setter
-    def waiting(self, reqs: list[Req]) -> None:
-        self.queues.waiting = reqs
-
-    @property
-    def running(self) -> list[Req]:
-        return self.queues.running
-
-    @running.setter
-    def running(self, reqs: list[Req]) -> None:
-        self.queues.running = reqs
-
-    @property
-    def chunked_req(self) -> Req | None:
-        return self.queues.chunked_req
-
-    @chunked_req.setter
-    def chunked_req(self, req: Req | None) -> None:
-        self.queues.chunked_req = req
-
-    @property
-    def max_running(self) -> int:
-        return self.prefill.max_running
-
-    @max_running.setter
-    def max_running(self, value: int) -> None:
-        self.prefill.max_running = value
-
-    @property
-    def new_token_ratio(self) -> float:
-        return self.decode.new_token_ratio
-
-    @new_token_ratio.setter
-    def new_token_ratio(self, value: float) -> None:
-        self.decode.new_token_ratio = value
-
-    @property
-    def init_new_token_ratio(self) -> float:
-        return self.decode.init_new_token_ratio
-
-    @property
-    def min_new_token_ratio(self) -> float:
-        return self.decode.min_new_token_ratio
-
-    @property
-    def new_token_ratio_decay(self) -> float:
-        return self.decode.new_token_ratio_decay
-
-    def reset_new_token_ratio(self) -> None:
-        self.decode.reset_new_token_ratio()
 
     # ------------------------------------------------------------------ requests in
 

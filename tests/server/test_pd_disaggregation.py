@@ -92,6 +92,28 @@ def test_outputs_through_the_pd_router_equal_a_single_servers(pd: PD, server: Li
         half.assert_idle_and_kv_intact()
 
 
+def test_logprobs_through_the_pd_router_equal_a_single_servers(pd: PD, server: LiveServer) -> None:
+    """The first token's logprob, alternatives and named ids come from the prefill server, the
+    rest from the decode server: together they are one server's."""
+    body = {"input_ids": [17, 3, 99, 42, 8, 61], "sampling_params": GREEDY, "return_logprob": True,
+            "top_logprobs_num": 3, "token_ids_logprob": [5, 7]}  # fmt: skip
+    routed = httpx.post(f"{pd.router}/generate", json=body, timeout=120)
+    direct = httpx.post(f"{server.base_url}/generate", json=body, timeout=120)
+    assert routed.status_code == direct.status_code == 200, (routed.text, direct.text)
+    ours, theirs = routed.json(), direct.json()
+    assert ours["output_ids"] == theirs["output_ids"]
+    for key in ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs"):
+        mine, ref = ours["meta_info"][key], theirs["meta_info"][key]
+        assert len(mine) == len(ref) == len(ours["output_ids"]), key
+        for got, want in zip(mine, ref, strict=True):
+            entries = got if key != "output_token_logprobs" else [got]
+            expected = want if key != "output_token_logprobs" else [want]
+            assert [e[1] for e in entries] == [e[1] for e in expected], key  # the same token ids
+            assert [e[0] for e in entries] == pytest.approx([e[0] for e in expected], abs=1e-4), key
+    for half in pd.servers:
+        half.assert_idle_and_kv_intact()
+
+
 def test_the_halves_refuse_requests_that_skip_the_router(pd: PD) -> None:
     for half, mode in ((pd.prefill, "prefill"), (pd.decode, "decode")):
         reply = httpx.post(

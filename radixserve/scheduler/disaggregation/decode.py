@@ -81,9 +81,6 @@ class DecodeHandoffs:
             return f"bootstrap_room {info.room} is already in use on this decode server"
         if req.input_embeds is not None or req.input_logprobs is not None or req.return_hidden_states:
             return "prompt vectors, prompt logprobs and hidden states do not cross a prefill/decode handoff"
-        if req.logprobs is not None and (req.top_logprobs_num or req.token_ids_logprob):
-            # The first token's alternatives would have to come from the prefill server.
-            return "top_logprobs_num and token_ids_logprob are not served under disaggregation yet"
         self.awaiting[info.room] = _Awaiting(req, time.monotonic() + self.timeout_s)
         return None
 

@@ -248,8 +248,6 @@ class Scheduler(ManagerViews):
         if (error := self._admit_handoff(req, msg)) is not None:
             return [self.outputs.error(msg.rid, prompt_len, error, status_code=400)]
         self.reqs[req.rid] = req
-        if self.decode_handoffs is not None:
-            return []  # it waits for its prompt's K/V, outside the queues
         self._idle_checked = False
         if (key := grammar_key(params)) is not None:
             try:
@@ -258,8 +256,15 @@ class Scheduler(ManagerViews):
                 del self.reqs[req.rid]
                 return [self.outputs.error(msg.rid, prompt_len, str(exc))]
             return self._move_ready_grammar_requests()
-        self.queues.waiting.append(req)
+        self._enqueue(req)
         return []
+
+    def _enqueue(self, req: Req) -> None:
+        """Into the waiting queue; on a decode server, to wait for its prompt's K/V instead."""
+        if self.decode_handoffs is not None:
+            self.decode_handoffs.wait_for_kv(req)
+        else:
+            self.queues.waiting.append(req)
 
     def _admit_handoff(self, req: Req, msg: GenerateRequest) -> str | None:
         """Under --disaggregation-mode: why the request cannot run on this half, or None."""
@@ -268,9 +273,7 @@ class Scheduler(ManagerViews):
             return self.prefill_handoffs.admit(req)
         if self.decode_handoffs is None:
             return None
-        if grammar_key(req.sampling_params) is not None:
-            return "structured output is not served under prefill/decode disaggregation yet"
-        return self.decode_handoffs.admit(req)
+        return self.decode_handoffs.refusal(req)
 
     def _take_handoffs(self) -> list[ReqOutput]:
         """Decode side: reserve KV for requests waiting for theirs, and start the ones whose K/V
@@ -301,7 +304,8 @@ class Scheduler(ManagerViews):
 
     def _move_ready_grammar_requests(self) -> list[ReqOutput]:
         ready, failed = self.grammar_queue.poll()
-        self.queues.waiting += ready
+        for req in ready:
+            self._enqueue(req)
         outputs = []
         for req, error in failed:
             # The request's own fault (a bad grammar): answered like invalid input.

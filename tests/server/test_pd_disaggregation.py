@@ -114,6 +114,18 @@ def test_logprobs_through_the_pd_router_equal_a_single_servers(pd: PD, server: L
         half.assert_idle_and_kv_intact()
 
 
+def test_structured_output_through_the_pd_router_equals_a_single_servers(pd: PD, server: LiveServer) -> None:
+    """The prefill server samples the first token under the grammar; the decode server's own
+    matcher (compiled while the K/V is on its way) takes that token and goes on from it."""
+    params = {"temperature": 0.0, "max_new_tokens": 16, "regex": r"[a-c]{2,4}-[0-9]{3}"}
+    prompts = [[7, 8, 9, 10], [31, 4, 15, 92, 65]]
+    routed = [generated_ids(pd.router, p, stream=False, params=params) for p in prompts]
+    direct = [generated_ids(server.base_url, p, stream=False, params=params) for p in prompts]
+    assert routed == direct
+    for half in pd.servers:
+        half.assert_idle_and_kv_intact()
+
+
 def test_the_halves_refuse_requests_that_skip_the_router(pd: PD) -> None:
     for half, mode in ((pd.prefill, "prefill"), (pd.decode, "decode")):
         reply = httpx.post(

@@ -72,8 +72,9 @@ class DecodeHandoffs:
     def __len__(self) -> int:
         return len(self.awaiting)
 
-    def admit(self, req: Req) -> str | None:
-        """Why the request cannot wait for K/V here, or None: it then waits in `awaiting`."""
+    def refusal(self, req: Req) -> str | None:
+        """Why the request cannot be served here, or None (then wait_for_kv, once its grammar, if
+        any, is compiled: the first token the prefill server sampled advances it)."""
         info = req.bootstrap
         if info is None:
             return missing_bootstrap("decode")
@@ -81,8 +82,11 @@ class DecodeHandoffs:
             return f"bootstrap_room {info.room} is already in use on this decode server"
         if req.input_embeds is not None or req.input_logprobs is not None or req.return_hidden_states:
             return "prompt vectors, prompt logprobs and hidden states do not cross a prefill/decode handoff"
-        self.awaiting[info.room] = _Awaiting(req, time.monotonic() + self.timeout_s)
         return None
+
+    def wait_for_kv(self, req: Req) -> None:
+        assert req.bootstrap is not None
+        self.awaiting[req.bootstrap.room] = _Awaiting(req, time.monotonic() + self.timeout_s)
 
     def reserve_and_claim(self, running: list[Req]) -> None:
         """Reserves KV for waiting requests in arrival order while the pool has room beyond a page

@@ -246,7 +246,8 @@ class GlooPrefillTransfer(PrefillTransfer):
                 if item is None:
                     self._close_peers()
                     return
-                self._pending[item.room] = _Pending(item, time.monotonic() + self.timeout_s)
+                with self._lock:
+                    self._pending[item.room] = _Pending(item, time.monotonic() + self.timeout_s)
             try:
                 self._accept_peers()
                 self._send_claimed()
@@ -264,37 +265,37 @@ class GlooPrefillTransfer(PrefillTransfer):
         for room, pending in list(self._pending.items()):
             if self.store.check([_abort_key(room)]):
                 self.store.delete_key(_abort_key(room))
-                del self._pending[room]
-                with self._lock:
-                    self._stats.dropped += 1
+                self._settle(room, "dropped")
                 continue
             if not self.store.check([_room_key(room)]):
                 if now > pending.deadline:
                     logger.warning(
                         "no decode server claimed room %d in %.0f s; dropping it", room, self.timeout_s
                     )
-                    del self._pending[room]
-                    with self._lock:
-                        self._stats.failed += 1
+                    self._settle(room, "failed")
                 continue
             peer = int(self.store.get(_room_key(room)))
             group = self.peers.get(peer)
             if group is None:
                 continue  # it claimed the room before we accepted it: next round
             self.store.delete_key(_room_key(room))
-            del self._pending[room]
             started = time.perf_counter()
             try:
                 sent = _send_handoff(group, pending.handoff)
             except Exception:
                 logger.exception("sending room %d to decode server %d failed", room, peer)
-                with self._lock:
-                    self._stats.failed += 1
+                self._settle(room, "failed")
                 continue
-            with self._lock:
-                self._stats.handoffs += 1
-                self._stats.bytes += sent
-                self._stats.seconds += time.perf_counter() - started
+            self._settle(room, "handoffs", sent, time.perf_counter() - started)
+
+    def _settle(self, room: int, outcome: str, sent: int = 0, seconds: float = 0.0) -> None:
+        """A room leaves the queue and is counted in one step, so that stats never show it in
+        neither place (a room stays queued while it is being sent)."""
+        with self._lock:
+            del self._pending[room]
+            setattr(self._stats, outcome, getattr(self._stats, outcome) + 1)
+            self._stats.bytes += sent
+            self._stats.seconds += seconds
 
     def _close_peers(self) -> None:
         close = torch.tensor([_MAGIC, _STATUS_CLOSE, 0, 0, 0, 0], dtype=torch.int64)

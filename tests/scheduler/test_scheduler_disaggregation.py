@@ -137,6 +137,8 @@ def _outputs_equal_one_server(pair: Pair) -> None:
         assert pair.decode_results.finish[rid].type == "length"
         # The prefill server answers with the first token only.
         assert pair.prefill_results.tokens[rid] == expected[:1]
+    # A handoff is counted once its last send returns, which can be after the receiver has it.
+    _wait_for(lambda: pair.prefill.disaggregation_stats()["waiting_for_claim"] == 0, pair)
     stats = pair.prefill.disaggregation_stats()
     assert stats["handoffs"] == len(prompts) and stats["failed"] == 0
     assert pair.decode.disaggregation_stats()["handoffs"] == len(prompts)

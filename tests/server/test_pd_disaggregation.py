@@ -65,6 +65,14 @@ def _chat(base: str, content: str, stream: bool) -> str:
     return chat_text(base, content, stream, max_tokens=8)
 
 
+def _wait_until_sent(prefill: LiveServer) -> None:
+    """Until the prefill server holds no finished prompt any more (each sent, dropped or failed)."""
+    deadline = time.monotonic() + 60
+    while _disaggregation(prefill)["waiting_for_claim"]:
+        assert time.monotonic() < deadline, _disaggregation(prefill)
+        time.sleep(0.05)
+
+
 def _disaggregation(server: LiveServer) -> dict[str, Any]:
     stats: dict[str, Any] = server.server_info()["disaggregation"]
     return stats
@@ -84,6 +92,8 @@ def test_outputs_through_the_pd_router_equal_a_single_servers(pd: PD, server: Li
         routed = list(pool.map(lambda job: run(pd.router, job), jobs))
     direct = [run(server.base_url, job) for job in jobs]
     assert routed == direct
+    # A handoff is counted once its last send returns, which can be after the decode server has it.
+    _wait_until_sent(pd.prefill)
     prefill, decode = _disaggregation(pd.prefill), _disaggregation(pd.decode)
     assert prefill["mode"] == "prefill" and decode["mode"] == "decode"
     assert prefill["handoffs"] - before == len(jobs)
@@ -167,10 +177,7 @@ def test_clients_hanging_up_while_the_kv_is_on_its_way_leak_nothing(pd: PD) -> N
     for half in pd.servers:
         half.assert_idle_and_kv_intact()
     # The prefill side dropped what nobody claimed any more, and nothing waits on either side.
-    deadline = time.monotonic() + 60
-    while _disaggregation(pd.prefill)["waiting_for_claim"] and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert _disaggregation(pd.prefill)["waiting_for_claim"] == 0
+    _wait_until_sent(pd.prefill)
     assert _disaggregation(pd.decode)["awaiting_kv"] == 0
     # Every hang-up reached the decode server as an abort (while it waited for K/V, or after), and
     # the prefill server sent or dropped each prompt.

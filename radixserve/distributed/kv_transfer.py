@@ -215,6 +215,7 @@ class GlooPrefillTransfer(PrefillTransfer):
         self.peers: dict[int, Any] = {}
         self._inbox: queue.Queue[KVHandoff | None] = queue.Queue()
         self._pending: dict[int, _Pending] = {}
+        self._queued = 0  # handed to send() and not yet in _pending
         self._stats = TransferStats()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="radixserve-pd-send", daemon=True)
@@ -222,6 +223,8 @@ class GlooPrefillTransfer(PrefillTransfer):
         logger.info("prefill/decode bootstrap: TCPStore on %s:%d, K/V over gloo", bind_host, port)
 
     def send(self, handoff: KVHandoff) -> None:
+        with self._lock:
+            self._queued += 1  # counted from here on, so that stats never miss it
         self._inbox.put(handoff)
 
     def stats(self) -> dict[str, Any]:
@@ -229,7 +232,7 @@ class GlooPrefillTransfer(PrefillTransfer):
             return {
                 **self._stats.as_dict(),
                 "peers": len(self.peers),
-                "waiting_for_claim": len(self._pending),
+                "waiting_for_claim": self._queued + len(self._pending),
             }
 
     def close(self) -> None:
@@ -247,6 +250,7 @@ class GlooPrefillTransfer(PrefillTransfer):
                     self._close_peers()
                     return
                 with self._lock:
+                    self._queued -= 1
                     self._pending[item.room] = _Pending(item, time.monotonic() + self.timeout_s)
             try:
                 self._accept_peers()

@@ -1,5 +1,6 @@
 """W1/W2 with --tp-size 1 and 2 and the overlap schedule off and on (or, with --pp, --pp-size 1
-and 2), and the scheduler's own time per step, through the Engine on this machine.
+and 2, and how busy the pipeline's stages were kept), and the scheduler's own time per step (a
+pipeline's per tick), through the Engine on this machine.
 
     python benchmarks/scale_out.py [--work bench-work] [--repeats 3] [--pp]
 
@@ -54,7 +55,9 @@ def run(model: Path, tp_size: int, pp_size: int, overlap: bool, repeats: int) ->
         schedule_policy="lpm", log_level="warning", **{flag: True},
     ) as engine:  # fmt: skip
         for workload in (make_workload("W1"), make_workload("W2")):
+            before = engine.get_stats()["pipeline"]
             runs = time_engine_runs(engine, workload, repeats)
+            after = engine.get_stats()["pipeline"]
             steps = [r.delta("forward_steps") for r in runs]
             forward_s = [r.delta("forward_time_s") for r in runs]
             sched_s = [r.delta("step_time_s") - f for r, f in zip(runs, forward_s, strict=True)]
@@ -64,6 +67,10 @@ def run(model: Path, tp_size: int, pp_size: int, overlap: bool, repeats: int) ->
                 "sched_ms": statistics.median(1000 * s / n for s, n in zip(sched_s, steps, strict=True)),
                 "fwd_ms": statistics.median(1000 * f / n for f, n in zip(forward_s, steps, strict=True)),
             }
+            if pp_size > 1:
+                # The share of stage-ticks that had a micro-batch to run (scheduler/pipeline.py).
+                busy = after["busy_stage_ticks"] - before["busy_stage_ticks"]
+                results[workload.name]["busy"] = busy / ((after["ticks"] - before["ticks"]) * pp_size)
     return results
 
 
@@ -74,8 +81,10 @@ def main() -> None:
     parser.add_argument("--pp", action="store_true", help="--pp-size 1 and 2 instead of the TP setups")
     args = parser.parse_args()
     model = ensure_tp_model(args.work)
-    print(f"{'tp':>3} {'pp':>3} {'overlap':>8}  {'W1 tok/s':>9} {'ratio':>6} {'sched ms':>8} {'fwd ms':>7}"
-          f"  {'W2 tok/s':>9} {'ratio':>6} {'sched ms':>8} {'fwd ms':>7}")  # fmt: skip
+    columns = "{:>9} {:>6} {:>8} {:>7} {:>5}"
+    print(f"{'tp':>3} {'pp':>3} {'overlap':>8}  " + "  ".join(
+        columns.format(f"{name} tok/s", "ratio", "sched ms", "fwd ms", "busy") for name in ("W1", "W2")
+    ))  # fmt: skip
     baseline: dict[str, float] = {}
     for tp_size, pp_size, overlap in PP_SETUPS if args.pp else SETUPS:
         r = run(model, tp_size, pp_size, overlap, args.repeats)
@@ -84,7 +93,8 @@ def main() -> None:
             baseline.setdefault(name, r[name]["tok_s"])
             w = r[name]
             ratio = w["tok_s"] / baseline[name]
-            cells.append(f"{w['tok_s']:>9.0f} {ratio:>6.2f} {w['sched_ms']:>8.2f} {w['fwd_ms']:>7.1f}")
+            busy = f" {w['busy']:>5.0%}" if "busy" in w else " " * 6
+            cells.append(f"{w['tok_s']:>9.0f} {ratio:>6.2f} {w['sched_ms']:>8.2f} {w['fwd_ms']:>7.1f}{busy}")
         print(f"{tp_size:>3} {pp_size:>3} {'on' if overlap else 'off':>8}  " + "  ".join(cells), flush=True)
 
 

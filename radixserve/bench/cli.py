@@ -497,7 +497,7 @@ def _bench_multiturn(args: argparse.Namespace) -> int:
 
     workload = MultiTurnWorkload(
         args.conversations, args.turns, args.user_tokens, args.reply_tokens, args.concurrency,
-        args.pool_conversations,
+        args.pool_conversations, max(0, args.context_tokens),
     )  # fmt: skip
     engine_args = _isa_args(args)
     storage = Path(args.storage_dir) if args.storage_dir else None
@@ -519,6 +519,10 @@ def _add_multiturn_parser(bench_sub: Any) -> argparse.ArgumentParser:
     bench.add_argument("--turns", type=_positive_int, default=6)
     bench.add_argument("--user-tokens", type=_positive_int, default=64, help="tokens of each new message")
     bench.add_argument("--reply-tokens", type=_positive_int, default=32, help="tokens of each reply")
+    bench.add_argument(
+        "--context-tokens", type=int, default=0,
+        help="tokens of each conversation's own context (a document, instructions) before its first message",
+    )  # fmt: skip
     bench.add_argument("--concurrency", type=_positive_int, default=4, help="requests in flight")
     bench.add_argument(
         "--pool-conversations", type=_positive_int, default=8, help="the KV pool holds about this many whole"

@@ -4,12 +4,14 @@ the device KV pool, with and without the storage tier (--enable-hierarchical-cac
 
 Workload: C conversations x T turns on the packaged SmolLM2-135M-Instruct. A turn sends the
 conversation so far (its earlier turns and replies) plus a new user message of U random tokens,
-and the model replies with R tokens (greedy, ignore_eos). The turns go round by round (every
-conversation's turn 1, then every conversation's turn 2, ...), `concurrency` requests at a time,
-so by the time a conversation returns, the others have pushed it out of a pool sized to hold about
-`pool_conversations` of them. Reported per setting: output tok/s over the whole run, TTFT p50 and
-p99 (the time to the first streamed token), the prompt tokens served from cache, and what the
-storage tier loaded.
+and the model replies with R tokens (greedy, ignore_eos). With a context of X tokens, each
+conversation's first message starts with X random tokens of its own (a document asked about, or
+an agent's instructions and tool results), as in document Q&A and agent loops. The turns go
+round by round (every conversation's turn 1, then every conversation's turn 2, ...),
+`concurrency` requests at a time, so by the time a conversation returns, the others have pushed it
+out of a pool sized to hold about `pool_conversations` of them. Reported per setting: output
+tok/s over the whole run, TTFT p50 and p99 (the time to the first streamed token), the prompt
+tokens served from cache, and what the storage tier loaded.
 
 Settings, each a fresh engine (taking turns is not possible here: the third reads what the second
 wrote): "off" (the radix cache alone), "storage" (a fresh directory), "storage, restarted" (a new
@@ -41,18 +43,25 @@ class MultiTurnWorkload:
     reply_tokens: int = 32
     concurrency: int = 4
     pool_conversations: int = 8
+    context_tokens: int = 0
     seed: int = 0
 
     @property
     def conversation_tokens(self) -> int:
-        return self.turns * (self.user_tokens + self.reply_tokens)
+        return self.context_tokens + self.turns * (self.user_tokens + self.reply_tokens)
 
     def messages(self, vocab_size: int) -> list[list[list[int]]]:
         rng = random.Random(self.seed)
-        return [
-            [[rng.randrange(100, vocab_size) for _ in range(self.user_tokens)] for _ in range(self.turns)]
-            for _ in range(self.conversations)
-        ]
+        conversations = []
+        for _ in range(self.conversations):
+
+            def tokens(n: int) -> list[int]:
+                return [rng.randrange(100, vocab_size) for _ in range(n)]
+
+            turns = [tokens(self.user_tokens) for _ in range(self.turns)]
+            turns[0] = tokens(self.context_tokens) + turns[0]
+            conversations.append(turns)
+        return conversations
 
 
 @dataclass

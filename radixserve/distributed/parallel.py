@@ -177,6 +177,13 @@ def send_to_next_stage(x: torch.Tensor, ctx: ParallelContext) -> None:
     dist.send(x.contiguous(), dst=ctx.rank + ctx.tp_size, group=ctx.world_group)
 
 
+def start_send_to_next_stage(x: torch.Tensor, ctx: ParallelContext) -> Any:
+    """x to the next stage without waiting for it to be received: a micro-batch's hidden states,
+    which the next stage takes at its next tick, after collectives this stage must join first.
+    Returns the send's handle; the caller keeps x alive and waits on the handle before reusing it."""
+    return dist.isend(x.contiguous(), dst=ctx.rank + ctx.tp_size, group=ctx.world_group)
+
+
 def receive_from_previous_stage(x: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
     """What the same tensor-parallel rank of the previous stage sent, into x."""
     dist.recv(x, src=ctx.rank - ctx.tp_size, group=ctx.world_group)

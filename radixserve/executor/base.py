@@ -8,6 +8,7 @@ simulator) and a speculative-decoding worker plug in.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -36,6 +37,8 @@ class ExecutorInfo:
     device: torch.device
     # The model answers embedding requests only (an encoder, or a decoder under --is-embedding).
     is_embedding: bool
+    # --pp-size: the scheduler keeps this many micro-batches in flight (forward_pipeline).
+    pipeline_stages: int = 1
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,14 @@ class Executor(Protocol):
     def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 logits for the batch's sample rows, then its logprob rows; and the final
         (normed) hidden states they came from, then those of its hidden rows."""
+        ...
+
+    def forward_pipeline(
+        self, batches: Sequence[ForwardBatch | None]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """One tick of a pipeline of info.pipeline_stages stages: stage s runs batches[s] (the
+        micro-batch launched s ticks ago; None for none). Returns forward()'s result for
+        batches[-1], which the last stage finished this tick (None when it is None)."""
         ...
 
     def sample(self, logits: torch.Tensor, sampling: SamplingBatch) -> torch.Tensor:

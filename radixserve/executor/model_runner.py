@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -231,7 +232,13 @@ class ModelRunner:
     @property
     def info(self) -> ExecutorInfo:
         return ExecutorInfo(
-            self.config, self.context_len, self.max_total_tokens, self.dtype, self.device, self.is_embedding
+            self.config,
+            self.context_len,
+            self.max_total_tokens,
+            self.dtype,
+            self.device,
+            self.is_embedding,
+            pipeline_stages=self.parallel.pp_size,
         )
 
     @property
@@ -447,6 +454,17 @@ class ModelRunner:
             raise TypeError("an encoder model only embeds; this is a bug in the caller")
         logits, hidden = self.model(batch, self._attention_call(batch))
         return logits, hidden
+
+    def forward_pipeline(
+        self, batches: Sequence[ForwardBatch | None]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """One tick of --pp-size micro-batching: this rank's stage runs its micro-batch, and every
+        rank gets the result of the one the last stage finished (CausalLM.pipeline_tick)."""
+        self._check_resident("forward")
+        assert isinstance(self.model, CausalLM) and len(batches) == self.parallel.pp_size
+        batch = batches[self.parallel.pp_rank]
+        mine = None if batch is None else (batch, self._attention_call(batch))
+        return self.model.pipeline_tick(mine, batches[-1])
 
     def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         self._check_resident("move_kv")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -22,6 +22,7 @@ from radixserve.distributed.parallel import (
     receive_from_previous_stage,
     send_to_next_stage,
     stage_layers,
+    start_send_to_next_stage,
 )
 from radixserve.forward.batch import ForwardBatch, ForwardMode
 from radixserve.layers.activation import silu_and_mul
@@ -160,28 +161,56 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         # Set by the model runner when decode steps run in the fused native loop (fused_decode_plan).
         self.fused_decode: FusedDecodePlan | None = None
+        # pipeline_tick's send of its last output, in flight until the next tick (and the tensor
+        # it reads from, kept alive until then).
+        self._pending_send: tuple[Any, torch.Tensor] | None = None
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, attention: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 logits for `batch.sample_rows`, then `batch.logprob_rows` if any; and the normed
         hidden states of those rows, then of `batch.hidden_rows`."""
-        hidden = self.final_hidden(batch, attention)
-        with_logits = hidden.shape[0] - (0 if batch.hidden_rows is None else len(batch.hidden_rows))
-        if self.ctx.pp_size == 1:
-            assert self.lm_head is not None
-            return self.lm_head.logits(hidden[:with_logits]).float(), hidden
-        # Every rank's scheduler samples from (rank 0) or looks at the same logits: the last stage's.
-        logits = torch.empty(with_logits, self.config.vocab_size, dtype=torch.float32, device=hidden.device)
-        if self.lm_head is not None:
-            logits = self.lm_head.logits(hidden[:with_logits]).float().contiguous()
-        return broadcast_from_last_stage(logits, self.ctx), broadcast_from_last_stage(
-            hidden.contiguous(), self.ctx
-        )
+        return self._logits_everywhere(batch, self.final_hidden(batch, attention))
 
     @torch.inference_mode()
     def final_hidden(self, batch: ForwardBatch, attention: AttentionCall) -> torch.Tensor:
         """The last layer's normed hidden states for the rows forward() returns logits of (on a
         pipeline stage before the last: a tensor of their shape, to receive them into)."""
+        hidden = self._stage_hidden(batch, attention)
+        if self.norm is None:
+            send_to_next_stage(hidden, self.ctx)
+            return self._rows_buffer(batch)
+        return self._normed_rows(batch, hidden)
+
+    @torch.inference_mode()
+    def pipeline_tick(
+        self, mine: tuple[ForwardBatch, AttentionCall] | None, finishing: ForwardBatch | None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """One tick of micro-batched pipeline parallelism (scheduler/pipeline.py): this stage runs
+        `mine`, the micro-batch that reached it (receiving its hidden states from the previous
+        stage, which ran it a tick ago), and every rank gets forward()'s result for `finishing`,
+        the micro-batch the last stage ran. Either may be None (a bubble). This stage's output goes
+        to the next stage without waiting: the next stage takes it at its next tick, after the
+        broadcast here and the scheduler's own collectives in between."""
+        if self._pending_send is not None:
+            self._pending_send[0].wait()  # sent a tick ago; received by now or being received
+            self._pending_send = None
+        out = None
+        if mine is not None:
+            batch, attention = mine
+            hidden = self._stage_hidden(batch, attention)
+            out = hidden if self.norm is None else self._normed_rows(batch, hidden)
+        result = None
+        if finishing is not None:
+            normed = out if out is not None and self.ctx.is_last_stage else self._rows_buffer(finishing)
+            result = self._logits_everywhere(finishing, normed)
+        if out is not None and not self.ctx.is_last_stage:
+            out = out.contiguous()
+            self._pending_send = (start_send_to_next_stage(out, self.ctx), out)
+        return result
+
+    def _stage_hidden(self, batch: ForwardBatch, attention: AttentionCall) -> torch.Tensor:
+        """This stage's layers over the batch: from the embedding on the first stage, else from the
+        hidden states the previous stage sent."""
         if self.embed_tokens is None or not self.ctx.is_first_stage:
             shape = (batch.input_ids.shape[0], self.config.hidden_size)
             empty = torch.empty(shape, dtype=self.activation_dtype, device=batch.input_ids.device)
@@ -198,20 +227,41 @@ class CausalLM(nn.Module):
         # A verify step of chains runs fused too, when the backend planned it as decode rows.
         as_decode = batch.mode is ForwardMode.DECODE or isinstance(attention.metadata, CpuDecodeMetadata)
         if fused is not None and as_decode and fused.takes(attention):
-            hidden = fused.run(hidden, attention, rope)
-        else:
-            for layer in self.layers.values():
-                hidden = layer(hidden, attention, rope)
-        # Only the rows that sample need the final norm and the (large) vocabulary projection.
-        rows = batch.sample_rows
+            return fused.run(hidden, attention, rope)
+        for layer in self.layers.values():
+            hidden = layer(hidden, attention, rope)
+        return hidden
+
+    def _output_rows(self, batch: ForwardBatch) -> torch.Tensor:
+        """The rows forward() returns: the sampled ones, then logprob rows, then hidden rows."""
         extra = [r for r in (batch.logprob_rows, batch.hidden_rows) if r is not None]
-        if extra:
-            rows = torch.cat([rows, *extra])
-        if self.norm is None:
-            send_to_next_stage(hidden, self.ctx)
-            return hidden.new_empty((rows.shape[0], self.config.hidden_size))
-        normed: torch.Tensor = self.norm(hidden[rows])
+        return torch.cat([batch.sample_rows, *extra]) if extra else batch.sample_rows
+
+    def _normed_rows(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
+        # Only the rows that sample need the final norm and the (large) vocabulary projection.
+        assert self.norm is not None
+        normed: torch.Tensor = self.norm(hidden[self._output_rows(batch)])
         return normed
+
+    def _rows_buffer(self, batch: ForwardBatch) -> torch.Tensor:
+        """Where a stage before the last receives the last stage's normed rows of the batch."""
+        shape = (self._output_rows(batch).shape[0], self.config.hidden_size)
+        return torch.empty(shape, dtype=self.activation_dtype, device=batch.input_ids.device)
+
+    def _logits_everywhere(
+        self, batch: ForwardBatch, normed: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward()'s result from the normed rows: on every rank the last stage's."""
+        with_logits = normed.shape[0] - (0 if batch.hidden_rows is None else len(batch.hidden_rows))
+        if self.ctx.pp_size == 1:
+            assert self.lm_head is not None
+            return self.lm_head.logits(normed[:with_logits]).float(), normed
+        # Every rank's scheduler samples from (rank 0) or looks at the same logits: the last stage's.
+        logits = torch.empty(with_logits, self.config.vocab_size, dtype=torch.float32, device=normed.device)
+        if self.lm_head is not None:
+            logits = self.lm_head.logits(normed[:with_logits]).float().contiguous()
+        normed = broadcast_from_last_stage(normed.contiguous(), self.ctx)
+        return broadcast_from_last_stage(logits, self.ctx), normed
 
     def fused_decode_plan(self) -> FusedDecodePlan | None:
         """This model's layers for the fused native decode loop (models/fused_decode.py), or None

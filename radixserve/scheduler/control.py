@@ -40,6 +40,8 @@ class ControlledScheduler(TunableScheduler, Protocol):
 
     def disaggregation_stats(self) -> dict[str, Any]: ...
 
+    def pipeline_stats(self) -> dict[str, Any]: ...
+
     @property
     def max_total_tokens(self) -> int: ...
 
@@ -193,6 +195,8 @@ def get_stats(scheduler: ControlledScheduler, args: dict[str, Any]) -> Reply:
             # --enable-hierarchical-cache: the tier below the device pool (cache/storage_tier.py).
             "hicache_tier": s.cache_tier.name,
             **s.cache_tier.stats(),
+            # --pp-size: the micro-batch pipeline's ticks and how busy its stages were kept.
+            "pipeline": s.pipeline_stats(),
             # --disaggregation-mode: this half's handoffs (distributed/kv_transfer.py).
             "disaggregation": s.disaggregation_stats(),
             "memory_released": sorted(s.executor.released),

@@ -61,32 +61,33 @@ class DecodeManager:
 
     def running_reserve(self) -> float:
         """The KV slots the running requests are expected to need still, which admission leaves them."""
-        return (
-            sum(min(r.remaining_new_tokens, CLIP_MAX_NEW_TOKENS_ESTIMATE) for r in self.queues.running)
-            * self.new_token_ratio
-        )
+        # Requests in a pipeline's micro-batches are running too.
+        reqs = self.queues.running + self.queues.in_flight
+        expected = sum(min(r.remaining_new_tokens, CLIP_MAX_NEW_TOKENS_ESTIMATE) for r in reqs)
+        return expected * self.new_token_ratio
 
-    def next_batch(self, speculator: Speculator | None = None) -> ScheduledBatch:
-        """One decode step of every running request (there must be one): a verify step of their
-        drafts when the speculator has some."""
+    def next_batch(self, speculator: Speculator | None = None, limit: int | None = None) -> ScheduledBatch:
+        """One decode step of every running request (there must be one), or of the first `limit`
+        (a pipeline's micro-batch): a verify step of their drafts when the speculator has some."""
         queues = self.queues
-        if self.kv.available_with_eviction() < self.kv.slots_needed_for_decode(queues.running):
+        if self.kv.available_with_eviction() < self.kv.slots_needed_for_decode(queues.running[:limit]):
             self.retract()
         else:
             self.new_token_ratio = max(
                 self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio
             )
-        plan = None if speculator is None else speculator.plan(queues.running, self.kv)
+        reqs = queues.running[:limit]
+        plan = None if speculator is None else speculator.plan(reqs, self.kv)
         if plan is None:
-            forward = build_decode_batch(queues.running, self.kv)
+            forward = build_decode_batch(reqs, self.kv)
         else:
-            forward = build_verify_batch(queues.running, plan.trees, self.kv, plan.out_cache_loc)
-        self.stats.record_decode(len(queues.running))
+            forward = build_verify_batch(reqs, plan.trees, self.kv, plan.out_cache_loc)
+        self.stats.record_decode(len(reqs))
         if self.stats.decode_steps % self.args.decode_log_interval == 0:
             used = self.max_total_tokens - self.kv.available_with_eviction()
             usage = token_usage(self.kv, self.max_total_tokens)
-            self.stats.log_decode(len(queues.running), used, usage, len(queues.waiting))
-        return ScheduledBatch(list(queues.running), forward, is_prefill=False, verify=plan)
+            self.stats.log_decode(len(reqs), used, usage, len(queues.waiting))
+        return ScheduledBatch(reqs, forward, is_prefill=False, verify=plan)
 
     def retract(self) -> None:
         """Free KV for the decode step by sending requests back to the queue, fewest outputs first."""

@@ -67,12 +67,13 @@ class PrefillManager:
         queues, args = self.queues, self.args
         if not queues.waiting and queues.chunked_req is None:
             return None
-        running = len(queues.running)
+        # Requests in a pipeline's micro-batches are running too, or about to be.
+        running = len(queues.running) + len(queues.in_flight)
         if running >= self.max_running and queues.chunked_req is None:
             return None
         mix = bool(args.enable_mixed_chunk and queues.running)
         # Each running request that rides along computes one token of the batch's budget.
-        decode_tokens = running if mix else 0
+        decode_tokens = len(queues.running) if mix else 0
         chunk = args.chunked_prefill_size
         adder = PrefillAdder(
             tree_cache=self.kv.tree_cache,

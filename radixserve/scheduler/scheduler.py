@@ -49,6 +49,7 @@ from radixserve.scheduler.logprobs import record_input_logprobs
 from radixserve.scheduler.manager_views import ManagerViews
 from radixserve.scheduler.next_tokens import pick_next_tokens, record_prompt_hidden_states
 from radixserve.scheduler.outputs import Decided, OutputBuilder, OverlappedPublisher, overlap_enabled
+from radixserve.scheduler.pipeline import MicroBatchPipeline
 from radixserve.scheduler.policy import SchedulePolicy
 from radixserve.scheduler.prefill import PrefillManager
 from radixserve.scheduler.profiler import StepProfiler
@@ -146,6 +147,8 @@ class Scheduler(ManagerViews):
             args, self.kv, self.queues, self.decode, self.stats, max_running, self.max_total_tokens
         )
         self.policy: SchedulePolicy = self.prefill.policy
+        # --pp-size > 1: micro-batches keep the pipeline's stages busy at once (pipeline.py).
+        self.pipeline = self._pipeline(info.pipeline_stages)
         self.grammar_queue = GrammarQueue(
             args.grammar_backend,
             args.grammar_timeout,
@@ -156,7 +159,9 @@ class Scheduler(ManagerViews):
         self.reqs: dict[str, Req] = {}
         self.outputs = OutputBuilder()
         # --enable/--disable-overlap-schedule: publish a step's results during the next forward.
-        self.publisher = OverlappedPublisher() if overlap_enabled(args, device) else None
+        # A pipeline overlaps its own way: the publishing runs between its ticks.
+        overlap = overlap_enabled(args, device) and self.pipeline is None
+        self.publisher = OverlappedPublisher() if overlap else None
         # The last step's results, decided but not yet published (overlap schedule only).
         self._unpublished: Decided | None = None
 
@@ -180,6 +185,14 @@ class Scheduler(ManagerViews):
             raise ValueError("the draft model's KV pool must hold as many slots as the target's")
         return DraftModelSpeculator(args, self.context_len, row_len, draft, self.config.vocab_size, agree)
 
+    def _pipeline(self, stages: int) -> MicroBatchPipeline | None:
+        if stages == 1:
+            return None
+        if self.speculator is not None or self.is_embedding or self.prefill_handoffs or self.decode_handoffs:
+            raise ValueError("micro-batched pipeline parallelism does not run with speculative decoding, "
+                             "embedding models or prefill/decode disaggregation")  # fmt: skip
+        return MicroBatchPipeline(stages, self.queues, self.kv, self.prefill, self.decode)
+
     # ------------------------------------------------------------------ requests in
 
     def handle(self, msg: SchedulerInput) -> list[SchedulerOutput]:
@@ -194,7 +207,9 @@ class Scheduler(ManagerViews):
         if isinstance(msg, AbortRequest):
             return list(self.abort(msg.rid, msg.abort_all, msg.exact, msg.message, msg.status_code))
         if isinstance(msg, ControlRequest):
-            return handle_control(self, msg)
+            # Control messages find every request at rest: none in a pipeline stage's hands.
+            drained: list[SchedulerOutput] = list(self._drain_pipeline())
+            return drained + handle_control(self, msg)
         raise TypeError(f"unexpected scheduler message {type(msg).__name__}")
 
     def add_request(self, msg: GenerateRequest) -> list[ReqOutput]:
@@ -355,13 +370,14 @@ class Scheduler(ManagerViews):
     ) -> list[ReqOutput]:
         """Aborts every request whose rid starts with `rid` (as SGLang does: the choices of one
         n > 1 request share their caller's prefix), only `rid` itself when exact, or all of them."""
+        # First every micro-batch in flight lands: nothing a pipeline stage still writes is freed.
+        outputs = self._drain_pipeline()
         if abort_all:
             targets = list(self.reqs.values())
         elif exact:
             targets = [self.reqs[rid]] if rid in self.reqs else []
         else:
             targets = [r for r in self.reqs.values() if rid and r.rid.startswith(rid)]
-        outputs = []
         queues = self.queues
         for req in targets:
             req.abort(message, status_code)
@@ -403,8 +419,9 @@ class Scheduler(ManagerViews):
         return outputs
 
     def _run_one_batch(self) -> list[ReqOutput]:
-        batch = self._next_batch()
-        if batch is None:
+        pipeline = self.pipeline
+        batch = self._next_batch() if pipeline is None else pipeline.next_batch()
+        if batch is None and (pipeline is None or not pipeline.in_flight):
             published = self._publish_unpublished()
             if self.grammar_queue.pending:
                 # Only grammars are left to wait for: sleep on them instead of spinning.
@@ -420,6 +437,9 @@ class Scheduler(ManagerViews):
                 return published
             self._check_idle()
             return published
+        if pipeline is not None:
+            return self._run_tick(pipeline, batch)
+        assert batch is not None
         self.stats.forward_steps += 1
         self.profiler.before_step(batch.is_prefill)
         self.step_started = time.monotonic()
@@ -456,9 +476,36 @@ class Scheduler(ManagerViews):
         self._unpublished = decided
         return published
 
+    def _run_tick(self, pipeline: MicroBatchPipeline, batch: ScheduledBatch | None) -> list[ReqOutput]:
+        """One tick of the pipeline: `batch` (None: none) enters the first stage, every stage runs
+        its micro-batch, and the one the last stage ran lands."""
+        self.stats.forward_steps += 1
+        is_prefill = batch is not None and batch.is_prefill
+        self.profiler.before_step(is_prefill)
+        self.step_started = time.monotonic()
+        if self.forward_sleep_s:
+            time.sleep(self.forward_sleep_s)
+        forward_started = time.perf_counter()
+        result = self.executor.forward_pipeline(pipeline.launch(batch))
+        self.stats.forward_time_s += time.perf_counter() - forward_started
+        self.step_started = None
+        self.profiler.after_step(is_prefill)
+        landed = pipeline.land()
+        if landed is None:
+            return []
+        assert result is not None, "the executor returned nothing for the micro-batch that landed"
+        return self._publish(self._decide_sampled(landed, *result))
+
+    def _drain_pipeline(self) -> list[ReqOutput]:
+        """Runs ticks without launching until no micro-batch is in flight."""
+        outputs: list[ReqOutput] = []
+        while self.pipeline is not None and self.pipeline.in_flight:
+            outputs += self._run_tick(self.pipeline, None)
+        return outputs
+
     def _decide_sampled(self, batch: ScheduledBatch, logits: torch.Tensor, hidden: torch.Tensor) -> Decided:
         """A prefill or decode step's results: one token for each request that samples."""
-        sampling_reqs = [r for r in batch.reqs if r.kv_len == r.seq_len]
+        sampling_reqs = [r for r, samples in zip(batch.reqs, batch.samples, strict=True) if samples]
         if batch.forward.logprob_rows is not None:
             record_input_logprobs(batch.reqs, logits[len(sampling_reqs) :])
             logits = logits[: len(sampling_reqs)]
@@ -505,6 +552,7 @@ class Scheduler(ManagerViews):
             queues.waiting
             or queues.running
             or queues.chunked_req
+            or queues.in_flight
             or self.grammar_queue.pending
             or self._unpublished is not None
             or (self.decode_handoffs is not None and bool(self.decode_handoffs.awaiting))
@@ -532,8 +580,8 @@ class Scheduler(ManagerViews):
         running = {id(r) for r in queues.running}
         finished: set[int] = set()
         generated = 0
-        for req in batch.reqs:
-            if req.kv_len < req.seq_len:
+        for req, samples in zip(batch.reqs, batch.samples, strict=True):
+            if not samples:
                 # A chunk of a long prompt: publish the computed part so later requests can share it.
                 self.tree_cache.cache_unfinished_req(req, req.fill_ids)
                 continue
@@ -599,6 +647,9 @@ class Scheduler(ManagerViews):
         return self.outputs.final(req)
 
     # ------------------------------------------------------------------ accounting
+
+    def pipeline_stats(self) -> dict[str, Any]:
+        return {"stages": 1} if self.pipeline is None else self.pipeline.stats()
 
     def disaggregation_stats(self) -> dict[str, Any]:
         handoffs = self.prefill_handoffs or self.decode_handoffs

@@ -22,6 +22,14 @@ class ScheduledBatch:
     is_prefill: bool
     # A speculative verify step's drafts (forward.mode is VERIFY), else None.
     verify: VerifyPlan | None = None
+    # Per request, whether this batch ends its input (so it samples) rather than computing a
+    # chunk of its prompt: fixed when the batch is built, as a pipeline may build a request's
+    # next chunk before this one's results are in (pipeline.py).
+    samples: list[bool] = field(init=False)
+
+    def __post_init__(self) -> None:
+        # Only a prefill has chunks; every request of a decode or verify step samples.
+        self.samples = [not self.is_prefill or r.kv_len == r.seq_len for r in self.reqs]
 
 
 @dataclass
@@ -35,6 +43,9 @@ class RequestQueues:
     # Being prefilled in chunks: holds KV for the chunks done, but is not running (it has nothing
     # to decode yet), so the request-slot pool keeps a spare slot for it.
     chunked_req: Req | None = None
+    # In a micro-batch still going through the pipeline stages (--pp-size > 1, pipeline.py): out
+    # of the places above until it lands, holding its KV, so no other batch takes it up meanwhile.
+    in_flight: list[Req] = field(default_factory=list)
 
 
 def release_kv(tree_cache: PrefixCache, req: Req) -> None:

@@ -108,6 +108,9 @@ class FakeExecutor:
     max_total_tokens: int = 512
     # Serve embedding requests (one vector per prompt) instead of generating.
     is_embedding: bool = False
+    # Pipeline stages (--pp-size): forward_pipeline runs a tick of them, each over a KV pool of its
+    # own, as each real stage holds its own layers' K/V.
+    stages: int = 1
     batches: list[RecordedBatch] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -116,12 +119,21 @@ class FakeExecutor:
         self._released: set[str] = set()
         self.idle_calls = 0
         self.closed = False
+        # Pipeline ticks run, and the most micro-batches one of them had in flight.
+        self.ticks = 0
+        self.most_in_flight = 0
         self._allocate_kv()
 
     def _allocate_kv(self) -> None:
         # -1: a slot no forward has written since the pool was (re)allocated.
-        self.kv_tokens = torch.full((self.max_total_tokens,), -1, dtype=torch.int64)
-        self.kv_positions = torch.full((self.max_total_tokens,), -1, dtype=torch.int64)
+        self.stage_pools = [
+            (
+                torch.full((self.max_total_tokens,), -1, dtype=torch.int64),
+                torch.full((self.max_total_tokens,), -1, dtype=torch.int64),
+            )
+            for _ in range(self.stages)
+        ]
+        self.kv_tokens, self.kv_positions = self.stage_pools[0]
 
     # ---- the protocol's read-only parts
 
@@ -134,6 +146,7 @@ class FakeExecutor:
             torch.float32,
             self.device,
             self.is_embedding,
+            pipeline_stages=self.stages,
         )
 
     @property
@@ -142,8 +155,28 @@ class FakeExecutor:
 
     # ---- running batches
 
-    def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        contexts, rows = self._run(batch)
+    def forward_pipeline(
+        self, batches: list[ForwardBatch | None]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Stage s writes and reads its own pool for batches[s]: a micro-batch that read K/V a
+        stage has not written yet (launched out of order) fails _read's check there."""
+        assert len(batches) == self.stages
+        self.ticks += 1
+        self.most_in_flight = max(self.most_in_flight, sum(b is not None for b in batches))
+        result = None
+        for stage, batch in enumerate(batches):
+            if batch is None:
+                continue
+            self.kv_tokens, self.kv_positions = self.stage_pools[stage]
+            if stage == self.stages - 1:
+                result = self.forward(batch, record=stage == 0)
+            else:
+                self._run(batch, record=stage == 0)
+        self.kv_tokens, self.kv_positions = self.stage_pools[0]
+        return result
+
+    def forward(self, batch: ForwardBatch, record: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        contexts, rows = self._run(batch, record)
         # Sample rows, then logprob rows: each row's logits predict the token after its position.
         logit_rows = [*batch.sample_rows.tolist()]
         if batch.logprob_rows is not None:
@@ -193,7 +226,7 @@ class FakeExecutor:
             vectors.append([float(len(context)), float(sum(context))] + [0.0] * (HIDDEN_SIZE - 2))
         return torch.tensor(vectors, dtype=torch.float32).reshape(-1, HIDDEN_SIZE)
 
-    def _run(self, batch: ForwardBatch) -> tuple[list[list[int]], list[tuple[int, int]]]:
+    def _run(self, batch: ForwardBatch, record: bool = True) -> tuple[list[list[int]], list[tuple[int, int]]]:
         """Writes the batch's tokens into the fake KV, reads every request's context back and
         records the batch. Returns each request's context and, per input row, (request, position)."""
         self._check_resident()
@@ -236,9 +269,10 @@ class FakeExecutor:
                 segments.append(ids[seg.q_start : seg.q_start + seg.q_len])
         expected = [position for _, position in rows]
         assert positions == expected, f"positions {positions}, expected {expected}"
-        self.batches.append(
-            RecordedBatch(batch.mode, prefix_lens, extend_lens, segments, int(batch.sample_rows.numel()))
-        )
+        if record:
+            sampled = int(batch.sample_rows.numel())
+            recorded = RecordedBatch(batch.mode, prefix_lens, extend_lens, segments, sampled)
+            self.batches.append(recorded)
         return contexts, rows
 
     def _read(self, slots: torch.Tensor) -> list[int]:
@@ -381,6 +415,7 @@ def check_kv_accounting(scheduler: Scheduler) -> None:
         return  # a finished request's KV stays with it until its results are published
     page = scheduler.args.page_size
     holders = [*scheduler.running, *([scheduler.chunked_req] if scheduler.chunked_req else [])]
+    holders += scheduler.queues.in_flight  # in a pipeline's micro-batch (pipeline.py)
     for req in scheduler.waiting:
         assert req.req_pool_idx is None, f"waiting request {req.rid} holds a request slot"
     # A request owns whole pages from its cached (page-aligned) length on.

@@ -168,6 +168,20 @@ def tiny_model_dir(
 
 
 @pytest.fixture(scope="session")
+def lora_adapters(
+    tiny_model_dir: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    """Three random PEFT adapters of the tiny llama (tests/lora_adapters.py): name -> directory."""
+    from tests.lora_adapters import ADAPTERS, make_adapter
+
+    model_dir = tiny_model_dir("llama")
+    return {
+        name: make_adapter(model_dir, tmp_path_factory.mktemp(f"lora-{name}"), *spec)
+        for name, spec in ADAPTERS.items()
+    }
+
+
+@pytest.fixture(scope="session")
 def tiny_model_sharded_dir(
     tiny_tokenizer: PreTrainedTokenizerFast, tmp_path_factory: pytest.TempPathFactory
 ) -> Path:

@@ -114,18 +114,23 @@ class EngineRun:
         return float(self.after[stat] - self.before[stat])
 
 
-def time_engine_runs(engine: Any, workload: Workload, repeats: int) -> list[EngineRun]:
+def time_engine_runs(
+    engine: Any, workload: Workload, repeats: int, lora_path: list[str | None] | None = None
+) -> list[EngineRun]:
     """Greedy runs of the workload through an Engine: one short warm-up on the prompts' first 16
-    tokens, then `repeats` timed runs, each on a cold prefix cache."""
+    tokens, then `repeats` timed runs, each on a cold prefix cache. lora_path: each prompt's LoRA
+    adapter (None: the base model's)."""
     params = {"temperature": 0.0, "max_new_tokens": workload.max_new_tokens, "ignore_eos": True}
     warm_up = {**params, "max_new_tokens": 2}
-    engine.generate(input_ids=[p[:16] for p in workload.prompts], sampling_params=warm_up)
+    engine.generate(
+        input_ids=[p[:16] for p in workload.prompts], sampling_params=warm_up, lora_path=lora_path
+    )
     runs = []
     for _ in range(repeats):
         engine.flush_cache()
         before = engine.get_stats()
         start = time.perf_counter()
-        engine.generate(input_ids=workload.prompts, sampling_params=params)
+        engine.generate(input_ids=workload.prompts, sampling_params=params, lora_path=lora_path)
         seconds = time.perf_counter() - start
         runs.append(EngineRun(seconds, before, engine.get_stats()))
     return runs

@@ -24,6 +24,8 @@ from typing import Any
 
 import msgspec
 
+from radixserve.cache.key_space import split_namespace
+
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
@@ -96,7 +98,9 @@ class KVEventRecorder:
         self._log.after_clear.append(announce)
 
     def stored(self, hashes: list[int], parent_hash: int | None, tokens: list[int]) -> None:
-        event = BlockStored(hashes, parent_hash, tokens, self.page_size, None, self.medium)
+        # Keys in a LoRA adapter's namespace go out as its lora_id and the plain token ids.
+        namespace, token_ids = split_namespace(tokens)
+        event = BlockStored(hashes, parent_hash, token_ids, self.page_size, namespace or None, self.medium)
         with self._log.lock:
             self._log.pending.append(event)
 

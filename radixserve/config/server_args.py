@@ -15,6 +15,7 @@ from radixserve.config.disaggregation_args import (
 )
 from radixserve.config.hicache_args import add_hicache_args, validate_hicache_args
 from radixserve.config.kv_events_args import parse_kv_events_config
+from radixserve.config.lora_args import DEFAULT_MAX_LORAS_PER_BATCH, add_lora_args, validate_lora_args
 from radixserve.config.speculative_args import add_speculative_args, validate_speculative_args
 
 SchedulePolicyName = Literal["fcfs", "lpm", "dfs-weight", "lof", "random"]
@@ -98,6 +99,12 @@ class ServerArgs:
     hicache_storage_dir: str | None = None
     hicache_storage_size_gb: float = 16.0
     hicache_storage_page_size: int | None = None
+    # Multi-LoRA serving (config/lora_args.py, scheduler/lora.py, docs/lora.md).
+    enable_lora: bool = False
+    lora_paths: list[str] | None = None
+    max_loras_per_batch: int = DEFAULT_MAX_LORAS_PER_BATCH
+    max_lora_rank: int | None = None
+    lora_target_modules: list[str] | None = None
     stream_interval: int = 1
     grammar_backend: str = "xgrammar"
     grammar_timeout: float = 300.0
@@ -238,6 +245,19 @@ class ServerArgs:
             raise InvalidArgumentError("--kv-events-config needs the radix cache: drop --disable-radix-cache")
         validate_hicache_args(self, InvalidArgumentError)
         validate_disaggregation_args(self, InvalidArgumentError)
+        validate_lora_args(self, InvalidArgumentError)
+        if self.enable_lora:
+            not_with_lora = [
+                flag
+                for flag, used in (
+                    ("--speculative-algorithm", self.speculative_algorithm is not None),
+                    ("--disaggregation-mode", self.disaggregation_mode != "null"),
+                    ("--is-embedding", self.is_embedding),
+                )
+                if used
+            ]
+            if not_with_lora:
+                raise InvalidArgumentError(f"--enable-lora does not run with {', '.join(not_with_lora)} yet")
 
     def _validate_parallelism(self) -> None:
         if self.tp_size < 1:
@@ -414,6 +434,7 @@ class ServerArgs:
 
         add_speculative_args(parser)
         add_hicache_args(parser)
+        add_lora_args(parser)
         add_disaggregation_args(parser)
         if http:
             ServerArgs._add_http_args(parser)

@@ -49,6 +49,16 @@ class KVLayout:
     dtype: torch.dtype
 
 
+@dataclass(frozen=True)
+class LoraAdapterInfo:
+    """An adapter the executor loaded (--enable-lora): fingerprint is its weights file's SHA-256."""
+
+    name: str
+    path: str
+    rank: int
+    fingerprint: str
+
+
 class Executor(Protocol):
     @property
     def info(self) -> ExecutorInfo: ...
@@ -98,6 +108,22 @@ class Executor(Protocol):
 
     def idle(self) -> None:
         """Nothing runs now: a chance to give back scratch memory."""
+        ...
+
+    # ---- LoRA adapters (--enable-lora only; executor/lora_pool.py)
+
+    def lora_adapters(self) -> list[LoraAdapterInfo]:
+        """The adapters loaded (those of --lora-paths at first)."""
+        ...
+
+    def load_lora(self, name: str, path: str) -> LoraAdapterInfo:
+        """Reads and checks a PEFT adapter into host memory; LoraAdapterError says why not."""
+        ...
+
+    def unload_lora(self, name: str) -> None: ...
+
+    def set_lora_slot(self, slot: int, name: str) -> None:
+        """Copies a loaded adapter into one of the --max-loras-per-batch slots batches read."""
         ...
 
     def close(self) -> None: ...

@@ -6,6 +6,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ from radixserve.attention.base import (
 from radixserve.attention.cpu_native import CpuNativeBackend
 from radixserve.attention.registry import choose_attention_backend
 from radixserve.cache.pools import KVCachePool
+from radixserve.config.lora_args import LORA_TARGET_MODULES, lora_refs
 from radixserve.config.server_args import InvalidArgumentError
 from radixserve.distributed.parallel import (
     SINGLE,
@@ -27,7 +29,8 @@ from radixserve.distributed.parallel import (
     min_over_ranks,
     stage_layers,
 )
-from radixserve.executor.base import ExecutorInfo, KVLayout, MemoryReleasedError
+from radixserve.executor.base import ExecutorInfo, KVLayout, LoraAdapterInfo, MemoryReleasedError
+from radixserve.executor.lora_pool import LoraPool
 from radixserve.executor.runner_config import RunnerConfig
 from radixserve.forward.batch import ForwardBatch
 from radixserve.kernels.cpu_ops import CpuKernels, select_cpu_kernels
@@ -45,6 +48,7 @@ from radixserve.models.bert import Encoder
 from radixserve.models.config import ModelConfig, ModelLoadError
 from radixserve.models.llama import CausalLM
 from radixserve.models.loader import ModelSource, iter_weights, load_model_config, resolve_model_source
+from radixserve.models.lora_adapter import LoraAdapter, LoraAdapterError, read_adapter_config
 from radixserve.models.pooling import PoolingConfig, finish_embeddings, pool_segments, read_pooling_config
 from radixserve.models.registry import build_model
 from radixserve.models.weight_updates import WeightStash, read_weight, repack, update_weights
@@ -99,6 +103,10 @@ def free_memory_bytes(device: torch.device) -> int:
     return int(pages * os.sysconf("SC_PAGE_SIZE"))
 
 
+def _lora_info(adapter: LoraAdapter) -> LoraAdapterInfo:
+    return LoraAdapterInfo(adapter.name, adapter.path, adapter.rank, adapter.fingerprint)
+
+
 class ModelRunner:
     """The executor (executor/base.py) that runs a real model. With tensor parallelism, one runner
     per rank holds that rank's shard (`parallel`)."""
@@ -151,6 +159,8 @@ class ModelRunner:
             self.dtype,
             self.device,
         )
+        # --enable-lora: the adapters and their slots, on the layers this rank holds.
+        self.lora = self._build_lora_pool()
         # Ranks see different free memory; their schedulers must count the same slots.
         gathers_kv = choice is not None and choice.backend.gathers_kv
         (self.max_total_tokens,) = min_over_ranks([self._kv_capacity(gathers_kv)], parallel)
@@ -218,7 +228,8 @@ class ModelRunner:
         never per step."""
         fused = None
         if isinstance(self.model, CausalLM) and isinstance(self.attention, CpuNativeBackend):
-            if self.dtype == torch.bfloat16:
+            # The fused loop runs whole layers natively: it has no place for LoRA deltas.
+            if self.dtype == torch.bfloat16 and self.lora is None:
                 fused = self.model.fused_decode_plan()
             self.attention.fused_decode = fused is not None
             self.attention.fused_shared_prefix = fused is not None and fused.shared_prefix
@@ -441,8 +452,54 @@ class ModelRunner:
                 "call /resume_memory_occupation first"
             )
 
+    def _build_lora_pool(self) -> LoraPool | None:
+        config = self.runner_config
+        if not config.enable_lora:
+            return None
+        if not isinstance(self.model, CausalLM):
+            raise InvalidArgumentError("--enable-lora serves decoder (Llama-family) models only")
+        refs = lora_refs(config.lora_paths, InvalidArgumentError)
+        try:
+            found = [read_adapter_config(Path(ref.path)) for ref in refs]
+        except LoraAdapterError as exc:
+            raise InvalidArgumentError(f"--lora-paths: {exc}") from exc
+        max_rank = config.max_lora_rank or max(rank for rank, _, _ in found)
+        wanted = config.lora_target_modules or set().union(*(targets for _, _, targets in found))
+        targets = [m for m in LORA_TARGET_MODULES if m in wanted]
+        layers = {int(index): layer for index, layer in self.model.layers.items()}
+        pool = LoraPool(layers, self.config, self.parallel, config.max_loras_per_batch, max_rank, targets,
+                        self.dtype, self.device)  # fmt: skip
+        for ref in refs:
+            try:
+                pool.load(ref.name, ref.path)
+            except LoraAdapterError as exc:
+                raise InvalidArgumentError(f"--lora-paths: {exc}") from exc
+        logger.info("LoRA: %d slots of rank %d on %s; decode runs unfused (the deltas need each linear)",
+                    config.max_loras_per_batch, max_rank, ", ".join(targets))  # fmt: skip
+        return pool
+
+    def lora_adapters(self) -> list[LoraAdapterInfo]:
+        pool = self.lora
+        return [] if pool is None else [_lora_info(a) for a in pool.adapters.values()]
+
+    def load_lora(self, name: str, path: str) -> LoraAdapterInfo:
+        if self.lora is None:
+            raise LoraAdapterError("LoRA adapters need --enable-lora")
+        return _lora_info(self.lora.load(name, path))
+
+    def unload_lora(self, name: str) -> None:
+        if self.lora is not None:
+            self.lora.unload(name)
+
+    def set_lora_slot(self, slot: int, name: str) -> None:
+        assert self.lora is not None
+        self.lora.set_slot(slot, name)
+
     def _attention_call(self, batch: ForwardBatch) -> AttentionCall:
         assert self.attention is not None, "an encoder has no attention backend"
+        if self.lora is not None:
+            # The LoRA layers of this forward read which rows take which adapter's delta.
+            self.lora.rows.groups = batch.lora_groups or []
         metadata = self.attention.plan(batch)
         return AttentionCall(self.attention, metadata, self.kv_pool, batch.out_cache_loc)
 

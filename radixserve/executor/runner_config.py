@@ -29,6 +29,12 @@ class RunnerConfig:
     max_running_requests: int | None = None
     page_size: int = 1
     decode_staging_tokens: int | None = None
+    # --enable-lora (config/lora_args.py, executor/lora_pool.py).
+    enable_lora: bool = False
+    lora_paths: list[str] | None = None
+    max_loras_per_batch: int = 8
+    max_lora_rank: int | None = None
+    lora_target_modules: list[str] | None = None
 
     @classmethod
     def from_server_args(cls, args: ServerArgs) -> RunnerConfig:

@@ -76,6 +76,8 @@ class ForwardBatch:
     # VERIFY only, one per request: a [q_len, q_len] bool matrix, True where new token i may see
     # new token j (itself and its ancestors in the draft tree); None for a chain (plain causal).
     verify_masks: list[torch.Tensor | None] | None = None
+    # --enable-lora: each adapter slot in use and the rows of the requests using it (layers/lora.py).
+    lora_groups: list[tuple[int, torch.Tensor]] | None = None
 
     @property
     def num_tokens(self) -> int:

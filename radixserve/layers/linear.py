@@ -20,6 +20,7 @@ from radixserve.distributed.parallel import SINGLE, ParallelContext, all_reduce,
 
 if TYPE_CHECKING:
     from radixserve.kernels.cpu_ops import CpuKernels
+    from radixserve.layers.lora import LoraSlots
     from radixserve.layers.packed_weights import PackedWeight, WeightPacking
 
 # fp32 on a CPU with the native kernels: up to this many rows (a decode step's) run on
@@ -114,6 +115,8 @@ class ParallelLinear(nn.Module):
     packed: PackedWeight | None = None
     # Set by use_native_fp32_linears for an fp32 model on a CPU.
     fp32_kernels: CpuKernels | None = None
+    # --enable-lora: the adapter slots whose deltas each request's rows take (layers/lora.py).
+    lora: LoraSlots | None = None
 
     def pack_for_cpu(self, packing: WeightPacking) -> None:
         self.packed = packing.pack(self.weight.data)
@@ -152,6 +155,7 @@ class ColumnParallelLinear(ParallelLinear):
     ):
         super().__init__()
         self.ctx = ctx
+        self.input_size = input_size
         self.shards = [o if isinstance(o, OutputShard) else split_evenly(o, ctx) for o in outputs]
         self.local_sizes = [s.local for s in self.shards]
         self.offsets = [sum(self.local_sizes[:i]) for i in range(len(self.local_sizes))]
@@ -170,7 +174,10 @@ class ColumnParallelLinear(ParallelLinear):
         copy_checked(target.data.narrow(0, self.offsets[shard], spec.local), piece, f"{name} shard {shard}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
+        y = self.matmul(x, self.bias)
+        if self.lora is not None:
+            self.lora.add_to(x, y)
+        return y
 
 
 class RowParallelLinear(ParallelLinear):
@@ -203,11 +210,16 @@ class RowParallelLinear(ParallelLinear):
         docs/architecture.md). A fused SiLU-and-multiply epilogue for gate/up was faster but less
         accurate, so it is not used."""
         if residual is not None and self.packed is not None and self.bias is None and self.ctx.tp_size == 1:
-            return self.packed.matmul(x, None, residual)
+            out = self.packed.matmul(x, None, residual)
+            if self.lora is not None:
+                self.lora.add_to(x, out)
+            return out
         # The bias is added once, after the reduction, so that it is not counted tp_size times.
         y = all_reduce(self.matmul(x, None), self.ctx)
         if self.bias is not None:
             y = y + self.bias
+        if self.lora is not None:
+            self.lora.add_to(x, y)  # before the residual, in the order transformers + peft add them
         return y if residual is None else residual + y
 
 

@@ -50,6 +50,8 @@ class GenerateRequest:
     custom_logit_processor: str | None = None
     # Under --disaggregation-mode: the other server of this request (BootstrapInfo).
     bootstrap: BootstrapInfo | None = None
+    # --enable-lora: the name of the LoRA adapter to run with (SGLang's field name); None: the base.
+    lora_path: str | None = None
 
 
 @dataclass

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from radixserve.config.log import configure_logging
+from radixserve.config.lora_args import lora_refs
 from radixserve.config.server_args import ServerArgs
 from radixserve.models.loader import ModelSource, resolve_model_source
 from radixserve.models.tokenizer import load_tokenizer
@@ -88,6 +89,7 @@ class Engine(EngineControl):
             self.runtime.kill()
             raise
         self.served_model_name = self.args.served_model_name or self.args.model_path
+        self.lora_adapters = {r.name: r.path for r in lora_refs(self.args.lora_paths, InvalidRequestError)}
         self._on_fatal = on_fatal
         self._pending: dict[str, Deliver] = {}
         # Requests that have not produced output yet: what --max-queued-requests bounds.
@@ -123,6 +125,7 @@ class Engine(EngineControl):
             PromptLimits(self.context_len, self.max_total_tokens, self.args.allow_auto_truncate),
             self.sessions,
             self.tokenize,
+            self.lora_adapters if self.args.enable_lora else None,
         )
         logger.info(
             "scheduler ready: KV cache holds %d tokens, context length %d",
@@ -343,6 +346,7 @@ class Engine(EngineControl):
         input_embeds: InputEmbeds = None,
         return_hidden_states: bool = False,
         custom_logit_processor: str | None = None,
+        lora_path: str | list[str | None] | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """Blocking generation. One prompt gives one result dict; a list gives a list, in order.
         With return_logprob, meta_info holds output_token_logprobs and output_top_logprobs, and
@@ -352,7 +356,8 @@ class Engine(EngineControl):
         return_hidden_states puts the final hidden state behind each output token in
         meta_info["hidden_states"]. custom_logit_processor names a processor class the server can
         import ("module:Class"; needs enable_custom_logit_processor), with its arguments in
-        sampling_params["custom_params"]."""
+        sampling_params["custom_params"]. lora_path names the LoRA adapter to run with (one name,
+        or one per prompt; None: the base model)."""
         reqs, single = self.requests.build_batch(
             prompt,
             input_ids,
@@ -364,6 +369,7 @@ class Engine(EngineControl):
             input_embeds=input_embeds,
             return_hidden_states=return_hidden_states,
             custom_logit_processor=custom_logit_processor,
+            lora_path=lora_path,
         )
         return self._run_blocking(reqs, single)
 

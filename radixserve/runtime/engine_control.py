@@ -76,6 +76,30 @@ class EngineControl(ABC):
     def flush_cache(self) -> bool:
         return self.control("flush_cache").ok
 
+    # The LoRA adapters loaded (--enable-lora), by name: what requests and OpenAI's `model` may name.
+    lora_adapters: dict[str, str]
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, str]:
+        """Loads a PEFT adapter under a name; returns every adapter loaded (name: path). A bad
+        adapter (unknown format, rank too high, another base model's shapes) raises and loads nothing."""
+        result = self.control("load_lora_adapter", 600.0, {"lora_name": lora_name, "lora_path": lora_path})
+        if not result.ok:
+            raise InvalidRequestError(result.error or "loading the LoRA adapter failed")
+        return self._track_adapters(result.payload["loaded_adapters"])
+
+    def unload_lora_adapter(self, lora_name: str) -> dict[str, str]:
+        """Unloads an adapter; refused while requests in flight use it (retry when they finish)."""
+        result = self.control("unload_lora_adapter", 60.0, {"lora_name": lora_name})
+        if not result.ok:
+            raise InvalidRequestError(result.error or "unloading the LoRA adapter failed")
+        return self._track_adapters(result.payload["loaded_adapters"])
+
+    def _track_adapters(self, loaded: dict[str, str]) -> dict[str, str]:
+        # In place: the request builder checks names against this very table.
+        self.lora_adapters.clear()
+        self.lora_adapters.update(loaded)
+        return dict(loaded)
+
     def clear_hicache_storage_backend(self) -> bool:
         """Removes every page the storage tier keeps (flush_cache empties the device tree alone)."""
         return self.control("clear_hicache_storage_backend").ok

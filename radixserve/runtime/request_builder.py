@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +41,8 @@ class RequestBuilder:
     limits: PromptLimits
     sessions: SessionStore
     tokenize: Callable[[str], list[int]]
+    # --enable-lora: the adapters loaded (the engine's own table, kept current); None without.
+    lora_adapters: Mapping[str, str] | None = None
     _ids: itertools.count[int] = field(default_factory=itertools.count)
 
     def new_rid(self) -> str:
@@ -61,6 +63,7 @@ class RequestBuilder:
         input_embeds: list[list[float]] | None = None,
         return_hidden_states: bool = False,
         custom_logit_processor: str | None = None,
+        lora_path: str | None = None,
     ) -> GenerateRequest:
         """Validates everything the scheduler would refuse, so that callers get the error up front.
         With return_logprob and logprob_start_len >= 0, prompt logprobs come back too. embed: an
@@ -81,6 +84,8 @@ class RequestBuilder:
             raise InvalidRequestError(
                 "custom logit processors are disabled; start the server with --enable-custom-logit-processor"
             )
+        if lora_path is not None:
+            self._check_adapter(lora_path)
         if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
             raise InvalidRequestError(
                 f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs_num!r}"
@@ -131,7 +136,17 @@ class RequestBuilder:
             input_embeds,
             bool(return_hidden_states),
             custom_logit_processor,
+            lora_path=lora_path,
         )
+
+    def _check_adapter(self, name: object) -> None:
+        if self.lora_adapters is None:
+            raise InvalidRequestError(
+                "lora_path names a LoRA adapter; this server runs without --enable-lora"
+            )
+        if not isinstance(name, str) or name not in self.lora_adapters:
+            loaded = ", ".join(sorted(self.lora_adapters)) or "none"
+            raise InvalidRequestError(f"LoRA adapter {name!r} is not loaded (loaded: {loaded})")
 
     def build_batch(
         self,
@@ -146,9 +161,17 @@ class RequestBuilder:
         input_embeds: InputEmbeds = None,
         return_hidden_states: bool = False,
         custom_logit_processor: str | None = None,
+        lora_path: str | list[str | None] | None = None,
     ) -> tuple[list[GenerateRequest], bool]:
+        """lora_path: one adapter name for every prompt, or a list with one per prompt (SGLang's)."""
         batch = split_prompts(prompt, input_ids, input_embeds, self.tokenize)
         batch_ids, batch_embeds, single = batch.ids, batch.embeds, batch.single
+        if isinstance(lora_path, list):
+            if len(lora_path) != len(batch_ids):
+                raise InvalidRequestError("lora_path list must have one entry per prompt")
+            adapters = lora_path
+        else:
+            adapters = [lora_path] * len(batch_ids)
         if isinstance(sampling_params, list):
             if len(sampling_params) != len(batch_ids):
                 raise InvalidRequestError("sampling_params list must have one entry per prompt")
@@ -168,7 +191,8 @@ class RequestBuilder:
                 input_embeds=vectors,
                 return_hidden_states=return_hidden_states,
                 custom_logit_processor=custom_logit_processor,
+                lora_path=adapter,
             )
-            for ids, p, vectors in zip(batch_ids, params, batch_embeds, strict=True)
+            for ids, p, vectors, adapter in zip(batch_ids, params, batch_embeds, adapters, strict=True)
         ]
         return reqs, single

@@ -166,6 +166,7 @@ def build_extend_batch(reqs: list[Req], kv: KVContext) -> ForwardBatch:
         hidden_rows=torch.tensor(hidden_rows, dtype=torch.int64, device=device) if hidden_rows else None,
         extend=segments,
         input_embeds=given_embeds or None,
+        lora_groups=lora_groups(reqs, extend_lens, device),
     )
 
 
@@ -192,6 +193,7 @@ def build_decode_batch(reqs: list[Req], kv: KVContext) -> ForwardBatch:
         out_cache_loc=out_cache_loc.to(device),
         sample_rows=torch.arange(len(reqs), device=device),
         decode=build_decode_layout(table, pool_indices, lens + 1, request_ids=[r.admission for r in reqs]),
+        lora_groups=lora_groups(reqs, [1] * len(reqs), device),
     )
 
 
@@ -251,7 +253,24 @@ def build_verify_batch(
         sample_rows=torch.arange(offset, device=device),
         extend=segments,
         verify_masks=masks if any(m is not None for m in masks) else None,
+        lora_groups=lora_groups(reqs, sizes, device),
     )
+
+
+def lora_groups(
+    reqs: list[Req], row_counts: list[int], device: torch.device
+) -> list[tuple[int, torch.Tensor]] | None:
+    """Each LoRA adapter slot the requests use and the rows (row_counts[i] for request i, in
+    order) of those using it; None when none uses one."""
+    rows: dict[int, list[int]] = {}
+    offset = 0
+    for req, n in zip(reqs, row_counts, strict=True):
+        if req.lora_slot is not None:
+            rows.setdefault(req.lora_slot, []).extend(range(offset, offset + n))
+        offset += n
+    if not rows:
+        return None
+    return [(slot, torch.tensor(r, dtype=torch.int64, device=device)) for slot, r in sorted(rows.items())]
 
 
 def truncate_kv(req: Req, keep: int, allocated_end: int, kv: KVContext) -> None:

@@ -12,6 +12,7 @@ from radixserve.cache.pools import KVSlotAllocator
 from radixserve.cache.radix_cache import KVLeakError, PrefixCache
 from radixserve.cache.tiers import CacheTier
 from radixserve.executor.base import MEMORY_TAGS, Executor, MemoryReleasedError
+from radixserve.models.lora_adapter import LoraAdapterError
 from radixserve.protocol.messages import ControlRequest, ControlResult, SchedulerOutput
 from radixserve.scheduler.batch import KVContext
 from radixserve.scheduler.grammar_queue import GrammarQueue
@@ -22,6 +23,7 @@ from radixserve.scheduler.internal_state import (
     set_internal_state,
 )
 from radixserve.scheduler.kv_events import KVEventPublisher
+from radixserve.scheduler.lora import LoraError, LoraManager
 from radixserve.scheduler.outputs import OverlappedPublisher
 from radixserve.scheduler.profiler import ProfilerError, StepProfiler
 from radixserve.scheduler.request import Req
@@ -89,6 +91,12 @@ class ControlledScheduler(TunableScheduler, Protocol):
 
     @property
     def cache_tier(self) -> CacheTier: ...
+
+    @property
+    def lora(self) -> LoraManager | None: ...
+
+    @property
+    def reqs(self) -> dict[str, Req]: ...
 
     def check_kv_invariant(self) -> None: ...
 
@@ -195,6 +203,8 @@ def get_stats(scheduler: ControlledScheduler, args: dict[str, Any]) -> Reply:
             # --enable-hierarchical-cache: the tier below the device pool (cache/storage_tier.py).
             "hicache_tier": s.cache_tier.name,
             **s.cache_tier.stats(),
+            # --enable-lora: the adapters loaded, and the slot each holds (None: none now).
+            "lora_adapters": [] if s.lora is None else s.lora.describe(),
             # --pp-size: the micro-batch pipeline's ticks and how busy its stages were kept.
             "pipeline": s.pipeline_stats(),
             # --disaggregation-mode: this half's handoffs (distributed/kv_transfer.py).
@@ -295,6 +305,32 @@ def resume_memory_occupation(scheduler: ControlledScheduler, args: dict[str, Any
     return Reply({"released": sorted(scheduler.executor.released)})
 
 
+def load_lora_adapter(scheduler: ControlledScheduler, args: dict[str, Any]) -> Reply:
+    """{"lora_name", "lora_path"}: a PEFT adapter, read and checked before anything uses it."""
+    lora = _lora(scheduler)
+    try:
+        lora.load(str(args["lora_name"]), str(args["lora_path"]))
+    except (LoraError, LoraAdapterError) as exc:
+        raise ControlError(str(exc)) from exc
+    return Reply({"loaded_adapters": {a.name: a.path for a in lora.adapters.values()}})
+
+
+def unload_lora_adapter(scheduler: ControlledScheduler, args: dict[str, Any]) -> Reply:
+    """Refused while requests in flight use the adapter."""
+    lora = _lora(scheduler)
+    try:
+        lora.unload(str(args["lora_name"]), scheduler.reqs.values())
+    except LoraError as exc:
+        raise ControlError(str(exc)) from exc
+    return Reply({"loaded_adapters": {a.name: a.path for a in lora.adapters.values()}})
+
+
+def _lora(scheduler: ControlledScheduler) -> LoraManager:
+    if scheduler.lora is None:
+        raise ControlError("LoRA adapters need a server started with --enable-lora")
+    return scheduler.lora
+
+
 def clear_hicache_storage_backend(scheduler: ControlledScheduler, args: dict[str, Any]) -> Reply:
     """Removes every page the storage tier keeps (/flush_cache empties the device tree alone)."""
     scheduler.cache_tier.clear()
@@ -303,6 +339,8 @@ def clear_hicache_storage_backend(scheduler: ControlledScheduler, args: dict[str
 
 COMMANDS: dict[str, Callable[[ControlledScheduler, dict[str, Any]], Reply]] = {
     "clear_hicache_storage_backend": clear_hicache_storage_backend,
+    "load_lora_adapter": load_lora_adapter,
+    "unload_lora_adapter": unload_lora_adapter,
     "check_kv_invariant": check_kv_invariant,
     "flush_cache": flush_cache,
     "get_stats": get_stats,

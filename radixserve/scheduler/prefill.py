@@ -12,6 +12,7 @@ from radixserve.cache.tiers import DeviceOnlyTier
 from radixserve.config.server_args import ServerArgs
 from radixserve.scheduler.batch import KVContext, build_extend_batch
 from radixserve.scheduler.decode import DecodeManager
+from radixserve.scheduler.lora import LoraManager
 from radixserve.scheduler.policy import AddResult, PrefillAdder, SchedulePolicy
 from radixserve.scheduler.request import Req
 from radixserve.scheduler.state import RequestQueues, ScheduledBatch, token_usage
@@ -28,6 +29,7 @@ class PrefillManager:
         stats: SchedulerStats,
         max_running: int,
         max_total_tokens: int,
+        lora: LoraManager | None = None,
     ):
         # args is the scheduler's own object: /set_internal_state changes it in place.
         self.args = args
@@ -39,6 +41,8 @@ class PrefillManager:
         self.max_running = max_running
         self.max_total_tokens = max_total_tokens
         self.policy = SchedulePolicy(args.schedule_policy, kv.tree_cache, args.random_seed)
+        # --enable-lora: a batch's adapters, with the running requests', must fit in its slots.
+        self.lora = lora
 
     def _not_loading(self, waiting: list[Req]) -> list[Req]:
         """The waiting requests that may be admitted now: a request whose prefix the cache tier
@@ -61,6 +65,12 @@ class PrefillManager:
                 req.tier_load = None
             ready.append(req)
         return ready
+
+    def _adapters_in_use(self) -> set[str]:
+        """The LoRA adapters of the requests holding KV: running, in flight, being chunked."""
+        queues = self.queues
+        holders = queues.running + queues.in_flight + ([queues.chunked_req] if queues.chunked_req else [])
+        return {r.lora_name for r in holders if r.lora_name is not None}
 
     def next_batch(self) -> ScheduledBatch | None:
         """The next prefill batch, or None when nothing waits or nothing more can be admitted."""
@@ -86,13 +96,21 @@ class PrefillManager:
         if queues.chunked_req is not None:
             adder.add_chunked_req(queues.chunked_req)
         has_chunked_req = queues.chunked_req is not None
+        lora, adapters = self.lora, self._adapters_in_use()
         for req in self.policy.order(self._not_loading(queues.waiting)):
             if running + len(adder.can_run) >= self.max_running:
                 break
-            if adder.add_one_req(req, has_chunked_req=has_chunked_req) is not AddResult.CONTINUE:
+            if lora is not None and not lora.fits(req, adapters):
+                continue  # its adapter would be one too many for this batch: it waits its turn
+            result = adder.add_one_req(req, has_chunked_req=has_chunked_req)
+            if req.lora_name is not None and adder.can_run and adder.can_run[-1] is req:
+                adapters.add(req.lora_name)
+            if result is not AddResult.CONTINUE:
                 break
         if not adder.can_run:
             return None
+        if lora is not None:
+            lora.bind(adder.can_run, adapters)
 
         admitted = {id(r) for r in adder.can_run}
         queues.waiting = [r for r in queues.waiting if id(r) not in admitted]

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from radixserve.cache.key_space import namespaced
 from radixserve.cache.radix_cache import TreeNode
 from radixserve.cache.tiers import TierLoad
 from radixserve.protocol.messages import BootstrapInfo, FinishReason, TokenLogprobs
@@ -148,11 +149,21 @@ class Req:
     speculation: SpeculationState = field(default_factory=SpeculationState)
     # Under --disaggregation-mode: the request's other half (scheduler/disaggregation/).
     bootstrap: BootstrapInfo | None = None
+    # --enable-lora: the adapter it runs with (None: the base model), the adapter slot it has in
+    # the batch being built, and the namespace its K/V is cached in (cache/key_space.py).
+    lora_name: str | None = None
+    lora_slot: int | None = None
+    cache_namespace: int = 0
 
     @property
     def fill_ids(self) -> list[int]:
         """Every token whose KV a resumed request must have: the prompt and what it has output."""
         return self.origin_input_ids + self.output_ids
+
+    @property
+    def cache_ids(self) -> list[int]:
+        """fill_ids as the prefix cache keys them: in the request's adapter's namespace."""
+        return namespaced(self.fill_ids, self.cache_namespace)
 
     @property
     def penalized_prompt_ids(self) -> list[int]:
@@ -176,7 +187,7 @@ class Req:
         if self.needs_prompt_hidden_states:
             # A cached position has its K/V but not its hidden state: recompute from there on.
             limit = min(limit, len(self.prompt_hidden_states))
-        return self.fill_ids[:limit]
+        return self.cache_ids[:limit]
 
     @property
     def seq_len(self) -> int:

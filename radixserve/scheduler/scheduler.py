@@ -32,10 +32,9 @@ from radixserve.protocol.messages import (
     SchedulerInput,
     SchedulerOutput,
     ShutdownRequest,
-    TokenLogprobs,
 )
-from radixserve.protocol.prompts import PromptLimits
-from radixserve.protocol.sampling_params import InvalidRequestError, SamplingParams
+from radixserve.protocol.sampling_params import InvalidRequestError
+from radixserve.scheduler.admission import RequestBuilder
 from radixserve.scheduler.batch import KVContext
 from radixserve.scheduler.cache_tier import build_cache_tier
 from radixserve.scheduler.control import handle_control
@@ -46,6 +45,7 @@ from radixserve.scheduler.grammar_queue import GrammarQueue
 from radixserve.scheduler.kv_events import KVEventPublisher
 from radixserve.scheduler.logit_processors import ProcessorRegistry
 from radixserve.scheduler.logprobs import record_input_logprobs
+from radixserve.scheduler.lora import LoraManager
 from radixserve.scheduler.manager_views import ManagerViews
 from radixserve.scheduler.next_tokens import pick_next_tokens, record_prompt_hidden_states
 from radixserve.scheduler.outputs import Decided, OutputBuilder, OverlappedPublisher, overlap_enabled
@@ -96,7 +96,6 @@ class Scheduler(ManagerViews):
         self.context_len = info.context_len
         self.max_total_tokens = info.max_total_tokens
         max_running = args.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
-        self.prompt_limits = PromptLimits(self.context_len, self.max_total_tokens, allow_auto_truncate=False)
         device = info.device
         # One spare request slot: a request being prefilled in chunks is not counted as running.
         self.req_to_token_pool = ReqToTokenPool(max_running + 1, self.context_len + args.page_size, device)
@@ -135,16 +134,17 @@ class Scheduler(ManagerViews):
         self.prefill_handoffs, self.decode_handoffs = build_handoffs(
             args, executor, self.kv, self.speculator.written if self.speculator is not None else None
         )
-        self.eos_token_ids = frozenset(self.config.eos_token_ids)
         self.logit_processors = ProcessorRegistry(args.enable_custom_logit_processor)
-        self._next_stand_in_id = self.config.vocab_size
+        # --enable-lora: each request's adapter, and the adapters in the executor's slots.
+        self.lora = LoraManager(executor, args.max_loras_per_batch) if args.enable_lora else None
+        self.requests = RequestBuilder(info, self.logit_processors, self.lora)
 
         self.stats = SchedulerStats()
         self.queues = RequestQueues()
         # The two halves of choosing a batch (prefill.py, decode.py); they share the queues.
         self.decode = DecodeManager(args, self.kv, self.queues, self.stats, self.max_total_tokens)
         self.prefill = PrefillManager(
-            args, self.kv, self.queues, self.decode, self.stats, max_running, self.max_total_tokens
+            args, self.kv, self.queues, self.decode, self.stats, max_running, self.max_total_tokens, self.lora
         )
         self.policy: SchedulePolicy = self.prefill.policy
         # --pp-size > 1: micro-batches keep the pipeline's stages busy at once (pipeline.py).
@@ -218,45 +218,12 @@ class Scheduler(ManagerViews):
             message += "call /resume_memory_occupation first"
             finish = FinishReason("abort", message=message, status_code=503)
             return [ReqOutput(msg.rid, [], finish, len(msg.input_ids), 0, 0)]
-        ids, vectors = list(msg.input_ids), None
         try:
-            params = SamplingParams.from_dict(msg.sampling_params)
-            params.check_vocab(self.config.vocab_size)
-            processor = None
-            if msg.custom_logit_processor is not None:
-                processor = self.logit_processors.get(msg.custom_logit_processor)
-            if msg.input_embeds is not None:
-                vectors = self._prompt_vectors(msg.input_embeds)
-                ids = self._stand_in_ids(len(vectors))
-            self._validate_input(msg.rid, ids, real_ids=vectors is None)
+            req = self.requests.build(msg, self.tree_cache.root, self.reqs)
         except InvalidRequestError as exc:
-            return [self.outputs.error(msg.rid, len(ids), str(exc))]
-        prompt_len = len(ids)
-        if self.is_embedding:
-            params.max_new_tokens = 0  # the prompt's pass gives the embedding; nothing is sampled
-        # Clip to what the context and the whole KV pool can hold, so a lone request always fits.
-        params.max_new_tokens = min(
-            params.max_new_tokens, self.context_len - prompt_len, self.max_total_tokens - prompt_len
-        )
-        req = Req(
-            msg.rid,
-            ids,
-            params,
-            eos_token_ids=self.eos_token_ids,
-            last_node=self.tree_cache.root,
-            input_embeds=vectors,
-            return_hidden_states=msg.return_hidden_states,
-            logit_processor=processor,
-        )
-        if params.seed is not None:
-            req.generator = torch.Generator(device=self.executor.info.device).manual_seed(params.seed)
-        if msg.return_logprob:
-            req.logprobs = TokenLogprobs()
-            req.top_logprobs_num = msg.top_logprobs_num
-            req.token_ids_logprob = msg.token_ids_logprob
-            if msg.logprob_start_len >= 0:
-                req.input_logprobs = TokenLogprobs()
-                req.input_logprob_next = max(1, msg.logprob_start_len)
+            prompt_len = len(msg.input_ids) if msg.input_embeds is None else len(msg.input_embeds)
+            return [self.outputs.error(msg.rid, prompt_len, str(exc))]
+        params, prompt_len = req.sampling_params, len(req.origin_input_ids)
         if params.max_new_tokens == 0 and not req.needs_input_logprobs and not self.is_embedding:
             req.finished_reason = FinishReason("length")
             return [self.outputs.final(req)]
@@ -311,7 +278,7 @@ class Scheduler(ManagerViews):
                 self._release_kv(req)
                 outputs.append(self.outputs.final(req))
                 continue
-            self.tree_cache.cache_unfinished_req(req, req.fill_ids)
+            self.tree_cache.cache_unfinished_req(req, req.cache_ids)
             self.queues.running.append(req)
             if self.outputs.unsent_tokens(req) >= self.args.stream_interval:
                 outputs.append(self.outputs.progress(req))
@@ -327,30 +294,6 @@ class Scheduler(ManagerViews):
             req.finished_reason = FinishReason("abort", message=error, status_code=400)
             outputs.append(self._finish(req))
         return outputs
-
-    def _prompt_vectors(self, rows: list[list[float]]) -> torch.Tensor:
-        hidden = self.config.hidden_size
-        if not rows or any(len(row) != hidden for row in rows):
-            raise InvalidRequestError(f"input_embeds must be a non-empty list of vectors of {hidden} numbers")
-        return torch.tensor(rows, dtype=self.executor.info.dtype, device=self.executor.info.device)
-
-    def _stand_in_ids(self, length: int) -> list[int]:
-        """Ids for a prompt given as vectors: above the vocabulary and never reused, so the radix
-        cache cannot match them against any other prompt (only the request's own, on resume)."""
-        first = self._next_stand_in_id
-        self._next_stand_in_id += length
-        return list(range(first, first + length))
-
-    def _validate_input(self, rid: str, ids: list[int], real_ids: bool = True) -> None:
-        if rid in self.reqs:
-            raise InvalidRequestError(f"request id {rid!r} is already in use")
-        if not ids:
-            raise InvalidRequestError("the prompt is empty")
-        vocab = self.config.vocab_size
-        if real_ids and (min(ids) < 0 or max(ids) >= vocab):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
-        # The engine checked (or cut) the length already; the scheduler can be driven directly.
-        self.prompt_limits.allowed_prompt_len(len(ids), embed=self.is_embedding)
 
     def abort_all_and_flush(self) -> list[SchedulerOutput]:
         """After a weight change: requests in flight hold KV of the old weights, and so does the cache."""
@@ -583,7 +526,7 @@ class Scheduler(ManagerViews):
         for req, samples in zip(batch.reqs, batch.samples, strict=True):
             if not samples:
                 # A chunk of a long prompt: publish the computed part so later requests can share it.
-                self.tree_cache.cache_unfinished_req(req, req.fill_ids)
+                self.tree_cache.cache_unfinished_req(req, req.cache_ids)
                 continue
             if req.sampling_params.max_new_tokens == 0:
                 # Prefilled only for its prompt logprobs (a scoring request): nothing to output.
@@ -603,7 +546,7 @@ class Scheduler(ManagerViews):
                 decided.reqs.append((req, True))
                 continue
             if batch.is_prefill and id(req) not in running:
-                self.tree_cache.cache_unfinished_req(req, req.fill_ids)
+                self.tree_cache.cache_unfinished_req(req, req.cache_ids)
                 queues.running.append(req)
             if self.outputs.unsent_tokens(req) >= self.args.stream_interval:
                 decided.reqs.append((req, False))

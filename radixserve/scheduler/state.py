@@ -53,7 +53,7 @@ def release_kv(tree_cache: PrefixCache, req: Req) -> None:
     frees its request slot; a request that holds none is left alone."""
     if req.req_pool_idx is None:
         return
-    tree_cache.cache_finished_req(req, req.fill_ids)
+    tree_cache.cache_finished_req(req, req.cache_ids)
 
 
 def token_usage(kv: KVContext, max_total_tokens: int) -> float:

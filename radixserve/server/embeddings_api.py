@@ -72,7 +72,8 @@ async def _embed(
 @router.post("/v1/embeddings")
 async def embeddings(body: EmbeddingRequest, request: Request) -> JSONResponse:
     engine = engine_of(request)
-    check_model(engine, body.model)
+    if check_model(engine, body.model) is not None:
+        raise ApiError(400, "LoRA adapters serve generation, not embeddings", param="model")
     if body.dimensions is not None:
         raise ApiError(
             400, "dimensions is not supported: embeddings keep the model's size", param="dimensions"

@@ -32,6 +32,7 @@ from radixserve.server.embeddings_api import router as embeddings_router
 from radixserve.server.errors import ApiError, error_body, error_response
 from radixserve.server.json_values import BadJsonValue, ParsedJsonRoute, check_body
 from radixserve.server.limits import check_batch, check_sampling_params, check_token_ids, per_prompt
+from radixserve.server.lora_api import router as lora_router
 from radixserve.server.openai_api import SSE_DONE, SSE_MEDIA_TYPE, engine_of, router, sse, stream_error
 from radixserve.server.streams import ClientDisconnected, collect, merged_stream
 
@@ -146,6 +147,8 @@ class GenerateBody(BaseModel):
     return_hidden_states: bool = False
     # "module.path:ClassName" (needs --enable-custom-logit-processor); see docs/server.md.
     custom_logit_processor: str | None = None
+    # --enable-lora: the LoRA adapter's name (SGLang's field), or one per prompt (None: the base).
+    lora_path: str | list[str | None] | None = None
     # Under --disaggregation-mode: where the request's other half runs (server/bootstrap_fields.py).
     bootstrap_host: str | list[str] | None = None
     bootstrap_port: int | list[int | None] | None = None
@@ -213,6 +216,7 @@ def create_app(engine: Engine) -> FastAPI:
     _add_error_handlers(app)
     app.include_router(router)
     app.include_router(embeddings_router)
+    app.include_router(lora_router)
     _add_native_routes(app)
     return app
 
@@ -489,6 +493,7 @@ def _native_requests(engine: Engine, batch: PromptBatch, body: GenerateBody) -> 
     if body.session_params is not None and count != 1:
         raise ApiError(400, "session_params takes a single prompt", param="session_params")
     bootstraps = bootstrap_infos(body.bootstrap_host, body.bootstrap_port, body.bootstrap_room, count)
+    adapters = per_prompt(body.lora_path, count, "lora_path")
     reqs = [
         engine.requests.build(
             p,
@@ -502,9 +507,10 @@ def _native_requests(engine: Engine, batch: PromptBatch, body: GenerateBody) -> 
             input_embeds=vectors,
             return_hidden_states=body.return_hidden_states,
             custom_logit_processor=body.custom_logit_processor,
+            lora_path=adapter,
         )
-        for p, sp, r, lp, top, start, ids, vectors in zip(
-            prompts, params, rids, logprobs, tops, starts, id_lists, batch.embeds, strict=True
+        for p, sp, r, lp, top, start, ids, vectors, adapter in zip(
+            prompts, params, rids, logprobs, tops, starts, id_lists, batch.embeds, adapters, strict=True
         )
     ]
     for req, info in zip(reqs, bootstraps, strict=True):

@@ -33,14 +33,20 @@ def engine_of(request: Request) -> Engine:
     return engine
 
 
-def check_model(engine: Engine, model: str | None) -> None:
-    if model is not None and model not in (engine.served_model_name, engine.args.model_path):
-        raise ApiError(
-            404,
-            f"The model '{model}' does not exist; this server serves '{engine.served_model_name}'",
-            param="model",
-            code="model_not_found",
-        )
+def check_model(engine: Engine, model: str | None) -> str | None:
+    """The LoRA adapter `model` names (as vLLM and SGLang take it), None for the base model; a
+    404 for a name this server does not serve."""
+    if model is None or model in (engine.served_model_name, engine.args.model_path):
+        return None
+    if model in engine.lora_adapters:
+        return model
+    served = ", ".join(f"'{name}'" for name in [engine.served_model_name, *sorted(engine.lora_adapters)])
+    raise ApiError(
+        404,
+        f"The model '{model}' does not exist; this server serves {served}",
+        param="model",
+        code="model_not_found",
+    )
 
 
 def sse(payload: dict[str, Any]) -> str:
@@ -106,15 +112,21 @@ def stream_error(exc: Exception) -> str:
 @router.get("/v1/models")
 async def list_models(request: Request) -> JSONResponse:
     engine = engine_of(request)
+    created = int(request.app.state.started)
     model = {
         "id": engine.served_model_name,
         "object": "model",
-        "created": int(request.app.state.started),
+        "created": created,
         "owned_by": "radixserve",
         "root": engine.args.model_path,
         "max_model_len": engine.context_len,
     }
-    return JSONResponse({"object": "list", "data": [model]})
+    # LoRA adapters are models of their own to OpenAI clients, as vLLM lists them.
+    adapters = [
+        {**model, "id": name, "root": path, "parent": engine.served_model_name}
+        for name, path in sorted(engine.lora_adapters.items())
+    ]
+    return JSONResponse({"object": "list", "data": [model, *adapters]})
 
 
 # ---------------------------------------------------------------------- completions
@@ -162,14 +174,16 @@ def attach_bootstrap(body: CompletionRequest | ChatCompletionRequest, reqs: list
 @router.post("/v1/completions", response_model=None)
 async def completions(body: CompletionRequest, request: Request) -> Response:
     engine = engine_of(request)
-    check_model(engine, body.model)
+    adapter = check_model(engine, body.model)
     body.refuse_unsupported()
     return_logprob, top, start = body.logprob_request()
     params = body.sampling_params(body.max_tokens, default_max_tokens=16)
     prompts = [engine.tokenize(p) if isinstance(p, str) else p for p in body.prompts()]
     # Choice i*n + j is the j-th sample of prompt i, as OpenAI numbers them.
     reqs = [
-        engine.requests.build(ids, choice_params(params, j), None, return_logprob, top, start)
+        engine.requests.build(
+            ids, choice_params(params, j), None, return_logprob, top, start, lora_path=adapter
+        )
         for ids in prompts
         for j in range(body.n)
     ]
@@ -280,7 +294,7 @@ def _tokenize_chat(engine: Engine, messages: list[dict[str, Any]], kwargs: dict[
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     engine = engine_of(request)
-    check_model(engine, body.model)
+    adapter = check_model(engine, body.model)
     body.refuse_unsupported()
     return_logprob, top = body.logprob_request()
     messages = [m.template_dict() for m in body.messages]
@@ -289,7 +303,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     params = body.sampling_params(body.requested_max_tokens, default_max_tokens=engine.context_len)
     reqs = [
         engine.requests.build(
-            prompt, choice_params(params, j), return_logprob=return_logprob, top_logprobs_num=top
+            prompt,
+            choice_params(params, j),
+            return_logprob=return_logprob,
+            top_logprobs_num=top,
+            lora_path=adapter,
         )
         for j in range(body.n)
     ]

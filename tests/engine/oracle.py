@@ -27,10 +27,15 @@ def random_prompts(
 class GreedyOracle:
     """Greedy continuation with transformers on the same weights, in fp32, one prompt at a time."""
 
-    def __init__(self, model_dir: Path):
+    def __init__(self, model_dir: Path, lora_dir: Path | None = None):
+        """lora_dir: a PEFT adapter applied on top (peft's own LoRA layers, unmerged)."""
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        if lora_dir is not None:
+            from peft import PeftModel
+
+            self.model = PeftModel.from_pretrained(self.model, lora_dir).eval()
         self._memo: dict[tuple[tuple[int, ...], int], list[int]] = {}
 
     @torch.no_grad()

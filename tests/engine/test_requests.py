@@ -68,7 +68,7 @@ def test_eos_ends_the_request_unless_ignored(
     scheduler = build_scheduler(
         ServerArgs(model_path=str(tiny_model_dir("llama")), dtype="float32", max_total_tokens=512)
     )
-    scheduler.eos_token_ids = frozenset({reference[3]})
+    scheduler.requests.eos_token_ids = frozenset({reference[3]})
     stopped = run_scheduler(
         scheduler, GenerateRequest("stop", prompt, {"temperature": 0, "max_new_tokens": 12})
     )

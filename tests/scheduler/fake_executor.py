@@ -15,13 +15,14 @@ The helpers at the end build a scheduler over a fake executor and drive it.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
 
 from radixserve.config.server_args import ServerArgs
-from radixserve.executor.base import ExecutorInfo, KVLayout
+from radixserve.executor.base import ExecutorInfo, KVLayout, LoraAdapterInfo
 from radixserve.forward.batch import ForwardBatch, ForwardMode
 from radixserve.layers.sampler import SamplingBatch, sample
 from radixserve.models.config import ModelConfig
@@ -47,11 +48,19 @@ def next_token(context: list[int], vocab_size: int) -> int:
     return (sum((i + 1) * t for i, t in enumerate(context)) + len(context)) % vocab_size
 
 
-def expected_output(prompt: list[int], max_new_tokens: int, vocab_size: int) -> list[int]:
-    """What greedy decoding of the fake model gives, with no stop token."""
+def adapter_shift(name: str | None) -> int:
+    """How far the fake model's LoRA adapter `name` moves each predicted token id (0: the base)."""
+    return 0 if name is None else 1 + sum(ord(c) for c in name)
+
+
+def expected_output(
+    prompt: list[int], max_new_tokens: int, vocab_size: int, adapter: str | None = None
+) -> list[int]:
+    """What greedy decoding of the fake model gives, with no stop token (under a LoRA adapter:
+    every token shifted by adapter_shift)."""
     seq = list(prompt)
     for _ in range(max_new_tokens):
-        seq.append(next_token(seq, vocab_size))
+        seq.append((next_token(seq, vocab_size) + adapter_shift(adapter)) % vocab_size)
     return seq[len(prompt) :]
 
 
@@ -122,6 +131,11 @@ class FakeExecutor:
         # Pipeline ticks run, and the most micro-batches one of them had in flight.
         self.ticks = 0
         self.most_in_flight = 0
+        # LoRA (--enable-lora): the adapters "loaded", the one in each slot, and every batch's
+        # adapters (by slot content when it ran).
+        self.lora_loaded: dict[str, LoraAdapterInfo] = {}
+        self.lora_slots: dict[int, str] = {}
+        self.batch_adapters: list[set[str]] = []
         self._allocate_kv()
 
     def _allocate_kv(self) -> None:
@@ -182,9 +196,13 @@ class FakeExecutor:
         if batch.logprob_rows is not None:
             logit_rows += batch.logprob_rows.tolist()
         logits = torch.zeros(len(logit_rows), self.vocab_size, dtype=torch.float32)
+        adapters = self._row_adapters(batch)
         for out_row, row in enumerate(logit_rows):
             segment, position = rows[row]
-            logits[out_row, next_token(contexts[segment][: position + 1], self.vocab_size)] = CHOSEN_LOGIT
+            token = next_token(contexts[segment][: position + 1], self.vocab_size) + adapter_shift(
+                adapters.get(row)
+            )
+            logits[out_row, token % self.vocab_size] = CHOSEN_LOGIT
         hidden_rows = list(logit_rows)
         if batch.hidden_rows is not None:
             hidden_rows += batch.hidden_rows.tolist()
@@ -192,6 +210,32 @@ class FakeExecutor:
         if hidden is None:
             hidden = torch.zeros(0, HIDDEN_SIZE, dtype=torch.float32)
         return logits, hidden
+
+    def _row_adapters(self, batch: ForwardBatch) -> dict[int, str]:
+        """Each input row's adapter, by what its slot holds now (a stale slot gives wrong tokens)."""
+        by_row = {}
+        for slot, rows in batch.lora_groups or []:
+            for row in rows.tolist():
+                by_row[row] = self.lora_slots[slot]
+        return by_row
+
+    # ---- LoRA adapters: a name per slot is all the fake model keeps
+
+    def lora_adapters(self) -> list[LoraAdapterInfo]:
+        return list(self.lora_loaded.values())
+
+    def load_lora(self, name: str, path: str) -> LoraAdapterInfo:
+        info = LoraAdapterInfo(name, path, 4, hashlib.sha256(path.encode()).hexdigest())
+        self.lora_loaded[name] = info
+        return info
+
+    def unload_lora(self, name: str) -> None:
+        del self.lora_loaded[name]
+        self.lora_slots = {slot: held for slot, held in self.lora_slots.items() if held != name}
+
+    def set_lora_slot(self, slot: int, name: str) -> None:
+        assert name in self.lora_loaded
+        self.lora_slots[slot] = name
 
     def sample(self, logits: torch.Tensor, sampling: SamplingBatch) -> torch.Tensor:
         return sample(logits, sampling)
@@ -270,6 +314,7 @@ class FakeExecutor:
         expected = [position for _, position in rows]
         assert positions == expected, f"positions {positions}, expected {expected}"
         if record:
+            self.batch_adapters.append(set(self._row_adapters(batch).values()))
             sampled = int(batch.sample_rows.numel())
             recorded = RecordedBatch(batch.mode, prefix_lens, extend_lens, segments, sampled)
             self.batches.append(recorded)

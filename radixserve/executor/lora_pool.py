@@ -6,16 +6,18 @@ pool copies it there, as this rank's shard of each weight."""
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
 from radixserve.distributed.parallel import ParallelContext
 from radixserve.layers.linear import ColumnParallelLinear, ParallelLinear, RowParallelLinear
-from radixserve.layers.lora import LoraRows, LoraSlots
+from radixserve.layers.lora import STACKED_MAX_ROWS, LoraRows, LoraSlots
 from radixserve.models.config import ModelConfig
 from radixserve.models.lora_adapter import LoraAdapter, LoraAdapterError, load_lora_adapter
 
 logger = logging.getLogger("radixserve")
+STACKED_ROWS_ENV = "RADIXSERVE_LORA_STACKED_MAX_ROWS"
 
 # Where each PEFT module name lives in a decoder layer: (attribute path, stacked output index).
 _MODULE_PLACES: dict[str, tuple[str, str, int]] = {
@@ -48,6 +50,9 @@ class LoraPool:
         self.target_modules = frozenset(target_modules)
         self.dtype = dtype
         self.rows = LoraRows()
+        # Forward sizes up to which deltas run in the stacked pass (layers/lora.py). Tests force
+        # either pass with RADIXSERVE_LORA_STACKED_MAX_ROWS (0: always segmented).
+        self.stacked_max_rows = int(os.environ.get(STACKED_ROWS_ENV, STACKED_MAX_ROWS))
         self.adapters: dict[str, LoraAdapter] = {}
         self.slot_names: list[str | None] = [None] * slots
         # (layer, module) -> (the linear, its slots, the stacked output the module is).
@@ -106,6 +111,21 @@ class LoraPool:
                 a = a.narrow(1, self.ctx.tp_rank * width, width)
             slots.fill(slot, output, a.to(self.dtype), b.to(self.dtype), adapter.scaling)
         self.slot_names[slot] = name
+
+    def set_rows(self, groups: list[tuple[int, torch.Tensor]] | None, num_rows: int) -> None:
+        """Which rows of the next forward take which slot's delta (ForwardBatch.lora_groups), and
+        for a forward of up to STACKED_MAX_ROWS rows the stacked pass's mask (layers/lora.py)."""
+        rows = self.rows
+        rows.groups, rows.slots, rows.mask = groups or [], (), None
+        if not groups or num_rows > self.stacked_max_rows:
+            return
+        rank = self.max_rank
+        mask = torch.zeros(num_rows, len(groups) * rank, dtype=self.dtype, device=groups[0][1].device)
+        for column, (slot, indices) in enumerate(groups):
+            name = self.slot_names[slot]
+            assert name is not None, f"a batch uses LoRA slot {slot}, which holds no adapter"
+            mask[indices, column * rank : (column + 1) * rank] = self.adapters[name].scaling
+        rows.slots, rows.mask = tuple(slot for slot, _ in groups), mask
 
     def _clear(self, slot: int) -> None:
         for _, slots, _ in self.places.values():

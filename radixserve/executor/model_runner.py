@@ -499,7 +499,7 @@ class ModelRunner:
         assert self.attention is not None, "an encoder has no attention backend"
         if self.lora is not None:
             # The LoRA layers of this forward read which rows take which adapter's delta.
-            self.lora.rows.groups = batch.lora_groups or []
+            self.lora.set_rows(batch.lora_groups, batch.num_tokens)
         metadata = self.attention.plan(batch)
         return AttentionCall(self.attention, metadata, self.kv_pool, batch.out_cache_loc)
 

@@ -70,11 +70,17 @@ def assert_like_peft(
     assert changed >= sum(n is not None for n in names) // 2
 
 
+@pytest.mark.parametrize("stacked_rows", [None, "0", "100000"], ids=["by-size", "segmented", "stacked"])
 def test_three_adapters_and_the_base_in_one_batch(
+    stacked_rows: str | None,
     lora_engine: Callable[..., Engine],
     adapters: dict[str, Path],
     peft_oracle: Callable[[str | None], GreedyOracle],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Both ways of applying the deltas (layers/lora.py), forced, and chosen by size."""
+    if stacked_rows is not None:
+        monkeypatch.setenv("RADIXSERVE_LORA_STACKED_MAX_ROWS", stacked_rows)
     engine = lora_engine(lora_paths=lora_paths(adapters, ["a", "b", "c"]), chunked_prefill_size=16)
     prompts = random_prompts(12, seed=50)
     names: list[str | None] = [None, "a", "b", "c"] * 3
@@ -177,15 +183,28 @@ def test_bad_adapters_are_refused(
     assert engine.lora_adapters == {}
 
 
-@pytest.mark.parametrize("parallel", [{"tp_size": 2}, {"pp_size": 2}])
-def test_adapters_with_two_ranks(
-    parallel: dict[str, int],
+@pytest.mark.parametrize(
+    "flags",
+    [
+        {"tp_size": 2},
+        {"pp_size": 2},
+        {"enable_overlap_schedule": True},
+        {"max_total_tokens": 160, "schedule_conservativeness": 0.05},
+    ],
+    ids=["tp2", "pp2", "overlap", "retraction"],
+)
+def test_adapters_with_ranks_overlap_and_retraction(
+    flags: dict[str, Any],
     lora_engine: Callable[..., Engine],
     adapters: dict[str, Path],
     peft_oracle: Callable[[str | None], GreedyOracle],
 ) -> None:
     """Tensor parallelism splits B of q/k/v/gate/up and A of o/down (whose x A^T is summed over the
-    ranks); pipeline stages each hold their own layers' adapter weights."""
-    engine = lora_engine(lora_paths=lora_paths(adapters, ["a", "b", "c"]), **parallel)
+    ranks); pipeline stages each hold their own layers' adapter weights; the overlap schedule
+    publishes while the next batch (and its slots) is prepared; a retracted request comes back
+    with its adapter."""
+    engine = lora_engine(lora_paths=lora_paths(adapters, ["a", "b", "c"]), **flags)
     prompts = random_prompts(8, seed=54)
     assert_like_peft(engine, peft_oracle, prompts, [None, "a", "b", "c"] * 2)
+    if "max_total_tokens" in flags:
+        assert engine.get_stats()["retracted_reqs"] > 0

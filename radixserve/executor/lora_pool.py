@@ -115,17 +115,17 @@ class LoraPool:
     def set_rows(self, groups: list[tuple[int, torch.Tensor]] | None, num_rows: int) -> None:
         """Which rows of the next forward take which slot's delta (ForwardBatch.lora_groups), and
         for a forward of up to STACKED_MAX_ROWS rows the stacked pass's mask (layers/lora.py)."""
-        rows = self.rows
-        rows.groups, rows.slots, rows.mask = groups or [], (), None
-        if not groups or num_rows > self.stacked_max_rows:
+        groups = groups or []
+        # One adapter, or few rows: the stacked pass (one adapter's is the segmented one's math).
+        if not groups or (num_rows > self.stacked_max_rows and len(groups) > 1):
+            self.rows.set(groups, (), None)
             return
-        rank = self.max_rank
-        mask = torch.zeros(num_rows, len(groups) * rank, dtype=self.dtype, device=groups[0][1].device)
+        scales = torch.zeros(num_rows, len(groups), dtype=self.dtype, device=groups[0][1].device)
         for column, (slot, indices) in enumerate(groups):
             name = self.slot_names[slot]
             assert name is not None, f"a batch uses LoRA slot {slot}, which holds no adapter"
-            mask[indices, column * rank : (column + 1) * rank] = self.adapters[name].scaling
-        rows.slots, rows.mask = tuple(slot for slot, _ in groups), mask
+            scales[indices, column] = self.adapters[name].scaling
+        self.rows.set(groups, tuple(slot for slot, _ in groups), scales)
 
     def _clear(self, slot: int) -> None:
         for _, slots, _ in self.places.values():

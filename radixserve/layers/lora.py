@@ -1,12 +1,12 @@
 """Batched multi-LoRA on the linear layers: each request of a batch may use its own adapter.
 
 The base matmul runs once for the whole batch; then each row takes its adapter's delta,
-scaling · (x Aᵀ) Bᵀ. Each linear keeps the slots' weights stacked ([slots, rank, in] for A and
-[slots, rank, out] for Bᵀ), zero-padded to the pool's largest rank, so a slot is refilled by a
-copy and never reallocated. Two ways to apply the deltas, chosen by the forward's row count:
+scaling · (x Aᵀ) Bᵀ. Each linear keeps the slots' weights (LoraSlots), zero-padded to the pool's
+largest rank, so a slot is refilled by a copy and never reallocated. Two ways to apply the deltas, chosen by the forward's row count
+and the adapters in use:
 
-- **Stacked** (up to STACKED_MAX_ROWS rows: decode steps): the A of every adapter in use, stacked,
-  in one matmul for all rows; each row's columns of other adapters are zeroed by a mask that also
+- **Stacked** (up to STACKED_MAX_ROWS rows, as in decode steps, or one adapter in use): the A of
+  every adapter in use, stacked, in one matmul for all rows; each row's columns of other adapters are zeroed by a mask that also
   carries the scaling; then the stacked Bᵀ in one matmul. A few ops per layer, whatever the number
   of adapters: at a decode step's size the small ops' overhead, not their arithmetic, is the cost.
 - **Segmented** (more rows: prefills): rows grouped by adapter, one matmul pair per group (the
@@ -36,14 +36,32 @@ class LoraRows:
     One object is shared by every LoRA layer of a model; the pool sets it per forward."""
 
     groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)
-    # The stacked pass: the slots in use, and per row the scaling of its own slot's rank columns
-    # ([rows, len(slots) * max_rank], zero elsewhere); None for the segmented pass.
+    # The stacked pass: the slots in use, and per row the scaling of its own slot ([rows,
+    # len(slots)], zero elsewhere); None for the segmented pass.
     slots: tuple[int, ...] = ()
-    mask: torch.Tensor | None = None
+    scales: torch.Tensor | None = None
+    # scales widened to each slot's stacked rank columns, by columns per slot (built once per forward).
+    _masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def set(
+        self, groups: list[tuple[int, torch.Tensor]], slots: tuple[int, ...], scales: torch.Tensor | None
+    ) -> None:
+        self.groups, self.slots, self.scales, self._masks = groups, slots, scales, {}
+
+    def mask(self, columns_per_slot: int) -> torch.Tensor:
+        assert self.scales is not None
+        mask = self._masks.get(columns_per_slot)
+        if mask is None:
+            mask = self._masks[columns_per_slot] = self.scales.repeat_interleave(columns_per_slot, dim=1)
+        return mask
 
 
 class LoraSlots:
-    """One linear layer's adapter slots, for its stacked outputs (q, k, v or gate, up, or one)."""
+    """One linear layer's adapter slots, for its stacked outputs (q, k, v or gate, up, or one).
+
+    Per slot, the outputs' A are kept stacked ([outputs * rank, in]) and their Bᵀ as one block
+    matrix ([outputs * rank, all outputs' columns], each output's block in its own columns, zero
+    elsewhere), so that one matmul pair gives every output's delta in place."""
 
     def __init__(
         self,
@@ -63,69 +81,56 @@ class LoraSlots:
         self.ctx = ctx
         self.reduce_over_ranks = reduce_over_ranks
         self.max_rank = max_rank
-        self.a = [torch.zeros(slots, max_rank, in_features, dtype=dtype, device=device) for _ in out_features]
-        self.bt = [torch.zeros(slots, max_rank, out, dtype=dtype, device=device) for out in out_features]
+        self.out_features = out_features
         self.offsets = [sum(out_features[:i]) for i in range(len(out_features))]
+        width = len(out_features) * max_rank
+        self.a = torch.zeros(slots, width, in_features, dtype=dtype, device=device)
+        self.bt = torch.zeros(slots, width, sum(out_features), dtype=dtype, device=device)
         self.scaling = [0.0] * slots
-        # The stacked outputs each slot's adapter targets (the others add nothing).
-        self.active: list[set[int]] = [set() for _ in range(slots)]
+        self.used = [False] * slots
         # The stacked pass's weights for the last set of slots it ran with (decode steps repeat it).
-        self._stacked: tuple[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+        self._stacked: tuple[tuple[int, ...], torch.Tensor, torch.Tensor] | None = None
 
     def fill(self, slot: int, output: int, a: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
-        """Puts one adapter's A [rank, in] and B [out, rank] (already this rank's shard) in a slot."""
-        rank = a.shape[0]
-        self.a[output][slot].zero_()
-        self.bt[output][slot].zero_()
-        self.a[output][slot, :rank].copy_(a)
-        self.bt[output][slot, :rank].copy_(b.T)
+        """Puts one adapter's A [rank, in] and B [out, rank] (already this rank's shard) in a slot
+        (cleared first: clear())."""
+        rank, first = a.shape[0], output * self.max_rank
+        self.a[slot, first : first + rank].copy_(a)
+        start = self.offsets[output]
+        self.bt[slot, first : first + rank, start : start + b.shape[0]].copy_(b.T)
         self.scaling[slot] = scaling
-        self.active[slot].add(output)
+        self.used[slot] = True
         self._stacked = None
 
     def clear(self, slot: int) -> None:
-        # Zeroed, not just marked: the stacked pass reads every output of a slot in use.
-        for a, bt in zip(self.a, self.bt, strict=True):
-            a[slot].zero_()
-            bt[slot].zero_()
-        self.active[slot] = set()
+        self.a[slot].zero_()
+        self.bt[slot].zero_()
+        self.used[slot] = False
         self._stacked = None
 
     def add_to(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """y += each row's adapter's delta, in place (y: the layer's output for input x)."""
-        if self.rows.mask is not None:
-            self._add_stacked(x, y, self.rows.mask)
+        if self.rows.scales is not None:
+            a, bt = self._stacked_weights()
+            hidden = self._down(x, a)
+            y.add_(((hidden * self.rows.mask(self.a.shape[1])) @ bt).to(y.dtype))
             return
         for slot, rows in self.rows.groups:
-            outputs = self.active[slot]
-            if not outputs:
+            if not self.used[slot]:
                 continue
-            xs = x.index_select(0, rows)
-            scale = self.scaling[slot]
-            for output in outputs:
-                hidden = xs @ self.a[output][slot].T
-                if self.reduce_over_ranks:
-                    hidden = all_reduce(hidden, self.ctx)
-                delta = (hidden @ self.bt[output][slot]) * scale
-                start = self.offsets[output]
-                y[:, start : start + delta.shape[1]].index_add_(0, rows, delta.to(y.dtype))
+            delta = (self._down(x.index_select(0, rows), self.a[slot]) @ self.bt[slot]) * self.scaling[slot]
+            y.index_add_(0, rows, delta.to(y.dtype))
 
-    def _add_stacked(self, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> None:
-        for output, (a, bt) in enumerate(self._stacked_weights()):
-            hidden = x @ a.T
-            if self.reduce_over_ranks:
-                hidden = all_reduce(hidden, self.ctx)
-            start = self.offsets[output]
-            y[:, start : start + bt.shape[1]].add_(((hidden * mask) @ bt).to(y.dtype))
+    def _down(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        hidden = x @ a.T
+        return all_reduce(hidden, self.ctx) if self.reduce_over_ranks else hidden
 
-    def _stacked_weights(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per output, the A [slots in use * rank, in] and Bᵀ [slots in use * rank, out] stacked."""
+    def _stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A and Bᵀ of the slots in use, stacked: [slots in use * outputs * rank, ...]."""
         slots = self.rows.slots
         if self._stacked is None or self._stacked[0] != slots:
-            index = torch.tensor(slots, dtype=torch.int64, device=self.a[0].device)
-            weights = [
-                (a.index_select(0, index).flatten(0, 1), bt.index_select(0, index).flatten(0, 1))
-                for a, bt in zip(self.a, self.bt, strict=True)
-            ]
-            self._stacked = (slots, weights)
-        return self._stacked[1]
+            index = torch.tensor(slots, dtype=torch.int64, device=self.a.device)
+            a = self.a.index_select(0, index).flatten(0, 1)
+            bt = self.bt.index_select(0, index).flatten(0, 1)
+            self._stacked = (slots, a, bt)
+        return self._stacked[1], self._stacked[2]

@@ -2,16 +2,17 @@
 
 The base matmul runs once for the whole batch; then each row takes its adapter's delta,
 scaling · (x Aᵀ) Bᵀ. Each linear keeps the slots' weights (LoraSlots), zero-padded to the pool's
-largest rank, so a slot is refilled by a copy and never reallocated. Two ways to apply the deltas, chosen by the forward's row count
-and the adapters in use:
+largest rank, so a slot is refilled by a copy and never reallocated. Two ways to apply the
+deltas, chosen by the forward's row count and the adapters in use:
 
 - **Stacked** (up to STACKED_MAX_ROWS rows, as in decode steps, or one adapter in use): the A of
-  every adapter in use, stacked, in one matmul for all rows; each row's columns of other adapters are zeroed by a mask that also
-  carries the scaling; then the stacked Bᵀ in one matmul. A few ops per layer, whatever the number
-  of adapters: at a decode step's size the small ops' overhead, not their arithmetic, is the cost.
-- **Segmented** (more rows: prefills): rows grouped by adapter, one matmul pair per group (the
-  S-LoRA / Punica split), so the arithmetic grows with each adapter's own rows rather than with
-  the number of adapters, which the stacked pass multiplies it by.
+  every adapter in use, stacked, in one matmul for all rows; each row's columns of other adapters
+  are zeroed by a mask that also carries the scaling; then the stacked Bᵀ in one matmul. A few ops
+  per layer, whatever the number of adapters: at a decode step's size the small ops' overhead, not
+  their arithmetic, is the cost.
+- **Segmented** (more rows and adapters: prefills): rows grouped by adapter, one matmul pair per
+  group (the S-LoRA / Punica split), so the arithmetic grows with each adapter's own rows rather
+  than with the number of adapters, which the stacked pass multiplies it by.
 
 With tensor parallelism: a column-parallel layer (q/k/v, gate/up) holds A whole and the rows of
 B for its own output shard; a row-parallel layer (o, down) holds the columns of A for its own
@@ -40,6 +41,9 @@ class LoraRows:
     # len(slots)], zero elsewhere); None for the segmented pass.
     slots: tuple[int, ...] = ()
     scales: torch.Tensor | None = None
+    # The segmented pass: per group, its rows' span [start, end) when they are contiguous (the
+    # scheduler orders a prefill's requests by adapter), else None.
+    spans: list[tuple[int, int] | None] = field(default_factory=list)
     # scales widened to each slot's stacked rank columns, by columns per slot (built once per forward).
     _masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
@@ -47,6 +51,11 @@ class LoraRows:
         self, groups: list[tuple[int, torch.Tensor]], slots: tuple[int, ...], scales: torch.Tensor | None
     ) -> None:
         self.groups, self.slots, self.scales, self._masks = groups, slots, scales, {}
+        self.spans = []
+        if scales is None:
+            for _, rows in groups:
+                start, end = int(rows[0]), int(rows[-1]) + 1
+                self.spans.append((start, end) if end - start == rows.numel() else None)
 
     def mask(self, columns_per_slot: int) -> torch.Tensor:
         assert self.scales is not None
@@ -115,11 +124,15 @@ class LoraSlots:
             hidden = self._down(x, a)
             y.add_(((hidden * self.rows.mask(self.a.shape[1])) @ bt).to(y.dtype))
             return
-        for slot, rows in self.rows.groups:
+        for (slot, rows), span in zip(self.rows.groups, self.rows.spans, strict=True):
             if not self.used[slot]:
                 continue
-            delta = (self._down(x.index_select(0, rows), self.a[slot]) @ self.bt[slot]) * self.scaling[slot]
-            y.index_add_(0, rows, delta.to(y.dtype))
+            xs = x.index_select(0, rows) if span is None else x[span[0] : span[1]]
+            delta = ((self._down(xs, self.a[slot]) @ self.bt[slot]) * self.scaling[slot]).to(y.dtype)
+            if span is None:
+                y.index_add_(0, rows, delta)
+            else:
+                y[span[0] : span[1]].add_(delta)
 
     def _down(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
         hidden = x @ a.T

@@ -119,6 +119,9 @@ class PrefillManager:
             for req in queues.running:
                 req.extend_len = 1
             reqs += queues.running
+        if lora is not None:
+            # Each adapter's rows side by side: its deltas then read and add whole spans.
+            reqs.sort(key=lambda r: -1 if r.lora_slot is None else r.lora_slot)
         forward = build_extend_batch(reqs, self.kv)
         in_progress = [r for r in adder.can_run if r.kv_len < r.seq_len]
         queues.chunked_req = in_progress[0] if in_progress else None

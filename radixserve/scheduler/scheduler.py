@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from radixserve.cache.pools import KVSlotAllocator, ReqToTokenPool
-from radixserve.cache.radix_cache import ChunkCache, KVLeakError, PrefixCache, RadixCache
+from radixserve.cache.radix_cache import ChunkCache, PrefixCache, RadixCache
 from radixserve.config.kv_events_args import parse_kv_events_config
 from radixserve.config.server_args import ServerArgs
 from radixserve.distributed.parallel import SINGLE, ParallelContext
@@ -34,6 +34,7 @@ from radixserve.protocol.messages import (
     ShutdownRequest,
 )
 from radixserve.protocol.sampling_params import InvalidRequestError
+from radixserve.scheduler.accounting import SchedulerAccounting
 from radixserve.scheduler.admission import RequestBuilder
 from radixserve.scheduler.batch import KVContext
 from radixserve.scheduler.cache_tier import build_cache_tier
@@ -55,9 +56,8 @@ from radixserve.scheduler.prefill import PrefillManager
 from radixserve.scheduler.profiler import StepProfiler
 from radixserve.scheduler.rank_sync import RankSync
 from radixserve.scheduler.request import Req
-from radixserve.scheduler.speculative.draft_model import DraftModelSpeculator
-from radixserve.scheduler.speculative.worker import NgramSpeculator, Speculator
-from radixserve.scheduler.state import RequestQueues, ScheduledBatch, release_kv, token_usage
+from radixserve.scheduler.speculative.build import build_speculator
+from radixserve.scheduler.state import RequestQueues, ScheduledBatch, release_kv
 from radixserve.scheduler.stats import SchedulerStats
 from radixserve.scheduler.tokenizer_access import SchedulerTokenizer
 
@@ -68,7 +68,7 @@ DEFAULT_MAX_RUNNING_REQUESTS = 256
 GRAMMAR_POLL_S = 0.01
 
 
-class Scheduler(ManagerViews):
+class Scheduler(ManagerViews, SchedulerAccounting):
     def __init__(
         self,
         args: ServerArgs,
@@ -107,7 +107,9 @@ class Scheduler(ManagerViews):
             else None
         )
         # --speculative-algorithm: decode steps verify drafts when there are some.
-        self.speculator = self._speculator(args, draft)
+        self.speculator = build_speculator(
+            args, executor, draft, self.req_to_token_pool.max_context_len, self.rank_sync.agree
+        )
         # --enable-hierarchical-cache: the tier below the device pool (cache/tiers.py). K/V it
         # loads back were written without a draft model, which must not take them as its own.
         self.cache_tier = build_cache_tier(
@@ -172,18 +174,6 @@ class Scheduler(ManagerViews):
         self.profiler = StepProfiler()
         self._idle_checked = True
         self.idle_waiters: list[ControlRequest] = []
-
-    def _speculator(self, args: ServerArgs, draft: Executor | None) -> Speculator | None:
-        if self.is_embedding or args.speculative_algorithm is None:
-            return None
-        row_len, agree = self.req_to_token_pool.max_context_len, self.rank_sync.agree
-        if args.speculative_algorithm == "NGRAM":
-            return NgramSpeculator(args, self.context_len, row_len, agree)
-        if draft is None:
-            raise ValueError("--speculative-algorithm STANDALONE needs the draft model's executor")
-        if draft.info.max_total_tokens < self.max_total_tokens:
-            raise ValueError("the draft model's KV pool must hold as many slots as the target's")
-        return DraftModelSpeculator(args, self.context_len, row_len, draft, self.config.vocab_size, agree)
 
     def _pipeline(self, stages: int) -> MicroBatchPipeline | None:
         if stages == 1:
@@ -590,38 +580,6 @@ class Scheduler(ManagerViews):
         return self.outputs.final(req)
 
     # ------------------------------------------------------------------ accounting
-
-    def pipeline_stats(self) -> dict[str, Any]:
-        return {"stages": 1} if self.pipeline is None else self.pipeline.stats()
-
-    def disaggregation_stats(self) -> dict[str, Any]:
-        handoffs = self.prefill_handoffs or self.decode_handoffs
-        return {"mode": "null"} if handoffs is None else handoffs.stats()
-
-    def token_usage(self) -> float:
-        return token_usage(self.kv, self.max_total_tokens)
-
-    def _check_idle(self) -> None:
-        if self._idle_checked:
-            return
-        self.executor.idle()
-        if self.speculator is not None:
-            self.speculator.idle()
-        self.check_kv_invariant()
-        self._idle_checked = True
-
-    def check_kv_invariant(self) -> None:
-        """Raises KVLeakError unless every KV slot is free or evictable and every request slot is
-        free, and the tier below keeps its own accounting."""
-        self.tree_cache.check_invariant()
-        problems = self.cache_tier.check_invariant()
-        if problems:
-            raise KVLeakError("; ".join(problems))
-
-    @property
-    def kv_events_pending(self) -> bool:
-        """KV events recorded and not yet published: an idle scheduler steps once to send them."""
-        return self.kv_events is not None and self.kv_events.recorder.pending
 
     def flush_cache(self) -> bool:
         if not self.is_idle:

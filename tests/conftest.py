@@ -258,3 +258,12 @@ def amx_kernels(native_kernels: Any) -> Any:
     if not kernels.has_amx_linear:
         pytest.skip("this CPU (or OS) does not offer AMX tiles")
     return kernels
+
+
+@pytest.fixture(scope="session")
+def tiny_llava_dir(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: PreTrainedTokenizerFast) -> Path:
+    """A tiny random-weight LLaVA checkpoint (tests/vlm_fixture.py): CLIP tower 32x32 images in
+    8x8 patches (16 image tokens), 3 layers, feature layer -2, "default" select; tied tiny Llama."""
+    from tests.vlm_fixture import build_tiny_llava
+
+    return build_tiny_llava(tmp_path_factory.mktemp("tiny-llava"), tiny_tokenizer)

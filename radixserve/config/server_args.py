@@ -14,6 +14,13 @@ from radixserve.config.disaggregation_args import (
     validate_disaggregation_args,
 )
 from radixserve.config.hicache_args import add_hicache_args, validate_hicache_args
+from radixserve.config.image_args import (
+    DEFAULT_MAX_IMAGE_BYTES,
+    DEFAULT_MAX_IMAGE_PIXELS,
+    DEFAULT_MAX_IMAGES_PER_REQUEST,
+    add_image_args,
+    validate_image_args,
+)
 from radixserve.config.kv_events_args import parse_kv_events_config
 from radixserve.config.lora_args import DEFAULT_MAX_LORAS_PER_BATCH, add_lora_args, validate_lora_args
 from radixserve.config.speculative_args import add_speculative_args, validate_speculative_args
@@ -105,6 +112,12 @@ class ServerArgs:
     max_loras_per_batch: int = DEFAULT_MAX_LORAS_PER_BATCH
     max_lora_rank: int | None = None
     lora_target_modules: list[str] | None = None
+    # Image inputs of vision-language models (config/image_args.py, docs/multimodal.md).
+    max_images_per_request: int = DEFAULT_MAX_IMAGES_PER_REQUEST
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    allowed_local_media_path: str | None = None
+    enable_image_url_fetch: bool = False
     stream_interval: int = 1
     grammar_backend: str = "xgrammar"
     grammar_timeout: float = 300.0
@@ -246,6 +259,7 @@ class ServerArgs:
         validate_hicache_args(self, InvalidArgumentError)
         validate_disaggregation_args(self, InvalidArgumentError)
         validate_lora_args(self, InvalidArgumentError)
+        validate_image_args(self, InvalidArgumentError)
         if self.enable_lora:
             not_with_lora = [
                 flag
@@ -435,6 +449,7 @@ class ServerArgs:
         add_speculative_args(parser)
         add_hicache_args(parser)
         add_lora_args(parser)
+        add_image_args(parser)
         add_disaggregation_args(parser)
         if http:
             ServerArgs._add_http_args(parser)

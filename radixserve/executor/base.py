@@ -89,6 +89,12 @@ class Executor(Protocol):
         """One fp32 embedding per request that completes its prompt in this batch, in row order."""
         ...
 
+    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """A vision-language model's image embeddings: [n, channels, height, width] float32 pixel
+        values to [n, tokens_per_image, hidden_size] vectors in the model's dtype, which take the
+        place of each image's tokens in the prompt."""
+        ...
+
     def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copies the K/V of slots src to slots dst in every layer (speculative decoding moves an
         accepted draft path's K/V to the positions it ends up at)."""

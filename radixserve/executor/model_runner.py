@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,7 @@ from radixserve.models.loader import ModelSource, iter_weights, load_model_confi
 from radixserve.models.lora_adapter import LoraAdapter, LoraAdapterError, read_adapter_config
 from radixserve.models.pooling import PoolingConfig, finish_embeddings, pool_segments, read_pooling_config
 from radixserve.models.registry import build_model
+from radixserve.models.vision import VisionTower
 from radixserve.models.weight_updates import WeightStash, read_weight, repack, update_weights
 
 logger = logging.getLogger(__name__)
@@ -105,6 +106,17 @@ def free_memory_bytes(device: torch.device) -> int:
 
 def _lora_info(adapter: LoraAdapter) -> LoraAdapterInfo:
     return LoraAdapterInfo(adapter.name, adapter.path, adapter.rank, adapter.fingerprint)
+
+
+def _diverting(
+    weights: Iterator[tuple[str, torch.Tensor]], prefix: str, into: list[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """weights without those named prefix*, which go to `into` (without the prefix)."""
+    for name, tensor in weights:
+        if name.startswith(prefix):
+            into.append((name.removeprefix(prefix), tensor))
+        else:
+            yield name, tensor
 
 
 class ModelRunner:
@@ -329,13 +341,39 @@ class ModelRunner:
                 model = build_model(self.config, self.context_len, self.parallel, self.kernels)
         finally:
             torch.set_default_dtype(previous)
-        model.load_weights(iter_weights(self.source, self.config))
+        # A vision-language checkpoint's vision tower and projector ("vision.*", models/loader.py)
+        # load apart, once the text model has streamed its tensors.
+        vision: list[tuple[str, torch.Tensor]] = []
+        model.load_weights(_diverting(iter_weights(self.source, self.config), "vision.", vision))
+        self.vision = self._load_vision(vision)
         if self.packing is not None:
             repack(model.modules(), self.packing)
         if self.native_fp32_linears:
             assert self.kernels is not None
             use_native_fp32_linears(model, self.kernels)
         return model.eval()
+
+    def _load_vision(self, weights: list[tuple[str, torch.Tensor]]) -> VisionTower | None:
+        """A vision-language model's vision tower and projector (replicated on every rank: each
+        rank's scheduler encodes its requests' images itself)."""
+        if self.config.vision is None:
+            return None
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                tower = VisionTower(self.config.vision)
+        finally:
+            torch.set_default_dtype(previous)
+        tower.load_weights(weights)
+        return tower.eval()
+
+    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        if self.vision is None:
+            raise ValueError("this model takes no images")
+        self._check_resident("encode_images")
+        embeds: torch.Tensor = self.vision.encode(pixel_values.to(self.device))
+        return embeds
 
     @property
     def native_fp32_linears(self) -> bool:

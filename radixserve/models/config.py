@@ -14,9 +14,12 @@ __all__ = [
     "ENCODER_ARCHITECTURES",
     "MODEL_TYPE_TO_ARCH",
     "SUPPORTED_ARCHITECTURES",
+    "VISION_PROJECTOR_ACTIVATIONS",
+    "VISION_TOWER_ACTIVATIONS",
     "ModelConfig",
     "ModelLoadError",
     "UnsupportedModelError",
+    "VisionConfig",
     "merge_eos_ids",
 ]
 
@@ -50,6 +53,15 @@ MODEL_TYPE_TO_ARCH: dict[str, str] = {
     "bert": "BertModel",
 }
 
+# Vision-language checkpoints: ModelConfig.architecture is their text model's architecture and
+# the vision tower is described by ModelConfig.vision.
+_LLAVA_ARCHITECTURE = "LlavaForConditionalGeneration"
+_LLAVA_MODEL_TYPE = "llava"
+
+# Activations the native vision tower implements (radixserve/models/vision.py).
+VISION_TOWER_ACTIVATIONS = frozenset({"quick_gelu", "gelu", "gelu_pytorch_tanh"})
+VISION_PROJECTOR_ACTIVATIONS = frozenset({"gelu", "gelu_pytorch_tanh", "quick_gelu", "relu", "silu"})
+
 # Keys inside a transformers-5 ``rope_parameters`` dict that are not scaling parameters.
 _ROPE_NON_SCALING_KEYS = frozenset({"rope_theta", "rope_type", "type", "partial_rotary_factor"})
 
@@ -57,7 +69,8 @@ _ROPE_NON_SCALING_KEYS = frozenset({"rope_theta", "rope_type", "type", "partial_
 def _unsupported_arch_message(found: str) -> str:
     return (
         f"Unsupported model architecture {found!r}. radixserve supports: "
-        f"{', '.join(SUPPORTED_ARCHITECTURES)} (HF model_type: {', '.join(MODEL_TYPE_TO_ARCH)})."
+        f"{', '.join(SUPPORTED_ARCHITECTURES)} (HF model_type: {', '.join(MODEL_TYPE_TO_ARCH)}), "
+        f"and {_LLAVA_ARCHITECTURE} (model_type: {_LLAVA_MODEL_TYPE}) over one of those text models."
     )
 
 
@@ -159,6 +172,64 @@ def _required_int(d: Mapping[str, Any], key: str) -> int:
     return int(val)
 
 
+@dataclass(frozen=True)
+class VisionConfig:
+    """A LLaVA-style image encoder: CLIP vision tower, then a 2-layer MLP into the text model's
+    embedding space. Each image becomes ``tokens_per_image`` embeddings, which take the place of
+    as many ``image_token_id`` tokens in the prompt."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    image_size: int
+    patch_size: int
+    num_channels: int
+    layer_norm_eps: float
+    hidden_act: str
+    # HF hidden_states index: k >= 0 is the output after k encoder layers (0: the pre-layernormed
+    # embeddings), negative counts from the end of that num_hidden_layers + 1 long list.
+    feature_layer: int
+    # "default" drops the CLS token, "full" keeps it.
+    select_strategy: str
+    projector_act: str
+    projector_bias: bool
+    image_token_id: int
+    text_hidden_size: int
+
+    def __post_init__(self) -> None:
+        if self.select_strategy not in ("default", "full"):
+            raise UnsupportedModelError(
+                f"vision_feature_select_strategy={self.select_strategy!r} is not supported "
+                "(only 'default' and 'full' are)"
+            )
+        if self.hidden_act not in VISION_TOWER_ACTIVATIONS:
+            raise UnsupportedModelError(f"vision tower hidden_act={self.hidden_act!r} is not supported")
+        if self.projector_act not in VISION_PROJECTOR_ACTIVATIONS:
+            raise UnsupportedModelError(f"projector_hidden_act={self.projector_act!r} is not supported")
+        if not -(self.num_hidden_layers + 1) <= self.feature_layer <= self.num_hidden_layers:
+            raise ModelLoadError(
+                f"vision_feature_layer={self.feature_layer} is out of range for a vision tower "
+                f"with {self.num_hidden_layers} layers"
+            )
+        if self.hidden_size % self.num_attention_heads != 0:
+            raise ModelLoadError(
+                f"vision hidden_size={self.hidden_size} is not a multiple of "
+                f"num_attention_heads={self.num_attention_heads}"
+            )
+
+    @property
+    def tokens_per_image(self) -> int:
+        return (self.image_size // self.patch_size) ** 2 + (1 if self.select_strategy == "full" else 0)
+
+
+def _is_llava(d: Mapping[str, Any]) -> bool:
+    archs = d.get("architectures") or []
+    if isinstance(archs, str):
+        archs = [archs]
+    return _LLAVA_ARCHITECTURE in archs or d.get("model_type") == _LLAVA_MODEL_TYPE
+
+
 @dataclass
 class ModelConfig:
     architecture: str
@@ -184,6 +255,8 @@ class ModelConfig:
     # carried in rms_norm_eps.
     type_vocab_size: int = 0
     hidden_act: str = "silu"
+    # Vision-language models (LLaVA) only: the image encoder in front of the text model.
+    vision: VisionConfig | None = None
 
     @property
     def is_encoder(self) -> bool:
@@ -203,6 +276,8 @@ class ModelConfig:
         cls, d: Mapping[str, Any], generation_config: Mapping[str, Any] | None = None
     ) -> ModelConfig:
         """Build from a parsed HF ``config.json`` (optionally ``generation_config.json``)."""
+        if _is_llava(d):
+            return cls._llava_from_hf_dict(d, generation_config)
         arch = _resolve_architecture(d)
         if arch in ENCODER_ARCHITECTURES:
             return cls._encoder_from_hf_dict(arch, d)
@@ -280,3 +355,78 @@ class ModelConfig:
             type_vocab_size=int(d.get("type_vocab_size", 2)),
             hidden_act=act,
         )
+
+    @classmethod
+    def _llava_from_hf_dict(
+        cls, d: Mapping[str, Any], generation_config: Mapping[str, Any] | None
+    ) -> ModelConfig:
+        # Checked on the raw dict: LlavaConfig's own validation would reject some of these with
+        # a less helpful message, and would accept other vision towers we cannot run.
+        raw_vision = d.get("vision_config")
+        vision_type = raw_vision.get("model_type") if isinstance(raw_vision, Mapping) else None
+        if vision_type not in (None, "clip_vision_model"):
+            raise UnsupportedModelError(
+                f"{_LLAVA_ARCHITECTURE} with a {vision_type!r} vision tower is not supported "
+                "(only clip_vision_model is)"
+            )
+        feature_layer = d.get("vision_feature_layer", -2)
+        if not isinstance(feature_layer, int) or isinstance(feature_layer, bool):
+            raise UnsupportedModelError(
+                f"{_LLAVA_ARCHITECTURE} with vision_feature_layer={feature_layer!r} is not supported "
+                "(only a single layer index is)"
+            )
+        strategy = d.get("vision_feature_select_strategy", "default")
+        if strategy not in ("default", "full"):
+            raise UnsupportedModelError(
+                f"{_LLAVA_ARCHITECTURE} with vision_feature_select_strategy={strategy!r} is not "
+                "supported (only 'default' and 'full' are)"
+            )
+
+        # Published checkpoints (llava-hf/llava-1.5-7b-hf) spell out only the sub-config fields
+        # that differ from transformers' defaults, so let transformers fill in the rest.
+        from transformers import LlavaConfig
+
+        try:
+            # Any: its sub-configs are typed dict | PreTrainedConfig | None, but are configs here.
+            hf: Any = LlavaConfig.from_dict(dict(d))
+        except Exception as exc:  # strict-dataclass validation raises several error types
+            raise ModelLoadError(f"Could not parse the {_LLAVA_ARCHITECTURE} config: {exc}") from exc
+        vision: dict[str, Any] = hf.vision_config.to_dict()
+        if vision.get("model_type") != "clip_vision_model":
+            raise UnsupportedModelError(
+                f"{_LLAVA_ARCHITECTURE} with a {vision.get('model_type')!r} vision tower is not "
+                "supported (only clip_vision_model is)"
+            )
+        text: dict[str, Any] = hf.text_config.to_dict()
+        # HF ties the LM head by the top-level flag, which LlavaConfig ORs with the text config's.
+        text["tie_word_embeddings"] = bool(hf.tie_word_embeddings)
+        if text.get("bos_token_id") is None:
+            text["bos_token_id"] = d.get("bos_token_id")
+        if d.get("torch_dtype", d.get("dtype")) is not None:
+            text["torch_dtype"] = d.get("torch_dtype", d.get("dtype"))
+        base = cls.from_hf_dict(text, generation_config)
+        if base.is_encoder or base.vision is not None:
+            raise UnsupportedModelError(
+                f"{_LLAVA_ARCHITECTURE} over a {base.architecture} text model is not supported"
+            )
+
+        image_token = d.get("image_token_index", d.get("image_token_id", hf.image_token_index))
+        base.eos_token_ids = merge_eos_ids(base.eos_token_ids, d.get("eos_token_id"))
+        base.vision = VisionConfig(
+            hidden_size=int(vision["hidden_size"]),
+            intermediate_size=int(vision["intermediate_size"]),
+            num_hidden_layers=int(vision["num_hidden_layers"]),
+            num_attention_heads=int(vision["num_attention_heads"]),
+            image_size=int(vision["image_size"]),
+            patch_size=int(vision["patch_size"]),
+            num_channels=int(vision.get("num_channels", 3)),
+            layer_norm_eps=float(vision.get("layer_norm_eps", 1e-5)),
+            hidden_act=str(vision.get("hidden_act", "quick_gelu")),
+            feature_layer=feature_layer,
+            select_strategy=str(strategy),
+            projector_act=str(hf.projector_hidden_act),
+            projector_bias=bool(hf.multimodal_projector_bias),
+            image_token_id=int(image_token),
+            text_hidden_size=base.hidden_size,
+        )
+        return base

@@ -100,6 +100,26 @@ _HF_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 _GGUF_FILE_TYPE_DTYPE = {0: "float32", 1: "float16", 32: "bfloat16"}
 
+# LLaVA checkpoint prefix -> the name prefix we yield (first match wins, so longer prefixes come
+# first). Text tensors take the plain text-model names; the image encoder goes under "vision.".
+# transformers 5 save_pretrained writes language_model.model.* / language_model.lm_head /
+# vision_tower.* / multi_modal_projector.*; other writers use the in-memory layout (model.*
+# prefixed, lm_head at the top), and older ones keep CLIPVisionModel's "vision_model." level.
+_LLAVA_PREFIXES: tuple[tuple[str, str], ...] = (
+    ("model.language_model.", "model."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+    ("lm_head.", "lm_head."),
+    ("model.vision_tower.vision_model.", "vision.tower."),
+    ("model.vision_tower.", "vision.tower."),
+    ("vision_tower.vision_model.", "vision.tower."),
+    ("vision_tower.", "vision.tower."),
+    ("model.multi_modal_projector.", "vision.projector."),
+    ("multi_modal_projector.", "vision.projector."),
+)
+# A non-parameter buffer that checkpoints from before transformers 4.31 persisted.
+_LLAVA_IGNORED_NAMES = frozenset({"vision.tower.embeddings.position_ids"})
+
 
 @dataclass(frozen=True)
 class ModelSource:
@@ -424,6 +444,31 @@ def _check_names(present: set[str], config: ModelConfig, where: Path) -> None:
         raise ModelLoadError(f"{where} is missing {len(missing)} tensors, e.g. {', '.join(missing[:5])}")
 
 
+def _llava_name(key: str) -> str | None:
+    for prefix, ours in _LLAVA_PREFIXES:
+        if key.startswith(prefix):
+            return ours + key[len(prefix) :]
+    return None
+
+
+def _rename_llava(keys: list[str], where: Path) -> list[tuple[str, str]]:
+    """(checkpoint key, our name) for a LLaVA shard's keys; unknown keys are an error."""
+    out: list[tuple[str, str]] = []
+    unknown: list[str] = []
+    for key in keys:
+        name = _llava_name(key)
+        if name is None:
+            unknown.append(key)
+        elif name not in _LLAVA_IGNORED_NAMES:
+            out.append((key, name))
+    if unknown:
+        raise UnsupportedModelError(
+            f"{where} has tensors radixserve's LLaVA loader cannot map: "
+            f"{', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''}"
+        )
+    return out
+
+
 def _progress(total: int, desc: str) -> tqdm:
     # disable=None: draw on an interactive terminal, stay silent in logs and CI.
     return tqdm(total=total, desc=desc, unit="tensor", file=sys.stderr, disable=None, leave=False)
@@ -433,7 +478,10 @@ def iter_weights(src: ModelSource, config: ModelConfig) -> Iterator[tuple[str, t
     """Yield ``(hf_name, cpu_tensor)`` for every parameter the model needs.
 
     Safetensors weights keep their stored dtype; GGUF weights are dequantized to float32.
-    Names are validated up front so a mismatched checkpoint fails before any copying.
+    Names are validated up front so a mismatched checkpoint fails before any copying. For a
+    vision-language model (``config.vision``), the image encoder's tensors come too, named
+    ``vision.tower.<CLIP vision model name>`` and ``vision.projector.<name>``; only the text
+    model's names are validated here (VisionTower.load_weights checks the rest).
     """
     if src.kind == "hf_dir":
         return _iter_safetensors(src.path, config)
@@ -469,26 +517,35 @@ def _iter_safetensors(path: Path, config: ModelConfig) -> Iterator[tuple[str, to
     from safetensors import safe_open
 
     files = _safetensors_files(path)
-    plan: list[tuple[Path, list[str]]] = []
+    # Per shard: (key in the file, name we yield it under).
+    plan: list[tuple[Path, list[tuple[str, str]]]] = []
     present: set[str] = set()
+    vision: set[str] = set()
+    total = 0
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             keys = [k for k in f.keys() if not k.endswith(_HF_IGNORED_SUFFIXES)]  # noqa: SIM118
         if config.is_encoder:
             # The pooler head (next-sentence prediction) is unused by sentence embeddings.
             keys = [k for k in keys if not k.startswith("pooler.") and k != "embeddings.position_ids"]
+        names = _rename_llava(keys, path) if config.vision is not None else [(k, k) for k in keys]
         if config.tie_word_embeddings:
             # Some tied checkpoints still serialise the shared matrix a second time.
-            keys = [k for k in keys if k != "lm_head.weight"]
-        plan.append((file, keys))
-        present.update(keys)
+            names = [(k, n) for k, n in names if n != "lm_head.weight"]
+        for _, name in names:
+            # Two LLaVA layouts mixed in one checkpoint would otherwise load one tensor twice.
+            if config.vision is not None and (name in present or name in vision):
+                raise ModelLoadError(f"{path} holds two tensors that both map to {name}")
+            (vision if config.vision is not None and name.startswith("vision.") else present).add(name)
+        plan.append((file, names))
+        total += len(names)
     _check_names(present, config, path)
 
-    with _progress(len(present), "Loading weights") as bar:
-        for file, keys in plan:
+    with _progress(total, "Loading weights") as bar:
+        for file, names in plan:
             with safe_open(str(file), framework="pt") as f:
-                for key in keys:
-                    yield key, f.get_tensor(key)
+                for key, name in names:
+                    yield name, f.get_tensor(key)
                     bar.update(1)
 
 

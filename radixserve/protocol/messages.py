@@ -8,6 +8,7 @@ with the outputs before them.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -23,6 +24,24 @@ class BootstrapInfo:
     host: str
     port: int
     room: int
+
+
+@dataclass
+class ImageInput:
+    """One image of a prompt, as its model's image processor made it: float32 pixel values
+    (row-major, of `shape`, [channels, height, width]), their SHA-256 in hex (over the shape and
+    the bytes, so equal images have equal digests), and the position in input_ids where its image
+    tokens start (as many as the model gives an image)."""
+
+    digest: str
+    pixel_values: bytes
+    shape: list[int]
+    offset: int
+
+
+def image_digest(shape: list[int], pixel_values: bytes) -> str:
+    """ImageInput.digest: the same in every process for equal pixel values."""
+    return hashlib.sha256(repr(list(shape)).encode() + pixel_values).hexdigest()
 
 
 @dataclass
@@ -52,6 +71,9 @@ class GenerateRequest:
     bootstrap: BootstrapInfo | None = None
     # --enable-lora: the name of the LoRA adapter to run with (SGLang's field name); None: the base.
     lora_path: str | None = None
+    # Vision-language models: the prompt's images, in order; each one's tokens sit in input_ids as
+    # the model's image token id (the scheduler keys them by the image's digest).
+    images: list[ImageInput] | None = None
 
 
 @dataclass

@@ -16,12 +16,13 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 from radixserve.config.log import configure_logging
 from radixserve.config.lora_args import lora_refs
 from radixserve.config.server_args import ServerArgs
-from radixserve.models.loader import ModelSource, resolve_model_source
+from radixserve.models.loader import ModelSource, load_model_config, resolve_model_source
 from radixserve.models.tokenizer import load_tokenizer
 from radixserve.protocol.messages import (
     AbortRequest,
@@ -44,6 +45,7 @@ from radixserve.runtime.deadlines import RequestDeadlines
 from radixserve.runtime.dp_router import Router, merge_replica_payloads
 from radixserve.runtime.engine_control import EngineControl
 from radixserve.runtime.generate_output import GenerateOutput
+from radixserve.runtime.images import ImageLimits, ImagePreprocessor
 from radixserve.runtime.launch import POLL_MS, EngineDeadError, Runtime
 from radixserve.runtime.metrics import EngineMetrics
 from radixserve.runtime.request_builder import RequestBuilder, SamplingArg
@@ -126,6 +128,7 @@ class Engine(EngineControl):
             self.sessions,
             self.tokenize,
             self.lora_adapters if self.args.enable_lora else None,
+            images=self._image_preprocessor(),
         )
         logger.info(
             "scheduler ready: KV cache holds %d tokens, context length %d",
@@ -273,6 +276,33 @@ class Engine(EngineControl):
 
     # ------------------------------------------------------------------ building requests
 
+    def _image_preprocessor(self) -> ImagePreprocessor | None:
+        """A vision-language model's image processor and limits (None for a text-only model)."""
+        if self.source.kind != "hf_dir":
+            return None
+        vision = load_model_config(self.source).vision
+        if vision is None:
+            return None
+        args = self.args
+        root = args.allowed_local_media_path
+        limits = ImageLimits(
+            args.max_images_per_request,
+            args.max_image_bytes,
+            args.max_image_pixels,
+            Path(root).resolve() if root else None,
+            args.enable_image_url_fetch,
+        )
+        return ImagePreprocessor(self.source.path, vision, limits)
+
+    @property
+    def image_token(self) -> str | None:
+        """The text that stands for one image in a prompt (None: the model takes no images)."""
+        images = self.requests.images
+        if images is None:
+            return None
+        token = self.tokenizer.convert_ids_to_tokens(images.vision.image_token_id)
+        return str(token)
+
     def tokenize(self, text: str) -> list[int]:
         ids: list[int] = self.tokenizer.encode(text)
         return ids
@@ -347,6 +377,7 @@ class Engine(EngineControl):
         return_hidden_states: bool = False,
         custom_logit_processor: str | None = None,
         lora_path: str | list[str | None] | None = None,
+        image_data: Any = None,
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """Blocking generation. One prompt gives one result dict; a list gives a list, in order.
         With return_logprob, meta_info holds output_token_logprobs and output_top_logprobs, and
@@ -357,7 +388,10 @@ class Engine(EngineControl):
         meta_info["hidden_states"]. custom_logit_processor names a processor class the server can
         import ("module:Class"; needs enable_custom_logit_processor), with its arguments in
         sampling_params["custom_params"]. lora_path names the LoRA adapter to run with (one name,
-        or one per prompt; None: the base model)."""
+        or one per prompt; None: the base model). image_data gives a vision-language model's
+        images (data: URLs, base64, allowed paths or URLs; see runtime/images.py): for one prompt
+        one image or a list, for a batch one entry per prompt; each image fills one image token of
+        its prompt."""
         reqs, single = self.requests.build_batch(
             prompt,
             input_ids,
@@ -370,6 +404,7 @@ class Engine(EngineControl):
             return_hidden_states=return_hidden_states,
             custom_logit_processor=custom_logit_processor,
             lora_path=lora_path,
+            image_data=image_data,
         )
         return self._run_blocking(reqs, single)
 

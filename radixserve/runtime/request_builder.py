@@ -22,6 +22,7 @@ from radixserve.protocol.prompts import (
     split_prompts,
 )
 from radixserve.protocol.sampling_params import InvalidRequestError, SamplingParams
+from radixserve.runtime.images import ImagePreprocessor
 from radixserve.runtime.sessions import SessionParams, SessionStore
 
 SamplingArg = dict[str, Any] | list[dict[str, Any]] | None
@@ -43,6 +44,8 @@ class RequestBuilder:
     tokenize: Callable[[str], list[int]]
     # --enable-lora: the adapters loaded (the engine's own table, kept current); None without.
     lora_adapters: Mapping[str, str] | None = None
+    # Vision-language models: the image processor and limits; None for a model without images.
+    images: ImagePreprocessor | None = None
     _ids: itertools.count[int] = field(default_factory=itertools.count)
 
     def new_rid(self) -> str:
@@ -64,6 +67,7 @@ class RequestBuilder:
         return_hidden_states: bool = False,
         custom_logit_processor: str | None = None,
         lora_path: str | None = None,
+        image_data: list[Any] | None = None,
     ) -> GenerateRequest:
         """Validates everything the scheduler would refuse, so that callers get the error up front.
         With return_logprob and logprob_start_len >= 0, prompt logprobs come back too. embed: an
@@ -98,6 +102,18 @@ class RequestBuilder:
             wanted = SessionParams.from_dict(session_params)
             ids, session_parent = self.sessions.prompt(wanted, ids)
             session_id = wanted.id
+        images = None
+        if image_data:
+            if self.images is None:
+                raise InvalidRequestError("this model takes no images (image_data / image_url parts)")
+            if input_embeds is not None or embed or session_id is not None or logprob_start_len >= 0:
+                raise InvalidRequestError("images take no input_embeds, sessions or prompt logprobs")
+            ids, images = self.images.expand(ids, image_data)
+            if self.limits.allowed_prompt_len(len(ids), embed) < len(ids):
+                raise InvalidRequestError(
+                    f"the prompt with its images is {len(ids)} tokens, more than fits; it is not "
+                    "truncated, as that could cut an image"
+                )
         if input_embeds is not None:
             if ids or embed or session_id is not None or (return_logprob and logprob_start_len >= 0):
                 raise InvalidRequestError(
@@ -137,6 +153,7 @@ class RequestBuilder:
             bool(return_hidden_states),
             custom_logit_processor,
             lora_path=lora_path,
+            images=images,
         )
 
     def _check_adapter(self, name: object) -> None:
@@ -162,10 +179,14 @@ class RequestBuilder:
         return_hidden_states: bool = False,
         custom_logit_processor: str | None = None,
         lora_path: str | list[str | None] | None = None,
+        image_data: Any = None,
     ) -> tuple[list[GenerateRequest], bool]:
-        """lora_path: one adapter name for every prompt, or a list with one per prompt (SGLang's)."""
+        """lora_path: one adapter name for every prompt, or a list with one per prompt (SGLang's).
+        image_data: for one prompt an image or a list of them; for a batch, one entry (an image, a
+        list, or None) per prompt (SGLang's shape)."""
         batch = split_prompts(prompt, input_ids, input_embeds, self.tokenize)
         batch_ids, batch_embeds, single = batch.ids, batch.embeds, batch.single
+        per_prompt_images = images_per_prompt(image_data, single, len(batch_ids))
         if isinstance(lora_path, list):
             if len(lora_path) != len(batch_ids):
                 raise InvalidRequestError("lora_path list must have one entry per prompt")
@@ -192,7 +213,20 @@ class RequestBuilder:
                 return_hidden_states=return_hidden_states,
                 custom_logit_processor=custom_logit_processor,
                 lora_path=adapter,
+                image_data=images,
             )
-            for ids, p, vectors, adapter in zip(batch_ids, params, batch_embeds, adapters, strict=True)
+            for ids, p, vectors, adapter, images in zip(
+                batch_ids, params, batch_embeds, adapters, per_prompt_images, strict=True
+            )
         ]
         return reqs, single
+
+
+def images_per_prompt(image_data: Any, single: bool, num_prompts: int) -> list[list[Any] | None]:
+    if image_data is None:
+        return [None] * num_prompts
+    if single:
+        return [list(image_data) if isinstance(image_data, list) else [image_data]]
+    if not isinstance(image_data, list) or len(image_data) != num_prompts:
+        raise InvalidRequestError("image_data for a batch of prompts must have one entry per prompt")
+    return [None if x is None else list(x) if isinstance(x, list) else [x] for x in image_data]

@@ -13,15 +13,26 @@ from radixserve.executor.base import ExecutorInfo
 from radixserve.protocol.messages import GenerateRequest, TokenLogprobs
 from radixserve.protocol.prompts import PromptLimits
 from radixserve.protocol.sampling_params import InvalidRequestError, SamplingParams
+from radixserve.scheduler.images import ImageEncoder
 from radixserve.scheduler.logit_processors import ProcessorRegistry
 from radixserve.scheduler.lora import LoraManager
 from radixserve.scheduler.request import Req
 
 
 class RequestBuilder:
-    def __init__(self, info: ExecutorInfo, logit_processors: ProcessorRegistry, lora: LoraManager | None):
+    def __init__(
+        self,
+        info: ExecutorInfo,
+        logit_processors: ProcessorRegistry,
+        lora: LoraManager | None,
+        images: ImageEncoder | None = None,
+        images_refused: str = "this model takes no images",
+    ):
         self.info = info
         self.lora = lora
+        # Vision-language models: None, with the reason, where image requests are refused.
+        self.images = images
+        self.images_refused = images_refused
         self.config = info.config
         self.logit_processors = logit_processors
         self.eos_token_ids = frozenset(self.config.eos_token_ids)
@@ -44,6 +55,12 @@ class RequestBuilder:
             raise InvalidRequestError(
                 "lora_path names a LoRA adapter, but the server runs without --enable-lora"
             )
+        if msg.images and (self.images is None or vectors is not None or msg.logprob_start_len >= 0):
+            raise InvalidRequestError(
+                self.images_refused
+                if self.images is None
+                else "images take no input_embeds or prompt logprobs"
+            )
         if info.is_embedding:
             params.max_new_tokens = 0  # the prompt's pass gives the embedding; nothing is sampled
         # Clip to what the context and the whole KV pool can hold, so a lone request always fits.
@@ -62,6 +79,8 @@ class RequestBuilder:
         )
         if self.lora is not None:
             self.lora.attach(req, msg.lora_path)
+        if msg.images and self.images is not None:
+            self.images.attach(req, msg.images)
         if params.seed is not None:
             req.generator = torch.Generator(device=info.device).manual_seed(params.seed)
         if msg.return_logprob:

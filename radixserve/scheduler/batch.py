@@ -22,6 +22,7 @@ from radixserve.forward.batch import (
     build_decode_layout,
 )
 from radixserve.forward.draft_tree import DraftTree
+from radixserve.scheduler.images import image_rows
 from radixserve.scheduler.request import Req
 
 # Admission serials (Req.admission), unique within the process.
@@ -121,6 +122,7 @@ def build_extend_batch(reqs: list[Req], kv: KVContext) -> ForwardBatch:
         input_ids.extend(token_range(req, start, start + n))
         if req.input_embeds is not None and start < len(req.origin_input_ids):
             given_embeds.append((offset, req.input_embeds[start : start + n]))
+        given_embeds.extend((offset + row, vectors) for row, vectors in image_rows(req, start, n))
         positions.append(torch.arange(start, start + n))
         segments.append(
             ExtendSegment(

@@ -16,6 +16,7 @@ from radixserve.models.lora_adapter import LoraAdapterError
 from radixserve.protocol.messages import ControlRequest, ControlResult, SchedulerOutput
 from radixserve.scheduler.batch import KVContext
 from radixserve.scheduler.grammar_queue import GrammarQueue
+from radixserve.scheduler.images import ImageEncoder
 from radixserve.scheduler.internal_state import (
     InvalidStateError,
     TunableScheduler,
@@ -94,6 +95,9 @@ class ControlledScheduler(TunableScheduler, Protocol):
 
     @property
     def lora(self) -> LoraManager | None: ...
+
+    @property
+    def images(self) -> ImageEncoder | None: ...
 
     @property
     def reqs(self) -> dict[str, Req]: ...
@@ -205,6 +209,8 @@ def get_stats(scheduler: ControlledScheduler, args: dict[str, Any]) -> Reply:
             **s.cache_tier.stats(),
             # --enable-lora: the adapters loaded, and the slot each holds (None: none now).
             "lora_adapters": [] if s.lora is None else s.lora.describe(),
+            # Vision-language models: images run through the vision encoder (cache hits are not).
+            "images_encoded": 0 if s.images is None else s.images.images_encoded,
             # --pp-size: the micro-batch pipeline's ticks and how busy its stages were kept.
             "pipeline": s.pipeline_stats(),
             # --disaggregation-mode: this half's handoffs (distributed/kv_transfer.py).

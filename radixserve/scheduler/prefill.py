@@ -12,6 +12,7 @@ from radixserve.cache.tiers import DeviceOnlyTier
 from radixserve.config.server_args import ServerArgs
 from radixserve.scheduler.batch import KVContext, build_extend_batch
 from radixserve.scheduler.decode import DecodeManager
+from radixserve.scheduler.images import ImageEncoder
 from radixserve.scheduler.lora import LoraManager
 from radixserve.scheduler.policy import AddResult, PrefillAdder, SchedulePolicy
 from radixserve.scheduler.request import Req
@@ -30,6 +31,7 @@ class PrefillManager:
         max_running: int,
         max_total_tokens: int,
         lora: LoraManager | None = None,
+        images: ImageEncoder | None = None,
     ):
         # args is the scheduler's own object: /set_internal_state changes it in place.
         self.args = args
@@ -43,6 +45,8 @@ class PrefillManager:
         self.policy = SchedulePolicy(args.schedule_policy, kv.tree_cache, args.random_seed)
         # --enable-lora: a batch's adapters, with the running requests', must fit in its slots.
         self.lora = lora
+        # Vision-language models: encodes the images a batch computes the tokens of.
+        self.images = images
 
     def _not_loading(self, waiting: list[Req]) -> list[Req]:
         """The waiting requests that may be admitted now: a request whose prefix the cache tier
@@ -122,7 +126,11 @@ class PrefillManager:
         if lora is not None:
             # Each adapter's rows side by side: its deltas then read and add whole spans.
             reqs.sort(key=lambda r: -1 if r.lora_slot is None else r.lora_slot)
+        if self.images is not None:
+            self.images.prepare(reqs)
         forward = build_extend_batch(reqs, self.kv)
+        if self.images is not None:
+            self.images.release(reqs)
         in_progress = [r for r in adder.can_run if r.kv_len < r.seq_len]
         queues.chunked_req = in_progress[0] if in_progress else None
         self.stats.log_prefill(

@@ -29,6 +29,27 @@ PRIOR_REJECTED = 1.0
 IDLE_DECAY = 0.97
 
 
+# Stand-in ids of image tokens live in [2^31, 2^32): above any vocabulary and the stand-ins of
+# prompts given as vectors, inside the 32 bits cache/key_space.py leaves token ids.
+IMAGE_ID_BASE = 1 << 31
+
+
+@dataclass
+class ImageSpan:
+    """One image of a request: its tokens are prompt positions [offset, offset + length)."""
+
+    offset: int
+    length: int
+    digest: str
+    pixel_values: torch.Tensor  # [channels, height, width], float32
+    # [length, hidden]: set while a prefill chunk needs them (ImageEncoder.prepare).
+    embeds: torch.Tensor | None = None
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
 @dataclass
 class SpeculationState:
     """A request's part in speculative decoding (scheduler/speculative/)."""
@@ -154,6 +175,9 @@ class Req:
     lora_name: str | None = None
     lora_slot: int | None = None
     cache_namespace: int = 0
+    # Vision-language models: the prompt's images (scheduler/images.py); their tokens hold
+    # stand-in ids at or above IMAGE_ID_BASE.
+    images: list[ImageSpan] = field(default_factory=list)
 
     @property
     def fill_ids(self) -> list[int]:
@@ -168,7 +192,11 @@ class Req:
     @property
     def penalized_prompt_ids(self) -> list[int]:
         """The prompt ids repetition penalties look at (none for a prompt given as vectors)."""
-        return [] if self.input_embeds is not None else self.origin_input_ids
+        if self.input_embeds is not None:
+            return []
+        if self.images:
+            return [t for t in self.origin_input_ids if t < IMAGE_ID_BASE]
+        return self.origin_input_ids
 
     @property
     def needs_prompt_hidden_states(self) -> bool:

@@ -43,6 +43,7 @@ from radixserve.scheduler.decode import DecodeManager
 from radixserve.scheduler.disaggregation.build import build_handoffs
 from radixserve.scheduler.grammar import InvalidGrammarError, grammar_key
 from radixserve.scheduler.grammar_queue import GrammarQueue
+from radixserve.scheduler.images import image_support
 from radixserve.scheduler.kv_events import KVEventPublisher
 from radixserve.scheduler.logit_processors import ProcessorRegistry
 from radixserve.scheduler.logprobs import record_input_logprobs
@@ -139,14 +140,26 @@ class Scheduler(ManagerViews, SchedulerAccounting):
         self.logit_processors = ProcessorRegistry(args.enable_custom_logit_processor)
         # --enable-lora: each request's adapter, and the adapters in the executor's slots.
         self.lora = LoraManager(executor, args.max_loras_per_batch) if args.enable_lora else None
-        self.requests = RequestBuilder(info, self.logit_processors, self.lora)
+        # Vision-language models: the images' stand-in ids and their encoding (images.py).
+        self.images, images_refused = image_support(
+            executor, self.speculator is not None, args.disaggregation_mode != "null", info.pipeline_stages
+        )
+        self.requests = RequestBuilder(info, self.logit_processors, self.lora, self.images, images_refused)
 
         self.stats = SchedulerStats()
         self.queues = RequestQueues()
         # The two halves of choosing a batch (prefill.py, decode.py); they share the queues.
         self.decode = DecodeManager(args, self.kv, self.queues, self.stats, self.max_total_tokens)
         self.prefill = PrefillManager(
-            args, self.kv, self.queues, self.decode, self.stats, max_running, self.max_total_tokens, self.lora
+            args,
+            self.kv,
+            self.queues,
+            self.decode,
+            self.stats,
+            max_running,
+            self.max_total_tokens,
+            self.lora,
+            self.images,
         )
         self.policy: SchedulePolicy = self.prefill.policy
         # --pp-size > 1: micro-batches keep the pipeline's stages busy at once (pipeline.py).

@@ -27,6 +27,7 @@ from radixserve.protocol.messages import GenerateRequest
 from radixserve.protocol.prompts import PromptBatch, split_prompts
 from radixserve.protocol.sampling_params import InvalidRequestError
 from radixserve.runtime.engine import Engine, EngineDeadError, GenerateOutput, QueueFullError
+from radixserve.runtime.request_builder import images_per_prompt
 from radixserve.server.bootstrap_fields import bootstrap_infos
 from radixserve.server.embeddings_api import router as embeddings_router
 from radixserve.server.errors import ApiError, error_body, error_response
@@ -149,6 +150,9 @@ class GenerateBody(BaseModel):
     custom_logit_processor: str | None = None
     # --enable-lora: the LoRA adapter's name (SGLang's field), or one per prompt (None: the base).
     lora_path: str | list[str | None] | None = None
+    # Vision-language models: an image (data: URL, base64, allowed path or URL) or a list of them
+    # for one prompt; for a batch, one such entry (or null) per prompt. Each fills an image token.
+    image_data: str | list[str | list[str] | None] | None = None
     # Under --disaggregation-mode: where the request's other half runs (server/bootstrap_fields.py).
     bootstrap_host: str | list[str] | None = None
     bootstrap_port: int | list[int | None] | None = None
@@ -494,6 +498,7 @@ def _native_requests(engine: Engine, batch: PromptBatch, body: GenerateBody) -> 
         raise ApiError(400, "session_params takes a single prompt", param="session_params")
     bootstraps = bootstrap_infos(body.bootstrap_host, body.bootstrap_port, body.bootstrap_room, count)
     adapters = per_prompt(body.lora_path, count, "lora_path")
+    images = images_per_prompt(body.image_data, batch.single, count)
     reqs = [
         engine.requests.build(
             p,
@@ -508,9 +513,20 @@ def _native_requests(engine: Engine, batch: PromptBatch, body: GenerateBody) -> 
             return_hidden_states=body.return_hidden_states,
             custom_logit_processor=body.custom_logit_processor,
             lora_path=adapter,
+            image_data=image_list,
         )
-        for p, sp, r, lp, top, start, ids, vectors, adapter in zip(
-            prompts, params, rids, logprobs, tops, starts, id_lists, batch.embeds, adapters, strict=True
+        for p, sp, r, lp, top, start, ids, vectors, adapter, image_list in zip(
+            prompts,
+            params,
+            rids,
+            logprobs,
+            tops,
+            starts,
+            id_lists,
+            batch.embeds,
+            adapters,
+            images,
+            strict=True,
         )
     ]
     for req, info in zip(reqs, bootstraps, strict=True):

@@ -297,7 +297,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     adapter = check_model(engine, body.model)
     body.refuse_unsupported()
     return_logprob, top = body.logprob_request()
-    messages = [m.template_dict() for m in body.messages]
+    messages = [m.template_dict(engine.image_token) for m in body.messages]
+    images = [url for m in body.messages for url in m.image_urls()]
     prompt = _tokenize_chat(engine, messages, body.chat_template_kwargs or {})
     # Without max_tokens a chat may use the rest of the context; the scheduler clips to it.
     params = body.sampling_params(body.requested_max_tokens, default_max_tokens=engine.context_len)
@@ -308,12 +309,18 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
             return_logprob=return_logprob,
             top_logprobs_num=top,
             lora_path=adapter,
+            image_data=images,
         )
         for j in range(body.n)
     ]
     attach_bootstrap(body, reqs)
+    # The prompt as it runs: each image counted as the tokens it takes.
     reply = Reply(
-        engine, "chat.completion", len(prompt), body.include_usage, id=f"chatcmpl-{uuid.uuid4().hex}"
+        engine,
+        "chat.completion",
+        len(reqs[0].input_ids),
+        body.include_usage,
+        id=f"chatcmpl-{uuid.uuid4().hex}",
     )
     if body.stream:
         reply.object = "chat.completion.chunk"

@@ -185,13 +185,32 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
 
-    def template_dict(self) -> dict[str, Any]:
+    def image_urls(self) -> list[str]:
+        """The urls of this message's image_url parts, in order."""
+        urls = []
+        for part in self.content if isinstance(self.content, list) else []:
+            if part.get("type") == "image_url":
+                image = part.get("image_url")
+                url = image.get("url") if isinstance(image, dict) else image
+                if not isinstance(url, str) or not url:
+                    raise ApiError(400, "an image_url part needs image_url.url", param="messages")
+                urls.append(url)
+        return urls
+
+    def template_dict(self, image_token: str | None = None) -> dict[str, Any]:
+        """The message as chat templates take it: its text, each image_url part replaced by
+        image_token (the model's text for one image; None: images are refused)."""
         content = self.content
         if isinstance(content, list):
             texts = []
             for part in content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    kind = part.get("type")
+                kind = part.get("type")
+                if kind == "image_url" and image_token is not None:
+                    texts.append(image_token)
+                    continue
+                if kind == "image_url":
+                    raise ApiError(400, "this model takes no images", param="messages")
+                if kind != "text" or not isinstance(part.get("text"), str):
                     raise ApiError(
                         400, f"message content of type {kind!r} is not supported", param="messages"
                     )

@@ -25,7 +25,7 @@ from radixserve.config.server_args import ServerArgs
 from radixserve.executor.base import ExecutorInfo, KVLayout, LoraAdapterInfo
 from radixserve.forward.batch import ForwardBatch, ForwardMode
 from radixserve.layers.sampler import SamplingBatch, sample
-from radixserve.models.config import ModelConfig
+from radixserve.models.config import ModelConfig, VisionConfig
 from radixserve.protocol.messages import (
     ControlResult,
     FinishReason,
@@ -121,9 +121,16 @@ class FakeExecutor:
     # own, as each real stage holds its own layers' K/V.
     stages: int = 1
     batches: list[RecordedBatch] = field(default_factory=list)
+    # A vision-language model's images (scheduler/images.py): None for a text model.
+    vision: VisionConfig | None = None
 
     def __post_init__(self) -> None:
         self.config = tiny_config(self.vocab_size, self.eos_token_ids, self.context_len)
+        self.config.vision = self.vision
+        # Images encoded per encode_images call, and every embedding row a forward received, as
+        # (input id, position, its vector's two telling components: image mean, place in image).
+        self.encode_calls: list[int] = []
+        self.placed: list[tuple[int, int, float, float]] = []
         self.device = torch.device("cpu")
         self._released: set[str] = set()
         self.idle_calls = 0
@@ -211,6 +218,22 @@ class FakeExecutor:
             hidden = torch.zeros(0, HIDDEN_SIZE, dtype=torch.float32)
         return logits, hidden
 
+    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """Image token k of an image gets a vector of (the image's mean pixel, k, 0...)."""
+        assert self.vision is not None
+        n, tokens = pixel_values.shape[0], self.vision.tokens_per_image
+        self.encode_calls.append(n)
+        out = torch.zeros(n, tokens, HIDDEN_SIZE)
+        out[:, :, 0] = pixel_values.mean(dim=(1, 2, 3))[:, None]
+        out[:, :, 1] = torch.arange(tokens, dtype=torch.float32)
+        return out
+
+    def _record_embeds(self, batch: ForwardBatch) -> None:
+        ids, positions = batch.input_ids.tolist(), batch.positions.tolist()
+        for row, vectors in batch.input_embeds or []:
+            for i, vector in enumerate(vectors.tolist()):
+                self.placed.append((ids[row + i], positions[row + i], vector[0], vector[1]))
+
     def _row_adapters(self, batch: ForwardBatch) -> dict[int, str]:
         """Each input row's adapter, by what its slot holds now (a stale slot gives wrong tokens)."""
         by_row = {}
@@ -274,6 +297,8 @@ class FakeExecutor:
         """Writes the batch's tokens into the fake KV, reads every request's context back and
         records the batch. Returns each request's context and, per input row, (request, position)."""
         self._check_resident()
+        if record:
+            self._record_embeds(batch)
         ids, positions = batch.input_ids.tolist(), batch.positions.tolist()
         self.kv_tokens[batch.out_cache_loc] = batch.input_ids.cpu()
         self.kv_positions[batch.out_cache_loc] = batch.positions.cpu()

@@ -1,4 +1,4 @@
-"""Command line: `radixserve serve | generate | bench`."""
+"""Command line: `radixserve serve | generate | bench | simulate`."""
 
 from __future__ import annotations
 
@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     from radixserve.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
+    from radixserve.simulator.cli import add_simulate_parser
+
+    add_simulate_parser(sub)
     return parser
 
 

@@ -4,6 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+bash scripts/setup_browser.sh
+# The dashboard's browser test fails rather than skips here when Chromium or Playwright is missing.
+export RADIXSERVE_REQUIRE_BROWSER=1
 .venv/bin/ruff check radixserve tests benchmarks
 .venv/bin/ruff format --check radixserve tests benchmarks
 .venv/bin/mypy

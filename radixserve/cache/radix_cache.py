@@ -49,6 +49,8 @@ class TreeNode:
     lock_ref: int = 0
     # Logical clock, not wall time, so eviction order is deterministic.
     last_access_time: int = 0
+    # Requests admitted with a cached prefix through this node (the dashboard's tree view).
+    hits: int = 0
     node_id: int = field(default_factory=lambda: next(_node_ids))
 
     @property
@@ -233,6 +235,7 @@ class RadixCache(PrefixCache):
             value=child.value[:at],
             lock_ref=child.lock_ref,
             last_access_time=child.last_access_time,
+            hits=child.hits,
             hashes=child.hashes[: at // self.page_size],
         )
         child.key = child.key[at:]

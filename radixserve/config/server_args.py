@@ -112,6 +112,8 @@ class ServerArgs:
     max_loras_per_batch: int = DEFAULT_MAX_LORAS_PER_BATCH
     max_lora_rank: int | None = None
     lora_target_modules: list[str] | None = None
+    # GET /dashboard: a live page of the server's state (server/dashboard.py, docs/dashboard.md).
+    enable_dashboard: bool = False
     # Image inputs of vision-language models (config/image_args.py, docs/multimodal.md).
     max_images_per_request: int = DEFAULT_MAX_IMAGES_PER_REQUEST
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
@@ -536,6 +538,11 @@ class ServerArgs:
         )
         server.add_argument(
             "--enable-metrics", action="store_true", help="serve Prometheus metrics at GET /metrics"
+        )
+        server.add_argument(
+            "--enable-dashboard",
+            action="store_true",
+            help="serve a live dashboard at GET /dashboard (behind --api-key like every route)",
         )
 
     @classmethod

@@ -319,6 +319,9 @@ class _Connection:
     peer: int
     group: Any
     rooms: set[int] = field(default_factory=set)
+    # Set (under the transfer's lock) when the prefill side closed the pair: a room expected
+    # after that fails at once, as its receiver has already failed the others and stopped.
+    closed: bool = False
 
 
 class GlooDecodeTransfer(DecodeTransfer):
@@ -378,7 +381,12 @@ class GlooDecodeTransfer(DecodeTransfer):
             try:
                 connection = self._connect(host, port)
                 if kind == "expect":
-                    connection.rooms.add(room)
+                    with self._cond:
+                        if not connection.closed:
+                            connection.rooms.add(room)
+                    if connection.closed:
+                        self._deliver(KVHandoff(room, None, message="the prefill server closed"))
+                        continue
                     connection.store.set(_room_key(room), str(connection.peer))
                 else:
                     connection.rooms.discard(room)
@@ -423,11 +431,13 @@ class GlooDecodeTransfer(DecodeTransfer):
                 # naming this server connects again.
                 reason = "the prefill server closed" if error is None else f"K/V transfer failed: {error}"
                 with self._cond:
+                    connection.closed = True
                     if self._connections.get((host, port)) is connection:
                         del self._connections[(host, port)]
-                for room in list(connection.rooms):
+                    rooms = list(connection.rooms)
+                    connection.rooms.clear()
+                for room in rooms:
                     self._deliver(KVHandoff(room, None, message=reason))
-                connection.rooms.clear()
                 return
             connection.rooms.discard(handoff.room)
             with self._cond:

@@ -189,6 +189,18 @@ def resolve_model_source(model_path: str | Path | None) -> ModelSource:
     return _download_from_hub(spec)
 
 
+def short_model_id(spec: str | Path | None, source: ModelSource) -> str:
+    """The name /v1/models gives a model by default: a hub id as given, else its folder's name, or
+    its GGUF file's without a quantization suffix (SmolLM2-135M-Instruct.Q4_1.gguf: SmolLM2-135M-Instruct)."""
+    hub_id = spec is not None and not isinstance(spec, Path) and not _looks_like_local_path(str(spec))
+    if hub_id and not Path(str(spec)).expanduser().exists():
+        return str(spec)
+    if source.kind == "gguf":
+        base, dot, quant = source.path.stem.rpartition(".")
+        return base if dot and re.fullmatch(r"(?i)(i?q\d\w*|[fb]f?16|f32)", quant) else source.path.stem
+    return source.path.name
+
+
 def _download_from_hub(repo_id: str) -> ModelSource:
     # Imported lazily so local-only use never initialises hub machinery.
     from huggingface_hub import snapshot_download

@@ -22,7 +22,7 @@ from typing import Any
 from radixserve.config.log import configure_logging
 from radixserve.config.lora_args import lora_refs
 from radixserve.config.server_args import ServerArgs
-from radixserve.models.loader import ModelSource, load_model_config, resolve_model_source
+from radixserve.models.loader import ModelSource, load_model_config, resolve_model_source, short_model_id
 from radixserve.models.tokenizer import load_tokenizer
 from radixserve.protocol.messages import (
     AbortRequest,
@@ -47,6 +47,7 @@ from radixserve.runtime.engine_control import EngineControl
 from radixserve.runtime.generate_output import GenerateOutput
 from radixserve.runtime.images import ImageLimits, ImagePreprocessor
 from radixserve.runtime.launch import POLL_MS, EngineDeadError, Runtime
+from radixserve.runtime.live_stats import LiveStats
 from radixserve.runtime.metrics import EngineMetrics
 from radixserve.runtime.request_builder import RequestBuilder, SamplingArg
 from radixserve.runtime.sessions import SessionStore
@@ -90,7 +91,8 @@ class Engine(EngineControl):
         except BaseException:
             self.runtime.kill()
             raise
-        self.served_model_name = self.args.served_model_name or self.args.model_path
+        # /v1/models and responses name the model by this; requests may also name its path.
+        self.served_model_name = self.args.served_model_name or short_model_id(model_path, self.source)
         self.lora_adapters = {r.name: r.path for r in lora_refs(self.args.lora_paths, InvalidRequestError)}
         self._on_fatal = on_fatal
         self._pending: dict[str, Deliver] = {}
@@ -103,6 +105,8 @@ class Engine(EngineControl):
         self._ids = itertools.count()
         self.last_output_time = time.monotonic()
         self.metrics = EngineMetrics(self.served_model_name) if self.args.enable_metrics else None
+        # --enable-dashboard: request timings for /dashboard (runtime/live_stats.py).
+        self.live = LiveStats() if self.args.enable_dashboard else None
         # /configure_logging: log every request's arrival and end.
         self.log_requests = False
         self.sessions = SessionStore()
@@ -199,6 +203,9 @@ class Engine(EngineControl):
                 usage = (out.prompt_tokens, out.completion_tokens, out.cached_tokens)
                 aborted = finish is not None and finish.type == "abort"
                 self.metrics.output(out.rid, len(out.new_token_ids), finish is not None, usage, aborted)
+            if self.live is not None and isinstance(out, TextOutput):
+                finish_type = None if out.finished_reason is None else out.finished_reason.type
+                self.live.output(out.rid, len(out.new_token_ids), out.cached_tokens, finish_type)
             if isinstance(out, TextOutput) and out.finished_reason is not None:
                 self.router.done(out.rid)
                 self.deadlines.done(out.rid)
@@ -249,6 +256,8 @@ class Engine(EngineControl):
                     )
                 if self.metrics is not None:
                     self.metrics.submitted(msg.rid)
+                if self.live is not None:
+                    self.live.submitted(msg.rid, len(msg.input_ids))
                 self.deadlines.start(msg.rid, time.monotonic())
             self._pending[msg.rid] = deliver
             if isinstance(msg, GenerateRequest):

@@ -4,13 +4,15 @@ weight change aborts the requests in flight); a refusal raises ControlError."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from radixserve.cache.pools import KVSlotAllocator
-from radixserve.cache.radix_cache import KVLeakError, PrefixCache
+from radixserve.cache.radix_cache import KVLeakError, PrefixCache, TreeNode
 from radixserve.cache.tiers import CacheTier
+from radixserve.cache.tree_summary import summarize_tree
 from radixserve.executor.base import MEMORY_TAGS, Executor, MemoryReleasedError
 from radixserve.models.lora_adapter import LoraAdapterError
 from radixserve.protocol.messages import ControlRequest, ControlResult, SchedulerOutput
@@ -225,6 +227,47 @@ def get_stats(scheduler: ControlledScheduler, args: dict[str, Any]) -> Reply:
     )
 
 
+# The dashboard lists at most this many running and waiting requests per replica.
+DASHBOARD_LIST = 50
+
+
+def dashboard_state(scheduler: ControlledScheduler, args: dict[str, Any]) -> Reply:
+    """What /dashboard shows of this replica: its queues with ages, the KV pool split into what
+    running requests hold, what the cache could evict and what is free, and the radix tree's
+    largest prefixes (token ids: the engine decodes the previews)."""
+    now = time.monotonic()
+    total = scheduler.max_total_tokens
+    free = scheduler.allocator.available_size()
+    cached = scheduler.tree_cache.evictable_size()
+    running = sorted(scheduler.running, key=lambda r: r.arrival_time)[:DASHBOARD_LIST]
+    waiting = sorted(scheduler.waiting, key=lambda r: r.arrival_time)[:DASHBOARD_LIST]
+    root = getattr(scheduler.tree_cache, "root", None)
+    return Reply(
+        {
+            "num_running": len(scheduler.running),
+            "num_waiting": len(scheduler.waiting),
+            "num_grammar_queue": len(scheduler.grammar_queue.pending),
+            "retracted_reqs": scheduler.stats.retracted_reqs,
+            "cache_hit_rate": scheduler.stats.cache_hit_rate,
+            "running": [
+                {
+                    "rid": r.rid,
+                    "age_s": now - r.arrival_time,
+                    "prompt_tokens": len(r.origin_input_ids),
+                    "output_tokens": len(r.output_ids),
+                }
+                for r in running
+            ],
+            "waiting": [
+                {"rid": r.rid, "age_s": now - r.arrival_time, "prompt_tokens": len(r.origin_input_ids)}
+                for r in waiting
+            ],
+            "kv": {"total": total, "running": total - free - cached, "cached": cached, "free": free},
+            "radix_tree": summarize_tree(root) if isinstance(root, TreeNode) else None,
+        }
+    )
+
+
 def _describe_kv_invariant(scheduler: ControlledScheduler) -> str:
     try:
         scheduler.check_kv_invariant()
@@ -350,6 +393,7 @@ COMMANDS: dict[str, Callable[[ControlledScheduler, dict[str, Any]], Reply]] = {
     "check_kv_invariant": check_kv_invariant,
     "flush_cache": flush_cache,
     "get_stats": get_stats,
+    "dashboard_state": dashboard_state,
     "get_internal_state": get_state,
     "set_internal_state": set_state,
     "slow_down": slow_down,

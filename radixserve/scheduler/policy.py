@@ -159,6 +159,11 @@ class PrefillAdder:
 
         # Lock the prefix now so allocation for this batch cannot evict it.
         self.tree_cache.inc_lock_ref(match.last_node)
+        if prefix_len:
+            node: TreeNode | None = match.last_node
+            while node is not None:
+                node.hits += 1
+                node = node.parent
         req.prefix_slots = match.kv_indices
         req.prefix_node = match.last_node
         req.extend_len = extend_len

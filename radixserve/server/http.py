@@ -29,6 +29,7 @@ from radixserve.protocol.sampling_params import InvalidRequestError
 from radixserve.runtime.engine import Engine, EngineDeadError, GenerateOutput, QueueFullError
 from radixserve.runtime.request_builder import images_per_prompt
 from radixserve.server.bootstrap_fields import bootstrap_infos
+from radixserve.server.dashboard import add_dashboard, dashboard_authorized
 from radixserve.server.embeddings_api import router as embeddings_router
 from radixserve.server.errors import ApiError, error_body, error_response
 from radixserve.server.json_values import BadJsonValue, ParsedJsonRoute, check_body
@@ -67,7 +68,9 @@ class GuardMiddleware:
         if self.api_key is not None and scope["path"] not in OPEN_PATHS:
             given = headers.get("authorization", "")
             expected = f"Bearer {self.api_key}"
-            if not hmac.compare_digest(given.encode(), expected.encode()):
+            if not hmac.compare_digest(given.encode(), expected.encode()) and not dashboard_authorized(
+                scope["path"], headers, scope.get("query_string", b""), self.api_key
+            ):
                 response = error_response(
                     401, "Invalid or missing API key (send 'Authorization: Bearer KEY')"
                 )
@@ -221,6 +224,7 @@ def create_app(engine: Engine) -> FastAPI:
     app.include_router(router)
     app.include_router(embeddings_router)
     app.include_router(lora_router)
+    add_dashboard(app, engine)
     _add_native_routes(app)
     return app
 

@@ -11,6 +11,7 @@ rather than hang with open connections.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -23,6 +24,7 @@ import uvicorn
 from radixserve.config.log import configure_logging
 from radixserve.config.server_args import ServerArgs
 from radixserve.runtime.engine import Engine
+from radixserve.server.dashboard import close_dashboard
 from radixserve.server.http import create_app
 
 logger = logging.getLogger("radixserve")
@@ -47,11 +49,17 @@ class DrainingServer(uvicorn.Server):
                 self.engine.num_in_flight,
                 self.grace_s,
             )
+        close_dashboard(self.config.app)
         timer = asyncio.get_running_loop().call_later(self.grace_s, self._abort_in_flight)
         try:
             await super().shutdown(sockets)
         finally:
             timer.cancel()
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            print(ready_banner(self.engine, self.config.host, self.config.port), flush=True)
 
     def _abort_in_flight(self) -> None:
         if not self.engine.num_in_flight:
@@ -63,6 +71,23 @@ class DrainingServer(uvicorn.Server):
         )
         message = f"the server is shutting down (--graceful-shutdown-timeout {self.grace_s:g} s passed)"
         self.engine.abort(abort_all=True, message=message)
+
+
+def ready_banner(engine: Engine, host: str, port: int) -> str:
+    """What `serve` prints once it answers: where, and a request to paste."""
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    base = f"http://[{shown}]:{port}" if ":" in shown else f"http://{shown}:{port}"
+    body = json.dumps(
+        {"model": engine.served_model_name, "messages": [{"role": "user", "content": "Hello!"}]}
+    )
+    auth = " -H 'Authorization: Bearer <your --api-key>'" if engine.args.api_key else ""
+    lines = [
+        f"radixserve is ready at {base} (model {engine.served_model_name})",
+        f"  curl {base}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'",
+    ]
+    if engine.live is not None:
+        lines.append(f"  dashboard: {base}/dashboard" + ("?api_key=<your --api-key>" if auth else ""))
+    return "\n".join(lines)
 
 
 def serve(args: ServerArgs) -> int:

@@ -144,12 +144,19 @@ def test_equal_images_share_the_cache_and_different_ones_do_not(
 
 @pytest.mark.parametrize(
     "flags",
-    [{"chunked_prefill_size": 8}, {"max_total_tokens": 160, "schedule_conservativeness": 0.05}],
-    ids=["chunked", "retracted"],
+    [
+        {"chunked_prefill_size": 8},
+        {"max_total_tokens": 160, "schedule_conservativeness": 0.05},
+        {"tp_size": 2, "chunked_prefill_size": 8},
+        {"enable_overlap_schedule": True},
+    ],
+    ids=["chunked", "retracted", "tp2", "overlap"],
 )
 def test_images_across_chunks_and_retraction(
     flags: dict[str, Any], vlm: Callable[..., Engine], oracle: LlavaOracle
 ) -> None:
+    """Tensor-parallel ranks each encode the images (a replicated tower); the overlap schedule
+    prepares the next batch (and encodes its images) while the last one's results are published."""
     engine = vlm(**flags)
     images = [[png(10 + i), png(20 + i)] for i in range(6)]
     max_new = 24

@@ -25,6 +25,7 @@ from radixserve.models.loader import (
     iter_weights,
     load_model_config,
     resolve_model_source,
+    short_model_id,
 )
 
 ARCH_NAMES = {
@@ -393,3 +394,14 @@ def test_config_json_is_valid_for_every_tiny_arch(tiny_model_dir: Callable[[str]
         tok = PreTrainedTokenizerFast.from_pretrained(path)
         assert config["vocab_size"] == len(tok)
         assert config["eos_token_id"] == tok.convert_tokens_to_ids("<|endoftext|>")
+
+
+def test_short_model_ids(tmp_path: Path) -> None:
+    """/v1/models names a model by its folder, its GGUF file without the quantization, or the hub id."""
+    gguf = ModelSource("gguf", tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert short_model_id(None, gguf) == "SmolLM2-135M-Instruct"
+    assert short_model_id(None, ModelSource("gguf", tmp_path / "model-f16.BF16.gguf")) == "model-f16"
+    assert short_model_id(None, ModelSource("gguf", tmp_path / "v1.5-chat.gguf")) == "v1.5-chat"
+    folder = ModelSource("hf_dir", tmp_path / "snapshots" / "abc123")
+    assert short_model_id(str(tmp_path / "snapshots" / "abc123"), folder) == "abc123"
+    assert short_model_id("HuggingFaceTB/SmolLM2-135M", folder) == "HuggingFaceTB/SmolLM2-135M"

@@ -50,7 +50,7 @@ BAD_REQUESTS: list[tuple[str, dict[str, Any], int, str]] = [
         "/v1/chat/completions",
         {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
         400,
-        "'image_url' is not supported",
+        "this model takes no images",
     ),
     (
         "/generate",

@@ -1,0 +1,77 @@
+"""What the scheduler itself spends per decode step (policy ordering, radix matching, batch
+building, output processing), with a zero-cost executor, at 64, 256 and 1,024 running requests,
+with and without 1,000 more waiting (held back by --max-running-requests, so every step orders
+and tries them).
+
+    python benchmarks/scheduler_cost.py [--steps 100] [--config CONFIG_JSON]
+
+Host time per scheduler.step() (median and p90 over --steps decode steps, after every running
+request has finished its prefill); the model is only a shape here (default: Llama-3-8B's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from radixserve.config.server_args import ServerArgs
+from radixserve.models.config import ModelConfig
+from radixserve.protocol.messages import GenerateRequest
+from radixserve.scheduler.scheduler import Scheduler
+from radixserve.simulator.executor import CostModelExecutor
+from radixserve.simulator.trace import SyntheticTrace, synthetic
+
+LLAMA_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+}
+
+
+def step_times(config: ModelConfig, running: int, waiting: int, steps: int) -> list[float]:
+    # Room for every request's whole output: admission reserves it, and all must run at once.
+    executor = CostModelExecutor(
+        config, max_total_tokens=(running + waiting) * (128 + 4096) + 4096, profile=None
+    )
+    args = ServerArgs(log_level="warning", max_running_requests=running, schedule_policy="lpm")
+    scheduler = Scheduler(args, executor)
+    trace = synthetic(
+        SyntheticTrace(num_requests=running + waiting, input_len=(128, 128), output_len=(4096, 4096))
+    )
+    for i, req in enumerate(trace):
+        params = {"max_new_tokens": req.output_len, "ignore_eos": True, "temperature": 0.0}
+        scheduler.handle(GenerateRequest(f"r{i}", req.input_ids, params))
+    while len(scheduler.running) < running or scheduler.queues.chunked_req is not None:
+        scheduler.step()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        scheduler.step()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--config", type=Path, default=None)
+    args = parser.parse_args()
+    config = ModelConfig.from_hf_dict(json.loads(args.config.read_text()) if args.config else LLAMA_8B)
+    print("| running | waiting | step ms, median | p90 |\n|---|---|---|---|")
+    for running in (64, 256, 1024):
+        for waiting in (0, 1000):
+            times = sorted(step_times(config, running, waiting, args.steps))
+            median, p90 = statistics.median(times), times[int(0.9 * len(times))]
+            print(f"| {running} | {waiting} | {median * 1000:.2f} | {p90 * 1000:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

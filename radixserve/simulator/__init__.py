@@ -1,0 +1,1 @@
+"""`radixserve simulate` / `calibrate`: the real Scheduler driven by a cost-model executor."""

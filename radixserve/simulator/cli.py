@@ -1,0 +1,108 @@
+"""`radixserve simulate`: a model config (no weights), a hardware profile and a trace in; the real
+Scheduler's throughput, latencies, KV usage and cache hits out, as a table, JSON and an HTML page."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from radixserve.config.server_args import ServerArgs
+from radixserve.models.config import ModelConfig
+
+
+def _pair(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(":")
+    return int(lo), int(hi or lo)
+
+
+def add_simulate_parser(sub: Any) -> None:
+    sim = sub.add_parser(
+        "simulate",
+        help="predict a deployment: the real scheduler over a trace, on a roofline cost model",
+        description="Runs radixserve's Scheduler on a virtual clock: each forward costs what a "
+        "roofline of the model on the hardware profile says. No weights are needed.",
+    )
+    sim.add_argument("--model-config", required=True, help="an HF config.json, or a folder holding one")
+    sim.add_argument(
+        "--hardware", default="H100", help="H100, H200, A100, L4, a profile file from calibrate, or zero"
+    )
+    sim.add_argument("--max-total-tokens", type=int, default=None, help="KV slots (default: what fits)")
+    trace = sim.add_argument_group("trace (synthetic unless --trace-file)")
+    trace.add_argument(
+        "--trace-file", type=Path, default=None, help="JSON lines: arrival_s, input_ids|input_len, output_len"
+    )
+    trace.add_argument("--num-requests", type=int, default=1000)
+    trace.add_argument(
+        "--request-rate", type=float, default=float("inf"), help="req/s, Poisson (default: all at once)"
+    )
+    trace.add_argument("--input-len", type=_pair, default=(512, 512), metavar="LO[:HI]")
+    trace.add_argument("--output-len", type=_pair, default=(128, 128), metavar="LO[:HI]")
+    trace.add_argument("--prefix-groups", type=int, default=0, help="groups of requests sharing a prefix")
+    trace.add_argument("--prefix-len", type=int, default=0)
+    trace.add_argument("--turns", type=int, default=1, help="turns per conversation (each extends the last)")
+    trace.add_argument("--turn-gap", type=float, default=10.0, help="seconds between a conversation's turns")
+    trace.add_argument("--seed", type=int, default=0)
+    sched = sim.add_argument_group("scheduler (ServerArgs)")
+    sched.add_argument("--schedule-policy", default="lpm")
+    sched.add_argument("--chunked-prefill-size", type=int, default=ServerArgs.chunked_prefill_size)
+    sched.add_argument("--max-prefill-tokens", type=int, default=ServerArgs.max_prefill_tokens)
+    sched.add_argument("--max-running-requests", type=int, default=None)
+    sched.add_argument("--schedule-conservativeness", type=float, default=1.0)
+    sched.add_argument("--page-size", type=int, default=1)
+    sched.add_argument("--disable-radix-cache", action="store_true")
+    sim.add_argument("--out", type=Path, default=None, help="write simulation.{json,md,html} here")
+    sim.set_defaults(func=_simulate)
+
+
+def load_config(spec: str) -> ModelConfig:
+    path = Path(spec)
+    if path.is_dir():
+        path = path / "config.json"
+    data: dict[str, Any] = json.loads(path.read_text())
+    return ModelConfig.from_hf_dict(data)
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from radixserve.simulator.hardware import load_profile
+    from radixserve.simulator.report import table, write_outputs
+    from radixserve.simulator.simulate import kv_capacity, simulate
+    from radixserve.simulator.trace import SyntheticTrace, load_trace, synthetic
+
+    config = load_config(args.model_config)
+    profile = None if args.hardware == "zero" else load_profile(args.hardware)
+    if args.max_total_tokens is None and profile is None:
+        raise SystemExit("--hardware zero needs --max-total-tokens")
+    capacity = args.max_total_tokens or kv_capacity(config, profile)  # type: ignore[arg-type]
+    if args.trace_file is not None:
+        trace = load_trace(args.trace_file, args.seed)
+    else:
+        spec = SyntheticTrace(
+            args.num_requests,
+            args.request_rate,
+            args.input_len,
+            args.output_len,
+            args.prefix_groups,
+            args.prefix_len,
+            args.turns,
+            args.turn_gap,
+            args.seed,
+        )
+        trace = synthetic(spec)
+    server_args = {
+        "schedule_policy": args.schedule_policy,
+        "chunked_prefill_size": args.chunked_prefill_size,
+        "max_running_requests": args.max_running_requests,
+        "schedule_conservativeness": args.schedule_conservativeness,
+        "page_size": args.page_size,
+        "disable_radix_cache": args.disable_radix_cache,
+        "max_prefill_tokens": args.max_prefill_tokens,
+    }
+    result = simulate(config, profile, trace, capacity, **server_args)
+    title = f"{config.architecture} on {args.hardware}, {len(trace)} requests"
+    print(table(result, title))
+    if args.out is not None:
+        for path in write_outputs(result, title, args.out):
+            print(f"wrote {path}")
+    return 0

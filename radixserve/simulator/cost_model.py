@@ -1,0 +1,79 @@
+"""A roofline of one forward: the FLOPs and bytes a batch moves through the model, attention
+included, on a hardware profile. Time = the larger of compute and memory time at the profile's
+efficiencies, plus its fixed costs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from radixserve.models.config import ModelConfig
+from radixserve.simulator.hardware import HardwareProfile
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    dtype_bytes: int = 2
+
+    @classmethod
+    def of(cls, config: ModelConfig, dtype_bytes: int = 2) -> ModelShape:
+        return cls(
+            config.num_hidden_layers,
+            config.hidden_size,
+            config.intermediate_size,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+            config.vocab_size,
+            dtype_bytes,
+        )
+
+    @property
+    def layer_params(self) -> int:
+        q_out, kv_out = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return self.hidden * (q_out + 2 * kv_out) + q_out * self.hidden + 3 * self.hidden * self.intermediate
+
+    @property
+    def weight_bytes(self) -> int:
+        """Every weight a forward reads: the layers and the LM head (the embedding rows are few)."""
+        return (self.layers * self.layer_params + self.vocab * self.hidden) * self.dtype_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+
+@dataclass(frozen=True)
+class ForwardShape:
+    """Per request: new tokens and the tokens already in its KV; and how many rows sample."""
+
+    q_lens: list[int]
+    prefix_lens: list[int]
+    sampled_rows: int
+
+
+def forward_flops_bytes(shape: ModelShape, fwd: ForwardShape) -> tuple[float, float]:
+    tokens = sum(fwd.q_lens)
+    flops = (
+        2.0 * tokens * shape.layers * shape.layer_params + 2.0 * fwd.sampled_rows * shape.hidden * shape.vocab
+    )
+    # Attention: QK^T and PV, each 2 FLOPs per (query, key, head dim); a new token sees the prefix
+    # and the new tokens up to itself.
+    pairs = sum(q * p + q * (q + 1) / 2 for q, p in zip(fwd.q_lens, fwd.prefix_lens, strict=True))
+    flops += 4.0 * shape.layers * shape.heads * shape.head_dim * pairs
+    context = sum(q + p for q, p in zip(fwd.q_lens, fwd.prefix_lens, strict=True))
+    moved = shape.weight_bytes + (context + tokens) * shape.kv_bytes_per_token
+    return flops, float(moved)
+
+
+def forward_seconds(shape: ModelShape, profile: HardwareProfile, fwd: ForwardShape) -> float:
+    flops, moved = forward_flops_bytes(shape, fwd)
+    compute = flops / (profile.peak_flops * profile.flops_efficiency)
+    memory = moved / (profile.memory_bandwidth * profile.bandwidth_efficiency)
+    return max(compute, memory) + profile.forward_overhead_s + profile.token_overhead_s * sum(fwd.q_lens)

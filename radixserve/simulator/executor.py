@@ -1,0 +1,156 @@
+"""The executor `radixserve simulate` drives the real Scheduler with: it runs no model, it charges
+each forward the cost model's time on a virtual clock. Sampled tokens are all 0 (requests run
+with ignore_eos and their trace's output length), so the scheduler sees what it would see of a
+model but the tokens' values; only what batching, caching and retraction need is real."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from radixserve.executor.base import ExecutorInfo, KVLayout, LoraAdapterInfo
+from radixserve.forward.batch import ForwardBatch, ForwardMode
+from radixserve.layers.sampler import SamplingBatch
+from radixserve.models.config import ModelConfig
+from radixserve.simulator.cost_model import ForwardShape, ModelShape, forward_seconds
+from radixserve.simulator.hardware import HardwareProfile
+
+# The vocabulary the scheduler is shown: logits are allocated per sampled row every step, and
+# only their shape matters here, so a small one keeps the simulation fast. Trace token ids
+# stay below it.
+SIM_VOCAB = 4096
+SIM_HIDDEN = 8
+
+
+@dataclass
+class VirtualClock:
+    now: float = 0.0
+
+
+@dataclass
+class ForwardRecord:
+    start: float
+    seconds: float
+    mode: str
+    tokens: int
+    requests: int
+
+
+@dataclass
+class CostModelExecutor:
+    config: ModelConfig
+    max_total_tokens: int
+    profile: HardwareProfile | None  # None: every forward costs nothing (the scheduler's own cost)
+    clock: VirtualClock = field(default_factory=VirtualClock)
+    context_len: int | None = None
+    records: list[ForwardRecord] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.shape = ModelShape.of(self.config)
+        self.sim_config = dataclasses.replace(self.config, vocab_size=SIM_VOCAB, eos_token_ids=[])
+
+    @property
+    def info(self) -> ExecutorInfo:
+        context = self.context_len or self.config.max_position_embeddings
+        device = torch.device("cpu")
+        return ExecutorInfo(self.sim_config, context, self.max_total_tokens, torch.bfloat16, device, False)
+
+    @property
+    def released(self) -> set[str]:
+        return set()
+
+    def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        fwd = _shape_of(batch)
+        seconds = 0.0 if self.profile is None else forward_seconds(self.shape, self.profile, fwd)
+        self.records.append(
+            ForwardRecord(self.clock.now, seconds, batch.mode.name, sum(fwd.q_lens), len(fwd.q_lens))
+        )
+        self.clock.now += seconds
+        rows = fwd.sampled_rows
+        extra = 0 if batch.hidden_rows is None else len(batch.hidden_rows)
+        # Never read: sample() answers without them (uninitialized, so they cost no fill).
+        return torch.empty(rows, SIM_VOCAB), torch.zeros(rows + extra, SIM_HIDDEN)
+
+    def forward_pipeline(
+        self, batches: Sequence[ForwardBatch | None]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        raise NotImplementedError("the simulator models one pipeline stage (--pp-size 1)")
+
+    def sample(self, logits: torch.Tensor, sampling: SamplingBatch) -> torch.Tensor:
+        return torch.zeros(logits.shape[0], dtype=torch.int64)
+
+    def embed(self, batch: ForwardBatch) -> torch.Tensor:
+        raise NotImplementedError("the simulator runs generation only")
+
+    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError("the simulator takes no images")
+
+    def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        pass
+
+    def kv_layout(self) -> KVLayout:
+        s = self.shape
+        return KVLayout(s.layers, s.kv_heads, s.head_dim, torch.bfloat16)
+
+    def read_kv(self, slots: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError("the simulator keeps no K/V")
+
+    def write_kv(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        raise NotImplementedError("the simulator keeps no K/V")
+
+    def idle(self) -> None:
+        pass
+
+    def lora_adapters(self) -> list[LoraAdapterInfo]:
+        return []
+
+    def load_lora(self, name: str, path: str) -> LoraAdapterInfo:
+        raise NotImplementedError("the simulator runs no LoRA adapters")
+
+    def unload_lora(self, name: str) -> None:
+        raise NotImplementedError("the simulator runs no LoRA adapters")
+
+    def set_lora_slot(self, slot: int, name: str) -> None:
+        raise NotImplementedError("the simulator runs no LoRA adapters")
+
+    def close(self) -> None:
+        pass
+
+    def describe(self) -> dict[str, Any]:
+        return {"executor": "cost model", "hardware": None if self.profile is None else self.profile.name}
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    def release_memory(self, tags: set[str]) -> None:
+        pass
+
+    def resume_memory(self, tags: set[str]) -> None:
+        pass
+
+    def resident_bytes(self) -> dict[str, int]:
+        return {}
+
+    def weight_slice(self, name: str, truncate_size: int) -> list[float]:
+        raise NotImplementedError("the simulator holds no weights")
+
+    def load_other_weights(self, model_path: str) -> str:
+        raise NotImplementedError("the simulator holds no weights")
+
+    def update_weights_from_tensors(self, named: list[tuple[str, torch.Tensor]]) -> int:
+        raise NotImplementedError("the simulator holds no weights")
+
+
+def _shape_of(batch: ForwardBatch) -> ForwardShape:
+    logprob_rows = 0 if batch.logprob_rows is None else len(batch.logprob_rows)
+    sampled = len(batch.sample_rows) + logprob_rows
+    if batch.mode is ForwardMode.DECODE:
+        assert batch.decode is not None
+        seq_lens = batch.decode.seq_lens.tolist()
+        return ForwardShape([1] * len(seq_lens), [n - 1 for n in seq_lens], sampled)
+    assert batch.extend is not None
+    return ForwardShape([s.q_len for s in batch.extend], [s.prefix_len for s in batch.extend], sampled)

@@ -1,0 +1,52 @@
+"""Hardware profiles for the cost model: peak dense bf16 FLOP/s and memory bandwidth from the
+vendors' published figures, and the share of those peaks a forward reaches plus its fixed costs
+(which `radixserve calibrate` fits on the machine it runs on; the GPU profiles carry defaults)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    name: str
+    peak_flops: float  # dense bf16 FLOP/s
+    memory_bandwidth: float  # bytes/s
+    memory_bytes: float  # device memory: weights plus the KV pool must fit
+    flops_efficiency: float = 0.6
+    bandwidth_efficiency: float = 0.8
+    # Per forward (kernel launches, the host's share) and per token (what grows with rows but is
+    # neither FLOPs nor bytes in the roofline: sampling, bookkeeping).
+    forward_overhead_s: float = 30e-6
+    token_overhead_s: float = 0.0
+    note: str = ""
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: Path) -> HardwareProfile:
+        return cls(**json.loads(path.read_text()))
+
+
+_GB = 1e9
+# Published figures: dense BF16 tensor-core FLOP/s (without sparsity) and HBM/GDDR bandwidth.
+BUILTIN_PROFILES: dict[str, HardwareProfile] = {
+    "H100": HardwareProfile("H100", 989.4e12, 3350 * _GB, 80 * _GB, note="H100 SXM5 80GB spec sheet"),
+    "H200": HardwareProfile("H200", 989.4e12, 4800 * _GB, 141 * _GB, note="H200 SXM 141GB spec sheet"),
+    "A100": HardwareProfile("A100", 312e12, 2039 * _GB, 80 * _GB, note="A100 SXM4 80GB spec sheet"),
+    "L4": HardwareProfile("L4", 121e12, 300 * _GB, 24 * _GB, note="L4 24GB spec sheet"),
+}
+
+
+def load_profile(spec: str) -> HardwareProfile:
+    """A built-in profile by name (H100, H200, A100, L4), or a JSON file `calibrate` wrote."""
+    if spec.upper() in BUILTIN_PROFILES:
+        return BUILTIN_PROFILES[spec.upper()]
+    path = Path(spec)
+    if not path.is_file():
+        names = ", ".join(BUILTIN_PROFILES)
+        raise ValueError(f"hardware {spec!r} is neither a built-in profile ({names}) nor a profile file")
+    return HardwareProfile.load(path)

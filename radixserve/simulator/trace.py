@@ -1,0 +1,82 @@
+"""Request traces for the simulator: synthetic (Poisson arrivals, length ranges, shared-prefix
+groups, multi-turn conversations) or recorded (JSON lines, as `serve --record-trace` would write
+them: arrival_s, input_ids or input_len, output_len)."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from radixserve.simulator.executor import SIM_VOCAB
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    arrival_s: float
+    input_ids: list[int]
+    output_len: int
+
+
+@dataclass(frozen=True)
+class SyntheticTrace:
+    num_requests: int = 1000
+    request_rate: float = float("inf")  # requests per second (Poisson); inf: all at t=0
+    input_len: tuple[int, int] = (512, 512)  # uniform in [lo, hi]
+    output_len: tuple[int, int] = (128, 128)
+    # Requests fall into this many groups sharing a prefix of prefix_len tokens (0: none).
+    prefix_groups: int = 0
+    prefix_len: int = 0
+    # Conversations of this many turns: each turn's prompt is the last turn's prompt, its reply
+    # and a new message of input_len tokens; turns of a conversation arrive turn_gap_s apart.
+    turns: int = 1
+    turn_gap_s: float = 10.0
+    seed: int = 0
+
+
+def _ids(rng: random.Random, n: int) -> list[int]:
+    # Id 0 is what the simulated model outputs; prompts use the others.
+    return [rng.randrange(1, SIM_VOCAB) for _ in range(n)]
+
+
+def synthetic(spec: SyntheticTrace) -> list[TraceRequest]:
+    rng = random.Random(spec.seed)
+    prefixes = [_ids(rng, spec.prefix_len) for _ in range(spec.prefix_groups)]
+    out: list[TraceRequest] = []
+    t = 0.0
+    conversations = -(-spec.num_requests // spec.turns)
+    for c in range(conversations):
+        if spec.request_rate != float("inf"):
+            t += rng.expovariate(spec.request_rate / spec.turns)
+        history = list(prefixes[c % len(prefixes)]) if prefixes else []
+        for turn in range(spec.turns):
+            if len(out) == spec.num_requests:
+                break
+            prompt = history + _ids(rng, rng.randint(*spec.input_len))
+            output_len = rng.randint(*spec.output_len)
+            out.append(TraceRequest(t + turn * spec.turn_gap_s, prompt, output_len))
+            history = prompt + [0] * output_len  # the reply the simulated model gives
+    return sorted(out, key=lambda r: r.arrival_s)
+
+
+def load_trace(path: Path, seed: int = 0) -> list[TraceRequest]:
+    """A recorded trace: one JSON object per line; input_len draws fresh ids (no prefix sharing)."""
+    rng = random.Random(seed)
+    out = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        try:
+            ids = (
+                [int(t) % SIM_VOCAB for t in row["input_ids"]]
+                if "input_ids" in row
+                else _ids(rng, int(row["input_len"]))
+            )
+            out.append(TraceRequest(float(row["arrival_s"]), ids, int(row["output_len"])))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(
+                f"{path}:{number}: a trace line needs arrival_s, input_ids or input_len, output_len"
+            ) from exc
+    return sorted(out, key=lambda r: r.arrival_s)

@@ -1,0 +1,64 @@
+"""The roofline (simulator/cost_model.py): decode is bound by the bytes it reads, a long prefill by
+its FLOPs, and attention grows with the context."""
+
+from __future__ import annotations
+
+import pytest
+
+from radixserve.models.config import ModelConfig
+from radixserve.simulator.cost_model import ForwardShape, ModelShape, forward_flops_bytes, forward_seconds
+from radixserve.simulator.hardware import BUILTIN_PROFILES, HardwareProfile, load_profile
+
+LLAMA_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+}
+
+
+def shape() -> ModelShape:
+    return ModelShape.of(ModelConfig.from_hf_dict(LLAMA_8B))
+
+
+def test_parameter_and_kv_sizes_of_llama_8b() -> None:
+    s = shape()
+    # 7.5 B in the layers and the LM head (the embedding's rows are gathered, not read whole).
+    assert s.weight_bytes / 2 == pytest.approx(7.50e9, rel=0.01)
+    assert s.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2
+
+
+def test_decode_is_memory_bound_and_prefill_compute_bound() -> None:
+    s, h100 = shape(), BUILTIN_PROFILES["H100"]
+    bare = HardwareProfile("bare", h100.peak_flops, h100.memory_bandwidth, h100.memory_bytes, 1.0, 1.0, 0.0)
+    decode = ForwardShape([1] * 8, [1000] * 8, 8)
+    flops, moved = forward_flops_bytes(s, decode)
+    assert forward_seconds(s, bare, decode) == pytest.approx(moved / h100.memory_bandwidth)
+    assert flops / h100.peak_flops < moved / h100.memory_bandwidth
+    prefill = ForwardShape([4096], [0], 1)
+    flops, moved = forward_flops_bytes(s, prefill)
+    assert forward_seconds(s, bare, prefill) == pytest.approx(flops / h100.peak_flops)
+    # Attention: the same new tokens over a longer prefix cost more.
+    longer = ForwardShape([4096], [4096], 1)
+    assert forward_flops_bytes(s, longer)[0] - flops == pytest.approx(4 * 32 * 32 * 128 * 4096 * 4096)
+    # Fixed costs add once per forward and per token.
+    slow = HardwareProfile(
+        "slow", bare.peak_flops, bare.memory_bandwidth, bare.memory_bytes, 1.0, 1.0, 1e-3, 1e-6
+    )
+    assert forward_seconds(s, slow, decode) == pytest.approx(forward_seconds(s, bare, decode) + 1e-3 + 8e-6)
+
+
+def test_profiles_by_name_or_file(tmp_path: object) -> None:
+    from pathlib import Path
+
+    assert load_profile("h200").memory_bandwidth == 4.8e12
+    path = Path(str(tmp_path)) / "cpu.json"
+    custom = HardwareProfile("cpu", 1e12, 1e11, 2e10, 0.3, 0.5, 1e-3, 2e-5, note="calibrated")
+    custom.save(path)
+    assert load_profile(str(path)) == custom
+    with pytest.raises(ValueError, match="neither a built-in profile"):
+        load_profile("TPU")

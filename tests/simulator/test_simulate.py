@@ -1,0 +1,99 @@
+"""The real Scheduler on the simulator's virtual clock (simulator/simulate.py): every request runs
+to its length, the clock is the sum of the forwards, shared prefixes hit the cache, a small pool
+retracts, and the outputs (table, JSON, HTML) are written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from radixserve.cli import main
+from radixserve.models.config import ModelConfig
+from radixserve.simulator.hardware import BUILTIN_PROFILES
+from radixserve.simulator.simulate import kv_capacity, simulate
+from radixserve.simulator.trace import SyntheticTrace, synthetic
+from tests.simulator.test_cost_model import LLAMA_8B
+
+CONFIG = ModelConfig.from_hf_dict(LLAMA_8B)
+
+
+def test_every_request_runs_and_the_clock_adds_up() -> None:
+    trace = synthetic(SyntheticTrace(num_requests=40, input_len=(100, 300), output_len=(5, 30), seed=1))
+    result = simulate(CONFIG, BUILTIN_PROFILES["H100"], trace, 20_000)
+    assert result.requests == 40
+    assert result.output_tokens == sum(r.output_len for r in trace)
+    assert result.input_tokens == sum(len(r.input_ids) for r in trace)
+    assert result.ttft_ms["count"] == 40 and result.itl_ms["count"] == result.output_tokens - 40
+    assert 0 < result.ttft_ms["p50"] <= result.e2e_ms["p50"]
+    assert result.retracted_reqs == 0 and result.cache_hit_rate < 0.01
+
+
+def test_arrivals_wait_for_their_time_and_idle_gaps_are_skipped() -> None:
+    trace = synthetic(
+        SyntheticTrace(num_requests=20, request_rate=0.5, input_len=(64, 64), output_len=(4, 4))
+    )
+    result = simulate(CONFIG, BUILTIN_PROFILES["H100"], trace, 20_000)
+    # Sparse arrivals: each request runs alone, so its TTFT is one prefill, far below the gaps.
+    assert result.ttft_ms["p99"] < 100
+    assert result.makespan_s == pytest.approx(trace[-1].arrival_s - trace[0].arrival_s, abs=0.5)
+
+
+def test_shared_prefixes_and_turns_hit_the_cache() -> None:
+    shared = synthetic(
+        SyntheticTrace(
+            num_requests=64, input_len=(32, 32), output_len=(8, 8), prefix_groups=2, prefix_len=512
+        )
+    )
+    assert simulate(CONFIG, BUILTIN_PROFILES["A100"], shared, 50_000).cache_hit_rate > 0.8
+    chats = synthetic(
+        SyntheticTrace(
+            num_requests=30, request_rate=2, input_len=(64, 64), output_len=(16, 16), turns=3, turn_gap_s=5.0
+        )
+    )
+    # A later turn's prompt is the earlier turn's prompt, its reply (the model's 0s) and more.
+    continued = sum(
+        b.input_ids[: len(a.input_ids) + a.output_len] == a.input_ids + [0] * a.output_len
+        for a in chats
+        for b in chats
+        if b is not a
+    )
+    assert continued == 30  # 10 conversations: turn 2 continues turn 1, turn 3 both
+    result = simulate(CONFIG, BUILTIN_PROFILES["A100"], chats, 50_000)
+    assert result.cache_hit_rate > 0.4
+
+
+def test_a_small_pool_retracts_and_still_finishes() -> None:
+    trace = synthetic(SyntheticTrace(num_requests=24, input_len=(200, 200), output_len=(200, 200)))
+    result = simulate(CONFIG, BUILTIN_PROFILES["L4"], trace, 2_000, schedule_conservativeness=0.05)
+    assert result.requests == 24 and result.retracted_reqs > 0
+
+
+def test_zero_cost_executor_measures_only_the_scheduler() -> None:
+    trace = synthetic(SyntheticTrace(num_requests=16, input_len=(32, 32), output_len=(8, 8)))
+    result = simulate(CONFIG, None, trace, 4_000)
+    assert result.makespan_s == 0 and result.requests == 16
+    assert len(result.scheduler_step_s) >= 8 and all(s >= 0 for s in result.scheduler_step_s)
+
+
+def test_kv_capacity_fits_beside_the_weights() -> None:
+    h100 = BUILTIN_PROFILES["H100"]
+    slots = kv_capacity(CONFIG, h100)
+    assert slots * 131072 == pytest.approx(80e9 * 0.88 - 15.0e9, rel=0.01)
+
+
+def test_cli_writes_table_json_and_html(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "config.json"
+    import json
+
+    config.write_text(json.dumps(LLAMA_8B))
+    out = tmp_path / "out"
+    args = ["simulate", "--model-config", str(config), "--hardware", "H200", "--num-requests", "20",
+            "--input-len", "64:128", "--output-len", "4:8", "--out", str(out)]  # fmt: skip
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "| requests | 20 |" in printed and "TTFT p50" in printed
+    summary = json.loads((out / "simulation.json").read_text())
+    assert summary["requests"] == 20 and summary["output_tok_s"] > 0
+    page = (out / "simulation.html").read_text()
+    assert page.count("<svg") == 3 and "<polyline" in page

@@ -156,7 +156,10 @@ class Engine(EngineControl):
             elif isinstance(msg, ControlResult):
                 self._dispatch([msg])
             elif isinstance(msg, SchedulerFailed):
-                self._fail(f"the scheduler stopped with an error:\n{msg.error}")
+                # A rank that failed because a peer was killed: name the kill first.
+                dead = self.runtime.dead_child()
+                cause = f"{dead}; " if dead is not None and "killed by" in dead else ""
+                self._fail(f"{cause}the scheduler stopped with an error:\n{msg.error}")
                 return
             if self.deadlines:
                 self._abort_late_requests()

@@ -197,8 +197,12 @@ class Runtime:
         return None
 
     def dead_child(self) -> str | None:
-        """Why a child has stopped, or None while both run."""
-        return next((msg for child in self.children if (msg := child.exit_message()) is not None), None)
+        """Why a child has stopped, or None while all run. A child killed by a signal comes first:
+        when one rank is killed, its peers fail on their next collective and exit too, and the
+        kill is the cause."""
+        codes = [(child, child.process.poll()) for child in self.children]
+        dead = sorted(((c, code) for c, code in codes if code is not None), key=lambda item: item[1] >= 0)
+        return None if not dead else describe_exit(dead[0][0].name, dead[0][1])
 
     def recv(self, timeout_ms: int) -> Any | None:
         return self._from_detokenizer.recv(timeout_ms)

@@ -64,11 +64,12 @@ class DashboardFeed:
         async with self._lock:
             if self._last is not None and time.monotonic() - self._last[0] < SNAPSHOT_TTL_S:
                 return self._last[1]
-            snap = await asyncio.to_thread(self._build)
+            snap = await asyncio.to_thread(self.build)
             self._last = (time.monotonic(), snap)
             return snap
 
-    def _build(self) -> dict[str, Any]:
+    def build(self) -> dict[str, Any]:
+        """A fresh snapshot (blocking: one control round trip per replica)."""
         engine = self.engine
         assert engine.live is not None
         snap: dict[str, Any] = {"time": time.time(), "model": engine.served_model_name}

@@ -55,6 +55,19 @@ def add_simulate_parser(sub: Any) -> None:
     sim.add_argument("--out", type=Path, default=None, help="write simulation.{json,md,html} here")
     sim.set_defaults(func=_simulate)
 
+    cal = sub.add_parser(
+        "calibrate",
+        help="fit a hardware profile of this machine for simulate",
+        description="Measures this machine's matmul FLOP/s and copy bandwidth, times a few prefill- "
+        "and decode-bound batches of a real model, and fits the profile's efficiencies and overheads "
+        "so that the simulator predicts those times.",
+    )
+    cal.add_argument("--model-path", default=None, help="the model to time (default: the packaged SmolLM2)")
+    cal.add_argument("--dtype", default="auto")
+    cal.add_argument("--max-total-tokens", type=int, default=None)
+    cal.add_argument("--out", type=Path, default=Path("cpu-profile.json"))
+    cal.set_defaults(func=_calibrate)
+
 
 def load_config(spec: str) -> ModelConfig:
     path = Path(spec)
@@ -105,4 +118,80 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.out is not None:
         for path in write_outputs(result, title, args.out):
             print(f"wrote {path}")
+    return 0
+
+
+def calibrate_engine(engine: Any, name: str = "cpu") -> tuple[Any, list[tuple[Any, float]]]:
+    """A profile fitted to this engine's model on this machine, and each calibration run with its
+    predicted seconds."""
+    import os
+
+    from radixserve.models.loader import load_model_config
+    from radixserve.simulator.calibrate import (
+        calibration_runs,
+        fit,
+        forward_costs,
+        measure_peaks,
+        measure_runs,
+        prompts,
+        recorded_forwards,
+    )
+    from radixserve.simulator.cost_model import ModelShape, forward_seconds
+    from radixserve.simulator.executor import SIM_VOCAB
+    from radixserve.simulator.trace import TraceRequest
+
+    flops, bandwidth = measure_peaks()
+    runs = measure_runs(engine)
+    config = load_model_config(engine.source)
+    server_args = scheduler_args(engine.args)
+    recorded = [
+        recorded_forwards(
+            config,
+            [TraceRequest(0.0, p, shape[2]) for p in prompts(shape, SIM_VOCAB, seed=i)],
+            engine.max_total_tokens,
+            **server_args,
+        )
+        for i, shape in enumerate(calibration_runs(engine.context_len))
+    ]
+    memory = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    profile = fit(config, runs, [forward_costs(config, r) for r in recorded], flops, bandwidth, memory, name)
+    shape = ModelShape.of(config)
+    predicted = [sum(forward_seconds(shape, profile, f.shape) for f in r) for r in recorded]
+    return profile, list(zip(runs, predicted, strict=True))
+
+
+def scheduler_args(args: ServerArgs) -> dict[str, Any]:
+    """The flags that decide how a server batches, for a simulation of it."""
+    return {
+        "schedule_policy": args.schedule_policy,
+        "chunked_prefill_size": args.chunked_prefill_size,
+        "max_prefill_tokens": args.max_prefill_tokens,
+        "max_running_requests": args.max_running_requests,
+        "schedule_conservativeness": args.schedule_conservativeness,
+        "page_size": args.page_size,
+        "disable_radix_cache": args.disable_radix_cache,
+    }
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from radixserve.runtime.engine import Engine
+
+    flags: dict[str, Any] = {"dtype": args.dtype, "log_level": "warning"}
+    if args.max_total_tokens is not None:
+        flags["max_total_tokens"] = args.max_total_tokens
+    with Engine(args.model_path, **flags) as engine:
+        profile, rows = calibrate_engine(engine)
+    profile.save(args.out)
+    print("| requests x prompt + output | measured s | predicted s | error |\n|---|---|---|---|")
+    for run, predicted in rows:
+        error = (predicted - run.seconds) / run.seconds
+        label = f"{run.requests} x {run.prompt_len} + {run.output_len}"
+        print(f"| {label} | {run.seconds:.3f} | {predicted:.3f} | {error:+.1%} |")
+    print(
+        f"peak {profile.peak_flops / 1e9:,.0f} GFLOP/s x {profile.flops_efficiency:.2f}, "
+        f"{profile.memory_bandwidth / 1e9:,.1f} GB/s x {profile.bandwidth_efficiency:.2f}, "
+        f"{profile.forward_overhead_s * 1e3:.2f} ms per forward, "
+        f"{profile.token_overhead_s * 1e6:.0f} us per token"
+    )
+    print(f"wrote {args.out}")
     return 0

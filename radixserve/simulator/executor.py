@@ -36,8 +36,11 @@ class ForwardRecord:
     start: float
     seconds: float
     mode: str
-    tokens: int
-    requests: int
+    shape: ForwardShape
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.shape.q_lens)
 
 
 @dataclass
@@ -66,9 +69,7 @@ class CostModelExecutor:
     def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         fwd = _shape_of(batch)
         seconds = 0.0 if self.profile is None else forward_seconds(self.shape, self.profile, fwd)
-        self.records.append(
-            ForwardRecord(self.clock.now, seconds, batch.mode.name, sum(fwd.q_lens), len(fwd.q_lens))
-        )
+        self.records.append(ForwardRecord(self.clock.now, seconds, batch.mode.name, fwd))
         self.clock.now += seconds
         rows = fwd.sampled_rows
         extra = 0 if batch.hidden_rows is None else len(batch.hidden_rows)

@@ -14,7 +14,7 @@ from radixserve.protocol.messages import GenerateRequest, ReqOutput
 from radixserve.runtime.live_stats import percentiles
 from radixserve.scheduler.scheduler import Scheduler
 from radixserve.simulator.cost_model import ModelShape
-from radixserve.simulator.executor import CostModelExecutor, VirtualClock
+from radixserve.simulator.executor import CostModelExecutor, ForwardRecord, VirtualClock
 from radixserve.simulator.hardware import HardwareProfile
 from radixserve.simulator.trace import TraceRequest
 
@@ -64,6 +64,8 @@ class SimResult:
     scheduler_step_s: list[float]
     # Every finished request's TTFT.
     ttft_values_ms: list[float] = field(default_factory=list)
+    # Every forward the executor was asked for, with its shape and cost.
+    records: list[ForwardRecord] = field(default_factory=list)
 
     @property
     def output_tok_s(self) -> float:
@@ -158,6 +160,7 @@ def simulate(
         hit_timeline=hit_timeline,
         scheduler_step_s=step_s,
         ttft_values_ms=ttfts,
+        records=executor.records,
     )
 
 

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from radixserve.models.config import ModelConfig
-from radixserve.simulator.cost_model import ModelShape, forward_flops_bytes
+from radixserve.simulator.cost_model import ForwardWork, ModelShape, forward_work
 from radixserve.simulator.executor import ForwardRecord
 from radixserve.simulator.hardware import HardwareProfile
 from radixserve.simulator.simulate import simulate
@@ -45,6 +45,8 @@ def calibration_runs(context_len: int) -> list[tuple[int, int, int]]:
 
 
 FLOPS_EFFICIENCY = np.geomspace(0.05, 2.0, 24)
+# Attention (softmax, small per-head matmuls) may run far below the linears' efficiency.
+ATTENTION_EFFICIENCY = np.geomspace(0.005, 2.0, 20)
 BANDWIDTH_EFFICIENCY = np.geomspace(0.05, 2.0, 24)
 FORWARD_OVERHEAD_S = np.array([0.0, 0.25e-3, 0.5e-3, 1e-3, 2e-3, 4e-3, 8e-3])
 TOKEN_OVERHEAD_S = np.array([0.0, 10e-6, 25e-6, 50e-6, 100e-6, 200e-6])
@@ -112,22 +114,25 @@ def recorded_forwards(
 def fit(
     config: ModelConfig,
     runs: list[Run],
-    forwards: list[list[tuple[float, float, int]]],
+    forwards: list[list[ForwardWork]],
     peak_flops: float,
     bandwidth: float,
     memory_bytes: float,
     name: str = "cpu",
 ) -> HardwareProfile:
-    """The grid point with the least squared log error; forwards: per run, each forward's (FLOPs,
-    bytes, tokens)."""
+    """The grid point with the least squared log error; forwards: per run, each forward's work."""
     measured = np.log(np.array([r.seconds for r in runs]))
+    # One row per forward, and the run it belongs to.
+    linear = np.array([w.linear_flops for run in forwards for w in run]) / peak_flops
+    attention = np.array([w.attention_flops for run in forwards for w in run]) / peak_flops
+    moved = np.array([w.bytes for run in forwards for w in run]) / bandwidth
+    owner = np.repeat(np.arange(len(forwards)), [len(run) for run in forwards])
+    counts = np.array([len(run) for run in forwards], dtype=float)
+    tokens = np.array([sum(w.tokens for w in run) for run in forwards], dtype=float)
     best: tuple[float, HardwareProfile] | None = None
-    for ef, eb in itertools.product(FLOPS_EFFICIENCY, BANDWIDTH_EFFICIENCY):
-        roof = np.array(
-            [sum(max(f / (peak_flops * ef), b / (bandwidth * eb)) for f, b, _ in run) for run in forwards]
-        )
-        counts = np.array([len(run) for run in forwards])
-        tokens = np.array([sum(t for _, _, t in run) for run in forwards])
+    for ef, ea, eb in itertools.product(FLOPS_EFFICIENCY, ATTENTION_EFFICIENCY, BANDWIDTH_EFFICIENCY):
+        per_forward = np.maximum(linear / ef + attention / ea, moved / eb)
+        roof = np.bincount(owner, weights=per_forward, minlength=len(forwards))
         # Every (forward, token) overhead pair at once: [runs, forward overheads, token overheads].
         predicted = (
             roof[:, None, None]
@@ -147,12 +152,13 @@ def fit(
                 float(FORWARD_OVERHEAD_S[i]),
                 float(TOKEN_OVERHEAD_S[j]),
                 note="fitted by radixserve calibrate",
+                attention_efficiency=float(ea),
             )
             best = (float(error[i, j]), profile)
     assert best is not None
     return best[1]
 
 
-def forward_costs(config: ModelConfig, records: list[ForwardRecord]) -> list[tuple[float, float, int]]:
+def forward_costs(config: ModelConfig, records: list[ForwardRecord]) -> list[ForwardWork]:
     shape = ModelShape.of(config)
-    return [(*forward_flops_bytes(shape, r.shape), r.tokens) for r in records]
+    return [forward_work(shape, r.shape) for r in records]

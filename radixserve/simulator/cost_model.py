@@ -58,22 +58,41 @@ class ForwardShape:
     sampled_rows: int
 
 
-def forward_flops_bytes(shape: ModelShape, fwd: ForwardShape) -> tuple[float, float]:
+@dataclass(frozen=True)
+class ForwardWork:
+    """What one forward does: FLOPs of the linears (and LM head), FLOPs of attention (which runs at
+    its own efficiency: far below a matmul's on a CPU), bytes moved, and new tokens."""
+
+    linear_flops: float
+    attention_flops: float
+    bytes: float
+    tokens: int
+
+    @property
+    def flops(self) -> float:
+        return self.linear_flops + self.attention_flops
+
+
+def forward_work(shape: ModelShape, fwd: ForwardShape) -> ForwardWork:
     tokens = sum(fwd.q_lens)
-    flops = (
-        2.0 * tokens * shape.layers * shape.layer_params + 2.0 * fwd.sampled_rows * shape.hidden * shape.vocab
-    )
+    linear = 2.0 * tokens * shape.layers * shape.layer_params
+    linear += 2.0 * fwd.sampled_rows * shape.hidden * shape.vocab  # the LM head
     # Attention: QK^T and PV, each 2 FLOPs per (query, key, head dim); a new token sees the prefix
     # and the new tokens up to itself.
     pairs = sum(q * p + q * (q + 1) / 2 for q, p in zip(fwd.q_lens, fwd.prefix_lens, strict=True))
-    flops += 4.0 * shape.layers * shape.heads * shape.head_dim * pairs
+    attention = 4.0 * shape.layers * shape.heads * shape.head_dim * pairs
     context = sum(q + p for q, p in zip(fwd.q_lens, fwd.prefix_lens, strict=True))
     moved = shape.weight_bytes + (context + tokens) * shape.kv_bytes_per_token
-    return flops, float(moved)
+    return ForwardWork(linear, attention, float(moved), tokens)
+
+
+def work_seconds(work: ForwardWork, profile: HardwareProfile) -> float:
+    attention_efficiency = profile.attention_efficiency or profile.flops_efficiency
+    compute = work.linear_flops / (profile.peak_flops * profile.flops_efficiency)
+    compute += work.attention_flops / (profile.peak_flops * attention_efficiency)
+    memory = work.bytes / (profile.memory_bandwidth * profile.bandwidth_efficiency)
+    return max(compute, memory) + profile.forward_overhead_s + profile.token_overhead_s * work.tokens
 
 
 def forward_seconds(shape: ModelShape, profile: HardwareProfile, fwd: ForwardShape) -> float:
-    flops, moved = forward_flops_bytes(shape, fwd)
-    compute = flops / (profile.peak_flops * profile.flops_efficiency)
-    memory = moved / (profile.memory_bandwidth * profile.bandwidth_efficiency)
-    return max(compute, memory) + profile.forward_overhead_s + profile.token_overhead_s * sum(fwd.q_lens)
+    return work_seconds(forward_work(shape, fwd), profile)

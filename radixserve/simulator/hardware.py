@@ -22,6 +22,8 @@ class HardwareProfile:
     forward_overhead_s: float = 30e-6
     token_overhead_s: float = 0.0
     note: str = ""
+    # Attention's share of peak FLOP/s, where it differs from the linears' (None: the same).
+    attention_efficiency: float | None = None
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=2) + "\n")

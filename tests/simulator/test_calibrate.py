@@ -28,7 +28,7 @@ from tests.simulator.test_cost_model import LLAMA_8B
 
 def test_the_fit_recovers_a_known_profile() -> None:
     config = ModelConfig.from_hf_dict(LLAMA_8B)
-    truth = HardwareProfile("truth", 2e12, 1e11, 6e10, 0.36, 0.62, 2e-3, 50e-6)
+    truth = HardwareProfile("truth", 2e12, 1e11, 6e10, 0.36, 0.62, 2e-3, 50e-6, attention_efficiency=0.05)
     recorded = [
         recorded_forwards(
             config, [TraceRequest(0.0, p, shape[2]) for p in prompts(shape, SIM_VOCAB, i)], 200_000

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from radixserve.models.config import ModelConfig
-from radixserve.simulator.cost_model import ForwardShape, ModelShape, forward_flops_bytes, forward_seconds
+from radixserve.simulator.cost_model import ForwardShape, ModelShape, forward_seconds, forward_work
 from radixserve.simulator.hardware import BUILTIN_PROFILES, HardwareProfile, load_profile
 
 LLAMA_8B = {
@@ -36,15 +36,32 @@ def test_decode_is_memory_bound_and_prefill_compute_bound() -> None:
     s, h100 = shape(), BUILTIN_PROFILES["H100"]
     bare = HardwareProfile("bare", h100.peak_flops, h100.memory_bandwidth, h100.memory_bytes, 1.0, 1.0, 0.0)
     decode = ForwardShape([1] * 8, [1000] * 8, 8)
-    flops, moved = forward_flops_bytes(s, decode)
+    work = forward_work(s, decode)
+    flops, moved = work.flops, work.bytes
     assert forward_seconds(s, bare, decode) == pytest.approx(moved / h100.memory_bandwidth)
     assert flops / h100.peak_flops < moved / h100.memory_bandwidth
     prefill = ForwardShape([4096], [0], 1)
-    flops, moved = forward_flops_bytes(s, prefill)
+    work = forward_work(s, prefill)
+    flops, moved = work.flops, work.bytes
     assert forward_seconds(s, bare, prefill) == pytest.approx(flops / h100.peak_flops)
     # Attention: the same new tokens over a longer prefix cost more.
     longer = ForwardShape([4096], [4096], 1)
-    assert forward_flops_bytes(s, longer)[0] - flops == pytest.approx(4 * 32 * 32 * 128 * 4096 * 4096)
+    assert forward_work(s, longer).attention_flops - work.attention_flops == pytest.approx(
+        4 * 32 * 32 * 128 * 4096 * 4096
+    )
+    # Attention at its own efficiency: a tenth of the linears' makes its share ten times slower.
+    slow_attention = HardwareProfile(
+        "a",
+        bare.peak_flops,
+        bare.memory_bandwidth,
+        bare.memory_bytes,
+        1.0,
+        1.0,
+        0.0,
+        attention_efficiency=0.1,
+    )
+    expected = (work.linear_flops + 10 * work.attention_flops) / h100.peak_flops
+    assert forward_seconds(s, slow_attention, prefill) == pytest.approx(expected)
     # Fixed costs add once per forward and per token.
     slow = HardwareProfile(
         "slow", bare.peak_flops, bare.memory_bandwidth, bare.memory_bytes, 1.0, 1.0, 1e-3, 1e-6

@@ -387,6 +387,9 @@ class GlooDecodeTransfer(DecodeTransfer):
                     if connection.closed:
                         self._deliver(KVHandoff(room, None, message="the prefill server closed"))
                         continue
+                    # A room used again: an abort left for its earlier request is stale (that
+                    # request's K/V may have been sent before the abort was written).
+                    connection.store.delete_key(_abort_key(room))
                     connection.store.set(_room_key(room), str(connection.peer))
                 else:
                     connection.rooms.discard(room)

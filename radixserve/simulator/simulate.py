@@ -139,6 +139,8 @@ def simulate(
         if executor.records and executor.records[-1].mode == "EXTEND" and len(executor.records) > forwards:
             prompt_seen, cached_seen = _hits(timings)
             hit_timeline.append((clock.now, cached_seen / prompt_seen if prompt_seen else 0.0))
+    # Idle now: every KV slot is free or evictable, as after any run of the real scheduler.
+    scheduler.check_kv_invariant()
     done = [t for t in timings.values() if t.end is not None]
     first_arrival = pending[0].arrival_s if pending else 0.0
     prompt_seen, cached_seen = _hits(timings)

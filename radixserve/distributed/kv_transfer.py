@@ -7,8 +7,13 @@ The transport is torch.distributed's, never a socket protocol of radixserve's ow
   `PrefixStore` per pair), so any number of decode servers can pair with one prefill server.
 - **Rooms:** sglang-router gives both halves of a request the same `bootstrap_room`. The decode
   server claims a room in the store once it has KV slots for the prompt (that is its flow
-  control); the prefill server sends a finished prompt's K/V only to the peer that claimed its room.
-  Either side marks a room it gives up on, and the other drops it.
+  control); the prefill server sends a finished prompt's K/V only to the peer that claimed its room,
+  taking the claim out of the store as it starts. A decode server that gives up on a room turns its
+  claim into a give-up mark, atomically and only while the claim is still there (a claim already
+  taken means the K/V is on its way, and the decode side drops it on arrival); the prefill side
+  drops a room so marked. So a mark never outlives the request it was for, and a room number used
+  again later is never dropped by an earlier request's abort. (A room given up before it was ever
+  claimed is marked outright; the prefill side clears the mark when it drops the room.)
 - **One handoff** on the pair's group: a fixed header (int64), a JSON record (the first token and
   its logprobs, the K/V's shape and dtype, or why the prefill side gave up), then the K/V bytes.
 
@@ -48,8 +53,8 @@ def _room_key(room: int) -> str:
     return f"{_PREFIX}/room/{room}"
 
 
-def _abort_key(room: int) -> str:
-    return f"{_PREFIX}/abort/{room}"
+# The value of a room's key once the decode side gave it up (a claim's value is a peer number).
+_GIVEN_UP = "given-up"
 
 
 def layout_signature(kv_shape_per_token: tuple[int, ...], dtype: torch.dtype) -> str:
@@ -267,18 +272,20 @@ class GlooPrefillTransfer(PrefillTransfer):
     def _send_claimed(self) -> None:
         now = time.monotonic()
         for room, pending in list(self._pending.items()):
-            if self.store.check([_abort_key(room)]):
-                self.store.delete_key(_abort_key(room))
+            # Only this side deletes room keys, so a key seen here is still there to read.
+            value = self.store.get(_room_key(room)).decode() if self.store.check([_room_key(room)]) else None
+            if value == _GIVEN_UP:
+                self.store.delete_key(_room_key(room))
                 self._settle(room, "dropped")
                 continue
-            if not self.store.check([_room_key(room)]):
+            if value is None:
                 if now > pending.deadline:
                     logger.warning(
                         "no decode server claimed room %d in %.0f s; dropping it", room, self.timeout_s
                     )
                     self._settle(room, "failed")
                 continue
-            peer = int(self.store.get(_room_key(room)))
+            peer = int(value)
             group = self.peers.get(peer)
             if group is None:
                 continue  # it claimed the room before we accepted it: next round
@@ -334,6 +341,9 @@ class GlooDecodeTransfer(DecodeTransfer):
         self._commands: queue.Queue[tuple[str, int, str, int] | None] = queue.Queue()
         self._ready: collections.deque[KVHandoff] = collections.deque()
         self._forgotten: set[int] = set()
+        # Rooms claimed (expected) and not yet handed to the scheduler: a room given up while
+        # here has a claim in the store to turn into a give-up mark.
+        self._claimed: set[int] = set()
         self._cond = threading.Condition()
         self._stats = TransferStats()
         self._thread = threading.Thread(target=self._run, name="radixserve-pd-connect", daemon=True)
@@ -342,16 +352,23 @@ class GlooDecodeTransfer(DecodeTransfer):
     def expect(self, room: int, host: str, port: int) -> None:
         with self._cond:
             self._forgotten.discard(room)  # a room given up earlier, used again
+            self._claimed.add(room)
         self._commands.put(("expect", room, host, port))
 
     def forget(self, room: int, host: str, port: int) -> None:
         with self._cond:
             self._forgotten.add(room)
-        self._commands.put(("forget", room, host, port))
+            # K/V that came and was not yet polled belongs to the request given up, not to one
+            # that uses the room next.
+            self._ready = collections.deque(handoff for handoff in self._ready if handoff.room != room)
+            kind = "forget-claimed" if room in self._claimed else "forget-unclaimed"
+            self._claimed.discard(room)
+        self._commands.put((kind, room, host, port))
 
     def poll(self) -> list[KVHandoff]:
         with self._cond:
             ready, self._ready = list(self._ready), collections.deque()
+            self._claimed.difference_update(handoff.room for handoff in ready)
             return ready
 
     def wait(self, timeout_s: float) -> None:
@@ -387,13 +404,12 @@ class GlooDecodeTransfer(DecodeTransfer):
                     if connection.closed:
                         self._deliver(KVHandoff(room, None, message="the prefill server closed"))
                         continue
-                    # A room used again: an abort left for its earlier request is stale (that
-                    # request's K/V may have been sent before the abort was written).
-                    connection.store.delete_key(_abort_key(room))
                     connection.store.set(_room_key(room), str(connection.peer))
                 else:
                     connection.rooms.discard(room)
-                    connection.store.set(_abort_key(room), "1")
+                    # A claim already taken means the K/V is on its way: nothing to mark.
+                    expected = str(connection.peer) if kind == "forget-claimed" else ""
+                    connection.store.compare_set(_room_key(room), expected, _GIVEN_UP)
             except Exception as exc:
                 logger.warning("prefill server %s:%d: %s", host, port, exc)
                 with self._cond:

@@ -121,3 +121,30 @@ def test_a_decode_side_of_another_layout_is_refused() -> None:
     finally:
         prefill.close()
         decode.close()
+
+
+def test_a_late_give_up_never_drops_or_feeds_the_rooms_next_request(
+    sides: tuple[GlooPrefillTransfer, GlooDecodeTransfer, int],
+) -> None:
+    prefill, decode, port = sides
+    decode.expect(5, "127.0.0.1", port)
+    prefill.send(KVHandoff(5, _kv(4, 0), first_token=1))
+    deadline = time.monotonic() + DEADLINE_S
+    while prefill.stats()["handoffs"] == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    # Given up after its K/V left the prefill side and before the scheduler polled it.
+    decode.forget(5, "127.0.0.1", port)
+    # The decode side's commands run in order: once room 6 arrives, the give-up has been written.
+    decode.expect(6, "127.0.0.1", port)
+    prefill.send(KVHandoff(6, _kv(4, 6), first_token=6))
+    (got,) = _receive(decode, 1)
+    assert got.room == 6
+    # The room's next request reaches the prefill side before the decode side claims it again.
+    prefill.send(KVHandoff(5, _kv(7, 1), first_token=2))
+    time.sleep(0.3)  # many rounds of the prefill side's polling
+    assert prefill.stats()["dropped"] == 0 and prefill.stats()["waiting_for_claim"] == 1
+    decode.expect(5, "127.0.0.1", port)
+    (got,) = _receive(decode, 1)
+    assert got.room == 5 and got.first_token == 2 and got.kv is not None
+    assert torch.equal(got.kv, _kv(7, 1))

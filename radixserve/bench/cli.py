@@ -499,9 +499,12 @@ def _bench_multiturn(args: argparse.Namespace) -> int:
         args.conversations, args.turns, args.user_tokens, args.reply_tokens, args.concurrency,
         args.pool_conversations, max(0, args.context_tokens),
     )  # fmt: skip
-    engine_args = _isa_args(args)
+    engine_args = {**_isa_args(args), "device": args.device, "hicache_ratio": args.hicache_ratio}
     storage = Path(args.storage_dir) if args.storage_dir else None
-    report = run_multiturn_bench(workload, args.dtype, storage, engine_args=engine_args)
+    settings = tuple("storage, restarted" if s == "restarted" else s for s in args.settings.split(","))
+    report = run_multiturn_bench(
+        workload, args.dtype, storage, engine_args=engine_args, settings=settings, model_path=args.model_path
+    )
     return _print_report(format_table(report), report, args.out)
 
 
@@ -531,6 +534,15 @@ def _add_multiturn_parser(bench_sub: Any) -> argparse.ArgumentParser:
     bench.add_argument("--cpu-isa", default="auto", choices=CPU_ISA_CHOICES, help="as for the server")
     bench.add_argument(
         "--storage-dir", default=None, help="the storage tier's directory (default: a new one)"
+    )
+    bench.add_argument(
+        "--settings", default="off,storage,restarted",
+        help="comma-separated, from off, host (L2 beside a GPU pool), storage, restarted",
+    )  # fmt: skip
+    bench.add_argument("--model-path", default=None, help="default: the packaged SmolLM2-135M-Instruct")
+    bench.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    bench.add_argument(
+        "--hicache-ratio", type=float, default=2.0, help="L2's size over the device pool (setting host)"
     )
     bench.add_argument("--out", default=None, help="write the report as JSON here")
     bench.set_defaults(func=_bench_multiturn)

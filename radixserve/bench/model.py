@@ -35,6 +35,20 @@ SMOLLM2_135M_CONFIG: dict[str, Any] = {
     "pad_token_id": None,
 }
 
+# Llama-3.2-1B's layers with SmolLM2's vocabulary (the local tokenizer's ids and the benches'
+# random prompt ids fit it); for GPU runs, where SmolLM2-135M is too small to load the device.
+LLAMA_1B_CONFIG: dict[str, Any] = {
+    **SMOLLM2_135M_CONFIG,
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "rope_theta": 500000.0,
+    "initializer_range": 0.02,
+}
+
 MODEL_DIR_NAMES: dict[str, str] = {
     "float32": "smollm2-135m-random",
     "bfloat16": "smollm2-135m-random-bf16",
@@ -118,22 +132,48 @@ def ensure_random_smollm2(out_dir: Path, dtype: str = "bfloat16") -> Path:
     config = LlamaConfig(**SMOLLM2_135M_CONFIG)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()  # type: ignore[no-untyped-call]
-    model.generation_config.bos_token_id = 0
-    model.generation_config.eos_token_id = 0
-    n_params = sum(p.numel() for p in model.parameters())
-
     # fp32 first: the bf16 variant is a cast of the very same weights.
     for variant in ("float32", "bfloat16"):
-        final = dirs[variant]
-        tmp = final.with_name(final.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        model.to(getattr(torch, variant)).save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        info = {"dtype": variant, "params": n_params, "shape_of": "HuggingFaceTB/SmolLM2-135M", "seed": 0}
-        (tmp / _DONE_MARKER).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
+        _save_model(model.to(getattr(torch, variant)), tokenizer, dirs[variant], "HuggingFaceTB/SmolLM2-135M")
     return dirs[dtype]
+
+
+def ensure_random_llama_1b(out_dir: Path, build_device: str = "cpu") -> Path:
+    """bf16 random weights in Llama-3.2-1B's shape (its vocabulary aside): a model large enough
+    that a GPU's forwards are bound by FLOPs and bytes rather than by kernel launches. Built on
+    `build_device` (a GPU initializes 1.2B parameters in a moment)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    final = out_dir / "llama-1b-shape-random-bf16"
+    if _is_complete(final):
+        return final
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer()
+    torch.manual_seed(0)
+    with torch.device(build_device):
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**LLAMA_1B_CONFIG), dtype=torch.bfloat16)  # type: ignore[no-untyped-call]
+    _save_model(model.eval(), tokenizer, final, "meta-llama/Llama-3.2-1B (vocabulary: SmolLM2's)")
+    return final
+
+
+def _save_model(model: Any, tokenizer: Any, final: Path, shape_of: str) -> None:
+    """Writes the model and tokenizer beside a marker, renamed into place only when complete."""
+    model.generation_config.bos_token_id = 0
+    model.generation_config.eos_token_id = 0
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    info = {
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "params": sum(p.numel() for p in model.parameters()),
+        "shape_of": shape_of,
+        "seed": 0,
+    }
+    (tmp / _DONE_MARKER).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
 
 
 def ensure_truncated_smollm2(out_dir: Path, layers: int) -> Path:

@@ -13,9 +13,10 @@ out of a pool sized to hold about `pool_conversations` of them. Reported per set
 tok/s over the whole run, TTFT p50 and p99 (the time to the first streamed token), the prompt
 tokens served from cache, and what the storage tier loaded.
 
-Settings, each a fresh engine (taking turns is not possible here: the third reads what the second
-wrote): "off" (the radix cache alone), "storage" (a fresh directory), "storage, restarted" (a new
-engine on the second's directory, running the same conversations again from their first turn).
+Settings, each a fresh engine (taking turns is not possible here: "storage, restarted" reads what
+"storage" wrote): "off" (the radix cache alone), "host" (L2: the host pool beside a GPU's KV pool,
+no file tier), "storage" (the file tier in a fresh directory), "storage, restarted" (a new engine
+on that directory, running the same conversations again from their first turn).
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ class RunResult:
             "ttft_p99_ms": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))] * 1e3,
             "cached_share": self.cached_tokens / max(1, self.prompt_tokens),
             "storage_hit_tokens": self.stats.get("hicache_storage_hit_tokens", 0),
+            "host_pages_loaded": self.stats.get("hicache_host_pages_loaded", 0),
             "storage_load_s": self.stats.get("hicache_storage_load_seconds", 0.0),
             "seconds": self.seconds,
         }
@@ -115,12 +117,25 @@ async def _run(engine: Any, workload: MultiTurnWorkload, messages: list[list[lis
     return RunResult(seconds, totals["output"], ttft, totals["cached"], totals["prompt"], engine.get_stats())
 
 
+# Each a fresh engine: the radix cache alone; L2, the host pool beside a GPU's pool (on a CPU only
+# with RADIXSERVE_HICACHE_HOST_POOL=1); the file tier in a fresh directory; a new engine on that
+# directory (it reads what "storage" wrote, so it runs after it).
+SETTINGS = ("off", "host", "storage", "storage, restarted")
+DEFAULT_SETTINGS = ("off", "storage", "storage, restarted")
+
+
 def run_multiturn_bench(
     workload: MultiTurnWorkload, dtype: str = "bfloat16", storage_root: Path | None = None,
     log: Log = print, engine_args: dict[str, Any] | None = None,
+    settings: tuple[str, ...] = DEFAULT_SETTINGS, model_path: str | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     from radixserve.runtime.engine import Engine
 
+    unknown = [s for s in settings if s not in SETTINGS]
+    if unknown:
+        raise ValueError(f"unknown settings {unknown}: choose from {', '.join(SETTINGS)}")
+    if "storage, restarted" in settings and "storage" not in settings:
+        raise ValueError('"storage, restarted" reads what "storage" wrote: run both')
     directory = Path(storage_root or tempfile.mkdtemp(prefix="radixserve-hicache-bench-"))
     pool = workload.pool_conversations * workload.conversation_tokens
     base: dict[str, Any] = {
@@ -134,19 +149,21 @@ def run_multiturn_bench(
         "hicache_storage_backend": "file",
         "hicache_storage_dir": str(directory),
     }
+    flags: dict[str, dict[str, Any]] = {
+        "off": {},
+        "host": {"enable_hierarchical_cache": True},
+        "storage": storage,
+        "storage, restarted": storage,
+    }
     rows = []
-    settings: list[tuple[str, dict[str, Any]]] = [
-        ("off", {}),
-        ("storage", storage),
-        ("storage, restarted", storage),
-    ]
-    for label, extra in settings:
-        engine = Engine(model_path=None, **base, **extra)
+    for label in sorted(settings, key=SETTINGS.index):
+        engine = Engine(model_path=model_path, **base, **flags[label])
         try:
             if label == "storage":
                 engine.clear_hicache_storage_backend()  # a directory from an earlier run starts empty
-            messages = workload.messages(SMOLLM2_TOKEN_IDS)
+            messages = workload.messages(min(SMOLLM2_TOKEN_IDS, engine.vocab_size))
             result = asyncio.run(_run(engine, workload, messages))
+            engine.check_kv_invariant()  # every tier idle: nothing leaked, nothing counted twice
             rows.append(result.row(label))
             row = rows[-1]
             log(f"{label}: {row['output_tok_s']:.1f} output tok/s, TTFT p50 {row['ttft_p50_ms']:.0f} ms")
@@ -157,12 +174,13 @@ def run_multiturn_bench(
 
 def format_table(report: dict[str, Any]) -> str:
     lines = [
-        "| setting | output tok/s | TTFT p50 ms | TTFT p99 ms | prompt share cached | storage hit tokens |",
-        "|---|---|---|---|---|---|",
+        "| setting | output tok/s | TTFT p50 ms | TTFT p99 ms | prompt share cached | storage hit tokens "
+        "| L2 pages loaded |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:
         lines.append(
             f"| {r['setting']} | {r['output_tok_s']:.1f} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | "
-            f"{r['cached_share']:.2f} | {r['storage_hit_tokens']} |"
+            f"{r['cached_share']:.2f} | {r['storage_hit_tokens']} | {r.get('host_pages_loaded', 0)} |"
         )
     return "\n".join(lines)

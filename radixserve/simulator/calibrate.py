@@ -33,6 +33,7 @@ CALIBRATION_RUNS: tuple[tuple[int, int, int], ...] = (
     (1, 512, 1),
     (1, 1536, 1),
     (4, 384, 1),
+    (8, 512, 1),
     (1, 64, 48),
     (8, 64, 48),
     (32, 64, 32),
@@ -48,27 +49,40 @@ FLOPS_EFFICIENCY = np.geomspace(0.05, 2.0, 24)
 # Attention (softmax, small per-head matmuls) may run far below the linears' efficiency.
 ATTENTION_EFFICIENCY = np.geomspace(0.005, 2.0, 20)
 BANDWIDTH_EFFICIENCY = np.geomspace(0.05, 2.0, 24)
-FORWARD_OVERHEAD_S = np.array([0.0, 0.25e-3, 0.5e-3, 1e-3, 2e-3, 4e-3, 8e-3])
+# Up to 64 ms: on a GPU a small model's forward can be bound by the host (launches, Python).
+FORWARD_OVERHEAD_S = np.concatenate([[0.0], np.geomspace(0.1e-3, 64e-3, 19)])
 TOKEN_OVERHEAD_S = np.array([0.0, 10e-6, 25e-6, 50e-6, 100e-6, 200e-6])
 
 
-def measure_peaks(seconds: float = 1.0) -> tuple[float, float]:
-    """(bf16 matmul FLOP/s, copy bytes/s) on this machine's CPU threads."""
-    a = torch.randn(1024, 1024, dtype=torch.bfloat16)
-    b = torch.randn(1024, 1024, dtype=torch.bfloat16)
-    flops = _rate(lambda: torch.mm(a, b), 2 * 1024**3, seconds)
-    src = torch.empty(64 * 2**20, dtype=torch.uint8)
+def measure_peaks(device: torch.device | None = None, seconds: float = 1.0) -> tuple[float, float]:
+    """(bf16 matmul FLOP/s, copy bytes/s) on `device` (default: this machine's CPU threads). A GPU
+    gets operands large enough to fill it."""
+    device = device or torch.device("cpu")
+    n, copy_bytes = (8192, 1 << 30) if device.type == "cuda" else (1024, 64 << 20)
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    flops = _rate(lambda: torch.mm(a, b), 2 * n**3, seconds, device)
+    src = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    bandwidth = _rate(lambda: dst.copy_(src), 2 * src.numel(), seconds)  # read + write
+    bandwidth = _rate(lambda: dst.copy_(src), 2 * src.numel(), seconds, device)  # read + write
     return flops, bandwidth
 
 
-def _rate(work: Any, units: float, seconds: float) -> float:
+def _rate(work: Any, units: float, seconds: float, device: torch.device) -> float:
+    # A GPU runs work asynchronously: time whole batches of it, each ended by a synchronize.
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    batch = 10 if device.type == "cuda" else 1
     work()
+    sync()
     done, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
-        work()
-        done += 1
+        for _ in range(batch):
+            work()
+        sync()
+        done += batch
     return units * done / (time.perf_counter() - start)
 
 
@@ -88,6 +102,11 @@ def prompts(run: tuple[int, int, int], vocab: int, seed: int) -> list[list[int]]
 
 def measure_runs(engine: Any, repeats: int = 2) -> list[Run]:
     """Times each calibration run through the engine (cold cache, median of repeats)."""
+    # One untimed batch first: a device's first forwards pay one-off setup (kernel selection, caches).
+    warm_up = prompts((2, 64, 4), engine.vocab_size, seed=-1)
+    engine.generate(
+        input_ids=warm_up, sampling_params={"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True}
+    )
     out = []
     for i, shape in enumerate(calibration_runs(engine.context_len)):
         params = {"temperature": 0.0, "max_new_tokens": shape[2], "ignore_eos": True}
@@ -95,9 +114,10 @@ def measure_runs(engine: Any, repeats: int = 2) -> list[Run]:
         times = []
         for _ in range(repeats):
             engine.flush_cache()
-            start = time.perf_counter()
-            engine.generate(input_ids=batch, sampling_params=params)
-            times.append(time.perf_counter() - start)
+            results = engine.generate(input_ids=batch, sampling_params=params)
+            # The scheduler's own span, arrival to the last finish (what the simulator predicts),
+            # without the call's round trip through the engine's processes.
+            times.append(max(r["meta_info"]["e2e_latency"] for r in results))
         out.append(Run(*shape, statistics.median(times)))
     return out
 
@@ -127,21 +147,25 @@ def fit(
     attention = np.array([w.attention_flops for run in forwards for w in run]) / peak_flops
     moved = np.array([w.bytes for run in forwards for w in run]) / bandwidth
     owner = np.repeat(np.arange(len(forwards)), [len(run) for run in forwards])
-    counts = np.array([len(run) for run in forwards], dtype=float)
+    decodes = np.array([sum(w.decode for w in run) for run in forwards], dtype=float)
+    prefills = np.array([len(run) for run in forwards], dtype=float) - decodes
     tokens = np.array([sum(w.tokens for w in run) for run in forwards], dtype=float)
+    overhead = FORWARD_OVERHEAD_S
+    # Every (prefill overhead, decode overhead, token overhead) triple at once:
+    # [runs, prefill overheads, decode overheads, token overheads].
+    fixed = (
+        prefills[:, None, None, None] * overhead[None, :, None, None]
+        + decodes[:, None, None, None] * overhead[None, None, :, None]
+        + tokens[:, None, None, None] * TOKEN_OVERHEAD_S[None, None, None, :]
+    )
     best: tuple[float, HardwareProfile] | None = None
     for ef, ea, eb in itertools.product(FLOPS_EFFICIENCY, ATTENTION_EFFICIENCY, BANDWIDTH_EFFICIENCY):
         per_forward = np.maximum(linear / ef + attention / ea, moved / eb)
         roof = np.bincount(owner, weights=per_forward, minlength=len(forwards))
-        # Every (forward, token) overhead pair at once: [runs, forward overheads, token overheads].
-        predicted = (
-            roof[:, None, None]
-            + counts[:, None, None] * FORWARD_OVERHEAD_S[None, :, None]
-            + tokens[:, None, None] * TOKEN_OVERHEAD_S[None, None, :]
-        )
-        error = ((np.log(predicted) - measured[:, None, None]) ** 2).mean(axis=0)
-        i, j = np.unravel_index(int(np.argmin(error)), error.shape)
-        if best is None or error[i, j] < best[0]:
+        predicted = roof[:, None, None, None] + fixed
+        error = ((np.log(predicted) - measured[:, None, None, None]) ** 2).mean(axis=0)
+        i, j, k = np.unravel_index(int(np.argmin(error)), error.shape)
+        if best is None or error[i, j, k] < best[0]:
             profile = HardwareProfile(
                 name,
                 peak_flops,
@@ -149,12 +173,13 @@ def fit(
                 memory_bytes,
                 float(ef),
                 float(eb),
-                float(FORWARD_OVERHEAD_S[i]),
-                float(TOKEN_OVERHEAD_S[j]),
+                float(overhead[i]),
+                float(TOKEN_OVERHEAD_S[k]),
                 note="fitted by radixserve calibrate",
                 attention_efficiency=float(ea),
+                decode_overhead_s=float(overhead[j]),
             )
-            best = (float(error[i, j]), profile)
+            best = (float(error[i, j, k]), profile)
     assert best is not None
     return best[1]
 

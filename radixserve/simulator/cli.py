@@ -64,6 +64,7 @@ def add_simulate_parser(sub: Any) -> None:
     )
     cal.add_argument("--model-path", default=None, help="the model to time (default: the packaged SmolLM2)")
     cal.add_argument("--dtype", default="auto")
+    cal.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (as for serve)")
     cal.add_argument("--max-total-tokens", type=int, default=None)
     cal.add_argument("--out", type=Path, default=Path("cpu-profile.json"))
     cal.set_defaults(func=_calibrate)
@@ -126,6 +127,9 @@ def calibrate_engine(engine: Any, name: str = "cpu") -> tuple[Any, list[tuple[An
     predicted seconds."""
     import os
 
+    import torch
+
+    from radixserve.executor.model_runner import pick_device
     from radixserve.models.loader import load_model_config
     from radixserve.simulator.calibrate import (
         calibration_runs,
@@ -140,7 +144,8 @@ def calibrate_engine(engine: Any, name: str = "cpu") -> tuple[Any, list[tuple[An
     from radixserve.simulator.executor import SIM_VOCAB
     from radixserve.simulator.trace import TraceRequest
 
-    flops, bandwidth = measure_peaks()
+    device = pick_device(engine.args.device)
+    flops, bandwidth = measure_peaks(device)
     runs = measure_runs(engine)
     config = load_model_config(engine.source)
     server_args = scheduler_args(engine.args)
@@ -153,7 +158,11 @@ def calibrate_engine(engine: Any, name: str = "cpu") -> tuple[Any, list[tuple[An
         )
         for i, shape in enumerate(calibration_runs(engine.context_len))
     ]
-    memory = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    memory = float(
+        torch.cuda.get_device_properties(device).total_memory
+        if device.type == "cuda"
+        else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    )
     profile = fit(config, runs, [forward_costs(config, r) for r in recorded], flops, bandwidth, memory, name)
     shape = ModelShape.of(config)
     predicted = [sum(forward_seconds(shape, profile, f.shape) for f in r) for r in recorded]
@@ -176,7 +185,7 @@ def scheduler_args(args: ServerArgs) -> dict[str, Any]:
 def _calibrate(args: argparse.Namespace) -> int:
     from radixserve.runtime.engine import Engine
 
-    flags: dict[str, Any] = {"dtype": args.dtype, "log_level": "warning"}
+    flags: dict[str, Any] = {"dtype": args.dtype, "device": args.device, "log_level": "warning"}
     if args.max_total_tokens is not None:
         flags["max_total_tokens"] = args.max_total_tokens
     with Engine(args.model_path, **flags) as engine:

@@ -51,11 +51,13 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class ForwardShape:
-    """Per request: new tokens and the tokens already in its KV; and how many rows sample."""
+    """Per request: new tokens and the tokens already in its KV; how many rows sample; and whether
+    it is a decode step (whose fixed cost may differ from a prefill's)."""
 
     q_lens: list[int]
     prefix_lens: list[int]
     sampled_rows: int
+    decode: bool = False
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,7 @@ class ForwardWork:
     attention_flops: float
     bytes: float
     tokens: int
+    decode: bool = False
 
     @property
     def flops(self) -> float:
@@ -83,7 +86,7 @@ def forward_work(shape: ModelShape, fwd: ForwardShape) -> ForwardWork:
     attention = 4.0 * shape.layers * shape.heads * shape.head_dim * pairs
     context = sum(q + p for q, p in zip(fwd.q_lens, fwd.prefix_lens, strict=True))
     moved = shape.weight_bytes + (context + tokens) * shape.kv_bytes_per_token
-    return ForwardWork(linear, attention, float(moved), tokens)
+    return ForwardWork(linear, attention, float(moved), tokens, fwd.decode)
 
 
 def work_seconds(work: ForwardWork, profile: HardwareProfile) -> float:
@@ -91,7 +94,10 @@ def work_seconds(work: ForwardWork, profile: HardwareProfile) -> float:
     compute = work.linear_flops / (profile.peak_flops * profile.flops_efficiency)
     compute += work.attention_flops / (profile.peak_flops * attention_efficiency)
     memory = work.bytes / (profile.memory_bandwidth * profile.bandwidth_efficiency)
-    return max(compute, memory) + profile.forward_overhead_s + profile.token_overhead_s * work.tokens
+    overhead = profile.forward_overhead_s
+    if work.decode and profile.decode_overhead_s is not None:
+        overhead = profile.decode_overhead_s
+    return max(compute, memory) + overhead + profile.token_overhead_s * work.tokens
 
 
 def forward_seconds(shape: ModelShape, profile: HardwareProfile, fwd: ForwardShape) -> float:

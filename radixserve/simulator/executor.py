@@ -152,6 +152,6 @@ def _shape_of(batch: ForwardBatch) -> ForwardShape:
     if batch.mode is ForwardMode.DECODE:
         assert batch.decode is not None
         seq_lens = batch.decode.seq_lens.tolist()
-        return ForwardShape([1] * len(seq_lens), [n - 1 for n in seq_lens], sampled)
+        return ForwardShape([1] * len(seq_lens), [n - 1 for n in seq_lens], sampled, decode=True)
     assert batch.extend is not None
     return ForwardShape([s.q_len for s in batch.extend], [s.prefix_len for s in batch.extend], sampled)

@@ -24,6 +24,9 @@ class HardwareProfile:
     note: str = ""
     # Attention's share of peak FLOP/s, where it differs from the linears' (None: the same).
     attention_efficiency: float | None = None
+    # A decode step's fixed cost, where it differs from a prefill forward's (None: the same). On a
+    # GPU, a small model's decode step can be bound by host work that a prefill amortizes.
+    decode_overhead_s: float | None = None
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=2) + "\n")

@@ -28,7 +28,9 @@ from tests.simulator.test_cost_model import LLAMA_8B
 
 def test_the_fit_recovers_a_known_profile() -> None:
     config = ModelConfig.from_hf_dict(LLAMA_8B)
-    truth = HardwareProfile("truth", 2e12, 1e11, 6e10, 0.36, 0.62, 2e-3, 50e-6, attention_efficiency=0.05)
+    truth = HardwareProfile(
+        "truth", 2e12, 1e11, 6e10, 0.36, 0.62, 2e-3, 50e-6, attention_efficiency=0.05, decode_overhead_s=20e-3
+    )
     recorded = [
         recorded_forwards(
             config, [TraceRequest(0.0, p, shape[2]) for p in prompts(shape, SIM_VOCAB, i)], 200_000
@@ -45,6 +47,9 @@ def test_the_fit_recovers_a_known_profile() -> None:
     for run, time in zip(runs, predicted, strict=True):
         assert time == pytest.approx(run.seconds, rel=0.12)  # the grid's spacing, no more
     assert fitted.bandwidth_efficiency == pytest.approx(0.62, rel=0.2)
+    # A decode step's own fixed cost is told apart from a prefill forward's.
+    assert fitted.decode_overhead_s is not None
+    assert 10e-3 < fitted.decode_overhead_s < 40e-3 and fitted.forward_overhead_s < 5e-3, fitted
 
 
 def test_calibrate_a_real_engine(tiny_model_dir: Callable[[str], Path], tmp_path: Path) -> None:

@@ -3,6 +3,8 @@ its FLOPs, and attention grows with the context."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from radixserve.models.config import ModelConfig
@@ -67,6 +69,12 @@ def test_decode_is_memory_bound_and_prefill_compute_bound() -> None:
         "slow", bare.peak_flops, bare.memory_bandwidth, bare.memory_bytes, 1.0, 1.0, 1e-3, 1e-6
     )
     assert forward_seconds(s, slow, decode) == pytest.approx(forward_seconds(s, bare, decode) + 1e-3 + 8e-6)
+    # A decode step may have fixed costs of its own (host work a prefill amortizes on a GPU).
+    host_bound = dataclasses.replace(slow, decode_overhead_s=30e-3)
+    step = dataclasses.replace(decode, decode=True)
+    expected_step = forward_seconds(s, bare, step) + 30e-3 + 8e-6
+    assert forward_seconds(s, host_bound, step) == pytest.approx(expected_step)
+    assert forward_seconds(s, host_bound, prefill) == pytest.approx(forward_seconds(s, slow, prefill))
 
 
 def test_profiles_by_name_or_file(tmp_path: object) -> None:

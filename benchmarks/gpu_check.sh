@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The checks that need a CUDA GPU, as one script for a lent GPU machine (see benchmarks/README.md):
+#   1. tests/engine/test_cuda.py: greedy fp32 on the GPU equals transformers; the hierarchical
+#      cache's L2 host pool (and the file tier beside it) behind a GPU KV pool.
+#   2. `radixserve bench multiturn` on the GPU: the radix cache alone against L2 (the host pool).
+#   3. benchmarks/simulator_validation.py: calibrate on the GPU, predict W1/W2/W3, and compare the
+#      built-in H200 profile as published.
+# Usage: OUT=results-dir bash benchmarks/gpu_check.sh [wheel-dir]
+# The machine needs torch with CUDA and transformers; packages it lacks travel as wheels in
+# wheel-dir (py3.12 manylinux: pyzmq, msgspec, gguf, xgrammar, fastapi and their needs).
+set -u
+export PYTHONUNBUFFERED=1
+OUT=${OUT:?set OUT to a directory for the logs}
+WHEELS=${1:-}
+PY=${PYTHON:-python3}
+if [ -n "$WHEELS" ]; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl || exit 1
+    export PYTHONPATH=/tmp/site:$PWD
+else
+    export PYTHONPATH=$PWD
+fi
+WORK=${WORK:-/tmp/radixserve-gpu-work}
+mkdir -p "$OUT" "$WORK"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee "$OUT/gpu.txt"
+$PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
+
+echo "== 1. CUDA tests"
+timeout "${TESTS_TIMEOUT:-180}" $PY -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py 2>&1 | tee "$OUT/cuda_tests.log"
+
+echo "== 2. multi-turn chats on the GPU: radix cache alone against L2"
+MODEL=$($PY -c "from pathlib import Path; from radixserve.bench.model import ensure_random_llama_1b as m; print(m(Path('$WORK'), 'cuda'))")
+timeout "${MULTITURN_TIMEOUT:-200}" $PY -c "from radixserve.cli import main; raise SystemExit(main())" bench multiturn \
+    --model-path "$MODEL" --device cuda --settings off,host --hicache-ratio 10 --context-tokens 512 --concurrency 8 \
+    --out "$OUT/multiturn.json" 2>&1 | tee "$OUT/multiturn.log"
+
+echo "== 3. simulator validation on the GPU"
+timeout "${VALIDATION_TIMEOUT:-200}" $PY benchmarks/simulator_validation.py --device cuda --model llama-1b \
+    --hardware H200 --repeats 2 --work "$WORK" 2>&1 | tee "$OUT/simulator_validation.log"

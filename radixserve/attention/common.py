@@ -33,6 +33,22 @@ def decode_shared_prefix(layout: DecodeLayout) -> torch.Tensor | None:
     return slots[0, :shared] if shared >= MIN_SHARED_PREFIX else None
 
 
+def shared_prefix_groups(segments: list[ExtendSegment]) -> list[list[int]]:
+    """Segments (two or more) whose cached prefixes are the very same KV slots."""
+    by_prefix: dict[tuple[int, int, int], list[int]] = {}
+    for index, seg in enumerate(segments):
+        if seg.prefix_len >= MIN_SHARED_PREFIX:
+            key = (seg.prefix_len, int(seg.prefix_slots[0]), int(seg.prefix_slots[-1]))
+            by_prefix.setdefault(key, []).append(index)
+    groups = []
+    for members in by_prefix.values():
+        first = segments[members[0]].prefix_slots
+        same = [i for i in members if torch.equal(segments[i].prefix_slots, first)]
+        if len(same) > 1:
+            groups.append(same)
+    return groups
+
+
 def stack_by_kv_head(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """q: [N, H, D] as [1, Hkv, N * G, D]: every query of a K/V head in one row block, so that one
     attention call per K/V head serves all N tokens over keys they all see (row n * G + g is token

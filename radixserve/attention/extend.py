@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from radixserve.attention.common import MIN_SHARED_PREFIX, merge_by_lse, rows_of, stack_by_kv_head
+from radixserve.attention.common import merge_by_lse, rows_of, shared_prefix_groups, stack_by_kv_head
 from radixserve.forward.batch import ExtendSegment
 from radixserve.kernels.cpu_ops import CpuKernels
 
@@ -47,7 +47,7 @@ def extend_attention(
     out = torch.empty_like(q)
     done: set[int] = set()
     if q.device.type == "cpu":
-        for group in _shared_prefix_groups(segments):
+        for group in shared_prefix_groups(segments):
             _cascade_extend(q, k, v, k_cache, v_cache, [segments[i] for i in group], scale, out, ops)
             done.update(group)
     for index, seg in enumerate(segments):
@@ -82,22 +82,6 @@ def _context_kv(
         keys = torch.cat((k_cache.index_select(0, seg.prefix_slots), keys))
         values = torch.cat((v_cache.index_select(0, seg.prefix_slots), values))
     return keys, values
-
-
-def _shared_prefix_groups(segments: list[ExtendSegment]) -> list[list[int]]:
-    """Segments (two or more) whose cached prefixes are the very same KV slots."""
-    by_prefix: dict[tuple[int, int, int], list[int]] = {}
-    for index, seg in enumerate(segments):
-        if seg.prefix_len >= MIN_SHARED_PREFIX:
-            key = (seg.prefix_len, int(seg.prefix_slots[0]), int(seg.prefix_slots[-1]))
-            by_prefix.setdefault(key, []).append(index)
-    groups = []
-    for members in by_prefix.values():
-        first = segments[members[0]].prefix_slots
-        same = [i for i in members if torch.equal(segments[i].prefix_slots, first)]
-        if len(same) > 1:
-            groups.append(same)
-    return groups
 
 
 def _cascade_extend(

@@ -139,13 +139,15 @@ def fit(
     bandwidth: float,
     memory_bytes: float,
     name: str = "cpu",
+    cascade: bool = False,
 ) -> HardwareProfile:
-    """The grid point with the least squared log error; forwards: per run, each forward's work."""
+    """The grid point with the least squared log error; forwards: per run, each forward's work;
+    cascade: whether the engine's attention reads a shared prefix once per batch."""
     measured = np.log(np.array([r.seconds for r in runs]))
     # One row per forward, and the run it belongs to.
     linear = np.array([w.linear_flops for run in forwards for w in run]) / peak_flops
     attention = np.array([w.attention_flops for run in forwards for w in run]) / peak_flops
-    moved = np.array([w.bytes for run in forwards for w in run]) / bandwidth
+    moved = np.array([w.bytes - w.shared_bytes * cascade for run in forwards for w in run]) / bandwidth
     owner = np.repeat(np.arange(len(forwards)), [len(run) for run in forwards])
     decodes = np.array([sum(w.decode for w in run) for run in forwards], dtype=float)
     prefills = np.array([len(run) for run in forwards], dtype=float) - decodes
@@ -178,6 +180,7 @@ def fit(
                 note="fitted by radixserve calibrate",
                 attention_efficiency=float(ea),
                 decode_overhead_s=float(overhead[j]),
+                cascade_attention=cascade,
             )
             best = (float(error[i, j, k]), profile)
     assert best is not None

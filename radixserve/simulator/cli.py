@@ -163,7 +163,10 @@ def calibrate_engine(engine: Any, name: str = "cpu") -> tuple[Any, list[tuple[An
         if device.type == "cuda"
         else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     )
-    profile = fit(config, runs, [forward_costs(config, r) for r in recorded], flops, bandwidth, memory, name)
+    # radixserve's CPU backend reads a prefix a batch shares once (its decode path says so).
+    cascade = "shared-prefix cascade" in engine.get_stats().get("decode_path", "")
+    costs = [forward_costs(config, r) for r in recorded]
+    profile = fit(config, runs, costs, flops, bandwidth, memory, name, cascade)
     shape = ModelShape.of(config)
     predicted = [sum(forward_seconds(shape, profile, f.shape) for f in r) for r in recorded]
     return profile, list(zip(runs, predicted, strict=True))

@@ -58,6 +58,9 @@ class ForwardShape:
     prefix_lens: list[int]
     sampled_rows: int
     decode: bool = False
+    # K/V tokens of prefixes that several requests of the batch share, counted once per request
+    # beyond the first: the reads a cascade attention backend saves.
+    shared_kv_reads: int = 0
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,7 @@ class ForwardWork:
     bytes: float
     tokens: int
     decode: bool = False
+    shared_bytes: float = 0.0  # of `bytes`: what a cascade reads once instead of per request
 
     @property
     def flops(self) -> float:
@@ -86,14 +90,16 @@ def forward_work(shape: ModelShape, fwd: ForwardShape) -> ForwardWork:
     attention = 4.0 * shape.layers * shape.heads * shape.head_dim * pairs
     context = sum(q + p for q, p in zip(fwd.q_lens, fwd.prefix_lens, strict=True))
     moved = shape.weight_bytes + (context + tokens) * shape.kv_bytes_per_token
-    return ForwardWork(linear, attention, float(moved), tokens, fwd.decode)
+    shared = float(fwd.shared_kv_reads * shape.kv_bytes_per_token)
+    return ForwardWork(linear, attention, float(moved), tokens, fwd.decode, shared)
 
 
 def work_seconds(work: ForwardWork, profile: HardwareProfile) -> float:
     attention_efficiency = profile.attention_efficiency or profile.flops_efficiency
     compute = work.linear_flops / (profile.peak_flops * profile.flops_efficiency)
     compute += work.attention_flops / (profile.peak_flops * attention_efficiency)
-    memory = work.bytes / (profile.memory_bandwidth * profile.bandwidth_efficiency)
+    moved = work.bytes - work.shared_bytes if profile.cascade_attention else work.bytes
+    memory = moved / (profile.memory_bandwidth * profile.bandwidth_efficiency)
     overhead = profile.forward_overhead_s
     if work.decode and profile.decode_overhead_s is not None:
         overhead = profile.decode_overhead_s

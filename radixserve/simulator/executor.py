@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from radixserve.attention.common import decode_shared_prefix, shared_prefix_groups
 from radixserve.executor.base import ExecutorInfo, KVLayout, LoraAdapterInfo
 from radixserve.forward.batch import ForwardBatch, ForwardMode
 from radixserve.layers.sampler import SamplingBatch
@@ -152,6 +153,11 @@ def _shape_of(batch: ForwardBatch) -> ForwardShape:
     if batch.mode is ForwardMode.DECODE:
         assert batch.decode is not None
         seq_lens = batch.decode.seq_lens.tolist()
-        return ForwardShape([1] * len(seq_lens), [n - 1 for n in seq_lens], sampled, decode=True)
+        prefix = decode_shared_prefix(batch.decode)
+        shared = 0 if prefix is None else (len(seq_lens) - 1) * len(prefix)
+        return ForwardShape([1] * len(seq_lens), [n - 1 for n in seq_lens], sampled, True, shared)
     assert batch.extend is not None
-    return ForwardShape([s.q_len for s in batch.extend], [s.prefix_len for s in batch.extend], sampled)
+    segments = batch.extend
+    # The same groups the CPU backend's extend cascade finds (attention/common.py).
+    shared = sum((len(g) - 1) * segments[g[0]].prefix_len for g in shared_prefix_groups(segments))
+    return ForwardShape([s.q_len for s in segments], [s.prefix_len for s in segments], sampled, False, shared)

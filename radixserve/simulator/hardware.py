@@ -27,6 +27,10 @@ class HardwareProfile:
     # A decode step's fixed cost, where it differs from a prefill forward's (None: the same). On a
     # GPU, a small model's decode step can be bound by host work that a prefill amortizes.
     decode_overhead_s: float | None = None
+    # Whether attention reads a prefix that several requests of a batch share once for all of
+    # them (radixserve's CPU backend does: cascade attention), or once per request (torch SDPA,
+    # radixserve's CUDA path; the GPU profiles model that).
+    cascade_attention: bool = False
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=2) + "\n")

@@ -7,8 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.attention.base import AttentionBackendUnavailable, AttentionSpec, LayerInputs
+from radixserve.attention.common import shared_prefix_groups
 from radixserve.attention.cpu_native import CpuNativeBackend
-from radixserve.attention.extend import CpuAttentionOps, _shared_prefix_groups, extend_attention
+from radixserve.attention.extend import CpuAttentionOps, extend_attention
 from radixserve.attention.registry import choose_attention_backend
 from radixserve.attention.torch_native import TorchNativeBackend
 from radixserve.forward.batch import DecodeLayout, ExtendSegment, build_decode_layout
@@ -132,7 +133,7 @@ def test_extend_attention_over_a_shared_prefix_matches_dense() -> None:
     for n, prefix in zip(lengths, prefixes, strict=True):
         segments.append(ExtendSegment(q_start=start, q_len=n, prefix_len=len(prefix), prefix_slots=prefix))
         start += n
-    assert _shared_prefix_groups(segments) == [[0, 1, 2]]
+    assert shared_prefix_groups(segments) == [[0, 1, 2]]
     out = extend_attention(q, k, v, k_cache, v_cache, segments, DIM**-0.5)
     for seg in segments:
         rows = slice(seg.q_start, seg.q_start + seg.q_len)

@@ -4,6 +4,7 @@ retracts, and the outputs (table, JSON, HTML) are written."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -97,3 +98,26 @@ def test_cli_writes_table_json_and_html(tmp_path: Path, capsys: pytest.CaptureFi
     assert summary["requests"] == 20 and summary["output_tok_s"] > 0
     page = (out / "simulation.html").read_text()
     assert page.count("<svg") == 3 and "<polyline" in page
+
+
+def test_a_cascade_backend_reads_a_shared_prefix_once_per_batch() -> None:
+    """One group sharing a 2,048-token prefix: the recorded forwards count the K/V reads a cascade
+    saves (decode steps and the later prompts' prefills), and only a cascade profile charges less."""
+    trace = synthetic(
+        SyntheticTrace(
+            num_requests=32, input_len=(16, 16), output_len=(16, 16), prefix_groups=1, prefix_len=2048
+        )
+    )
+    per_request = BUILTIN_PROFILES["A100"]
+    cascade = dataclasses.replace(per_request, cascade_attention=True)
+    plain = simulate(CONFIG, per_request, trace, 100_000)
+    once = simulate(CONFIG, cascade, trace, 100_000)
+    decode_steps = [r for r in plain.records if r.shape.decode and len(r.shape.q_lens) > 1]
+    assert decode_steps and all(
+        r.shape.shared_kv_reads >= (len(r.shape.q_lens) - 1) * 2048 for r in decode_steps
+    )
+    assert [r.shape for r in plain.records] == [r.shape for r in once.records]
+    assert once.makespan_s < plain.makespan_s
+    # Requests that share nothing save nothing.
+    apart = synthetic(SyntheticTrace(num_requests=8, input_len=(64, 64), output_len=(8, 8)))
+    assert all(r.shape.shared_kv_reads == 0 for r in simulate(CONFIG, cascade, apart, 100_000).records)

@@ -104,16 +104,7 @@ def _simulate(args: argparse.Namespace) -> int:
             args.seed,
         )
         trace = synthetic(spec)
-    server_args = {
-        "schedule_policy": args.schedule_policy,
-        "chunked_prefill_size": args.chunked_prefill_size,
-        "max_running_requests": args.max_running_requests,
-        "schedule_conservativeness": args.schedule_conservativeness,
-        "page_size": args.page_size,
-        "disable_radix_cache": args.disable_radix_cache,
-        "max_prefill_tokens": args.max_prefill_tokens,
-    }
-    result = simulate(config, profile, trace, capacity, **server_args)
+    result = simulate(config, profile, trace, capacity, **scheduler_args(args))
     title = f"{config.architecture} on {args.hardware}, {len(trace)} requests"
     print(table(result, title))
     if args.out is not None:
@@ -172,8 +163,9 @@ def calibrate_engine(engine: Any, name: str = "cpu") -> tuple[Any, list[tuple[An
     return profile, list(zip(runs, predicted, strict=True))
 
 
-def scheduler_args(args: ServerArgs) -> dict[str, Any]:
-    """The flags that decide how a server batches, for a simulation of it."""
+def scheduler_args(args: ServerArgs | argparse.Namespace) -> dict[str, Any]:
+    """The flags that decide how a server batches, for a simulation of it (from a server's args or
+    simulate's, which take the same names)."""
     return {
         "schedule_policy": args.schedule_policy,
         "chunked_prefill_size": args.chunked_prefill_size,

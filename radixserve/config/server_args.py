@@ -114,6 +114,8 @@ class ServerArgs:
     lora_target_modules: list[str] | None = None
     # GET /dashboard: a live page of the server's state (server/dashboard.py, docs/dashboard.md).
     enable_dashboard: bool = False
+    # Append each finished request to this file, in simulate's trace format (runtime/trace_recorder.py).
+    record_trace: str | None = None
     # Image inputs of vision-language models (config/image_args.py, docs/multimodal.md).
     max_images_per_request: int = DEFAULT_MAX_IMAGES_PER_REQUEST
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
@@ -543,6 +545,13 @@ class ServerArgs:
             "--enable-dashboard",
             action="store_true",
             help="serve a live dashboard at GET /dashboard (behind --api-key like every route)",
+        )
+        server.add_argument(
+            "--record-trace",
+            default=None,
+            metavar="PATH",
+            help="append each finished request (arrival, prompt token ids, output length) to PATH as a "
+            "JSON line that `radixserve simulate --trace-file` replays (default: off)",
         )
 
     @classmethod

@@ -51,6 +51,7 @@ from radixserve.runtime.live_stats import LiveStats
 from radixserve.runtime.metrics import EngineMetrics
 from radixserve.runtime.request_builder import RequestBuilder, SamplingArg
 from radixserve.runtime.sessions import SessionStore
+from radixserve.runtime.trace_recorder import TraceRecorder
 
 logger = logging.getLogger("radixserve")
 
@@ -107,6 +108,8 @@ class Engine(EngineControl):
         self.metrics = EngineMetrics(self.served_model_name) if self.args.enable_metrics else None
         # --enable-dashboard: request timings for /dashboard (runtime/live_stats.py).
         self.live = LiveStats() if self.args.enable_dashboard else None
+        # --record-trace: every finished request as a line simulate can replay.
+        self.trace = TraceRecorder(self.args.record_trace) if self.args.record_trace else None
         # /configure_logging: log every request's arrival and end.
         self.log_requests = False
         self.sessions = SessionStore()
@@ -212,6 +215,8 @@ class Engine(EngineControl):
             if isinstance(out, TextOutput) and out.finished_reason is not None:
                 self.router.done(out.rid)
                 self.deadlines.done(out.rid)
+                if self.trace is not None:
+                    self.trace.finished(out.rid, out.completion_tokens, out.finished_reason.type)
             with self._lock:
                 self._queued.discard(out.rid)
                 deliver = self._pending.get(out.rid)
@@ -262,6 +267,8 @@ class Engine(EngineControl):
                 if self.live is not None:
                     self.live.submitted(msg.rid, len(msg.input_ids))
                 self.deadlines.start(msg.rid, time.monotonic())
+                if self.trace is not None:
+                    self.trace.submitted(msg.rid, msg.input_ids)
             self._pending[msg.rid] = deliver
             if isinstance(msg, GenerateRequest):
                 replica = self.router.pick(msg)
@@ -277,6 +284,8 @@ class Engine(EngineControl):
             self._queued.discard(rid)
         self.router.done(rid)
         self.deadlines.done(rid)
+        if self.trace is not None:
+            self.trace.forget(rid)
 
     @property
     def num_queued(self) -> int:
@@ -543,6 +552,8 @@ class Engine(EngineControl):
         self._closing = True
         self._reader.join(timeout=5)
         self.runtime.shutdown()
+        if self.trace is not None:
+            self.trace.close()
 
     def __enter__(self) -> Engine:
         return self

@@ -18,8 +18,12 @@ measured p50 against the simulated p50.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 from radixserve.bench.model import ensure_random_llama_1b, ensure_random_smollm2
 from radixserve.bench.workloads import make_workload, time_engine_runs
@@ -30,7 +34,7 @@ from radixserve.simulator.cli import calibrate_engine, scheduler_args
 from radixserve.simulator.executor import SIM_VOCAB
 from radixserve.simulator.hardware import HardwareProfile, load_profile
 from radixserve.simulator.simulate import simulate
-from radixserve.simulator.trace import TraceRequest
+from radixserve.simulator.trace import TraceRequest, load_trace_lines
 
 
 def main() -> None:
@@ -41,13 +45,23 @@ def main() -> None:
     parser.add_argument("--model", choices=("smollm2-135m", "llama-1b"), default="smollm2-135m")
     parser.add_argument("--max-total-tokens", type=int, default=40000)
     parser.add_argument("--hardware", default=None, help="also predict from this built-in profile")
+    parser.add_argument(
+        "--serving", action="store_true", help="also a `bench serving` run against a live server (see below)"
+    )
     args = parser.parse_args()
     device = pick_device(args.device)
     if args.model == "llama-1b":
         model = ensure_random_llama_1b(args.work, build_device=device.type)
     else:
         model = ensure_random_smollm2(args.work, "bfloat16")
-    flags = {"dtype": "bfloat16", "device": args.device, "max_total_tokens": args.max_total_tokens}
+    trace_path = args.work / "simulator-validation-trace.jsonl"
+    trace_path.unlink(missing_ok=True)
+    flags = {
+        "dtype": "bfloat16",
+        "device": args.device,
+        "max_total_tokens": args.max_total_tokens,
+        "record_trace": str(trace_path),
+    }
     profiles: list[tuple[str, HardwareProfile]] = []
     rows = []
     with Engine(str(model), **flags, log_level="warning") as engine:
@@ -72,24 +86,32 @@ def main() -> None:
                 TraceRequest(0.0, [t % SIM_VOCAB for t in p], workload.max_new_tokens)
                 for p in workload.prompts
             ]
-            # TTFT: the same prompts, one output token each.
+            # TTFT: the same prompts, one output token each. The simulation replays each run's
+            # recorded arrivals (--record-trace): a batch handed to the engine at once reaches
+            # the scheduler over a few milliseconds, and its first step may see only the first.
             first = {"temperature": 0.0, "max_new_tokens": 1, "ignore_eos": True}
-            ttfts = []
+            ttfts, recorded = [], []
             for _ in range(args.repeats):
                 engine.flush_cache()
+                seen = len(trace_path.read_text().splitlines())
                 results = engine.generate(input_ids=workload.prompts, sampling_params=first)
                 assert isinstance(results, list)
                 ttfts.append(statistics.median(r["meta_info"]["e2e_latency"] for r in results) * 1000)
-            one = [TraceRequest(0.0, r.input_ids, 1) for r in trace]
+                recorded.append(_since_first(trace_path, seen))
             for label, profile in profiles:
                 sim = simulate(config, profile, trace, engine.max_total_tokens, **sched)
-                sim_ttft = simulate(config, profile, one, engine.max_total_tokens, **sched).ttft_ms["p50"]
+                sim_ttft = statistics.median(
+                    statistics.median(
+                        simulate(config, profile, run, engine.max_total_tokens, **sched).ttft_values_ms
+                    )
+                    for run in recorded
+                )
                 rows.append(
                     (name, label, measured, total / sim.makespan_s, statistics.median(ttfts), sim_ttft)
                 )
-    columns = (
-        "workload | profile | measured tok/s | predicted | error | measured TTFT p50 ms | predicted | error"
-    )
+    if args.serving:
+        rows += _serving_rows(model, args, profiles, config, sched)
+    columns = "workload | profile | measured tok/s | predicted | error | measured TTFT p50 ms | predicted"
     print(f"| {columns} | error |")
     print("|---|---|---|---|---|---|---|---|")
     for name, label, measured, predicted, ttft, sim_ttft in rows:
@@ -98,6 +120,61 @@ def main() -> None:
             f"| {ttft:,.1f} | {sim_ttft:,.1f} | {sim_ttft / ttft - 1:+.1%} |",
             flush=True,
         )
+
+
+# Poisson arrivals of prompts in groups that share a system prompt, streamed over HTTP: a load
+# that calibration (batches arriving at once, offline) never saw.
+SERVING = [
+    "--dataset", "generated-shared-prefix", "--gsp-num-groups", "4", "--gsp-prompts-per-group", "8",
+    "--gsp-system-prompt-len", "512", "--gsp-question-len", "64", "--gsp-output-len", "64",
+    "--request-rate", "1.0", "--backend", "completions", "--disable-tqdm",
+]  # fmt: skip
+
+
+def _serving_rows(
+    model: Path,
+    args: argparse.Namespace,
+    profiles: list[tuple[str, HardwareProfile]],
+    config: Any,
+    sched: Any,
+) -> list[tuple[str, str, float, float, float, float]]:
+    """`bench serving` against `serve --record-trace`, then each profile's simulation of the very
+    requests the server recorded, at their recorded arrival times. Measured output tok/s and TTFT
+    p50 are the client's (TTFT through HTTP and streaming); the simulated ones the scheduler's."""
+    from pd_disaggregation import _free_port, _process, _serve, _wait
+
+    work = args.work
+    trace_path, log, out = work / "serving-trace.jsonl", work / "serving-server.log", work / "serving.json"
+    trace_path.unlink(missing_ok=True)
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    flags = ["--model-path", str(model), "--max-total-tokens", str(args.max_total_tokens)]
+    with _process(
+        _serve(port, *flags, "--device", args.device, "--record-trace", str(trace_path)), log
+    ) as server:
+        _wait(url, server, log)
+        cmd = [sys.executable, "-m", "radixserve.cli", "bench", "serving", "--base-url", url,
+               "--tokenizer", str(model), *SERVING, "--output-file", str(out)]  # fmt: skip
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    report = json.loads(out.read_text())
+    trace = load_trace_lines(trace_path.read_text().splitlines())
+    rows = []
+    for label, profile in profiles:
+        sim = simulate(config, profile, trace, args.max_total_tokens, **sched)
+        predicted = sim.output_tokens / sim.makespan_s
+        ttft = statistics.median(sim.ttft_values_ms)
+        rows.append(
+            ("serving", label, report["output_throughput"], predicted, report["median_ttft_ms"], ttft)
+        )
+    return rows
+
+
+def _since_first(trace_path: Path, seen: int) -> list[TraceRequest]:
+    """The requests recorded after the first `seen` lines, their arrivals from the first one's."""
+    lines = trace_path.read_text().splitlines()[seen:]
+    rows = load_trace_lines(lines)
+    start = min(r.arrival_s for r in rows)
+    return [TraceRequest(r.arrival_s - start, r.input_ids, r.output_len) for r in rows]
 
 
 if __name__ == "__main__":

@@ -62,9 +62,14 @@ def synthetic(spec: SyntheticTrace) -> list[TraceRequest]:
 
 def load_trace(path: Path, seed: int = 0) -> list[TraceRequest]:
     """A recorded trace: one JSON object per line; input_len draws fresh ids (no prefix sharing)."""
+    return load_trace_lines(path.read_text().splitlines(), seed, str(path))
+
+
+def load_trace_lines(lines: list[str], seed: int = 0, source: str = "trace") -> list[TraceRequest]:
+    """load_trace's parsing, of lines already read (e.g. the tail of a file still being written)."""
     rng = random.Random(seed)
     out = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         row = json.loads(line)
@@ -77,6 +82,6 @@ def load_trace(path: Path, seed: int = 0) -> list[TraceRequest]:
             out.append(TraceRequest(float(row["arrival_s"]), ids, int(row["output_len"])))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(
-                f"{path}:{number}: a trace line needs arrival_s, input_ids or input_len, output_len"
+                f"{source}:{number}: a trace line needs arrival_s, input_ids or input_len, output_len"
             ) from exc
     return sorted(out, key=lambda r: r.arrival_s)

@@ -24,7 +24,10 @@ class OutputBuilder:
     """Builds each request's ReqOutput from what it has not been sent yet."""
 
     def __init__(self) -> None:
+        # Per request: tokens sent so far, and its detokenizer settings (fixed for its lifetime,
+        # so built once rather than on every step: this runs for every running request).
         self._sent: dict[str, int] = {}
+        self._detokenize: dict[str, DetokenizeParams] = {}
 
     def unsent_tokens(self, req: Req) -> int:
         return len(req.output_ids) - self._sent.get(req.rid, 0)
@@ -32,30 +35,35 @@ class OutputBuilder:
     def final(self, req: Req) -> ReqOutput:
         out = self.progress(req)
         self._sent.pop(req.rid, None)
+        self._detokenize.pop(req.rid, None)
         return out
 
     def progress(self, req: Req) -> ReqOutput:
-        start = self._sent.get(req.rid, 0)
-        self._sent[req.rid] = len(req.output_ids)
-        params = req.sampling_params
-        return ReqOutput(
-            rid=req.rid,
-            new_token_ids=req.output_ids[start:],
-            finished_reason=req.finished_reason,
-            prompt_tokens=len(req.origin_input_ids),
-            completion_tokens=len(req.output_ids),
-            cached_tokens=req.cached_tokens,
-            detokenize=DetokenizeParams(
+        rid, output_ids = req.rid, req.output_ids
+        start = self._sent.get(rid, 0)
+        self._sent[rid] = len(output_ids)
+        detokenize = self._detokenize.get(rid)
+        if detokenize is None:
+            params = req.sampling_params
+            detokenize = self._detokenize[rid] = DetokenizeParams(
                 params.stop,
                 params.skip_special_tokens,
                 params.no_stop_trim,
                 params.spaces_between_special_tokens,
-            ),
-            logprobs=None if req.logprobs is None else req.logprobs.since(start),
-            input_logprobs=_unsent_input_logprobs(req),
-            embedding=req.embedding,
-            hidden_states=req.hidden_states[start:] if req.return_hidden_states else None,
-            prompt_hidden_states=_unsent_prompt_hidden_states(req),
+            )
+        return ReqOutput(
+            rid,
+            output_ids[start:],
+            req.finished_reason,
+            len(req.origin_input_ids),
+            len(output_ids),
+            req.cached_tokens,
+            detokenize,
+            None if req.logprobs is None else req.logprobs.since(start),
+            None if req.input_logprobs is None else _unsent_input_logprobs(req),
+            req.embedding,
+            req.hidden_states[start:] if req.return_hidden_states else None,
+            _unsent_prompt_hidden_states(req) if req.return_hidden_states else None,
         )
 
     @staticmethod

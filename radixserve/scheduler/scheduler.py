@@ -526,6 +526,11 @@ class Scheduler(ManagerViews, SchedulerAccounting):
         running = {id(r) for r in queues.running}
         finished: set[int] = set()
         generated = 0
+        # Every request that sampled has an unsent token, so with an interval of 1 all of them
+        # publish: no need to ask the builder per request.
+        interval = self.args.stream_interval
+        unsent_tokens = self.outputs.unsent_tokens
+        append_token, publish = self._append_token, decided.reqs.append
         for req, samples in zip(batch.reqs, batch.samples, strict=True):
             if not samples:
                 # A chunk of a long prompt: publish the computed part so later requests can share it.
@@ -536,7 +541,7 @@ class Scheduler(ManagerViews, SchedulerAccounting):
                 req.finished_reason = FinishReason("length")
             else:
                 for token in next_ids[id(req)]:
-                    self._append_token(req, token)
+                    append_token(req, token)
                     generated += 1
                     if req.finished:
                         break
@@ -551,8 +556,8 @@ class Scheduler(ManagerViews, SchedulerAccounting):
             if batch.is_prefill and id(req) not in running:
                 self.tree_cache.cache_unfinished_req(req, req.cache_ids)
                 queues.running.append(req)
-            if self.outputs.unsent_tokens(req) >= self.args.stream_interval:
-                decided.reqs.append((req, False))
+            if interval == 1 or unsent_tokens(req) >= interval:
+                publish((req, False))
         if finished:
             queues.running = [r for r in queues.running if id(r) not in finished]
         self.stats.generated_tokens += generated

@@ -122,7 +122,8 @@ def recorded_forwards(
     config: ModelConfig, trace: list[TraceRequest], max_total_tokens: int, **server_args: Any
 ) -> list[ForwardRecord]:
     """The forwards the real scheduler runs for a trace that all arrives at t=0."""
-    result = simulate(config, None, trace, max_total_tokens, **server_args)
+    # With the reads a cascade shares: the fit decides whether the engine's attention has one.
+    result = simulate(config, None, trace, max_total_tokens, count_shared_reads=True, **server_args)
     assert result.requests == len(trace)
     return result.records
 

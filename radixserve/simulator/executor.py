@@ -52,8 +52,14 @@ class CostModelExecutor:
     clock: VirtualClock = field(default_factory=VirtualClock)
     context_len: int | None = None
     records: list[ForwardRecord] = field(default_factory=list)
+    # Whether forwards record the K/V reads a cascade backend shares (None: when the profile's
+    # attention is a cascade). Finding shared prefixes costs host time, which a zero-cost run that
+    # measures the scheduler's own cost must not count.
+    count_shared_reads: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.count_shared_reads is None:
+            self.count_shared_reads = self.profile is not None and self.profile.cascade_attention
         self.shape = ModelShape.of(self.config)
         self.sim_config = dataclasses.replace(self.config, vocab_size=SIM_VOCAB, eos_token_ids=[])
 
@@ -68,7 +74,7 @@ class CostModelExecutor:
         return set()
 
     def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        fwd = _shape_of(batch)
+        fwd = _shape_of(batch, bool(self.count_shared_reads))
         seconds = 0.0 if self.profile is None else forward_seconds(self.shape, self.profile, fwd)
         self.records.append(ForwardRecord(self.clock.now, seconds, batch.mode.name, fwd))
         self.clock.now += seconds
@@ -147,17 +153,18 @@ class CostModelExecutor:
         raise NotImplementedError("the simulator holds no weights")
 
 
-def _shape_of(batch: ForwardBatch) -> ForwardShape:
+def _shape_of(batch: ForwardBatch, count_shared_reads: bool) -> ForwardShape:
     logprob_rows = 0 if batch.logprob_rows is None else len(batch.logprob_rows)
     sampled = len(batch.sample_rows) + logprob_rows
     if batch.mode is ForwardMode.DECODE:
         assert batch.decode is not None
         seq_lens = batch.decode.seq_lens.tolist()
-        prefix = decode_shared_prefix(batch.decode)
+        prefix = decode_shared_prefix(batch.decode) if count_shared_reads else None
         shared = 0 if prefix is None else (len(seq_lens) - 1) * len(prefix)
         return ForwardShape([1] * len(seq_lens), [n - 1 for n in seq_lens], sampled, True, shared)
     assert batch.extend is not None
     segments = batch.extend
     # The same groups the CPU backend's extend cascade finds (attention/common.py).
-    shared = sum((len(g) - 1) * segments[g[0]].prefix_len for g in shared_prefix_groups(segments))
+    groups = shared_prefix_groups(segments) if count_shared_reads else []
+    shared = sum((len(g) - 1) * segments[g[0]].prefix_len for g in groups)
     return ForwardShape([s.q_len for s in segments], [s.prefix_len for s in segments], sampled, False, shared)

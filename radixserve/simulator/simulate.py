@@ -98,11 +98,15 @@ def simulate(
     profile: HardwareProfile | None,
     trace: list[TraceRequest],
     max_total_tokens: int,
+    count_shared_reads: bool | None = None,
     **server_args: Any,
 ) -> SimResult:
-    """Runs the trace; server_args are ServerArgs fields (schedule policy, chunking, limits...)."""
+    """Runs the trace; server_args are ServerArgs fields (schedule policy, chunking, limits...);
+    count_shared_reads as for CostModelExecutor."""
     clock = VirtualClock()
-    executor = CostModelExecutor(config, max_total_tokens, profile, clock)
+    executor = CostModelExecutor(
+        config, max_total_tokens, profile, clock, count_shared_reads=count_shared_reads
+    )
     server_args.setdefault("log_level", "warning")
     scheduler = Scheduler(ServerArgs(**server_args), executor)
     timings: dict[str, _Timing] = {}

@@ -29,6 +29,7 @@ from radixserve.simulator.trace import TraceRequest
 
 # (requests, prompt tokens, output tokens): prefill-bound, then decode-bound shapes.
 CALIBRATION_RUNS: tuple[tuple[int, int, int], ...] = (
+    (1, 256, 1),
     (1, 512, 1),
     (1, 1536, 1),
     (4, 384, 1),

@@ -234,6 +234,11 @@ def _bench_serving(args: argparse.Namespace) -> int:
     print(format_report(report))
     if cfg.output_file:
         print(f"wrote {cfg.output_file}")
+        if args.plot:
+            from radixserve.bench.plots import serving_charts, write_plot
+
+            title = f"bench serving: {report.model}, {cfg.dataset}"
+            print(f"wrote {write_plot(cfg.output_file, title, serving_charts(report.results))}")
     # Failed requests never abort the run, but a run with no successes must not look like a pass.
     return 0 if report.metrics.completed else 1
 
@@ -332,6 +337,9 @@ def _add_serving_parser(bench_sub: Any) -> argparse.ArgumentParser:
     out = serving.add_argument_group("output")
     out.add_argument("--output-file", default=None, help="write aggregates + config as JSON here")
     out.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    out.add_argument(
+        "--plot", action="store_true", help="with --output-file: charts beside it (same name, .html)"
+    )
     serving.set_defaults(func=_bench_serving)
     return serving
 
@@ -505,7 +513,12 @@ def _bench_multiturn(args: argparse.Namespace) -> int:
     report = run_multiturn_bench(
         workload, args.dtype, storage, engine_args=engine_args, settings=settings, model_path=args.model_path
     )
-    return _print_report(format_table(report), report, args.out)
+    status = _print_report(format_table(report), report, args.out)
+    if args.out and args.plot:
+        from radixserve.bench.plots import multiturn_charts, write_plot
+
+        print(f"wrote {write_plot(args.out, 'bench multiturn', multiturn_charts(report))}")
+    return status
 
 
 def _add_multiturn_parser(bench_sub: Any) -> argparse.ArgumentParser:
@@ -545,5 +558,6 @@ def _add_multiturn_parser(bench_sub: Any) -> argparse.ArgumentParser:
         "--hicache-ratio", type=float, default=2.0, help="L2's size over the device pool (setting host)"
     )
     bench.add_argument("--out", default=None, help="write the report as JSON here")
+    bench.add_argument("--plot", action="store_true", help="with --out: charts beside it (same name, .html)")
     bench.set_defaults(func=_bench_multiturn)
     return bench

@@ -86,6 +86,7 @@ class RunResult:
             "host_pages_loaded": self.stats.get("hicache_host_pages_loaded", 0),
             "storage_load_s": self.stats.get("hicache_storage_load_seconds", 0.0),
             "seconds": self.seconds,
+            "ttft_ms": [t * 1e3 for t in self.ttft_s],  # every request's, for --plot
         }
 
 

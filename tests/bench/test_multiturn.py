@@ -12,8 +12,10 @@ import pytest
 from radixserve.bench.multiturn import MultiTurnWorkload, format_table, run_multiturn_bench
 from radixserve.cache.host_storage import FORCE_HOST_POOL_ENV
 
+# One request at a time: with a pool of two conversations, each conversation's next turn finds its
+# prefix evicted from the device pool (five others ran since) and in L2, whatever the machine's speed.
 WORKLOAD = MultiTurnWorkload(
-    conversations=6, turns=3, user_tokens=16, reply_tokens=4, concurrency=2, pool_conversations=1,
+    conversations=6, turns=3, user_tokens=16, reply_tokens=4, concurrency=1, pool_conversations=2,
     context_tokens=48,
 )  # fmt: skip
 

@@ -15,6 +15,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from radixserve.bench.plots import (
+    add_plot_flag,
+    multiturn_charts,
+    offline_charts,
+    plot_without_out,
+    serving_charts,
+    soak_charts,
+    speculative_charts,
+    write_plot_if_asked,
+)
 from radixserve.bench.serving_datasets import DATASET_NAMES
 from radixserve.bench.workloads import parse_workload_names
 from radixserve.config.server_args import CPU_ISA_CHOICES, CPU_KERNEL_CHOICES, SCHEDULE_POLICIES
@@ -74,6 +84,8 @@ def _ratio(spec: str) -> float:
 def _bench_offline(args: argparse.Namespace) -> int:
     from radixserve.bench.offline import BenchConfig, format_table, run_benchmark, write_report
 
+    if plot_without_out(args, args.out, "--out"):
+        return 2
     cfg = BenchConfig(
         workloads=args.workloads,
         dtypes=args.dtypes,
@@ -95,6 +107,7 @@ def _bench_offline(args: argparse.Namespace) -> int:
     if args.out:
         write_report(report, Path(args.out))
         print(f"\nwrote {args.out}")
+    write_plot_if_asked(args, args.out, "bench offline", lambda: offline_charts(report))
     return 0
 
 
@@ -142,6 +155,7 @@ def _add_offline_parser(bench_sub: Any) -> argparse.ArgumentParser:
     bench.add_argument("--no-baseline", action="store_true", help="skip the transformers baseline")
     bench.add_argument("--work-dir", default="bench-work", help="where the random model is written")
     bench.add_argument("--out", default=None, help="write the full report as JSON here")
+    add_plot_flag(bench, "--out")
     bench.add_argument(
         "--scale",
         type=_scale,
@@ -196,6 +210,8 @@ def _bench_serving(args: argparse.Namespace) -> int:
         run_serving_benchmark,
     )
 
+    if plot_without_out(args, args.output_file, "--output-file"):
+        return 2
     try:
         cfg = ServingBenchConfig(
             base_url=_serving_base_url(args),
@@ -234,11 +250,8 @@ def _bench_serving(args: argparse.Namespace) -> int:
     print(format_report(report))
     if cfg.output_file:
         print(f"wrote {cfg.output_file}")
-        if args.plot:
-            from radixserve.bench.plots import serving_charts, write_plot
-
-            title = f"bench serving: {report.model}, {cfg.dataset}"
-            print(f"wrote {write_plot(cfg.output_file, title, serving_charts(report.results))}")
+    title = f"bench serving: {report.model}, {cfg.dataset}"
+    write_plot_if_asked(args, cfg.output_file, title, lambda: serving_charts(report.results))
     # Failed requests never abort the run, but a run with no successes must not look like a pass.
     return 0 if report.metrics.completed else 1
 
@@ -337,9 +350,7 @@ def _add_serving_parser(bench_sub: Any) -> argparse.ArgumentParser:
     out = serving.add_argument_group("output")
     out.add_argument("--output-file", default=None, help="write aggregates + config as JSON here")
     out.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
-    out.add_argument(
-        "--plot", action="store_true", help="with --output-file: charts beside it (same name, .html)"
-    )
+    add_plot_flag(out, "--output-file")
     serving.set_defaults(func=_bench_serving)
     return serving
 
@@ -349,6 +360,8 @@ def _bench_soak(args: argparse.Namespace) -> int:
     from radixserve.bench.soak import main as soak_main
     from radixserve.bench.soak_report import SoakConfig
 
+    if plot_without_out(args, args.out, "--out"):
+        return 2
     try:
         cfg = SoakConfig(
             base_url=_serving_base_url(args),
@@ -366,10 +379,12 @@ def _bench_soak(args: argparse.Namespace) -> int:
             out=args.out,
             disable_tqdm=args.disable_tqdm,
         )
-        return soak_main(cfg)
+        report = soak_main(cfg)
     except (ValueError, OSError, ServingBenchError) as exc:
         print(f"radixserve: error: {exc}", file=sys.stderr)
         return 2
+    write_plot_if_asked(args, args.out, f"bench soak: {report.model}", lambda: soak_charts(report))
+    return 0 if report.passed else 1
 
 
 def _add_soak_parser(bench_sub: Any) -> argparse.ArgumentParser:
@@ -425,6 +440,7 @@ def _add_soak_parser(bench_sub: Any) -> argparse.ArgumentParser:
         "--max-rss-growth", type=_ratio, default=0.05, help="allowed RSS growth, a fraction (default 0.05)"
     )
     soak.add_argument("--out", default=None, help="write the report as JSON here")
+    add_plot_flag(soak, "--out")
     soak.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     soak.set_defaults(func=_bench_soak)
     return soak
@@ -450,6 +466,8 @@ def _isa_args(args: argparse.Namespace) -> dict[str, Any]:
 def _bench_speculative(args: argparse.Namespace) -> int:
     from radixserve.bench.speculative import format_table, run_speculative_bench
 
+    if plot_without_out(args, args.out, "--out"):
+        return 2
     engine_args = _isa_args(args)
     draft = args.draft_model_path
     if args.draft_early_exit is not None:
@@ -464,7 +482,9 @@ def _bench_speculative(args: argparse.Namespace) -> int:
         draft_model_path=draft,
         num_steps=args.speculative_num_steps,
     )
-    return _print_report(format_table(report), report, args.out)
+    status = _print_report(format_table(report), report, args.out)
+    write_plot_if_asked(args, args.out, "bench speculative", lambda: speculative_charts(report))
+    return status
 
 
 def _add_speculative_parser(bench_sub: Any) -> argparse.ArgumentParser:
@@ -496,6 +516,7 @@ def _add_speculative_parser(bench_sub: Any) -> argparse.ArgumentParser:
         "--speculative-num-steps", type=_positive_int, default=4, help="STANDALONE's drafts per step"
     )
     bench.add_argument("--out", default=None, help="write the report as JSON here")
+    add_plot_flag(bench, "--out")
     bench.set_defaults(func=_bench_speculative)
     return bench
 
@@ -503,6 +524,8 @@ def _add_speculative_parser(bench_sub: Any) -> argparse.ArgumentParser:
 def _bench_multiturn(args: argparse.Namespace) -> int:
     from radixserve.bench.multiturn import MultiTurnWorkload, format_table, run_multiturn_bench
 
+    if plot_without_out(args, args.out, "--out"):
+        return 2
     workload = MultiTurnWorkload(
         args.conversations, args.turns, args.user_tokens, args.reply_tokens, args.concurrency,
         args.pool_conversations, max(0, args.context_tokens),
@@ -514,10 +537,7 @@ def _bench_multiturn(args: argparse.Namespace) -> int:
         workload, args.dtype, storage, engine_args=engine_args, settings=settings, model_path=args.model_path
     )
     status = _print_report(format_table(report), report, args.out)
-    if args.out and args.plot:
-        from radixserve.bench.plots import multiturn_charts, write_plot
-
-        print(f"wrote {write_plot(args.out, 'bench multiturn', multiturn_charts(report))}")
+    write_plot_if_asked(args, args.out, "bench multiturn", lambda: multiturn_charts(report))
     return status
 
 
@@ -558,6 +578,6 @@ def _add_multiturn_parser(bench_sub: Any) -> argparse.ArgumentParser:
         "--hicache-ratio", type=float, default=2.0, help="L2's size over the device pool (setting host)"
     )
     bench.add_argument("--out", default=None, help="write the report as JSON here")
-    bench.add_argument("--plot", action="store_true", help="with --out: charts beside it (same name, .html)")
+    add_plot_flag(bench, "--out")
     bench.set_defaults(func=_bench_multiturn)
     return bench

@@ -97,6 +97,8 @@ class RequestResult:
     e2e_s: float = 0.0
     itl_s: list[float] = field(default_factory=list)
     error: str | None = None
+    # When it was sent, in seconds after the run started: the time axis of --plot's charts.
+    start_s: float = 0.0
 
     @property
     def tpot_s(self) -> float | None:
@@ -294,9 +296,15 @@ def chunk_text(chunk: dict[str, Any], chat: bool) -> str:
 
 
 async def send_request(
-    client: httpx.AsyncClient, url: str, headers: dict[str, str], body: dict[str, Any], req: BenchRequest
+    client: httpx.AsyncClient,
+    url: str,
+    headers: dict[str, str],
+    body: dict[str, Any],
+    req: BenchRequest,
+    origin: float | None = None,
 ) -> RequestResult:
-    """Stream one request; every failure becomes a RequestResult with `error`, never an exception."""
+    """Stream one request; every failure becomes a RequestResult with `error`, never an exception.
+    `origin`: the run's start (perf_counter), which start_s counts from."""
     chat = "messages" in body
     itl: list[float] = []
     ttft: float | None = None
@@ -343,6 +351,7 @@ async def send_request(
         ttft_s=e2e if ttft is None else ttft,
         e2e_s=e2e,
         itl_s=itl,
+        start_s=0.0 if origin is None else start - origin,
     )
 
 
@@ -369,12 +378,13 @@ async def _run_all(
 
     async def one(req: BenchRequest) -> RequestResult:
         body = request_body(config, model, req)
+        # `start` is set below, before the first of these tasks is created.
         if semaphore is None:
-            result = await send_request(client, url, headers, body, req)
+            result = await send_request(client, url, headers, body, req, start)
         else:
             # Latencies start once the request holds a slot: queueing in the client is not the server's.
             async with semaphore:
-                result = await send_request(client, url, headers, body, req)
+                result = await send_request(client, url, headers, body, req, start)
         if result.error and not first_error:
             first_error.append(result.error)
             tqdm.write(f"first failed request: {result.error}", file=sys.stderr)

@@ -147,10 +147,11 @@ async def _run(
     return build_report(config, client.model, results, duration, before, after, rss)
 
 
-def main(config: SoakConfig) -> int:
-    """Runs the soak, prints the table, writes --out; 0 when every check passed."""
+def main(config: SoakConfig) -> SoakReport:
+    """Runs the soak, prints the table, writes --out; the report (whether it `passed` is the exit
+    status)."""
     report = asyncio.run(run_soak(config))
     print(format_report(report))
     if config.out:
         print(f"wrote {config.out}")
-    return 0 if report.passed else 1
+    return report

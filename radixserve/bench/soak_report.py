@@ -128,13 +128,17 @@ class SoakReport:
     p99_ms: float
     checks: dict[str, bool]
     first_errors: list[str] = field(default_factory=list)
+    # Every completed request's latency, for --plot; the JSON keeps p50/p99 only.
+    latencies_ms: list[float] = field(default_factory=list, repr=False)
 
     @property
     def passed(self) -> bool:
         return all(self.checks.values())
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "passed": self.passed, "timestamp": _now()}
+        out = {**asdict(self), "passed": self.passed, "timestamp": _now()}
+        del out["latencies_ms"]
+        return out
 
 
 def _now() -> str:
@@ -249,6 +253,7 @@ def build_report(
         p99_ms=percentile(latencies, 99),
         checks=checks,
         first_errors=errors[:10],
+        latencies_ms=latencies,
     )
 
 

@@ -84,13 +84,16 @@ class Engine(EngineControl):
         tokenizer_source = (
             resolve_model_source(self.args.tokenizer_path) if self.args.tokenizer_path else self.source
         )
+        # --record-trace: every finished request as a line simulate can replay. Opened before any
+        # child starts, so that a bad path fails fast.
+        self.trace = TraceRecorder(self.args.record_trace) if self.args.record_trace else None
         # The schedulers start first: they load the model while this process loads the tokenizer.
         self.runtime = Runtime(self.args)
         try:
             self.tokenizer = load_tokenizer(tokenizer_source)
             self.runtime.provide_tokenizer(self.tokenizer)
         except BaseException:
-            self.runtime.kill()
+            self._abandon_start()
             raise
         # /v1/models and responses name the model by this; requests may also name its path.
         self.served_model_name = self.args.served_model_name or short_model_id(model_path, self.source)
@@ -108,8 +111,6 @@ class Engine(EngineControl):
         self.metrics = EngineMetrics(self.served_model_name) if self.args.enable_metrics else None
         # --enable-dashboard: request timings for /dashboard (runtime/live_stats.py).
         self.live = LiveStats() if self.args.enable_dashboard else None
-        # --record-trace: every finished request as a line simulate can replay.
-        self.trace = TraceRecorder(self.args.record_trace) if self.args.record_trace else None
         # /configure_logging: log every request's arrival and end.
         self.log_requests = False
         self.sessions = SessionStore()
@@ -119,7 +120,7 @@ class Engine(EngineControl):
         try:
             ready = self.runtime.wait_ready()
         except BaseException:
-            self.runtime.kill()
+            self._abandon_start()
             raise
         self.max_total_tokens = ready.max_total_tokens
         self.context_len = ready.context_len
@@ -142,6 +143,8 @@ class Engine(EngineControl):
             ready.max_total_tokens,
             ready.context_len,
         )
+        if self.trace is not None:
+            self.trace.start()  # arrivals count from here, when requests can be served
         self._reader = threading.Thread(target=self._read_outputs, name="radixserve-outputs", daemon=True)
         self._reader.start()
 
@@ -216,7 +219,7 @@ class Engine(EngineControl):
                 self.router.done(out.rid)
                 self.deadlines.done(out.rid)
                 if self.trace is not None:
-                    self.trace.finished(out.rid, out.completion_tokens, out.finished_reason.type)
+                    self.trace.finished(out.rid, out.completion_tokens, out.finished_reason)
             with self._lock:
                 self._queued.discard(out.rid)
                 deliver = self._pending.get(out.rid)
@@ -268,7 +271,8 @@ class Engine(EngineControl):
                     self.live.submitted(msg.rid, len(msg.input_ids))
                 self.deadlines.start(msg.rid, time.monotonic())
                 if self.trace is not None:
-                    self.trace.submitted(msg.rid, msg.input_ids)
+                    prompt_len = len(msg.input_embeds) if msg.input_embeds else len(msg.input_ids)
+                    self.trace.submitted(msg.rid, msg.input_ids, prompt_len)
             self._pending[msg.rid] = deliver
             if isinstance(msg, GenerateRequest):
                 replica = self.router.pick(msg)
@@ -552,6 +556,12 @@ class Engine(EngineControl):
         self._closing = True
         self._reader.join(timeout=5)
         self.runtime.shutdown()
+        if self.trace is not None:
+            self.trace.close()
+
+    def _abandon_start(self) -> None:
+        """A start that failed: no child left running, no trace file left open."""
+        self.runtime.kill()
         if self.trace is not None:
             self.trace.close()
 

@@ -1,60 +1,136 @@
 """`--record-trace PATH`: the engine's own request trace, in the format `radixserve simulate
---trace-file` reads (docs/simulator.md), so that a simulation can replay the traffic a server
-really saw.
+--trace-file` reads (simulator/trace.py, docs/simulator.md), so that a simulation can replay the
+traffic a server really saw.
 
 One JSON line per finished request, appended as it finishes:
-- `arrival_s`: when the engine took the request, in seconds since the engine started;
-- `input_ids`: the prompt's token ids as scheduled (so shared prefixes replay as shared);
+- `arrival_s`: when the engine took the request, in seconds since the engine became ready to serve;
+- `input_ids`: the prompt's token ids as scheduled (after chat templates, sessions, truncation and
+  image expansion), so shared prefixes replay as shared; a prompt given as vectors (input_embeds)
+  has no ids and is recorded by its length alone;
+- `input_len`: the prompt's length (the loader's fallback when `input_ids` is absent);
 - `output_len`: the tokens it generated;
-- `finish`: how it ended ("stop", "length", "abort"). An aborted request is recorded with what
-  it generated, as the load it put on the server; the simulator replays it as a shorter request.
+- `finish`: how it ended ("stop", "length", "abort"). An aborted request (client gone, timeout,
+  shutdown) is recorded with what it generated, as the load it put on the server; the simulator
+  replays it as a shorter request. A request the scheduler refused (an abort carrying a 4xx status,
+  e.g. an invalid grammar) was not served and is not recorded, like the engine's own refusals.
 
-Lines are written by the engine's output thread (never the scheduler's, never the event loop's)
-and flushed one by one, so a killed server leaves whole lines. The prompts' token ids are the
-users' text in another form: the trace is off unless the operator asks for it.
+The engine's output thread only hands a finished request's line to a queue: a writer thread of
+this module encodes and writes it, so a slow disk never holds up the event loop, the outputs of
+other requests or the scheduler. Each line is one append to the file, so a killed server leaves
+whole lines. The prompts' token ids are the users' text in another form: the trace is off unless
+the operator asks for it, and a new file is readable by its owner only.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import queue
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
+
+from radixserve.config.server_args import InvalidArgumentError
+from radixserve.protocol.messages import FinishReason
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class TraceLine:
+    """One finished request, as simulate's trace loader reads it."""
+
+    arrival_s: float
+    input_ids: list[int] | None  # None: the prompt was vectors, only its length is known
+    input_len: int
+    output_len: int
+    finish: str
+
+    def to_json(self) -> str:
+        row: dict[str, object] = {"arrival_s": round(self.arrival_s, 6)}
+        if self.input_ids is not None:
+            row["input_ids"] = self.input_ids
+        row.update(input_len=self.input_len, output_len=self.output_len, finish=self.finish)
+        return json.dumps(row, separators=(",", ":"))
+
+
+def is_refusal(finish: FinishReason) -> bool:
+    """An abort that is the request's own fault (the scheduler's 4xx): it never ran."""
+    return finish.type == "abort" and finish.status_code is not None and 400 <= finish.status_code < 500
+
+
 class TraceRecorder:
+    """Opens PATH for appending at once (a bad path fails before any model loads); records from
+    start() on, the moment the engine is ready, which is where arrival times count from."""
+
     def __init__(self, path: str) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = self.path.open("a", encoding="utf-8")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            # Owner-only, like any log of users' requests; O_APPEND with one write per line (below).
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        except OSError as exc:
+            # A usage error (one line from `serve`), not a crash.
+            raise InvalidArgumentError(f"--record-trace {path}: cannot append to it ({exc})") from exc
         self._started = time.monotonic()
         self._lock = threading.Lock()
-        # rid -> (arrival_s, input_ids) until the request finishes.
-        self._open: dict[str, tuple[float, list[int]]] = {}
+        # rid -> (arrival_s, input_ids or None, input_len) until the request finishes.
+        self._open: dict[str, tuple[float, list[int] | None, int]] = {}
+        # None tells the writer to stop.
+        self._lines: queue.SimpleQueue[TraceLine | None] = queue.SimpleQueue()
+        self._writer: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._started = time.monotonic()
+        self._writer = threading.Thread(target=self._write_lines, name="radixserve-trace", daemon=True)
+        self._writer.start()
         logger.info("recording the request trace to %s", self.path)
 
-    def submitted(self, rid: str, input_ids: list[int]) -> None:
+    def submitted(self, rid: str, input_ids: list[int], input_len: int) -> None:
+        """input_len differs from len(input_ids) only for a prompt of vectors (no ids)."""
+        arrival_s = time.monotonic() - self._started
+        # A copy: the trace must show the prompt as it was sent, whatever later holds the list.
+        ids = list(input_ids) if input_ids else None
         with self._lock:
-            self._open[rid] = (time.monotonic() - self._started, list(input_ids))
+            self._open[rid] = (arrival_s, ids, input_len)
 
-    def finished(self, rid: str, output_len: int, finish: str) -> None:
+    def finished(self, rid: str, output_len: int, finish: FinishReason) -> None:
         with self._lock:
             entry = self._open.pop(rid, None)
-            if entry is None or self._file.closed:
-                return
-            arrival_s, input_ids = entry
-            row = {"arrival_s": round(arrival_s, 6), "input_ids": input_ids, "output_len": output_len}
-            self._file.write(json.dumps({**row, "finish": finish}) + "\n")
-            self._file.flush()
+        if entry is None or is_refusal(finish):
+            return
+        arrival_s, ids, input_len = entry
+        self._lines.put(TraceLine(arrival_s, ids, input_len, output_len, finish.type))
 
     def forget(self, rid: str) -> None:
-        """A request refused before it ran (never scheduled): not part of the traffic served."""
+        """A request refused before it reached the scheduler: not part of the traffic served."""
         with self._lock:
             self._open.pop(rid, None)
 
     def close(self) -> None:
-        with self._lock:
-            self._file.close()
+        """Writes the lines already queued, then closes the file."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            self._lines.put(None)
+            writer.join(timeout=10)
+            if writer.is_alive():
+                return  # stuck on the disk: the file stays with the (daemon) writer
+        os.close(self._fd)
+
+    def _write_lines(self) -> None:
+        failed = False
+        while (line := self._lines.get()) is not None:
+            if failed:
+                continue  # drained unwritten, so that the queue cannot grow without bound
+            data = (line.to_json() + "\n").encode()
+            try:
+                # One unbuffered write per line: nothing waits in a buffer, and a killed server
+                # leaves whole lines (a short write only happens when the disk is full).
+                if os.write(self._fd, data) != len(data):
+                    raise OSError("short write (disk full?)")
+            except OSError as exc:
+                # A full disk must not take serving down: stop recording, and say so once.
+                logger.error("stopped recording the request trace to %s: %s", self.path, exc)
+                failed = True

@@ -350,6 +350,7 @@ def test_completions_run_end_to_end(fake: FakeServerState, tmp_path: Path) -> No
     for r in report.results:
         assert 0 < r.ttft_s <= r.e2e_s
         assert len(r.itl_s) == 4 and r.tpot_s is not None and r.tpot_s > 0
+        assert 0 <= r.start_s < m.duration_s  # sent during the run (--plot's time axis)
     assert m.ttft.mean_ms <= m.e2e.mean_ms and m.itl.median_ms > 0
 
     assert len(fake.bodies) == 6
@@ -476,11 +477,14 @@ def test_cli_runs_and_writes_json(
         "--disable-tqdm",
         "--output-file",
         str(out),
+        "--plot",
     ]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "Serving Benchmark Result" in printed and "Median TTFT (ms):" in printed
     assert json.loads(out.read_text())["completed"] == 3
+    page = tmp_path / "r.html"
+    assert f"wrote {page}" in printed and page.read_text().count("<polyline") == 5
 
     assert main(["bench", "serving", "--dataset", "sharegpt", "--disable-tqdm"]) == 2
     assert "--dataset-path" in capsys.readouterr().err

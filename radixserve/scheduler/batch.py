@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -22,6 +23,7 @@ from radixserve.forward.batch import (
     build_decode_layout,
 )
 from radixserve.forward.draft_tree import DraftTree
+from radixserve.forward.host_tensors import list_tensor
 from radixserve.scheduler.images import image_rows
 from radixserve.scheduler.request import Req
 
@@ -160,12 +162,12 @@ def build_extend_batch(reqs: list[Req], kv: KVContext) -> ForwardBatch:
     device = kv.device
     return ForwardBatch(
         mode=ForwardMode.EXTEND,
-        input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
+        input_ids=list_tensor(input_ids, torch.int64, device),
         positions=torch.cat(positions).to(device),
         out_cache_loc=out_cache_loc.to(device),
-        sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=device),
-        logprob_rows=torch.tensor(logprob_rows, dtype=torch.int64, device=device) if logprob_rows else None,
-        hidden_rows=torch.tensor(hidden_rows, dtype=torch.int64, device=device) if hidden_rows else None,
+        sample_rows=list_tensor(sample_rows, torch.int64, device),
+        logprob_rows=list_tensor(logprob_rows, torch.int64, device) if logprob_rows else None,
+        hidden_rows=list_tensor(hidden_rows, torch.int64, device) if hidden_rows else None,
         extend=segments,
         input_embeds=given_embeds or None,
         lora_groups=lora_groups(reqs, extend_lens, device),
@@ -175,8 +177,9 @@ def build_extend_batch(reqs: list[Req], kv: KVContext) -> ForwardBatch:
 def build_decode_batch(reqs: list[Req], kv: KVContext) -> ForwardBatch:
     table = kv.req_to_token_pool.req_to_token
     seq_lens = [r.kv_len for r in reqs]
-    pool_indices = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=table.device)
-    lens = torch.tensor(seq_lens, dtype=torch.int64, device=table.device)
+    # Every running request holds a request slot.
+    pool_indices = list_tensor(cast("list[int]", [r.req_pool_idx for r in reqs]), torch.int64, table.device)
+    lens = list_tensor(seq_lens, torch.int64, table.device)
     last_locs = table[pool_indices, (lens - 1).clamp(min=0)].tolist()
     kv.make_room(kv.slots_needed_for_decode(reqs))
     out_cache_loc = kv.allocator.alloc_decode(seq_lens, last_locs)
@@ -185,12 +188,14 @@ def build_decode_batch(reqs: list[Req], kv: KVContext) -> ForwardBatch:
     table[pool_indices, lens] = out_cache_loc
     for req in reqs:
         req.kv_len += 1
-        req.computed_len = max(req.computed_len, req.kv_len)
+        # computed_len = max(computed_len, kv_len), without a call per request per step.
+        if req.kv_len > req.computed_len:
+            req.computed_len = req.kv_len
 
     device = kv.device
     return ForwardBatch(
         mode=ForwardMode.DECODE,
-        input_ids=torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64, device=device),
+        input_ids=list_tensor([r.output_ids[-1] for r in reqs], torch.int64, device),
         positions=lens.to(device),
         out_cache_loc=out_cache_loc.to(device),
         sample_rows=torch.arange(len(reqs), device=device),
@@ -249,8 +254,8 @@ def build_verify_batch(
     masks = [None if t.is_chain else t.visibility() for t in trees]
     return ForwardBatch(
         mode=ForwardMode.VERIFY,
-        input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
-        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        input_ids=list_tensor(input_ids, torch.int64, device),
+        positions=list_tensor(positions, torch.int64, device),
         out_cache_loc=out_cache_loc.to(device),
         sample_rows=torch.arange(offset, device=device),
         extend=segments,
@@ -264,6 +269,9 @@ def lora_groups(
 ) -> list[tuple[int, torch.Tensor]] | None:
     """Each LoRA adapter slot the requests use and the rows (row_counts[i] for request i, in
     order) of those using it; None when none uses one."""
+    slots = [r.lora_slot for r in reqs]
+    if slots.count(None) == len(slots):
+        return None  # the common case, and always so without --enable-lora: no per-row work
     rows: dict[int, list[int]] = {}
     offset = 0
     for req, n in zip(reqs, row_counts, strict=True):
@@ -272,7 +280,7 @@ def lora_groups(
         offset += n
     if not rows:
         return None
-    return [(slot, torch.tensor(r, dtype=torch.int64, device=device)) for slot, r in sorted(rows.items())]
+    return [(slot, list_tensor(r, torch.int64, device)) for slot, r in sorted(rows.items())]
 
 
 def truncate_kv(req: Req, keep: int, allocated_end: int, kv: KVContext) -> None:

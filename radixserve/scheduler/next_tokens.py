@@ -26,25 +26,33 @@ def pick_next_tokens(
     sample: Sampler,
     grammar_mask: GrammarMask,
 ) -> list[int]:
-    """logits, hidden: one row per request of reqs, in order. Returns one token id per request."""
+    """logits, hidden: one row per request of reqs, in order. Returns one token id per request.
+
+    This runs on every step for every sampling request, so the work of an option no request of
+    the batch uses (logit processors, min_new_tokens, penalties, grammars, logprobs, hidden states)
+    is skipped on one look at the batch."""
     params = [r.sampling_params for r in reqs]
-    processed = apply_processors(logits, [r.logit_processor for r in reqs], [p.custom_params for p in params])
-    for req, error in zip(reqs, processed.errors, strict=True):
-        if error is not None:
-            # The processor is the request's own choice: its failure ends that request only.
-            req.finished_reason = FinishReason("abort", message=f"custom logit processor failed: {error}")
+    processors = [r.logit_processor for r in reqs]
+    processed = logits
+    if any(p is not None for p in processors):
+        applied = apply_processors(logits, processors, [p.custom_params for p in params])
+        processed = applied.logits
+        for req, error in zip(reqs, applied.errors, strict=True):
+            if error is not None:
+                # The processor is the request's own choice: its failure ends that request only.
+                req.finished_reason = FinishReason("abort", message=f"custom logit processor failed: {error}")
     sampling = SamplingBatch.build(
         params,
         [r.generator for r in reqs],
         vocab_size,
         logits.device,
-        banned_ids=[r.banned_token_ids() for r in reqs],
-        histories=[(r.penalized_prompt_ids, r.output_ids) for r in reqs]
-        if any(p.has_penalties for p in params)
-        else None,
+        # Stop tokens are banned only before min_new_tokens.
+        banned_ids=[r.banned_token_ids() for r in reqs] if any(p.min_new_tokens for p in params) else None,
+        histories=lambda: [(r.penalized_prompt_ids, r.output_ids) for r in reqs],
         allowed=grammar_mask(reqs, logits.device),
+        rows=[r.sampling_row for r in reqs],
     )
-    next_tokens = sample(processed.logits, sampling)
+    next_tokens = sample(processed, sampling)
     # Logprobs are those of the raw model, before any processing.
     record_output_logprobs(reqs, logits, next_tokens)
     if any(r.return_hidden_states for r in reqs):

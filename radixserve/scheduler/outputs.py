@@ -20,37 +20,47 @@ from radixserve.protocol.messages import DetokenizeParams, FinishReason, ReqOutp
 from radixserve.scheduler.request import Req
 
 
+@dataclass(slots=True)
+class _Stream:
+    """What one request has been sent: its token count, and its detokenizer settings (fixed for
+    its lifetime, so built once rather than on every step)."""
+
+    detokenize: DetokenizeParams
+    sent: int = 0
+
+
 class OutputBuilder:
     """Builds each request's ReqOutput from what it has not been sent yet."""
 
     def __init__(self) -> None:
-        # Per request: tokens sent so far, and its detokenizer settings (fixed for its lifetime,
-        # so built once rather than on every step: this runs for every running request).
-        self._sent: dict[str, int] = {}
-        self._detokenize: dict[str, DetokenizeParams] = {}
+        # One entry per request that has been sent something: a single lookup per output, as
+        # this runs for every running request on every step.
+        self._streams: dict[str, _Stream] = {}
 
     def unsent_tokens(self, req: Req) -> int:
-        return len(req.output_ids) - self._sent.get(req.rid, 0)
+        stream = self._streams.get(req.rid)
+        return len(req.output_ids) - (0 if stream is None else stream.sent)
 
     def final(self, req: Req) -> ReqOutput:
         out = self.progress(req)
-        self._sent.pop(req.rid, None)
-        self._detokenize.pop(req.rid, None)
+        self._streams.pop(req.rid, None)
         return out
 
     def progress(self, req: Req) -> ReqOutput:
         rid, output_ids = req.rid, req.output_ids
-        start = self._sent.get(rid, 0)
-        self._sent[rid] = len(output_ids)
-        detokenize = self._detokenize.get(rid)
-        if detokenize is None:
+        stream = self._streams.get(rid)
+        if stream is None:
             params = req.sampling_params
-            detokenize = self._detokenize[rid] = DetokenizeParams(
-                params.stop,
-                params.skip_special_tokens,
-                params.no_stop_trim,
-                params.spaces_between_special_tokens,
+            stream = self._streams[rid] = _Stream(
+                DetokenizeParams(
+                    params.stop,
+                    params.skip_special_tokens,
+                    params.no_stop_trim,
+                    params.spaces_between_special_tokens,
+                )
             )
+        start, stream.sent = stream.sent, len(output_ids)
+        hidden = req.return_hidden_states
         return ReqOutput(
             rid,
             output_ids[start:],
@@ -58,12 +68,12 @@ class OutputBuilder:
             len(req.origin_input_ids),
             len(output_ids),
             req.cached_tokens,
-            detokenize,
+            stream.detokenize,
             None if req.logprobs is None else req.logprobs.since(start),
             None if req.input_logprobs is None else _unsent_input_logprobs(req),
             req.embedding,
-            req.hidden_states[start:] if req.return_hidden_states else None,
-            _unsent_prompt_hidden_states(req) if req.return_hidden_states else None,
+            req.hidden_states[start:] if hidden else None,
+            _unsent_prompt_hidden_states(req) if hidden else None,
         )
 
     @staticmethod

@@ -13,6 +13,7 @@ import torch
 from radixserve.cache.key_space import namespaced
 from radixserve.cache.radix_cache import TreeNode
 from radixserve.cache.tiers import TierLoad
+from radixserve.layers.sampler import SamplingRow
 from radixserve.protocol.messages import BootstrapInfo, FinishReason, TokenLogprobs
 from radixserve.protocol.sampling_params import SamplingParams
 from radixserve.scheduler.grammar import CompileResult, GrammarMatcher
@@ -178,6 +179,12 @@ class Req:
     # Vision-language models: the prompt's images (scheduler/images.py); their tokens hold
     # stand-in ids at or above IMAGE_ID_BASE.
     images: list[ImageSpan] = field(default_factory=list)
+    # What the sampler takes from sampling_params, worked out once (its sampling fields are fixed
+    # from admission on) rather than on every step.
+    sampling_row: SamplingRow = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.sampling_row = SamplingRow.of(self.sampling_params)
 
     @property
     def fill_ids(self) -> list[int]:
@@ -245,19 +252,22 @@ class Req:
 
     def check_finished(self, context_len: int, decode: Callable[[list[int]], str] | None = None) -> None:
         """Sets finished_reason if the last token ended the request. `decode` turns ids into text;
-        it is needed only for stop strings."""
-        if self.finished_reason is not None or not self.output_ids:
+        it is needed only for stop strings. (Called for every request on every step: locals and
+        no property calls.)"""
+        output_ids = self.output_ids
+        if self.finished_reason is not None or not output_ids:
             return
-        last = self.output_ids[-1]
         params = self.sampling_params
-        may_stop = len(self.output_ids) >= params.min_new_tokens
-        if may_stop and (
-            (not params.ignore_eos and last in self.eos_token_ids) or last in params.stop_token_ids
-        ):
-            self.finished_reason = FinishReason("stop", matched=last)
-        elif may_stop and params.stop and (matched := self._matched_stop_string(decode)) is not None:
-            self.finished_reason = FinishReason("stop", matched=matched)
-        elif len(self.output_ids) >= params.max_new_tokens or self.seq_len >= context_len:
+        length = len(output_ids)
+        if length >= params.min_new_tokens:
+            last = output_ids[-1]
+            if (not params.ignore_eos and last in self.eos_token_ids) or last in params.stop_token_ids:
+                self.finished_reason = FinishReason("stop", matched=last)
+                return
+            if params.stop and (matched := self._matched_stop_string(decode)) is not None:
+                self.finished_reason = FinishReason("stop", matched=matched)
+                return
+        if length >= params.max_new_tokens or length + len(self.origin_input_ids) >= context_len:
             self.finished_reason = FinishReason("length")
 
     def _matched_stop_string(self, decode: Callable[[list[int]], str] | None) -> str | None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -461,7 +461,7 @@ class Scheduler(ManagerViews, SchedulerAccounting):
         if sampling_reqs:
             vocab, sample = self.config.vocab_size, self.executor.sample
             next_ids = pick_next_tokens(sampling_reqs, logits, hidden, vocab, sample, self._grammar_mask)
-        return self._decide(batch, {id(r): [token] for r, token in zip(sampling_reqs, next_ids, strict=True)})
+        return self._decide(batch, [(token,) for token in next_ids])
 
     def _decide_verified(self, batch: ScheduledBatch, logits: torch.Tensor, hidden: torch.Tensor) -> Decided:
         """A verify step's results: each request's accepted drafts and one token of the model's."""
@@ -471,7 +471,7 @@ class Scheduler(ManagerViews, SchedulerAccounting):
         verified = speculator.verify(reqs, plan, logits, hidden, vocab, sample, self._grammar_mask)
         speculator.commit(reqs, plan, verified, self.kv, self.executor.move_kv)
         before = [len(r.output_ids) for r in reqs]
-        decided = self._decide(batch, {id(r): v.tokens for r, v in zip(reqs, verified, strict=True)})
+        decided = self._decide(batch, [v.tokens for v in verified])
         kept = [len(r.output_ids) - n for r, n in zip(reqs, before, strict=True)]
         speculator.record(reqs, plan, verified, kept, logits, self.kv, self.stats)
         return decided
@@ -484,7 +484,7 @@ class Scheduler(ManagerViews, SchedulerAccounting):
         done = [r for r in batch.reqs if r.kv_len == r.seq_len]
         for req, vector in zip(done, embeddings, strict=True):
             req.embedding = vector
-        return self._publish(self._decide(batch, {}))
+        return self._publish(self._decide(batch, [()] * len(done)))  # an embedding samples no token
 
     def _grammar_mask(self, reqs: list[Req], device: torch.device) -> torch.Tensor | None:
         if all(r.grammar is None for r in reqs):
@@ -516,14 +516,15 @@ class Scheduler(ManagerViews, SchedulerAccounting):
 
     # ------------------------------------------------------------------ results out
 
-    def _decide(self, batch: ScheduledBatch, next_ids: dict[int, list[int]]) -> Decided:
+    def _decide(self, batch: ScheduledBatch, next_ids: Sequence[Sequence[int]]) -> Decided:
         """Everything about the step's results that the next batch depends on (outputs.py).
-        next_ids: each sampling request's new tokens (several after a verify step; those after
-        one that finishes the request are dropped)."""
+        next_ids: the new tokens of each request that samples, in batch order (several after a
+        verify step; those after one that finishes the request are dropped)."""
         decided = Decided()
         queues = self.queues
-        # Sets, not list scans: this runs for every request on every step.
-        running = {id(r) for r in queues.running}
+        # Sets, not list scans, and finished_reason rather than the property: this runs for every
+        # request on every step. Only a prefill adds to the running list (a decode needs no set).
+        running = {id(r) for r in queues.running} if batch.is_prefill else set()
         finished: set[int] = set()
         generated = 0
         # Every request that sampled has an unsent token, so with an interval of 1 all of them
@@ -531,27 +532,29 @@ class Scheduler(ManagerViews, SchedulerAccounting):
         interval = self.args.stream_interval
         unsent_tokens = self.outputs.unsent_tokens
         append_token, publish = self._append_token, decided.reqs.append
+        sampled = iter(next_ids)
         for req, samples in zip(batch.reqs, batch.samples, strict=True):
             if not samples:
                 # A chunk of a long prompt: publish the computed part so later requests can share it.
                 self.tree_cache.cache_unfinished_req(req, req.cache_ids)
                 continue
+            tokens = next(sampled)
             if req.sampling_params.max_new_tokens == 0:
                 # Prefilled only for its prompt logprobs (a scoring request): nothing to output.
                 req.finished_reason = FinishReason("length")
             else:
-                for token in next_ids[id(req)]:
+                for token in tokens:
                     append_token(req, token)
                     generated += 1
-                    if req.finished:
+                    if req.finished_reason is not None:
                         break
-            if req.finished:
+            if req.finished_reason is not None:
                 if self.speculator is not None:
                     self.speculator.observe(req)  # its whole text, for later requests to draft from
                 # Out of reach of aborts now; its KV is released when it is published.
                 self.reqs.pop(req.rid, None)
                 finished.add(id(req))
-                decided.reqs.append((req, True))
+                publish((req, True))
                 continue
             if batch.is_prefill and id(req) not in running:
                 self.tree_cache.cache_unfinished_req(req, req.cache_ids)
@@ -575,15 +578,16 @@ class Scheduler(ManagerViews, SchedulerAccounting):
 
     def _publish(self, decided: Decided) -> list[ReqOutput]:
         """Releases finished requests' KV into the cache and builds the outputs (outputs.py)."""
-        outputs = []
+        outputs: list[ReqOutput] = []
+        output, progress = outputs.append, self.outputs.progress  # hoisted: once per request
         for req, finished in decided.reqs:
             if finished:
                 if self.prefill_handoffs is not None:
                     self.prefill_handoffs.finished(req)  # copies its prompt's K/V out first
                 self._release_kv(req)
-                outputs.append(self.outputs.final(req))
+                output(self.outputs.final(req))
             else:
-                outputs.append(self.outputs.progress(req))
+                output(progress(req))
         return outputs
 
     def _publish_unpublished(self) -> list[ReqOutput]:

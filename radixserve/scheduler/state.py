@@ -29,7 +29,10 @@ class ScheduledBatch:
 
     def __post_init__(self) -> None:
         # Only a prefill has chunks; every request of a decode or verify step samples.
-        self.samples = [not self.is_prefill or r.kv_len == r.seq_len for r in self.reqs]
+        if self.is_prefill:
+            self.samples = [r.kv_len == r.seq_len for r in self.reqs]
+        else:
+            self.samples = [True] * len(self.reqs)
 
 
 @dataclass

@@ -1,8 +1,9 @@
 from __future__ import annotations
 
+import pytest
 import torch
 
-from radixserve.layers.sampler import SamplingBatch, _kept_probs, adjust_logits, sample
+from radixserve.layers.sampler import SamplingBatch, SamplingRow, _kept_probs, adjust_logits, sample
 from radixserve.protocol.sampling_params import SamplingParams
 
 
@@ -62,7 +63,7 @@ def test_repetition_penalty_matches_transformers() -> None:
     prompt, output = [[0, 1], [5]], [[1, 3], [5, 2]]
     params = [SamplingParams(repetition_penalty=1.3), SamplingParams(repetition_penalty=0.7)]
     batch = SamplingBatch.build(
-        params, [None, None], 6, torch.device("cpu"), histories=list(zip(prompt, output, strict=True))
+        params, [None, None], 6, torch.device("cpu"), histories=lambda: list(zip(prompt, output, strict=True))
     )
     ours = adjust_logits(logits, batch)
     for row, p in enumerate(params):
@@ -75,7 +76,9 @@ def test_frequency_and_presence_penalties_follow_the_openai_formula() -> None:
     logits = torch.zeros(1, 6)
     params = SamplingParams(temperature=0.0, frequency_penalty=0.5, presence_penalty=0.25)
     # The prompt does not count for these two; the output has token 2 three times and token 4 once.
-    batch = SamplingBatch.build([params], [None], 6, torch.device("cpu"), histories=[([1, 1], [2, 2, 4, 2])])
+    batch = SamplingBatch.build(
+        [params], [None], 6, torch.device("cpu"), histories=lambda: [([1, 1], [2, 2, 4, 2])]
+    )
     ours = adjust_logits(logits, batch)
     expected = torch.tensor([[0.0, 0.0, -(0.5 * 3 + 0.25), 0.0, -(0.5 + 0.25), 0.0]])
     torch.testing.assert_close(ours, expected)
@@ -186,3 +189,36 @@ def test_draws_follow_the_distribution() -> None:
     counts = torch.bincount(sample(torch.log(probs), batch), minlength=4).float() / 20000
     assert counts[1] == 0  # a zero-probability token is never drawn
     torch.testing.assert_close(counts, probs[0], atol=0.015, rtol=0)
+
+
+def test_batch_tensors_and_flags_from_each_rows_parameters() -> None:
+    vocab = 6
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7, top_k=3),
+        SamplingParams(top_p=0.9),
+        SamplingParams(min_p=0.1),
+        SamplingParams(top_k=vocab + 5),  # beyond the vocabulary: no filter
+        SamplingParams(top_k=1),  # greedy, yet a top-k row
+    ]
+    batch = SamplingBatch.build(params, [None] * len(params), vocab, torch.device("cpu"))
+    assert batch.temperatures.squeeze(1).tolist() == pytest.approx([1.0, 0.7, 1.0, 1.0, 1.0, 1.0])
+    assert batch.top_ks.tolist() == [vocab, 3, vocab, vocab, vocab + 5, 1]
+    assert batch.greedy_rows.tolist() == [True, False, False, False, False, True]
+    assert batch.filtering_rows.tolist() == [False, True, True, True, False, True]
+    assert (batch.need_top_k, batch.need_top_p, batch.need_min_p, batch.all_greedy) == (
+        True,
+        True,
+        True,
+        False,
+    )
+    # Without a top-k row, the filtering rows are those with top-p or min-p.
+    plain = SamplingBatch.build(params[2:5], [None] * 3, vocab, torch.device("cpu"))
+    assert plain.filtering_rows.tolist() == [True, True, False]
+    assert not plain.need_top_k
+    # Rows kept per request give the same batch.
+    kept = SamplingBatch.build(
+        params, [None] * len(params), vocab, torch.device("cpu"), rows=[SamplingRow.of(p) for p in params]
+    )
+    for name in ("temperatures", "top_ps", "top_ks", "min_ps", "greedy_rows", "filtering_rows"):
+        assert torch.equal(getattr(kept, name), getattr(batch, name))

@@ -59,12 +59,13 @@ def draw_tree_tokens(
     reqs: list[Req], trees: list[DraftTree], logits: torch.Tensor, vocab_size: int, sample: Sampler
 ) -> list[Verified]:
     """logits: every node's row, the trees' nodes in order. One Verified per request."""
-    params, generators, banned, histories = [], [], [], []
-    penalized = any(r.sampling_params.has_penalties for r in reqs)
+    params, rows, generators, banned, histories = [], [], [], [], []
+    penalized = any(r.sampling_row.penalized for r in reqs)
     for req, tree in zip(reqs, trees, strict=True):
         stop_ids = req.stop_token_ids()
         for node in range(len(tree)):
             params.append(req.sampling_params)
+            rows.append(req.sampling_row)
             generators.append(req.generator)
             # The token drawn at this node would be output number len(output_ids) + depth + 1.
             outputs = len(req.output_ids) + tree.depths[node]
@@ -83,7 +84,8 @@ def draw_tree_tokens(
         vocab_size,
         logits.device,
         banned_ids=banned,
-        histories=histories if penalized else None,
+        histories=lambda: histories,
+        rows=rows,
         uniforms=uniforms.unsqueeze(1).to(logits.device),
     )
     drawn: list[int] = sample(logits, sampling).tolist()

@@ -6,7 +6,7 @@ side that closes fails the rooms still expected from it."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -43,6 +43,13 @@ def _receive(decode: GlooDecodeTransfer, count: int) -> list[KVHandoff]:
     return got
 
 
+def _wait_for(done: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not done():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
 def _kv(tokens: int, seed: int) -> torch.Tensor:
     return torch.randn(3, 2, tokens, 2, 8, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
 
@@ -66,10 +73,7 @@ def test_claimed_rooms_get_their_kv_bit_for_bit(
         assert torch.equal(kv, kvs[room])
         assert got[room].first_token == room % 1000 and got[room].logprobs == logprobs
     # The sender counts a handoff once its last send returns, which may be after the receiver has it.
-    deadline = time.monotonic() + DEADLINE_S
-    while prefill.stats()["handoffs"] < len(rooms):
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    _wait_for(lambda: prefill.stats()["handoffs"] >= len(rooms))
     stats = prefill.stats()
     assert stats["handoffs"] == 3 and stats["peers"] == 1
     assert stats["bytes"] > sum(t.numel() * 2 for t in kvs.values())
@@ -81,10 +85,7 @@ def test_a_room_the_decode_side_gives_up_is_dropped(
     prefill, decode, port = sides
     decode.forget(7, "127.0.0.1", port)
     prefill.send(KVHandoff(7, _kv(4, 0), first_token=1))
-    deadline = time.monotonic() + DEADLINE_S
-    while prefill.stats()["dropped"] == 0:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    _wait_for(lambda: prefill.stats()["dropped"] > 0)
     assert prefill.stats()["waiting_for_claim"] == 0
     # The next room on the same pair is unaffected, and an abort notice reaches the decode side.
     prefill.send(KVHandoff(8, None, message="prefill gave up"))
@@ -129,10 +130,7 @@ def test_a_late_give_up_never_drops_or_feeds_the_rooms_next_request(
     prefill, decode, port = sides
     decode.expect(5, "127.0.0.1", port)
     prefill.send(KVHandoff(5, _kv(4, 0), first_token=1))
-    deadline = time.monotonic() + DEADLINE_S
-    while prefill.stats()["handoffs"] == 0:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    _wait_for(lambda: prefill.stats()["handoffs"] > 0)
     # Given up after its K/V left the prefill side and before the scheduler polled it.
     decode.forget(5, "127.0.0.1", port)
     # The decode side's commands run in order: once room 6 arrives, the give-up has been written.

@@ -20,6 +20,7 @@ from tests.engine.test_storage_tier import (
     _storage_stats,
     _turns,
     _two_turns,
+    check_l2_serves_returning_turns,
 )
 from tests.engine.test_storage_tier import (
     _args as _file_tier_args,
@@ -61,13 +62,7 @@ def test_l2_host_pool_on_cuda_serves_returning_turns(
         hicache_storage_page_size=STORAGE_PAGE,
         hicache_ratio=8.0,
     )
-    first, _, _, again = _two_turns(engine, oracle("llama"), seed=64, returning=4)
-    for previous, result in zip(first[:4], again, strict=True):
-        whole_pages = (len(previous) + MAX_NEW - 1) // STORAGE_PAGE * STORAGE_PAGE
-        assert result["meta_info"]["cached_tokens"] >= whole_pages
-    stats = _storage_stats(engine)
-    assert stats["hicache_tier"] == "host" and stats["hicache_host_pages_loaded"] > 0
-    engine.check_kv_invariant()
+    check_l2_serves_returning_turns(engine, oracle("llama"))
 
 
 def test_l2_and_the_file_tier_on_cuda_survive_a_restart(

@@ -161,6 +161,12 @@ def test_l2_host_pool_forced_on_a_cpu_serves_returning_turns(
         hicache_storage_page_size=STORAGE_PAGE,
         hicache_ratio=8.0,
     )
+    check_l2_serves_returning_turns(engine, reference)
+
+
+def check_l2_serves_returning_turns(engine: Any, reference: GreedyOracle) -> None:
+    """Four conversations return after the pool moved on: their first turns' whole pages come back
+    from L2, the outputs equal transformers, and the KV accounting holds (test_cuda.py too)."""
     first, _, _, again = _two_turns(engine, reference, seed=64, returning=4)
     for previous, result in zip(first[:4], again, strict=True):
         whole_pages = (len(previous) + MAX_NEW - 1) // STORAGE_PAGE * STORAGE_PAGE

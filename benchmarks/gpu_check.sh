@@ -2,7 +2,9 @@
 # The checks that need a CUDA GPU, as one script for a lent GPU machine (see benchmarks/README.md):
 #   1. tests/engine/test_cuda.py: greedy fp32 on the GPU equals transformers; the hierarchical
 #      cache's L2 host pool (and the file tier beside it) behind a GPU KV pool.
-#   2. `radixserve bench multiturn` on the GPU: the radix cache alone against L2 (the host pool).
+#   2. `radixserve bench multiturn` on the GPU: the radix cache alone against L2 (the host pool);
+#      with OLD_TREE set (a directory holding another commit's radixserve/), L2 of that commit too,
+#      for an A/B of a change to L2 in the same run.
 #   3. benchmarks/simulator_validation.py: calibrate on the GPU, predict W1/W2/W3, and compare the
 #      built-in H200 profile as published.
 # Usage: OUT=results-dir bash benchmarks/gpu_check.sh [wheel-dir]
@@ -25,13 +27,19 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee 
 $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
 
 echo "== 1. CUDA tests"
-timeout "${TESTS_TIMEOUT:-180}" $PY -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py 2>&1 | tee "$OUT/cuda_tests.log"
+timeout "${TESTS_TIMEOUT:-180}" $PY -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py tests/cache/test_kv_copy.py 2>&1 | tee "$OUT/cuda_tests.log"
 
 echo "== 2. multi-turn chats on the GPU: radix cache alone against L2"
 MODEL=$($PY -c "from pathlib import Path; from radixserve.bench.model import ensure_random_llama_1b as m; print(m(Path('$WORK'), 'cuda'))")
 timeout "${MULTITURN_TIMEOUT:-200}" $PY -c "from radixserve.cli import main; raise SystemExit(main())" bench multiturn \
     --model-path "$MODEL" --device cuda --settings off,host --hicache-ratio 10 --context-tokens 512 --concurrency 8 \
     --out "$OUT/multiturn.json" 2>&1 | tee "$OUT/multiturn.log"
+if [ -n "${OLD_TREE:-}" ]; then
+    echo "== 2b. L2 of the code in $OLD_TREE"
+    PYTHONPATH=${PYTHONPATH/$PWD/$OLD_TREE} timeout "${MULTITURN_TIMEOUT:-200}" $PY -P -c "from radixserve.cli import main; raise SystemExit(main())" bench multiturn \
+        --model-path "$MODEL" --device cuda --settings host --hicache-ratio 10 --context-tokens 512 --concurrency 8 \
+        --out "$OUT/multiturn_old.json" 2>&1 | tee "$OUT/multiturn_old.log"
+fi
 
 echo "== 3. simulator validation on the GPU"
 timeout "${VALIDATION_TIMEOUT:-200}" $PY benchmarks/simulator_validation.py --device cuda --model llama-1b \

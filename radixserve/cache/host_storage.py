@@ -36,9 +36,16 @@ FORCE_HOST_POOL_ENV = "RADIXSERVE_HICACHE_HOST_POOL"
 
 class HostKVStorage:
     def __init__(
-        self, fingerprint: StorageFingerprint, budget_bytes: int, events: KVEventRecorder | None = None
+        self,
+        fingerprint: StorageFingerprint,
+        budget_bytes: int,
+        events: KVEventRecorder | None = None,
+        pinned: bool = False,
     ) -> None:
+        """pinned: pages in page-locked memory (beside a CUDA pool: their copies back to the device
+        are then asynchronous, cache/kv_copy.py)."""
         self.fingerprint = fingerprint
+        self.pinned = pinned
         self.budget_bytes = budget_bytes
         self.events = events
         # Guards the pages against announce (scheduler thread) while the I/O thread changes them;
@@ -75,7 +82,8 @@ class HostKVStorage:
         size = self.page_bytes
         if size > self.budget_bytes:
             return False
-        page = kv.detach().to("cpu").clone(memory_format=torch.contiguous_format)
+        page = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=self.pinned)
+        page.copy_(kv.detach())
         with self._lock:
             while self.used_bytes + size > self.budget_bytes:
                 self._remove(next(iter(self._pages)))

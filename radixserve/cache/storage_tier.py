@@ -10,16 +10,20 @@ When it writes (--hicache-write-policy, SGLang's names):
 - write_back: a node's pages when it is evicted from the device pool;
 - write_through_selective: a page once a request's prompt hit it on the device (so it was used
   twice), not on insertion nor on eviction.
-The K/V are copied out of the pool on the scheduler's thread (the slots may be reused right
-after) and written by the tier's I/O thread. At most `max_queued_writes` pages wait; past that a
-write is dropped and counted (the prefix is then recomputed if needed, never wrong).
+The K/V are gathered out of the pool on the scheduler's thread, ordered before the forward that
+may reuse their slots; their copy to host memory runs beside the forwards (on a CUDA device, a
+stream of its own: cache/kv_copy.py) and the tier's I/O thread waits for it, then writes. At most
+`max_queued_writes` pages wait; past that a write is dropped and counted (the prefix is then
+recomputed if needed, never wrong).
 
 How it loads: a waiting request's prompt is looked up by `prefetch` (hashes and an in-memory
 index, no disk access) when the scheduler first considers it. If the storage holds pages past what
 the device tree matched, the I/O thread reads them while the request stays in the queue and the
 batch goes on without it; `install`, on the scheduler's thread before each prefill batch is
-chosen, puts them into the device pool and the tree, and the request is admitted with them as its
-cached prefix. A page that fails to read (removed, truncated, another model's) ends the load there.
+chosen, puts them into the device pool and the tree (beside a CUDA pool, the I/O thread has
+already started their copy to the device; installing only orders it before the next forward), and
+the request is admitted with them as its cached prefix. A page that fails to read (removed,
+truncated, another model's) ends the load there.
 
 Tensor parallelism: every rank keeps its own heads' pages (its own fingerprint) and runs this tier
 alike, and the ranks' schedulers must admit the same requests with the same cached prefixes. What
@@ -47,6 +51,7 @@ import torch
 
 from radixserve.cache.block_hash import page_hashes
 from radixserve.cache.host_storage import HostKVStorage
+from radixserve.cache.kv_copy import KVCopy
 from radixserve.cache.pools import KVSlotAllocator
 from radixserve.cache.storage import FileKVStorage, PageOrigin, StorageFingerprint
 from radixserve.cache.tiers import CacheTier, PrefixTree, TierLoad
@@ -87,6 +92,10 @@ class KVAccess(Protocol):
 
     def write_kv(self, slots: torch.Tensor, kv: torch.Tensor) -> None: ...
 
+    def read_kv_async(self, slots: torch.Tensor) -> KVCopy: ...
+
+    def upload_kv(self, pages: list[torch.Tensor]) -> KVCopy: ...
+
 
 @dataclass
 class _Load:
@@ -95,6 +104,7 @@ class _Load:
     hashes: list[int]  # of blocks first_block, first_block + 1, ...
     ticket: TierLoad
     pages: list[torch.Tensor] = field(default_factory=list)
+    uploaded: KVCopy | None = None  # the pages on their way to the device pool, once all are read
     finished: bool = False  # the I/O thread is done with it (set under the tier's lock)
 
 
@@ -239,7 +249,9 @@ class StorageTier(CacheTier):
             slots = self.allocator.alloc_extend([on_device], [last_loc], [need])
             if slots is None:
                 return 0
-            kv = torch.cat(load.pages, dim=2)[:, :, on_device - load.first_block * size :]
+            assert load.uploaded is not None  # a finished load with pages has started their copy
+            start = load.first_block * size
+            kv = load.uploaded.wait()[:, :, on_device - start : end - start]
             self.kv.write_kv(slots, kv)
             present = cache.insert(load.tokens[:end], torch.cat([match.kv_indices, slots]))
             assert present == on_device, "the tree changed between a match and an insert"
@@ -327,13 +339,12 @@ class StorageTier(CacheTier):
         if not wanted:
             return
         index = torch.cat([torch.arange(b * size, (b + 1) * size) for b in wanted])
-        kv = self.kv.read_kv(slots[index])  # one copy for every page; each job a view of it
+        copy = self.kv.read_kv_async(slots[index])  # one copy for every page; each job a part of it
         for i, block in enumerate(wanted):
-            page = kv[:, :, i * size : (i + 1) * size]
             origin = PageOrigin(
                 hashes[block - 1] if block else None, tokens[block * size : (block + 1) * size]
             )
-            self._jobs.put((_WRITE, next(self._order), (hashes[block], page, origin)))
+            self._jobs.put((_WRITE, next(self._order), (hashes[block], copy, i * size, origin)))
 
     # ---- the levels --------------------------------------------------------------------------
 
@@ -384,6 +395,8 @@ class StorageTier(CacheTier):
                 break
             load.pages.append(page)
             self.counters.bytes_read += page.numel() * page.element_size()
+        if load.pages:
+            load.uploaded = self.kv.upload_kv(load.pages)
         self.counters.loads += 1
         self.counters.load_seconds += time.perf_counter() - started
         self._finish(load)
@@ -393,9 +406,9 @@ class StorageTier(CacheTier):
             load.finished = True
         self._load_finished.set()
 
-    def _store(self, page_hash: int, page: torch.Tensor, origin: PageOrigin) -> None:
+    def _store(self, page_hash: int, copy: KVCopy, start: int, origin: PageOrigin) -> None:
         started = time.perf_counter()
-        page = page.contiguous()
+        page = copy.wait()[:, :, start : start + self.block_size].contiguous()
         # Every level, each on its own budget (a list, not any(): no level is skipped).
         stored = any([level.put(page_hash, page, origin) for level in self.levels])
         with self._lock:

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 import torch
 
+from radixserve.cache.kv_copy import KVCopy
 from radixserve.forward.batch import ForwardBatch
 from radixserve.layers.sampler import SamplingBatch
 from radixserve.models.config import ModelConfig
@@ -110,6 +111,16 @@ class Executor(Protocol):
 
     def write_kv(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
         """The inverse of read_kv: kv into slots (a lower cache tier loads a prefix back)."""
+        ...
+
+    def read_kv_async(self, slots: torch.Tensor) -> KVCopy:
+        """read_kv's K/V as a copy under way (cache/kv_copy.py): the gather is ordered before the
+        next forward, the copy to host memory is not waited for here."""
+        ...
+
+    def upload_kv(self, pages: list[torch.Tensor]) -> KVCopy:
+        """Host pages (read_kv's shape) joined along the tokens, copied to where write_kv reads
+        fastest; started on any thread, waited for on the scheduler's."""
         ...
 
     def idle(self) -> None:

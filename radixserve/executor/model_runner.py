@@ -19,6 +19,7 @@ from radixserve.attention.base import (
 )
 from radixserve.attention.cpu_native import CpuNativeBackend
 from radixserve.attention.registry import choose_attention_backend
+from radixserve.cache.kv_copy import HostDeviceCopier, KVCopy
 from radixserve.cache.pools import KVCachePool
 from radixserve.config.lora_args import LORA_TARGET_MODULES, lora_refs
 from radixserve.config.server_args import InvalidArgumentError
@@ -185,6 +186,8 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
         )
+        # The hierarchical cache's copies between this pool and host memory.
+        self.kv_copier = HostDeviceCopier(self.device)
         # An encoder attends densely within each text and keeps no K/V: no backend.
         self.attention: AttentionBackend | None = None
         self.attention_reason = "encoder: dense attention within each text, no KV cache"
@@ -576,6 +579,13 @@ class ModelRunner:
     def write_kv(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
         self._check_resident("write_kv")
         self.kv_pool.write_slots(slots.to(self.device), kv.to(self.device))
+
+    def read_kv_async(self, slots: torch.Tensor) -> KVCopy:
+        self._check_resident("read_kv")
+        return self.kv_copier.download(self.kv_pool.read_slots(slots.to(self.device)))
+
+    def upload_kv(self, pages: list[torch.Tensor]) -> KVCopy:
+        return self.kv_copier.upload(pages)
 
     def idle(self) -> None:
         """Nothing runs: gives back the memory the attention backend keeps between steps."""

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from radixserve.cache.host_storage import FORCE_HOST_POOL_ENV, HostKVStorage
+from radixserve.cache.kv_copy import KVCopy
 from radixserve.cache.kv_events import KVEventRecorder
 from radixserve.cache.pools import KVSlotAllocator
 from radixserve.cache.storage import FileKVStorage, StorageFingerprint
@@ -68,6 +69,12 @@ class NotifyingKVAccess:
         self.executor.write_kv(slots, kv)
         self.written(slots)
 
+    def read_kv_async(self, slots: torch.Tensor) -> KVCopy:
+        return self.executor.read_kv_async(slots)
+
+    def upload_kv(self, pages: list[torch.Tensor]) -> KVCopy:
+        return self.executor.upload_kv(pages)
+
 
 def build_cache_tier(
     args: ServerArgs,
@@ -120,7 +127,10 @@ def build_cache_tier(
         )
         medium = HOST_MEDIUM if device.type == "cuda" else FORCED_HOST_MEDIUM
         host = HostKVStorage(
-            fingerprint, budget, events.for_medium(page_size, medium) if events is not None else None
+            fingerprint,
+            budget,
+            events.for_medium(page_size, medium) if events is not None else None,
+            pinned=device.type == "cuda",
         )
         logger.info(
             "hierarchical cache: L2 host pool of %.2f GB (%d pages of %d tokens)",

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from radixserve.attention.common import decode_shared_prefix, shared_prefix_groups
+from radixserve.cache.kv_copy import KVCopy
 from radixserve.executor.base import ExecutorInfo, KVLayout, LoraAdapterInfo
 from radixserve.forward.batch import ForwardBatch, ForwardMode
 from radixserve.layers.sampler import SamplingBatch
@@ -108,6 +109,12 @@ class CostModelExecutor:
         raise NotImplementedError("the simulator keeps no K/V")
 
     def write_kv(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        raise NotImplementedError("the simulator keeps no K/V")
+
+    def read_kv_async(self, slots: torch.Tensor) -> KVCopy:
+        raise NotImplementedError("the simulator keeps no K/V")
+
+    def upload_kv(self, pages: list[torch.Tensor]) -> KVCopy:
         raise NotImplementedError("the simulator keeps no K/V")
 
     def idle(self) -> None:

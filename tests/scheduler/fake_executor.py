@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from radixserve.cache.kv_copy import KVCopy, ReadyKV
 from radixserve.config.server_args import ServerArgs
 from radixserve.executor.base import ExecutorInfo, KVLayout, LoraAdapterInfo
 from radixserve.forward.batch import ForwardBatch, ForwardMode
@@ -281,6 +282,12 @@ class FakeExecutor:
         self._check_resident()
         self.kv_tokens[slots] = kv[0, 0].reshape(-1)
         self.kv_positions[slots] = kv[0, 1].reshape(-1)
+
+    def read_kv_async(self, slots: torch.Tensor) -> KVCopy:
+        return ReadyKV(self.read_kv(slots))
+
+    def upload_kv(self, pages: list[torch.Tensor]) -> KVCopy:
+        return ReadyKV(torch.cat(pages, dim=2))
 
     def embed(self, batch: ForwardBatch) -> torch.Tensor:
         if not self.is_embedding:

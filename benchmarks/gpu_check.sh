@@ -7,7 +7,8 @@
 #      for an A/B of a change to L2 in the same run.
 #   3. benchmarks/simulator_validation.py: calibrate on the GPU, predict W1/W2/W3, and compare the
 #      built-in H200 profile as published.
-# Usage: OUT=results-dir bash benchmarks/gpu_check.sh [wheel-dir]
+#   4. benchmarks/gpu_step_profile.py: single-stream decode steps timed and profiled.
+# Usage: OUT=results-dir [STEPS="tests multiturn validation profile"] bash benchmarks/gpu_check.sh [wheel-dir]
 # The machine needs torch with CUDA and transformers; packages it lacks travel as wheels in
 # wheel-dir (py3.12 manylinux: pyzmq, msgspec, gguf, xgrammar, fastapi and their needs).
 set -u
@@ -26,11 +27,17 @@ mkdir -p "$OUT" "$WORK"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee "$OUT/gpu.txt"
 $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
 
+STEPS=${STEPS:-tests multiturn validation profile}
+want() { [[ " $STEPS " == *" $1 "* ]]; }
+
+if want tests; then
 echo "== 1. CUDA tests"
 timeout "${TESTS_TIMEOUT:-180}" $PY -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py tests/cache/test_kv_copy.py 2>&1 | tee "$OUT/cuda_tests.log"
+fi
 
-echo "== 2. multi-turn chats on the GPU: radix cache alone against L2"
 MODEL=$($PY -c "from pathlib import Path; from radixserve.bench.model import ensure_random_llama_1b as m; print(m(Path('$WORK'), 'cuda'))")
+if want multiturn; then
+echo "== 2. multi-turn chats on the GPU: radix cache alone against L2"
 timeout "${MULTITURN_TIMEOUT:-200}" $PY -c "from radixserve.cli import main; raise SystemExit(main())" bench multiturn \
     --model-path "$MODEL" --device cuda --settings off,host --hicache-ratio 10 --context-tokens 512 --concurrency 8 \
     --out "$OUT/multiturn.json" 2>&1 | tee "$OUT/multiturn.log"
@@ -40,7 +47,16 @@ if [ -n "${OLD_TREE:-}" ]; then
         --model-path "$MODEL" --device cuda --settings host --hicache-ratio 10 --context-tokens 512 --concurrency 8 \
         --out "$OUT/multiturn_old.json" 2>&1 | tee "$OUT/multiturn_old.log"
 fi
+fi
 
+if want validation; then
 echo "== 3. simulator validation on the GPU"
 timeout "${VALIDATION_TIMEOUT:-200}" $PY benchmarks/simulator_validation.py --device cuda --model llama-1b \
     --hardware H200 --repeats 2 --work "$WORK" 2>&1 | tee "$OUT/simulator_validation.log"
+fi
+
+if want profile; then
+echo "== 4. single-stream decode steps, timed and profiled"
+timeout "${PROFILE_TIMEOUT:-150}" $PY benchmarks/gpu_step_profile.py --work "$WORK" --out "$OUT/profile" \
+    --model-path "$MODEL" 2>&1 | tee "$OUT/step_profile.log"
+fi

@@ -17,9 +17,11 @@ stream of its own: cache/kv_copy.py) and the tier's I/O thread waits for it, the
 recomputed if needed, never wrong).
 
 How it loads: a waiting request's prompt is looked up by `prefetch` (hashes and an in-memory
-index, no disk access) when the scheduler first considers it. If the storage holds pages past what
-the device tree matched, the I/O thread reads them while the request stays in the queue and the
-batch goes on without it; `install`, on the scheduler's thread before each prefill batch is
+index, no disk access) when the scheduler first considers it. If the levels hold pages past what
+the device tree matched, and all of them are in host memory (L2), they are read there and then
+and the request is admitted in the same step, as SGLang loads host hits back when it schedules.
+Otherwise the I/O thread reads them while the request stays in the queue and the batch goes on
+without it; `install`, on the scheduler's thread before each prefill batch is
 chosen, puts them into the device pool and the tree (beside a CUDA pool, the I/O thread has
 already started their copy to the device; installing only orders it before the next forward), and
 the request is admitted with them as its cached prefix. A page that fails to read (removed,
@@ -200,14 +202,24 @@ class StorageTier(CacheTier):
         last = first
         while last < blocks and self._holds(hashes[last]):
             last += 1
-        (last,) = self.least([last])
+        in_host = first
+        while in_host < last and self.host is not None and hashes[in_host] in self.host:
+            in_host += 1
+        last, in_host = self.least([last, in_host])
         if last * size <= on_device:
             return None
         ticket = TierLoad()
         load = _Load(list(tokens[: last * size]), first, hashes[first:last], ticket)
         ticket.detail = load
         self._pending.append(load)
-        self._jobs.put((_LOAD, next(self._order), load))
+        if in_host >= last:
+            # All of it in host memory: read here and now (a dict lookup and a copy per page; the
+            # copy to the device runs on the copier's stream), so the next `install` puts it into
+            # the tree and the request is admitted in this very step. A round trip through the
+            # I/O thread would keep it waiting a step for nothing. Disk reads stay off this thread.
+            self._load(load)
+        else:
+            self._jobs.put((_LOAD, next(self._order), load))
         return ticket
 
     def install(self, cache: PrefixTree) -> None:
@@ -354,15 +366,13 @@ class StorageTier(CacheTier):
     def _holds(self, page_hash: int) -> bool:
         return any(page_hash in level for level in self.levels)
 
-    def _read(self, page_hash: int) -> torch.Tensor | None:
-        """The page from the fastest level that has it (I/O thread)."""
+    def _read(self, page_hash: int) -> tuple[torch.Tensor | None, PageStore | None]:
+        """The page from the fastest level that has it, and that level."""
         for level in self.levels:
             page = level.get(page_hash)
             if page is not None:
-                if level is self.host:
-                    self.counters.pages_from_host += 1
-                return page
-        return None
+                return page, level
+        return None, None
 
     # ---- the I/O thread ----------------------------------------------------------------------
 
@@ -387,18 +397,27 @@ class StorageTier(CacheTier):
                     self._finish(job)
 
     def _load(self, load: _Load) -> None:
+        """Reads the load's pages (on the I/O thread, or on the scheduler's for host memory alone)
+        and starts their copy to the device."""
         started = time.perf_counter()
+        failed, from_host, read = 0, 0, 0
         for page_hash in load.hashes:
-            page = self._read(page_hash)
+            page, level = self._read(page_hash)
             if page is None:
-                self.counters.load_failures += 1
+                failed = 1
                 break
             load.pages.append(page)
-            self.counters.bytes_read += page.numel() * page.element_size()
+            from_host += level is self.host
+            read += page.numel() * page.element_size()
         if load.pages:
             load.uploaded = self.kv.upload_kv(load.pages)
-        self.counters.loads += 1
-        self.counters.load_seconds += time.perf_counter() - started
+        with self._lock:  # both threads load
+            c = self.counters
+            c.loads += 1
+            c.load_failures += failed
+            c.pages_from_host += from_host
+            c.bytes_read += read
+            c.load_seconds += time.perf_counter() - started
         self._finish(load)
 
     def _finish(self, load: _Load) -> None:

@@ -76,7 +76,8 @@ class CacheTier(ABC):
     @abstractmethod
     def prefetch(self, tokens: Sequence[int], matched: torch.Tensor) -> TierLoad | None:
         """A waiting request's prompt `tokens`, of which the device tree holds the first
-        len(matched) (at those slots). Returns a load to wait for, or None: nothing more here."""
+        len(matched) (at those slots). Returns a load to wait for (finished already when it reads
+        from memory: the next `install` puts it in the tree), or None: nothing more here."""
 
     @abstractmethod
     def install(self, cache: PrefixTree) -> None:

@@ -57,12 +57,17 @@ class PrefillManager:
             return waiting
         tier = cache.tier
         tier.install(cache)
-        ready = []
+        looked_up = False
         for req in waiting:
             if not req.tier_checked:
                 req.tier_checked = True
                 ids = req.prefix_match_ids()
                 req.tier_load = tier.prefetch(ids, cache.match_prefix(ids).kv_indices)
+                looked_up |= req.tier_load is not None
+        if looked_up:
+            tier.install(cache)  # a load from host memory alone is read already: into the tree now
+        ready = []
+        for req in waiting:
             if req.tier_load is not None:
                 if not req.tier_load.done:
                     continue

@@ -51,12 +51,12 @@ def test_the_host_pool_keeps_pages_in_pageable_memory_unless_pinned_is_asked() -
 def test_a_download_sees_the_kv_it_was_started_on_whatever_the_forward_stream_does_next() -> None:
     copier = HostDeviceCopier(torch.device("cuda"))
     assert copier.pins
-    pool = torch.randn(4096, HEADS, HEAD_DIM, device="cuda")
+    pool = torch.empty(4096, HEADS, HEAD_DIM, device="cuda")
     expected = []
     copies = []
     for step in range(8):
         # Work queued before the gather must be seen: the slots are rewritten, then read.
-        pool.mul_(2.0).add_(step)
+        pool.copy_(torch.randn(4096, HEADS, HEAD_DIM, device="cuda")).add_(step)
         slots = torch.randperm(4096, device="cuda")[:512]
         gathered = pool.index_select(0, slots)
         expected.append(gathered.cpu())
@@ -65,7 +65,7 @@ def test_a_download_sees_the_kv_it_was_started_on_whatever_the_forward_stream_do
         del gathered
         for _ in range(4):
             torch.full((512, HEADS, HEAD_DIM), -1.0, device="cuda").mul_(3.0)
-        pool.fill_(float("nan"))
+        pool.fill_(-7.0)
     for copy, want in zip(copies, expected, strict=True):
         got = copy.wait()
         assert got.device.type == "cpu" and got.is_pinned()

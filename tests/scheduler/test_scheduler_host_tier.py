@@ -14,9 +14,11 @@ import torch
 from radixserve.cache.host_storage import FORCE_HOST_POOL_ENV, HostKVStorage
 from radixserve.cache.storage import PageOrigin, StorageFingerprint
 from radixserve.cache.tiers import DeviceOnlyTier
+from radixserve.protocol.messages import GenerateRequest, ReqOutput
 from radixserve.scheduler.scheduler import Scheduler
-from tests.scheduler.fake_executor import FakeExecutor, make_scheduler
+from tests.scheduler.fake_executor import FakeExecutor, greedy, make_scheduler
 from tests.scheduler.test_scheduler_storage_tier import (
+    MAX_NEW,
     POOL,
     STORAGE_PAGE,
     VOCAB,
@@ -76,6 +78,30 @@ def test_l2_alone_serves_returning_turns_from_host_memory(tmp_path: Path) -> Non
         stored = (len(prompt) + len(first_out[rid][0]) - 1) // STORAGE_PAGE * STORAGE_PAGE
         assert second_out[f"{rid}-2"][1] >= stored, rid
     scheduler.tree_cache.evict(POOL)
+    scheduler.check_kv_invariant()
+
+
+def test_a_turn_whose_prefix_is_all_in_l2_is_admitted_in_the_step_that_first_sees_it() -> None:
+    # Host memory is read on the scheduler's thread as the request is looked up (no I/O thread
+    # round trip), so the request does not wait in the queue for its load.
+    scheduler = _scheduler(hicache_ratio=8.0)
+    tier = _tier(scheduler)
+    first = _conversations(7)
+    first_out = _serve(scheduler, first)
+    tier.drain()
+    scheduler.tree_cache.evict(POOL)  # the device tree is empty: each returning prefix is in L2 alone
+    second = _second_turns(first, first_out)
+    for rid, prompt in second.items():
+        outputs = [*scheduler.handle(GenerateRequest(rid, prompt, greedy(MAX_NEW))), *scheduler.step()]
+        first_token = [o for o in outputs if isinstance(o, ReqOutput) and o.rid == rid and o.new_token_ids]
+        assert first_token, f"{rid} waited for its load"
+        stored = (len(prompt) - 1) // STORAGE_PAGE * STORAGE_PAGE
+        assert first_token[0].cached_tokens >= stored - STORAGE_PAGE, rid
+        while rid not in [o.rid for o in outputs if isinstance(o, ReqOutput) and o.finished_reason]:
+            outputs = scheduler.step()
+    stats = tier.stats()
+    assert stats["hicache_host_pages_loaded"] > 0 and stats["hicache_storage_loads_in_flight"] == 0
+    scheduler.step()
     scheduler.check_kv_invariant()
 
 

@@ -14,6 +14,7 @@ CUDA backend is registered.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,8 @@ from radixserve.attention.decode_buckets import DecodeBucket, build_buckets
 from radixserve.attention.extend import extend_attention
 from radixserve.attention.staging import DecodeStaging, StagedBucket, bucket_kv, shared_kv
 from radixserve.forward.batch import DecodeLayout, ForwardMode
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -57,6 +60,12 @@ class TorchNativeBackend(AttentionBackend):
 
     def __init__(self, spec: AttentionSpec):
         super().__init__(spec)
+        if spec.device.type == "cuda" and torch.backends.cuda.cudnn_sdp_enabled():  # type: ignore[no-untyped-call]
+            # SDPA's cuDNN kernels are built (on the host) for each new shape; a decode step's
+            # lengths are new at every step, so that build, not the GPU, set the step's time.
+            # Flash and memory-efficient attention take any length as it comes.
+            torch.backends.cuda.enable_cudnn_sdp(False)
+            logger.info("attention: SDPA's cuDNN kernels off (they are rebuilt for every new length)")
         # The cascade needs the log-sum-exp that torch's CPU flash kernel returns.
         self.cascade = spec.device.type == "cpu"
         self.staging = DecodeStaging(

@@ -7,8 +7,10 @@
 #      for an A/B of a change to L2 in the same run.
 #   3. benchmarks/simulator_validation.py: calibrate on the GPU, predict W1/W2/W3, and compare the
 #      built-in H200 profile as published.
-#   4. benchmarks/gpu_step_profile.py: single-stream decode steps timed and profiled.
-# Usage: OUT=results-dir [STEPS="tests multiturn validation profile"] bash benchmarks/gpu_check.sh [wheel-dir]
+#   4. benchmarks/gpu_step_profile.py: single-stream decode steps timed and profiled;
+#   5. the same for bench multiturn's workload, the radix cache alone against L2 (where L2's cost
+#      beside a GPU shows: copies, pinned allocations, synchronisations).
+# Usage: OUT=results-dir [STEPS="tests multiturn validation profile l2profile"] bash benchmarks/gpu_check.sh [wheel-dir]
 # The machine needs torch with CUDA and transformers; packages it lacks travel as wheels in
 # wheel-dir (py3.12 manylinux: pyzmq, msgspec, gguf, xgrammar, fastapi and their needs).
 set -u
@@ -27,7 +29,7 @@ mkdir -p "$OUT" "$WORK"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee "$OUT/gpu.txt"
 $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
 
-STEPS=${STEPS:-tests multiturn validation profile}
+STEPS=${STEPS:-tests multiturn validation profile l2profile}
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 
 if want tests; then
@@ -59,4 +61,10 @@ if want profile; then
 echo "== 4. single-stream decode steps, timed and profiled"
 timeout "${PROFILE_TIMEOUT:-150}" $PY benchmarks/gpu_step_profile.py --work "$WORK" --out "$OUT/profile" \
     --model-path "$MODEL" 2>&1 | tee "$OUT/step_profile.log"
+fi
+
+if want l2profile; then
+echo "== 5. bench multiturn's workload profiled, the radix cache alone against L2"
+timeout "${PROFILE_TIMEOUT:-150}" $PY benchmarks/gpu_step_profile.py --work "$WORK" --out "$OUT/l2profile" \
+    --model-path "$MODEL" --multiturn 2>&1 | tee "$OUT/l2_profile.log"
 fi

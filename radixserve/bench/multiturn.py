@@ -90,7 +90,8 @@ class RunResult:
         }
 
 
-async def _run(engine: Any, workload: MultiTurnWorkload, messages: list[list[list[int]]]) -> RunResult:
+async def run_turns(engine: Any, workload: MultiTurnWorkload, messages: list[list[list[int]]]) -> RunResult:
+    """The conversations round by round, `workload.concurrency` turns in flight, on one engine."""
     histories: list[list[int]] = [[] for _ in messages]
     ttft: list[float] = []
     totals = {"output": 0, "cached": 0, "prompt": 0}
@@ -163,7 +164,7 @@ def run_multiturn_bench(
             if label == "storage":
                 engine.clear_hicache_storage_backend()  # a directory from an earlier run starts empty
             messages = workload.messages(min(SMOLLM2_TOKEN_IDS, engine.vocab_size))
-            result = asyncio.run(_run(engine, workload, messages))
+            result = asyncio.run(run_turns(engine, workload, messages))
             engine.check_kv_invariant()  # every tier idle: nothing leaked, nothing counted twice
             rows.append(result.row(label))
             row = rows[-1]

@@ -199,6 +199,13 @@ class RadixCache(PrefixCache):
         self._evictable = 0
         self._protected = 0
         self._clock = 0
+        # Eviction candidates, least recently used first, kept between evictions (rebuilding the
+        # heap from a walk of the whole tree on every eviction cost O(tree) per prefill with a full
+        # pool). Every evictable leaf (a leaf with lock_ref 0) has an entry; entries go stale (the
+        # node was locked, got a child, left the tree, or was used since) and are checked when
+        # popped: a used one is pushed again with its new time, which only grows.
+        self._lru: list[tuple[int, int, TreeNode]] = []
+        self._lru_rebuilt_at = 0
 
     # ---- key helpers -------------------------------------------------------
 
@@ -289,6 +296,7 @@ class RadixCache(PrefixCache):
                 # Clone: callers pass views of a req_to_token row, which is reused after the request ends.
                 leaf = TreeNode(parent=node, key=keys[pos:], value=value[pos:].clone(), last_access_time=now)
                 node.children[ck] = leaf
+                self._push_lru(leaf)
                 if self.events is not None:
                     parent_hash = node.hashes[-1] if node.hashes else None
                     leaf.hashes = page_hashes(parent_hash, leaf.key, self.page_size)
@@ -326,6 +334,8 @@ class RadixCache(PrefixCache):
             if cur.lock_ref == 0:
                 self._protected -= len(cur.key)
                 self._evictable += len(cur.key)
+                if cur.is_leaf:
+                    self._push_lru(cur)
             cur = cur.parent
 
     def _iter_nodes(self) -> list[TreeNode]:
@@ -337,19 +347,32 @@ class RadixCache(PrefixCache):
             stack.extend(n.children.values())
         return out
 
+    def _evictable_leaves(self) -> list[TreeNode]:
+        return [n for n in self._iter_nodes() if n.is_leaf and n.lock_ref == 0]
+
+    def _push_lru(self, node: TreeNode) -> None:
+        heapq.heappush(self._lru, (node.last_access_time, node.node_id, node))
+        # Stale entries pile up with every lock and use; past twice the live ones (at the last
+        # rebuild), one walk of the tree drops them all.
+        if len(self._lru) > max(4096, 2 * self._lru_rebuilt_at):
+            self._lru = [(n.last_access_time, n.node_id, n) for n in self._evictable_leaves()]
+            heapq.heapify(self._lru)
+            self._lru_rebuilt_at = len(self._lru)
+
     def evict(self, num_tokens: int) -> int:
         if num_tokens <= 0:
             return 0
-        heap = [
-            (n.last_access_time, n.node_id, n) for n in self._iter_nodes() if n.is_leaf and n.lock_ref == 0
-        ]
-        heapq.heapify(heap)
+        heap = self._lru
         freed = 0
         to_free: list[torch.Tensor] = []
         while heap and freed < num_tokens:
-            _, _, node = heapq.heappop(heap)
+            used, _, node = heapq.heappop(heap)
             parent = node.parent
-            assert parent is not None
+            if parent is None or not node.is_leaf or node.lock_ref:
+                continue  # evicted already, or not an evictable leaf now (it has its entry then)
+            if used != node.last_access_time:
+                heapq.heappush(heap, (node.last_access_time, node.node_id, node))
+                continue
             if self._tier_hooks:
                 path = self._path_key(node)
                 self.tier.on_evict(path, self._path_value(node), len(path) - len(node.key))
@@ -365,6 +388,13 @@ class RadixCache(PrefixCache):
         if to_free:
             self.allocator.free(torch.cat(to_free))
         return freed
+
+    def check_invariant(self) -> None:
+        super().check_invariant()
+        queued = {id(node) for _, _, node in self._lru}
+        missing = [n for n in self._evictable_leaves() if id(n) not in queued]
+        if missing:
+            raise KVLeakError(f"{len(missing)} evictable leaves not among the eviction candidates")
 
     def evictable_size(self) -> int:
         return self._evictable

@@ -6,6 +6,7 @@ import random
 from collections import defaultdict
 from dataclasses import dataclass, field
 from enum import Enum
+from operator import attrgetter
 
 from radixserve.cache.radix_cache import PrefixCache, TreeNode
 from radixserve.scheduler.request import Req
@@ -19,6 +20,9 @@ LPM_MAX_QUEUE = 128
 # Two waiting requests that share at least this many leading tokens are "the same prefix": only the
 # first is prefilled this round, the others wait one round and then reuse its cached KV.
 IN_BATCH_PREFIX_TOKENS = 32
+
+
+_ARRIVAL = attrgetter("arrival")
 
 
 class SchedulePolicy:
@@ -41,7 +45,7 @@ class SchedulePolicy:
         if policy in ("lpm", "dfs-weight") and (not self.cache_aware or len(queue) > LPM_MAX_QUEUE):
             policy = "fcfs"
         if policy == "fcfs":
-            return sorted(queue, key=lambda r: r.arrival)
+            return sorted(queue, key=_ARRIVAL)
         if policy == "lof":
             return sorted(queue, key=lambda r: (-r.sampling_params.max_new_tokens, r.arrival))
         if policy == "random":

@@ -121,8 +121,7 @@ class PrefillManager:
         if lora is not None:
             lora.bind(adder.can_run, adapters)
 
-        admitted = {id(r) for r in adder.can_run}
-        queues.waiting = [r for r in queues.waiting if id(r) not in admitted]
+        _remove_admitted(queues.waiting, [r for r in adder.can_run if r is not queues.chunked_req])
         reqs = list(adder.can_run)
         if mix:
             for req in queues.running:
@@ -147,3 +146,15 @@ class PrefillManager:
             len(queues.waiting),
         )
         return ScheduledBatch(reqs, forward, is_prefill=True)
+
+
+def _remove_admitted(waiting: list[Req], admitted: list[Req]) -> None:
+    """Takes the admitted requests out of the queue, in place. They are most often its head (in
+    arrival order, the queue's own), which costs O(admitted) instead of a pass over a queue that
+    may hold thousands."""
+    head = len(admitted)
+    if len(waiting) >= head and all(a is b for a, b in zip(waiting[:head], admitted, strict=True)):
+        del waiting[:head]
+        return
+    taken = {id(r) for r in admitted}
+    waiting[:] = [r for r in waiting if id(r) not in taken]

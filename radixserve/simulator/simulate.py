@@ -43,6 +43,19 @@ class _Timing:
 
 
 @dataclass
+class _Hits:
+    """Prompt and cached tokens of the requests started so far, kept as outputs come (a sum over
+    every request after each prefill would cost O(requests) per step)."""
+
+    prompt: int = 0
+    cached: int = 0
+
+    @property
+    def rate(self) -> float:
+        return self.cached / self.prompt if self.prompt else 0.0
+
+
+@dataclass
 class SimResult:
     makespan_s: float
     requests: int
@@ -113,7 +126,7 @@ def simulate(
     kv_timeline: list[tuple[float, int, int]] = []
     hit_timeline: list[tuple[float, float]] = []
     step_s: list[float] = []
-    prompt_seen = cached_seen = 0
+    hits = _Hits()
     started = time.perf_counter()
     pending = sorted(trace, key=lambda r: r.arrival_s)
     next_up = 0
@@ -124,7 +137,8 @@ def simulate(
             rid = f"r{next_up}"
             timings[rid] = _Timing(req.arrival_s, len(req.input_ids))
             params = {"max_new_tokens": req.output_len, "ignore_eos": True, "temperature": 0.0}
-            _take(scheduler.handle(GenerateRequest(rid, list(req.input_ids), params)), timings, clock.now)
+            accepted = scheduler.handle(GenerateRequest(rid, list(req.input_ids), params))
+            _take(accepted, timings, clock.now, hits)
             next_up += 1
         if scheduler.is_idle:
             clock.now = max(clock.now, pending[next_up].arrival_s)
@@ -133,7 +147,7 @@ def simulate(
         t0 = time.perf_counter()
         outputs = scheduler.step()
         step_s.append(time.perf_counter() - t0)
-        _take(outputs, timings, clock.now)
+        _take(outputs, timings, clock.now, hits)
         stalled = 0 if len(executor.records) > forwards or outputs else stalled + 1
         if stalled > 1000:
             raise RuntimeError("the scheduler made no progress for 1000 steps")
@@ -141,13 +155,11 @@ def simulate(
         cached = scheduler.tree_cache.evictable_size()
         kv_timeline.append((clock.now, max_total_tokens - usage, cached))
         if executor.records and executor.records[-1].mode == "EXTEND" and len(executor.records) > forwards:
-            prompt_seen, cached_seen = _hits(timings)
-            hit_timeline.append((clock.now, cached_seen / prompt_seen if prompt_seen else 0.0))
+            hit_timeline.append((clock.now, hits.rate))
     # Idle now: every KV slot is free or evictable, as after any run of the real scheduler.
     scheduler.check_kv_invariant()
     done = [t for t in timings.values() if t.end is not None]
     first_arrival = pending[0].arrival_s if pending else 0.0
-    prompt_seen, cached_seen = _hits(timings)
     ttfts = [(t.first - t.arrival) * 1000 for t in done if t.first is not None]
     return SimResult(
         makespan_s=clock.now - first_arrival,
@@ -157,7 +169,7 @@ def simulate(
         ttft_ms=percentiles(ttfts),
         itl_ms=percentiles([g * 1000 for t in done for g in t.gaps]),
         e2e_ms=percentiles([(t.end - t.arrival) * 1000 for t in done if t.end is not None]),
-        cache_hit_rate=cached_seen / prompt_seen if prompt_seen else 0.0,
+        cache_hit_rate=hits.rate,
         retracted_reqs=scheduler.stats.retracted_reqs,
         max_total_tokens=max_total_tokens,
         forwards=len(executor.records),
@@ -170,22 +182,21 @@ def simulate(
     )
 
 
-def _take(outputs: list[Any], timings: dict[str, _Timing], now: float) -> None:
+def _take(outputs: list[Any], timings: dict[str, _Timing], now: float, hits: _Hits) -> None:
     for out in outputs:
         if not isinstance(out, ReqOutput):
             continue
         timing = timings[out.rid]
+        if timing.first is not None:
+            hits.cached += out.cached_tokens - timing.cached_tokens
         timing.cached_tokens = out.cached_tokens
         for _ in out.new_token_ids:
             if timing.first is None:
                 timing.first = now
+                hits.prompt += timing.prompt_tokens
+                hits.cached += timing.cached_tokens
             elif timing.last is not None:
                 timing.gaps.append(now - timing.last)
             timing.last = now
         if out.finished_reason is not None:
             timing.end = now
-
-
-def _hits(timings: dict[str, _Timing]) -> tuple[int, int]:
-    started = [t for t in timings.values() if t.first is not None]
-    return sum(t.prompt_tokens for t in started), sum(t.cached_tokens for t in started)

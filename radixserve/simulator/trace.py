@@ -9,6 +9,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from radixserve.simulator.executor import SIM_VOCAB
 
 
@@ -35,14 +37,17 @@ class SyntheticTrace:
     seed: int = 0
 
 
-def _ids(rng: random.Random, n: int) -> list[int]:
-    # Id 0 is what the simulated model outputs; prompts use the others.
-    return [rng.randrange(1, SIM_VOCAB) for _ in range(n)]
+def _ids(rng: np.random.Generator, n: int) -> list[int]:
+    # Id 0 is what the simulated model outputs; prompts use the others. numpy draws them: 10,000
+    # prompts of 512 tokens are five million draws.
+    ids: list[int] = rng.integers(1, SIM_VOCAB, n).tolist()
+    return ids
 
 
 def synthetic(spec: SyntheticTrace) -> list[TraceRequest]:
     rng = random.Random(spec.seed)
-    prefixes = [_ids(rng, spec.prefix_len) for _ in range(spec.prefix_groups)]
+    id_rng = np.random.default_rng(spec.seed)
+    prefixes = [_ids(id_rng, spec.prefix_len) for _ in range(spec.prefix_groups)]
     out: list[TraceRequest] = []
     t = 0.0
     conversations = -(-spec.num_requests // spec.turns)
@@ -53,7 +58,7 @@ def synthetic(spec: SyntheticTrace) -> list[TraceRequest]:
         for turn in range(spec.turns):
             if len(out) == spec.num_requests:
                 break
-            prompt = history + _ids(rng, rng.randint(*spec.input_len))
+            prompt = history + _ids(id_rng, rng.randint(*spec.input_len))
             output_len = rng.randint(*spec.output_len)
             out.append(TraceRequest(t + turn * spec.turn_gap_s, prompt, output_len))
             history = prompt + [0] * output_len  # the reply the simulated model gives
@@ -67,7 +72,7 @@ def load_trace(path: Path, seed: int = 0) -> list[TraceRequest]:
 
 def load_trace_lines(lines: list[str], seed: int = 0, source: str = "trace") -> list[TraceRequest]:
     """load_trace's parsing, of lines already read (e.g. the tail of a file still being written)."""
-    rng = random.Random(seed)
+    rng = np.random.default_rng(seed)
     out = []
     for number, line in enumerate(lines, 1):
         if not line.strip():

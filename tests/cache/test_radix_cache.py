@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import heapq
 import random
 from dataclasses import dataclass, field
 
@@ -469,3 +470,58 @@ def test_randomized_simulation(page_size: int) -> None:
     assert c.total_size() > 0
     c.evict(alloc.total_slots)
     assert alloc.available_size() == alloc.total_slots and c.total_size() == 0
+
+
+def _reference_victims(c: RadixCache, num_tokens: int) -> list[int]:
+    """The nodes evict should take, found the slow way: every evictable leaf of the whole tree,
+    least recently used first, a parent joining once its last child goes."""
+    leaves = [n for n in c._iter_nodes() if n.is_leaf and n.lock_ref == 0]
+    heap = [(n.last_access_time, n.node_id, n) for n in leaves]
+    heapq.heapify(heap)
+    children = {id(n): len(n.children) for n in [c.root, *c._iter_nodes()]}
+    taken, freed = [], 0
+    while heap and freed < num_tokens:
+        _, _, node = heapq.heappop(heap)
+        taken.append(node.node_id)
+        freed += len(node.key)
+        parent = node.parent
+        assert parent is not None
+        children[id(parent)] -= 1
+        if parent is not c.root and children[id(parent)] == 0 and parent.lock_ref == 0:
+            heapq.heappush(heap, (parent.last_access_time, parent.node_id, parent))
+    return taken
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_evictions_kept_between_calls_take_what_a_walk_of_the_whole_tree_would(seed: int) -> None:
+    # The eviction heap outlives each evict (stale entries checked when popped); a long random
+    # mix of inserts, lookups, locks and evictions must evict exactly the reference's nodes.
+    rng = random.Random(seed)
+    _, alloc, cache = make(num_slots=4096, num_reqs=1)
+    assert isinstance(cache, RadixCache)
+    locked: list[TreeNode] = []
+    for _ in range(1500):
+        op = rng.random()
+        key = [rng.randrange(4) for _ in range(rng.randrange(1, 12))]
+        if op < 0.4 and alloc.available_size() >= len(key):
+            new = slots(alloc, len(key))
+            alloc.free(new[: cache.insert(key, new)])  # the tree keeps its own copy of what it had
+        elif op < 0.6:
+            match = cache.match_prefix(key)
+            if len(match) and rng.random() < 0.5:
+                cache.inc_lock_ref(match.last_node)
+                locked.append(match.last_node)
+        elif op < 0.75 and locked:
+            cache.dec_lock_ref(locked.pop(rng.randrange(len(locked))))
+        else:
+            want = rng.randrange(1, 10)
+            expected = _reference_victims(cache, want)
+            before = {n.node_id for n in cache._iter_nodes()}
+            cache.evict(want)
+            gone = before - {n.node_id for n in cache._iter_nodes()}
+            assert gone == set(expected)
+    for node in locked:
+        cache.dec_lock_ref(node)
+    cache.check_invariant()
+    cache.evict(cache.evictable_size())
+    assert alloc.available_size() == alloc.total_slots

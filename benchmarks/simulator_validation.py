@@ -22,6 +22,7 @@ import json
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -95,11 +96,11 @@ def main() -> None:
             ttfts, recorded = [], []
             for _ in range(args.repeats):
                 engine.flush_cache()
-                seen = len(trace_path.read_text().splitlines())
+                seen = _settled_lines(trace_path)
                 results = engine.generate(input_ids=workload.prompts, sampling_params=first)
                 assert isinstance(results, list)
                 ttfts.append(statistics.median(r["meta_info"]["e2e_latency"] for r in results) * 1000)
-                recorded.append(_since_first(trace_path, seen))
+                recorded.append(_since_first(trace_path, seen, len(workload.prompts)))
             for label, profile in profiles:
                 sim = simulate(config, profile, trace, engine.max_total_tokens, **sched)
                 sim_ttft = statistics.median(
@@ -179,10 +180,28 @@ def _serving_rows(
     return rows
 
 
-def _since_first(trace_path: Path, seen: int) -> list[TraceRequest]:
-    """The requests recorded after the first `seen` lines, their arrivals from the first one's."""
-    lines = trace_path.read_text().splitlines()[seen:]
-    rows = load_trace_lines(lines)
+def _settled_lines(trace_path: Path) -> int:
+    """How many lines the trace has once the writer thread has caught up with the requests that
+    returned (none added for a while)."""
+    count, still_since = -1, time.monotonic()
+    while time.monotonic() - still_since < 0.3:
+        now = len(trace_path.read_text().splitlines())
+        if now != count:
+            count, still_since = now, time.monotonic()
+        time.sleep(0.05)
+    return count
+
+
+def _since_first(trace_path: Path, seen: int, count: int) -> list[TraceRequest]:
+    """The `count` requests recorded after the first `seen` lines, their arrivals from the first
+    one's. The server's writer thread appends them after the requests return: wait for them."""
+    deadline = time.monotonic() + 30.0
+    while True:
+        lines = trace_path.read_text().splitlines()[seen:]
+        if len(lines) >= count or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    rows = load_trace_lines(lines[:count])
     start = min(r.arrival_s for r in rows)
     return [TraceRequest(r.arrival_s - start, r.input_ids, r.output_len) for r in rows]
 

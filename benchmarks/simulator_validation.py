@@ -10,9 +10,10 @@ with --model llama-1b random weights in Llama-3.2-1B's shape, on one Engine with
 built-in profile as published (its default efficiencies, no calibration).
 
 Throughput: each workload's total tokens over its wall time (median of the repeats, cold cache),
-against the simulated makespan of each run's arrivals as the server recorded them (median). TTFT: the same prompts with one output token each, so that each
-request's latency is its time to first token (the offline Engine reports no TTFT otherwise): the
-measured p50 against the simulated p50.
+against the simulated makespan of each run's arrivals as the server recorded them (median).
+TTFT: the same prompts with one output token each, so that each request's latency is its time to
+first token (the offline Engine reports no TTFT otherwise): the measured p50 against the
+simulated p50.
 """
 
 from __future__ import annotations

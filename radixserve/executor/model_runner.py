@@ -573,8 +573,7 @@ class ModelRunner:
         return KVLayout(pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.dtype)
 
     def read_kv(self, slots: torch.Tensor) -> torch.Tensor:
-        self._check_resident("read_kv")
-        return self.kv_pool.read_slots(slots.to(self.device)).cpu()
+        return self.read_kv_async(slots).wait()
 
     def write_kv(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
         self._check_resident("write_kv")

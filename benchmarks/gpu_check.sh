@@ -34,7 +34,7 @@ want() { [[ " $STEPS " == *" $1 "* ]]; }
 
 if want tests; then
 echo "== 1. CUDA tests"
-timeout "${TESTS_TIMEOUT:-180}" $PY -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py tests/cache/test_kv_copy.py 2>&1 | tee "$OUT/cuda_tests.log"
+timeout "${TESTS_TIMEOUT:-180}" $PY -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py tests/cache/test_kv_copy.py tests/cache/test_host_storage.py tests/attention/test_varlen.py 2>&1 | tee "$OUT/cuda_tests.log"
 fi
 
 MODEL=$($PY -c "from pathlib import Path; from radixserve.bench.model import ensure_random_llama_1b as m; print(m(Path('$WORK'), 'cuda'))")

@@ -1,6 +1,8 @@
 """torch_native: attention in plain torch (SDPA), on any device.
 
-Extend: one SDPA call per request, with the shared-prefix cascade on a CPU (attention/extend.py).
+Extend: one SDPA call per request, with the shared-prefix cascade on a CPU (attention/extend.py);
+on CUDA in fp16/bf16, one varlen flash-attention call per layer for the whole batch
+(attention/varlen.py).
 Decode: requests grouped into length buckets (attention/decode_buckets.py), one batched SDPA per
 bucket and layer with GQA by grouping queries per K/V head; on a CPU, a prefix every request of a
 bucket shares is attended once for all of them with torch's flash kernel and merged by
@@ -33,7 +35,13 @@ from radixserve.attention.common import merge_by_lse, stack_by_kv_head
 from radixserve.attention.decode_buckets import DecodeBucket, build_buckets
 from radixserve.attention.extend import extend_attention
 from radixserve.attention.staging import DecodeStaging, StagedBucket, bucket_kv, shared_kv
-from radixserve.forward.batch import DecodeLayout, ForwardMode
+from radixserve.attention.varlen import (
+    VarlenExtendMetadata,
+    plan_varlen_extend,
+    varlen_extend_attention,
+    varlen_flash_available,
+)
+from radixserve.forward.batch import DecodeLayout, ExtendSegment, ForwardMode
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +76,15 @@ class TorchNativeBackend(AttentionBackend):
             logger.info("attention: SDPA's cuDNN kernels off (they are rebuilt for every new length)")
         # The cascade needs the log-sum-exp that torch's CPU flash kernel returns.
         self.cascade = spec.device.type == "cpu"
+        varlen_missing = varlen_flash_available(spec.device, spec.dtype, spec.head_dim)
+        self.varlen_extend = varlen_missing is None
+        if spec.device.type == "cuda":
+            logger.info(
+                "attention: extend %s",
+                "as one varlen flash call per layer"
+                if varlen_missing is None
+                else f"one SDPA per request (no varlen flash: {varlen_missing})",
+            )
         self.staging = DecodeStaging(
             max_tokens=spec.decode_staging_tokens,
             num_layers=spec.num_layers,
@@ -93,7 +110,16 @@ class TorchNativeBackend(AttentionBackend):
             staged = self.staging.prepare(buckets, layout.request_ids)
         return TorchDecodeMetadata(ForwardMode.DECODE, layout, buckets, staged)
 
+    def plan_extend(self, mode: ForwardMode, segments: list[ExtendSegment]) -> ExtendMetadata:
+        if self.varlen_extend:
+            plan = plan_varlen_extend(mode, segments, self.spec.device)
+            if plan is not None:
+                return plan
+        return ExtendMetadata(mode, segments)
+
     def extend(self, x: LayerInputs, metadata: AttentionMetadata) -> torch.Tensor:
+        if isinstance(metadata, VarlenExtendMetadata):
+            return varlen_extend_attention(x.q, x.k_cache, x.v_cache, metadata, x.scale)
         assert isinstance(metadata, ExtendMetadata)
         return extend_attention(x.q, x.k, x.v, x.k_cache, x.v_cache, metadata.segments, x.scale)
 

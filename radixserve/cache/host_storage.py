@@ -11,6 +11,10 @@ a page from here before it looks on disk; both on its I/O thread.
 On a CPU the device pool is host memory already, so there is no L2 unless
 RADIXSERVE_HICACHE_HOST_POOL=1 forces one (for the tests, and to run this path without a GPU).
 
+Pages live in chunks of memory allocated a few pages at a time and reused once dropped
+(`_PageSlab`): pinning host memory is slow and serializes with the CUDA calls of the forward's
+thread, so L2 pins a chunk now and then instead of every page it keeps.
+
 Events: with a recorder (medium "CPU" beside a GPU; "HOST" when forced on a CPU, whose device pool
 is "CPU"), every page stored here or dropped from here is recorded, as the file backend does.
 """
@@ -20,11 +24,12 @@ from __future__ import annotations
 import logging
 import threading
 from array import array
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Any
 
 import torch
 
+from radixserve.cache.kv_copy import copies_issued
 from radixserve.cache.kv_events import KVEventRecorder
 from radixserve.cache.storage import PageOrigin, StorageFingerprint, accounting_problems
 
@@ -34,18 +39,77 @@ logger = logging.getLogger(__name__)
 FORCE_HOST_POOL_ENV = "RADIXSERVE_HICACHE_HOST_POOL"
 
 
+# Memory allocated at once for pages (bytes, at least one page): few enough pinnings, little unused.
+SLAB_CHUNK_BYTES = 64 << 20
+
+
+class _PageSlab:
+    """Page tensors carved out of chunks of (pinned) host memory; a dropped page is reused for a
+    page put later. Beside a CUDA pool, a dropped page may still be the source of an upload in
+    flight on the copy stream, so it is reused only once the copies issued before its drop are
+    done (kv_copy.copies_issued). Thread-safe: pages are put on the I/O thread and dropped on
+    either thread; pinning and waiting happen outside the lock."""
+
+    def __init__(self, pinned_for: torch.device | None, chunk_bytes: int = SLAB_CHUNK_BYTES) -> None:
+        self.pinned_for = pinned_for
+        self.chunk_bytes = chunk_bytes
+        self._lock = threading.Lock()
+        self._free: list[torch.Tensor] = []
+        self._dropped: deque[tuple[torch.Tensor, torch.cuda.Event | None]] = deque()
+        self.pages = 0  # allocated, in use or not
+
+    def take(self, like: torch.Tensor, max_pages: int) -> torch.Tensor:
+        """A page of like's shape and dtype; chunks are allocated up to max_pages pages in all."""
+        with self._lock:
+            while self._free:
+                page = self._free.pop()
+                if page.shape == like.shape and page.dtype == like.dtype:
+                    return page
+            oldest = self._dropped.popleft() if self._dropped else None
+        if oldest is not None:
+            page, copied = oldest
+            if copied is not None:
+                copied.synchronize()  # usually long done: the page was least recently used
+            if page.shape == like.shape and page.dtype == like.dtype:
+                return page
+        per_chunk = max(1, min(max_pages - self.pages, self.chunk_bytes // max(1, like.nbytes)))
+        pinned = self.pinned_for is not None
+        chunk = torch.empty((per_chunk, *like.shape), dtype=like.dtype, pin_memory=pinned)
+        page, *rest = chunk.unbind(0)
+        with self._lock:
+            self.pages += per_chunk
+            self._free.extend(rest)
+        return page
+
+    def drop(self, page: torch.Tensor) -> None:
+        copied = copies_issued(self.pinned_for) if self.pinned_for is not None else None
+        with self._lock:
+            if copied is None:
+                self._free.append(page)
+            else:
+                self._dropped.append((page, copied))
+
+    def release(self) -> None:
+        """Every chunk given back to the allocator (no page may be in use)."""
+        with self._lock:
+            self._free.clear()
+            self._dropped.clear()
+            self.pages = 0
+
+
 class HostKVStorage:
     def __init__(
         self,
         fingerprint: StorageFingerprint,
         budget_bytes: int,
         events: KVEventRecorder | None = None,
-        pinned: bool = False,
+        pinned_for: torch.device | None = None,
     ) -> None:
-        """pinned: pages in page-locked memory (beside a CUDA pool: their copies back to the device
-        are then asynchronous, cache/kv_copy.py)."""
+        """pinned_for: the CUDA device whose pool this level backs; its pages are then page-locked
+        (their copies to and from the device are asynchronous, cache/kv_copy.py)."""
         self.fingerprint = fingerprint
-        self.pinned = pinned
+        self.pinned = pinned_for is not None
+        self._slab = _PageSlab(pinned_for)
         self.budget_bytes = budget_bytes
         self.events = events
         # Guards the pages against announce (scheduler thread) while the I/O thread changes them;
@@ -82,9 +146,13 @@ class HostKVStorage:
         size = self.page_bytes
         if size > self.budget_bytes:
             return False
-        page = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=self.pinned)
+        page = self._slab.take(kv, self.budget_bytes // size + 1)
         page.copy_(kv.detach())
         with self._lock:
+            if page_hash in self._pages:  # put meanwhile on another thread
+                self._slab.drop(page)
+                self._pages.move_to_end(page_hash)
+                return True
             while self.used_bytes + size > self.budget_bytes:
                 self._remove(next(iter(self._pages)))
             self._pages[page_hash] = (page, PageOrigin(origin.parent_hash, array("q", origin.tokens)))
@@ -104,6 +172,8 @@ class HostKVStorage:
     def clear(self) -> None:
         with self._lock:
             removed = list(self._pages)
+            for page, _ in self._pages.values():
+                self._slab.drop(page)
             self._pages.clear()
             self.used_bytes = 0
             if removed and self.events is not None:
@@ -125,6 +195,7 @@ class HostKVStorage:
         logger.warning("host KV pool (L2) off: %s", why)
         self.clear()
         self.enabled = False
+        self._slab.release()
 
     def level_stats(self) -> dict[str, Any]:
         return {
@@ -142,7 +213,7 @@ class HostKVStorage:
 
     def _remove(self, page_hash: int) -> None:
         """Drops the page (under the lock)."""
-        del self._pages[page_hash]
+        self._slab.drop(self._pages.pop(page_hash)[0])
         self.used_bytes -= self.page_bytes
         if self.events is not None:
             self.events.removed([page_hash])

@@ -15,6 +15,7 @@ On a CPU the device pool is host memory: both are plain tensors, ready at once.
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -61,12 +62,32 @@ class _PendingUpload(KVCopy):
         return self.device_kv
 
 
+@functools.cache
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+
+
+def copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream the K/V copies for a CUDA device run on (one per device)."""
+    if device.index is None:
+        device = torch.device(device.type, torch.cuda.current_device())
+    return _copy_stream(device)
+
+
+def copies_issued(device: torch.device) -> torch.cuda.Event:
+    """Completes once every copy issued so far for `device` has: a host page they read may then
+    be written again."""
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    event.record(copy_stream(device))
+    return event
+
+
 class HostDeviceCopier:
     """Starts K/V copies for a pool on `device` (one per executor; the copy stream is its own)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
+        self._stream = copy_stream(device) if device.type == "cuda" else None
 
     @property
     def pins(self) -> bool:
@@ -90,9 +111,8 @@ class HostDeviceCopier:
 
     def upload(self, pages: list[torch.Tensor]) -> KVCopy:
         """Host pages [layers, 2, tokens, heads, head_dim] joined along the tokens into device
-        memory. Pinned pages must stay unchanged until the copy is waited for (the host pool never
-        writes a page it holds; one it drops is reused only after its copies, by torch's pinned
-        memory cache)."""
+        memory. Pinned pages must stay unchanged until the copy is done (the host pool never writes a
+        page it holds, and reuses one it dropped only after copies_issued)."""
         if self._stream is None:
             return ReadyKV(torch.cat(pages, dim=2) if len(pages) > 1 else pages[0])
         first = pages[0]

@@ -130,7 +130,7 @@ def build_cache_tier(
             fingerprint,
             budget,
             events.for_medium(page_size, medium) if events is not None else None,
-            pinned=device.type == "cuda",
+            pinned_for=device if device.type == "cuda" else None,
         )
         logger.info(
             "hierarchical cache: L2 host pool of %.2f GB (%d pages of %d tokens)",

@@ -91,7 +91,7 @@ def test_an_upload_joins_pinned_and_pageable_pages_and_orders_itself_before_the_
 @needs_cuda
 def test_a_pinned_host_pool_keeps_its_pages_pinned() -> None:
     fingerprint = StorageFingerprint("m", torch.float32, PAGE, LAYERS, HEADS, HEAD_DIM)
-    pool = HostKVStorage(fingerprint, budget_bytes=4 * fingerprint.kv_bytes, pinned=True)
+    pool = HostKVStorage(fingerprint, budget_bytes=4 * fingerprint.kv_bytes, pinned_for=torch.device("cuda"))
     page = _pages(1, "cuda")[0]
     assert pool.put(7, page, PageOrigin(None, list(range(PAGE))))
     kept = pool.get(7)

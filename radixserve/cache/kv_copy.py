@@ -77,7 +77,7 @@ def copy_stream(device: torch.device) -> torch.cuda.Stream:
 def copies_issued(device: torch.device) -> torch.cuda.Event:
     """Completes once every copy issued so far for `device` has: a host page they read may then
     be written again."""
-    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    event = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
     event.record(copy_stream(device))
     return event
 
@@ -104,7 +104,9 @@ class HostDeviceCopier:
         with torch.cuda.stream(self._stream):
             host = torch.empty(device_kv.shape, dtype=device_kv.dtype, pin_memory=True)
             host.copy_(device_kv, non_blocking=True)
-            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            # Waited for on the I/O thread: blocking, so it sleeps instead of spinning on a core
+            # (and on the driver) while the scheduler's thread launches the forwards.
+            done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
             done.record(self._stream)
         device_kv.record_stream(self._stream)
         return _PendingDownload(host, done)

@@ -184,6 +184,10 @@ class ReqOutput:
     # per prompt position but the last.
     hidden_states: list[list[float]] | None = None
     prompt_hidden_states: list[list[float]] | None = None
+    # With the first output: when the scheduler took the request, if it was idle then
+    # (Req.received_idle_at; time.monotonic(), one clock for the machine's processes), for the
+    # request trace (--record-trace).
+    received_at: float | None = None
 
 
 @dataclass
@@ -209,6 +213,7 @@ class TextOutput:
     embedding: list[float] | None = None
     hidden_states: list[list[float]] | None = None
     prompt_hidden_states: list[list[float]] | None = None
+    received_at: float | None = None  # as in ReqOutput
 
 
 @dataclass

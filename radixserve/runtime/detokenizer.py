@@ -160,6 +160,7 @@ class DetokenizerManager:
                     out.embedding,
                     out.hidden_states,
                     out.prompt_hidden_states,
+                    out.received_at,
                 )
             )
         return TextBatch(texts)

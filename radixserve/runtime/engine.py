@@ -215,6 +215,8 @@ class Engine(EngineControl):
             if self.live is not None and isinstance(out, TextOutput):
                 finish_type = None if out.finished_reason is None else out.finished_reason.type
                 self.live.output(out.rid, len(out.new_token_ids), out.cached_tokens, finish_type)
+            if self.trace is not None and isinstance(out, TextOutput) and out.received_at is not None:
+                self.trace.received(out.rid, out.received_at)
             if isinstance(out, TextOutput) and out.finished_reason is not None:
                 self.router.done(out.rid)
                 self.deadlines.done(out.rid)

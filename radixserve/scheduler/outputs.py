@@ -49,7 +49,9 @@ class OutputBuilder:
     def progress(self, req: Req) -> ReqOutput:
         rid, output_ids = req.rid, req.output_ids
         stream = self._streams.get(rid)
+        received_at = None
         if stream is None:
+            received_at = req.received_idle_at
             params = req.sampling_params
             stream = self._streams[rid] = _Stream(
                 DetokenizeParams(
@@ -74,6 +76,7 @@ class OutputBuilder:
             req.embedding,
             req.hidden_states[start:] if hidden else None,
             _unsent_prompt_hidden_states(req) if hidden else None,
+            received_at,
         )
 
     @staticmethod

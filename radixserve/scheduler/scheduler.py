@@ -147,6 +147,8 @@ class Scheduler(ManagerViews, SchedulerAccounting):
         self.requests = RequestBuilder(info, self.logit_processors, self.lora, self.images, images_refused)
 
         self.stats = SchedulerStats()
+        # When the event loop last took requests while idle (None: busy, or no event loop).
+        self.received_idle_at: float | None = None
         self.queues = RequestQueues()
         # The two halves of choosing a batch (prefill.py, decode.py); they share the queues.
         self.decode = DecodeManager(args, self.kv, self.queues, self.stats, self.max_total_tokens)
@@ -223,6 +225,8 @@ class Scheduler(ManagerViews, SchedulerAccounting):
             return [ReqOutput(msg.rid, [], finish, len(msg.input_ids), 0, 0)]
         try:
             req = self.requests.build(msg, self.tree_cache.root, self.reqs)
+            if self.received_idle_at is not None:
+                req.arrival_time = req.received_idle_at = self.received_idle_at
         except InvalidRequestError as exc:
             prompt_len = len(msg.input_ids) if msg.input_embeds is None else len(msg.input_embeds)
             return [self.outputs.error(msg.rid, prompt_len, str(exc))]
@@ -627,7 +631,13 @@ class Scheduler(ManagerViews, SchedulerAccounting):
         """
         while True:
             outputs: list[SchedulerOutput] = []
-            for msg in receive(self.is_idle):
+            idle = self.is_idle
+            messages = receive(idle)
+            # An idle scheduler wakes on the first request and takes every one waiting by then, at
+            # once, however long handling them takes: the request trace records that moment, so
+            # that a simulation forms the same first batch (simulator/simulate.py).
+            self.received_idle_at = time.monotonic() if messages and idle else None
+            for msg in messages:
                 if isinstance(msg, ShutdownRequest):
                     self.grammar_queue.shutdown()
                     if self.publisher is not None:

@@ -1,6 +1,7 @@
 """Driving the real Scheduler over a trace on a virtual clock: requests arrive at their trace times,
 each step's forward costs what the cost model says, and every output is stamped with the clock
-at the end of the forward that made it. Idle gaps jump to the next arrival."""
+at the end of the forward that made it. Idle gaps jump to the next arrival, or to when the recorded
+server's idle scheduler took it (TraceRequest.received_s)."""
 
 from __future__ import annotations
 
@@ -132,8 +133,12 @@ def simulate(
     next_up = 0
     stalled = 0
     while next_up < len(pending) or not scheduler.is_idle:
-        while next_up < len(pending) and pending[next_up].arrival_s <= clock.now:
+        while next_up < len(pending):
             req = pending[next_up]
+            # An idle scheduler wakes when it sees the next request (its recorded receipt, if any)
+            # and takes every request that has arrived by then in one go.
+            if (req.seen_s if scheduler.is_idle else req.arrival_s) > clock.now:
+                break
             rid = f"r{next_up}"
             timings[rid] = _Timing(req.arrival_s, len(req.input_ids))
             params = {"max_new_tokens": req.output_len, "ignore_eos": True, "temperature": 0.0}
@@ -141,7 +146,7 @@ def simulate(
             _take(accepted, timings, clock.now, hits)
             next_up += 1
         if scheduler.is_idle:
-            clock.now = max(clock.now, pending[next_up].arrival_s)
+            clock.now = max(clock.now, pending[next_up].seen_s)
             continue
         forwards = len(executor.records)
         t0 = time.perf_counter()

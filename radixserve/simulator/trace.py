@@ -1,6 +1,6 @@
 """Request traces for the simulator: synthetic (Poisson arrivals, length ranges, shared-prefix
 groups, multi-turn conversations) or recorded (JSON lines, as `serve --record-trace` would write
-them: arrival_s, input_ids or input_len, output_len)."""
+them: arrival_s, input_ids or input_len, output_len, and received_s where the server recorded it)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,14 @@ class TraceRequest:
     arrival_s: float
     input_ids: list[int]
     output_len: int
+    # When the recorded server's scheduler, idle, took the request (runtime/trace_recorder.py):
+    # the simulated scheduler, idle, sees it then too. None: at arrival_s.
+    received_s: float | None = None
+
+    @property
+    def seen_s(self) -> float:
+        """When an idle scheduler first sees the request."""
+        return self.arrival_s if self.received_s is None else self.received_s
 
 
 @dataclass(frozen=True)
@@ -84,7 +92,11 @@ def load_trace_lines(lines: list[str], seed: int = 0, source: str = "trace") -> 
                 if "input_ids" in row
                 else _ids(rng, int(row["input_len"]))
             )
-            out.append(TraceRequest(float(row["arrival_s"]), ids, int(row["output_len"])))
+            received = row.get("received_s")
+            arrival = float(row["arrival_s"])
+            # Never before the arrival: the two come from different processes' reads of one clock.
+            seen = None if received is None else max(arrival, float(received))
+            out.append(TraceRequest(arrival, ids, int(row["output_len"]), seen))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(
                 f"{source}:{number}: a trace line needs arrival_s, input_ids or input_len, output_len"

@@ -83,3 +83,23 @@ def test_a_path_that_cannot_be_appended_to_is_a_usage_error(tmp_path: Path) -> N
 def test_a_recorder_never_started_closes(tmp_path: Path) -> None:
     """An engine whose start failed closes its recorder without a writer thread."""
     TraceRecorder(str(tmp_path / "trace.jsonl")).close()
+
+
+def test_when_the_idle_scheduler_took_a_request_is_recorded_and_loaded(tmp_path: Path) -> None:
+    path = tmp_path / "trace.jsonl"
+    recorder = TraceRecorder(str(path))
+    recorder.start()
+    recorder.submitted("idle", [1, 2], 2)
+    recorder.submitted("busy", [3], 1)
+    # The scheduler's clock is time.monotonic(), as the recorder's: 20 ms after it started.
+    recorder.received("idle", recorder._started + 0.020)
+    recorder.received("unknown", recorder._started + 0.5)  # not submitted here: ignored
+    recorder.finished("idle", 1, FinishReason("length"))
+    recorder.finished("busy", 1, FinishReason("length"))
+    recorder.close()
+    rows = {tuple(r["input_ids"]): r for r in _lines(path)}  # type: ignore[arg-type]
+    assert rows[(1, 2)]["received_s"] == pytest.approx(0.020)
+    assert "received_s" not in rows[(3,)]  # taken by a busy scheduler: not recorded
+    loaded = {tuple(r.input_ids): r for r in load_trace(path)}
+    assert loaded[(1, 2)].received_s == pytest.approx(0.020) and loaded[(3,)].received_s is None
+    assert loaded[(3,)].seen_s == loaded[(3,)].arrival_s

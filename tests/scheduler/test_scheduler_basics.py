@@ -6,11 +6,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixserve.protocol.messages import ControlRequest, ControlResult
+from radixserve.protocol.messages import (
+    ControlRequest,
+    ControlResult,
+    GenerateRequest,
+    ReqOutput,
+    SchedulerInput,
+    SchedulerOutput,
+    ShutdownRequest,
+)
 from tests.scheduler.fake_executor import (
     FakeExecutor,
     Results,
     expected_output,
+    greedy,
     make_scheduler,
     next_token,
     run_until_idle,
@@ -102,3 +111,33 @@ def test_the_fake_model_reads_the_whole_context() -> None:
         executor.embed(None)  # type: ignore[arg-type]
     assert executor.info.dtype == torch.float32 and executor.info.device.type == "cpu"
     assert executor.info.config.architecture == "LlamaForCausalLM"
+
+
+def test_the_event_loop_stamps_requests_an_idle_scheduler_took_at_once() -> None:
+    """Requests taken while idle share one receipt time, sent with their first output (for the
+    request trace); one taken while the scheduler is busy has none."""
+    scheduler = make_scheduler(FakeExecutor(vocab_size=VOCAB))
+    inbox: list[list[SchedulerInput]] = [
+        [GenerateRequest("a", [1, 2, 3], greedy(3)), GenerateRequest("b", [4, 5], greedy(3))],
+        [GenerateRequest("c", [6, 7], greedy(2))],  # arrives while a and b run
+        [],
+        [],
+        [],
+        [],
+        [ShutdownRequest()],
+    ]
+    emitted: list[SchedulerOutput] = []
+
+    def receive(block: bool) -> list[SchedulerInput]:
+        return inbox.pop(0)
+
+    scheduler.event_loop(receive, emitted.extend)
+    first: dict[str, float | None] = {}
+    for out in emitted:
+        if isinstance(out, ReqOutput) and out.rid not in first:
+            first[out.rid] = out.received_at
+        elif isinstance(out, ReqOutput):
+            assert out.received_at is None  # only the first output carries it
+    assert first["a"] is not None and first["a"] == first["b"]
+    assert first["c"] is None
+    scheduler.check_kv_invariant()

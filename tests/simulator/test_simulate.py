@@ -13,7 +13,7 @@ from radixserve.cli import main
 from radixserve.models.config import ModelConfig
 from radixserve.simulator.hardware import BUILTIN_PROFILES
 from radixserve.simulator.simulate import kv_capacity, simulate
-from radixserve.simulator.trace import SyntheticTrace, synthetic
+from radixserve.simulator.trace import SyntheticTrace, TraceRequest, synthetic
 from tests.simulator.test_cost_model import LLAMA_8B
 
 CONFIG = ModelConfig.from_hf_dict(LLAMA_8B)
@@ -125,3 +125,21 @@ def test_a_cascade_backend_reads_a_shared_prefix_once_per_batch() -> None:
     # Requests that share nothing save nothing.
     apart = synthetic(SyntheticTrace(num_requests=8, input_len=(64, 64), output_len=(8, 8)))
     assert all(r.shape.shared_kv_reads == 0 for r in simulate(CONFIG, cascade, apart, 100_000).records)
+
+
+def test_an_idle_scheduler_takes_every_request_that_arrived_before_it_woke() -> None:
+    """Arrivals 0.1 ms apart, then one at 1 ms: simulated at their arrivals, the first request runs
+    alone; with the recorded server's receipt (the idle scheduler took the first three at once,
+    0.5 ms after the first arrived), the first batch holds those three, as the server's did."""
+    prompts = [[i + 1] * 256 for i in range(4)]
+    arrivals = [0.0, 1e-4, 2e-4, 1e-3]
+    at_arrival = [TraceRequest(t, p, 4) for t, p in zip(arrivals, prompts, strict=True)]
+    received = [
+        TraceRequest(t, p, 4, 5e-4 if t < 5e-4 else None) for t, p in zip(arrivals, prompts, strict=True)
+    ]
+    alone = simulate(CONFIG, BUILTIN_PROFILES["H100"], at_arrival, 20_000)
+    together = simulate(CONFIG, BUILTIN_PROFILES["H100"], received, 20_000)
+    assert alone.records[0].shape.q_lens == [256]
+    assert together.records[0].shape.q_lens == [256, 256, 256]
+    # TTFT still counts from the arrival: the receipt delay is part of it.
+    assert min(together.ttft_values_ms) > 0.5 - 0.1

@@ -129,6 +129,7 @@ def run_scheduler_process(server_args: dict[str, Any], child: ChildArgs) -> None
         place_rank(args, dp_rank, rank)
         from radixserve.distributed.parallel import barrier, destroy, init_model_parallel
         from radixserve.executor.model_runner import pick_device
+        from radixserve.scheduler.event_loop import run_event_loop
 
         device = pick_device(args.device)
         parallel = init_model_parallel(
@@ -191,7 +192,7 @@ def run_scheduler_process(server_args: dict[str, Any], child: ChildArgs) -> None
                 if not isinstance(out, ReqOutput):
                     outbox.send(out)
 
-        scheduler.event_loop(receive, emit)
+        run_event_loop(scheduler, receive, emit)
         if inbox is not None:
             outbox.send(ShutdownRequest())
         destroy(parallel)

@@ -1,4 +1,4 @@
-"""The scheduler: one event loop that decides, step by step, what the model runs next.
+"""The scheduler: decides, step by step, what the model runs next (event_loop.py drives it).
 
 Each step: take new messages → pick the next batch (a prefill of waiting requests if any can be
 admitted, else one decode step of the running batch) → run it → append tokens, finish requests,
@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -31,7 +31,6 @@ from radixserve.protocol.messages import (
     ReqOutput,
     SchedulerInput,
     SchedulerOutput,
-    ShutdownRequest,
 )
 from radixserve.protocol.sampling_params import InvalidRequestError
 from radixserve.scheduler.accounting import SchedulerAccounting
@@ -617,40 +616,15 @@ class Scheduler(ManagerViews, SchedulerAccounting):
             self.speculator.reset()  # the n-gram index and the draft's K/V are cached text too
         return True
 
-    # ------------------------------------------------------------------ event loop
-
-    def event_loop(
-        self,
-        receive: Callable[[bool], list[SchedulerInput]],
-        emit: Callable[[list[SchedulerOutput]], None],
-    ) -> None:
-        """receive → process → next batch → run → process result, until a ShutdownRequest.
-
-        `receive(block)` returns the messages that arrived; it may wait only when block is True,
-        which happens when the scheduler has nothing else to do.
-        """
-        while True:
-            outputs: list[SchedulerOutput] = []
-            idle = self.is_idle
-            messages = receive(idle)
-            # An idle scheduler wakes on the first request and takes every one waiting by then, at
-            # once, however long handling them takes: the request trace records that moment, so
-            # that a simulation forms the same first batch (simulator/simulate.py).
-            self.received_idle_at = time.monotonic() if messages and idle else None
-            for msg in messages:
-                if isinstance(msg, ShutdownRequest):
-                    self.grammar_queue.shutdown()
-                    if self.publisher is not None:
-                        self.publisher.shutdown()
-                    if self.kv_events is not None:
-                        self.kv_events.shutdown()
-                    self.cache_tier.close()
-                    for handoffs in (self.prefill_handoffs, self.decode_handoffs):
-                        if handoffs is not None:
-                            handoffs.close()
-                    self.executor.close()
-                    return
-                outputs += self.handle(msg)
-            outputs += self.step()
-            if outputs:
-                emit(outputs)
+    def shutdown(self) -> None:
+        """Stops the scheduler's threads and gives its parts' resources back."""
+        self.grammar_queue.shutdown()
+        if self.publisher is not None:
+            self.publisher.shutdown()
+        if self.kv_events is not None:
+            self.kv_events.shutdown()
+        self.cache_tier.close()
+        for handoffs in (self.prefill_handoffs, self.decode_handoffs):
+            if handoffs is not None:
+                handoffs.close()
+        self.executor.close()

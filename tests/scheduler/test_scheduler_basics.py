@@ -15,6 +15,7 @@ from radixserve.protocol.messages import (
     SchedulerOutput,
     ShutdownRequest,
 )
+from radixserve.scheduler.event_loop import run_event_loop
 from tests.scheduler.fake_executor import (
     FakeExecutor,
     Results,
@@ -131,7 +132,7 @@ def test_the_event_loop_stamps_requests_an_idle_scheduler_took_at_once() -> None
     def receive(block: bool) -> list[SchedulerInput]:
         return inbox.pop(0)
 
-    scheduler.event_loop(receive, emitted.extend)
+    run_event_loop(scheduler, receive, emitted.extend)
     first: dict[str, float | None] = {}
     for out in emitted:
         if isinstance(out, ReqOutput) and out.rid not in first:

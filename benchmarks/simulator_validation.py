@@ -7,7 +7,9 @@ predict W1, W2 and W3 (which the fit did not use) and compare with the measured 
 The model is the random SmolLM2-135M-shaped checkpoint of `radixserve bench offline` (bf16), or
 with --model llama-1b random weights in Llama-3.2-1B's shape, on one Engine with
 --max-total-tokens 40000. With --hardware, the same workloads are also predicted from that
-built-in profile as published (its default efficiencies, no calibration).
+built-in profile as published (its default efficiencies, no calibration). Each workload is also
+predicted from the calibrated profile with the matmul and copy peaks measured again just before
+it ran ("peaks now"): the machine's peaks drift between runs.
 
 Throughput: each workload's total tokens over its wall time (median of the repeats, cold cache),
 against the simulated makespan of each run's arrivals as the server recorded them (median).
@@ -19,6 +21,7 @@ simulated p50.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -34,6 +37,7 @@ from radixserve.bench.workloads import make_workload, time_engine_runs
 from radixserve.executor.model_runner import pick_device
 from radixserve.models.loader import load_model_config
 from radixserve.runtime.engine import Engine
+from radixserve.simulator.calibrate import measure_peaks
 from radixserve.simulator.cli import calibrate_engine, scheduler_args
 from radixserve.simulator.hardware import HardwareProfile, load_profile
 from radixserve.simulator.simulate import simulate
@@ -81,6 +85,7 @@ def main() -> None:
         sched = scheduler_args(engine.args)
         for name in ("W1", "W2", "W3"):
             workload = make_workload(name)
+            with_now = [*profiles, _peaks_now(calibrated, device)]
             total = workload.in_tokens + workload.out_tokens
             # Each timed run's arrivals as the server recorded them (--record-trace): a batch
             # handed to the engine at once reaches the scheduler over a few milliseconds, and its
@@ -104,7 +109,7 @@ def main() -> None:
                 assert isinstance(results, list)
                 ttfts.append(statistics.median(r["meta_info"]["e2e_latency"] for r in results) * 1000)
                 recorded.append(_since_first(trace_path, seen, count))
-            for label, profile in profiles:
+            for label, profile in with_now:
                 makespan = statistics.median(
                     simulate(config, profile, run, engine.max_total_tokens, **sched).makespan_s
                     for run in timed_runs
@@ -117,7 +122,7 @@ def main() -> None:
                 )
                 rows.append((name, label, measured, total / makespan, statistics.median(ttfts), sim_ttft))
     if args.serving:
-        rows += _serving_rows(model, args, profiles, config, sched)
+        rows += _serving_rows(model, args, [*profiles, _peaks_now(calibrated, device)], config, sched)
     columns = "workload | profile | measured tok/s | predicted | error | measured TTFT p50 ms | predicted"
     print(f"| {columns} | error |")
     print("|---|---|---|---|---|---|---|---|")
@@ -182,6 +187,16 @@ def _serving_rows(
         predicted, ttft = sim.output_tokens / sim.makespan_s, statistics.median(sim.ttft_values_ms)
         rows.append(("serving", label, report["output_throughput"], predicted, server_ttft, ttft))
     return rows
+
+
+def _peaks_now(calibrated: HardwareProfile, device: Any) -> tuple[str, HardwareProfile]:
+    """The calibrated profile with the peaks measured now, before a workload runs. Its
+    efficiencies are fractions of the peaks measured at calibration, and this machine's peaks
+    drift between runs by more than the 9% target: this row shows how much of an error is that."""
+    flops, bandwidth = measure_peaks(device)
+    ratio = flops / calibrated.peak_flops, bandwidth / calibrated.memory_bandwidth
+    label = f"peaks now ({ratio[0]:.2f}x FLOP/s, {ratio[1]:.2f}x B/s)"
+    return label, dataclasses.replace(calibrated, peak_flops=flops, memory_bandwidth=bandwidth)
 
 
 def _settled_lines(trace_path: Path) -> int:

@@ -51,7 +51,9 @@ ATTENTION_EFFICIENCY = np.geomspace(0.005, 2.0, 20)
 BANDWIDTH_EFFICIENCY = np.geomspace(0.05, 2.0, 24)
 # Up to 64 ms: on a GPU a small model's forward can be bound by the host (launches, Python).
 FORWARD_OVERHEAD_S = np.concatenate([[0.0], np.geomspace(0.1e-3, 64e-3, 19)])
-TOKEN_OVERHEAD_S = np.array([0.0, 10e-6, 25e-6, 50e-6, 100e-6, 200e-6])
+# Per row that samples (a request's next token). Fitted per row, not per new token: the host's
+# per-request work is the same for a prefill's hundreds of tokens as for a decode step's one.
+ROW_OVERHEAD_S = np.array([0.0, 10e-6, 25e-6, 50e-6, 100e-6, 200e-6, 400e-6])
 
 
 def measure_peaks(device: torch.device | None = None, seconds: float = 1.0) -> tuple[float, float]:
@@ -149,14 +151,14 @@ def fit(
     owner = np.repeat(np.arange(len(forwards)), [len(run) for run in forwards])
     decodes = np.array([sum(w.decode for w in run) for run in forwards], dtype=float)
     prefills = np.array([len(run) for run in forwards], dtype=float) - decodes
-    tokens = np.array([sum(w.tokens for w in run) for run in forwards], dtype=float)
+    rows = np.array([sum(w.rows for w in run) for run in forwards], dtype=float)
     overhead = FORWARD_OVERHEAD_S
-    # Every (prefill overhead, decode overhead, token overhead) triple at once:
-    # [runs, prefill overheads, decode overheads, token overheads].
+    # Every (prefill overhead, decode overhead, row overhead) triple at once:
+    # [runs, prefill overheads, decode overheads, row overheads].
     fixed = (
         prefills[:, None, None, None] * overhead[None, :, None, None]
         + decodes[:, None, None, None] * overhead[None, None, :, None]
-        + tokens[:, None, None, None] * TOKEN_OVERHEAD_S[None, None, None, :]
+        + rows[:, None, None, None] * ROW_OVERHEAD_S[None, None, None, :]
     )
     best: tuple[float, HardwareProfile] | None = None
     for ef, ea, eb in itertools.product(FLOPS_EFFICIENCY, ATTENTION_EFFICIENCY, BANDWIDTH_EFFICIENCY):
@@ -174,11 +176,12 @@ def fit(
                 float(ef),
                 float(eb),
                 float(overhead[i]),
-                float(TOKEN_OVERHEAD_S[k]),
+                0.0,
                 note="fitted by radixserve calibrate",
                 attention_efficiency=float(ea),
                 decode_overhead_s=float(overhead[j]),
                 cascade_attention=cascade,
+                row_overhead_s=float(ROW_OVERHEAD_S[k]),
             )
             best = (float(error[i, j, k]), profile)
     assert best is not None

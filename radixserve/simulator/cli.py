@@ -195,7 +195,8 @@ def _calibrate(args: argparse.Namespace) -> int:
         f"peak {profile.peak_flops / 1e9:,.0f} GFLOP/s x {profile.flops_efficiency:.2f}, "
         f"{profile.memory_bandwidth / 1e9:,.1f} GB/s x {profile.bandwidth_efficiency:.2f}, "
         f"{profile.forward_overhead_s * 1e3:.2f} ms per forward, "
-        f"{profile.token_overhead_s * 1e6:.0f} us per token"
+        f"{profile.token_overhead_s * 1e6:.0f} us per token, "
+        f"{profile.row_overhead_s * 1e6:.0f} us per sampled row"
     )
     print(f"wrote {args.out}")
     return 0

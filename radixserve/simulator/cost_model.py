@@ -66,7 +66,8 @@ class ForwardShape:
 @dataclass(frozen=True)
 class ForwardWork:
     """What one forward does: FLOPs of the linears (and LM head), FLOPs of attention (which runs at
-    its own efficiency: far below a matmul's on a CPU), bytes moved, and new tokens."""
+    its own efficiency: far below a matmul's on a CPU), bytes moved, new tokens, and the rows that
+    sample (one per request that gets a next token)."""
 
     linear_flops: float
     attention_flops: float
@@ -74,6 +75,7 @@ class ForwardWork:
     tokens: int
     decode: bool = False
     shared_bytes: float = 0.0  # of `bytes`: what a cascade reads once instead of per request
+    rows: int = 0
 
     @property
     def flops(self) -> float:
@@ -91,7 +93,7 @@ def forward_work(shape: ModelShape, fwd: ForwardShape) -> ForwardWork:
     context = sum(q + p for q, p in zip(fwd.q_lens, fwd.prefix_lens, strict=True))
     moved = shape.weight_bytes + (context + tokens) * shape.kv_bytes_per_token
     shared = float(fwd.shared_kv_reads * shape.kv_bytes_per_token)
-    return ForwardWork(linear, attention, float(moved), tokens, fwd.decode, shared)
+    return ForwardWork(linear, attention, float(moved), tokens, fwd.decode, shared, fwd.sampled_rows)
 
 
 def work_seconds(work: ForwardWork, profile: HardwareProfile) -> float:
@@ -103,7 +105,8 @@ def work_seconds(work: ForwardWork, profile: HardwareProfile) -> float:
     overhead = profile.forward_overhead_s
     if work.decode and profile.decode_overhead_s is not None:
         overhead = profile.decode_overhead_s
-    return max(compute, memory) + overhead + profile.token_overhead_s * work.tokens
+    per_item = profile.token_overhead_s * work.tokens + profile.row_overhead_s * work.rows
+    return max(compute, memory) + overhead + per_item
 
 
 def forward_seconds(shape: ModelShape, profile: HardwareProfile, fwd: ForwardShape) -> float:

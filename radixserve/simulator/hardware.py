@@ -17,8 +17,8 @@ class HardwareProfile:
     memory_bytes: float  # device memory: weights plus the KV pool must fit
     flops_efficiency: float = 0.6
     bandwidth_efficiency: float = 0.8
-    # Per forward (kernel launches, the host's share) and per token (what grows with rows but is
-    # neither FLOPs nor bytes in the roofline: sampling, bookkeeping).
+    # Per forward (kernel launches, the host's share) and per new token (what grows with tokens
+    # but is neither FLOPs nor bytes in the roofline).
     forward_overhead_s: float = 30e-6
     token_overhead_s: float = 0.0
     note: str = ""
@@ -31,6 +31,10 @@ class HardwareProfile:
     # them (radixserve's CPU backend does: cascade attention), or once per request (torch SDPA,
     # radixserve's CUDA path; the GPU profiles model that).
     cascade_attention: bool = False
+    # Per row that samples: the host's work for each request that gets a next token (sampling
+    # inputs, appending and checking the token, its output), which a decode step pays per request
+    # and a prefill per request, not per prompt token.
+    row_overhead_s: float = 0.0
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=2) + "\n")

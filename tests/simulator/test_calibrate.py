@@ -29,7 +29,16 @@ from tests.simulator.test_cost_model import LLAMA_8B
 def test_the_fit_recovers_a_known_profile() -> None:
     config = ModelConfig.from_hf_dict(LLAMA_8B)
     truth = HardwareProfile(
-        "truth", 2e12, 1e11, 6e10, 0.36, 0.62, 2e-3, 50e-6, attention_efficiency=0.05, decode_overhead_s=20e-3
+        "truth",
+        2e12,
+        1e11,
+        6e10,
+        0.36,
+        0.62,
+        2e-3,
+        attention_efficiency=0.05,
+        decode_overhead_s=20e-3,
+        row_overhead_s=50e-6,
     )
     recorded = [
         recorded_forwards(

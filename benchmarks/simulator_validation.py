@@ -201,9 +201,9 @@ def _peaks_now(calibrated: HardwareProfile, device: Any) -> tuple[str, HardwareP
 
 def _settled_lines(trace_path: Path) -> int:
     """How many lines the trace has once the writer thread has caught up with the requests that
-    returned (none added for a while)."""
-    count, still_since = -1, time.monotonic()
-    while time.monotonic() - still_since < 0.3:
+    returned (none added for a while; at most 30 s)."""
+    count, still_since, deadline = -1, time.monotonic(), time.monotonic() + 30.0
+    while time.monotonic() - still_since < 0.3 and time.monotonic() < deadline:
         now = len(trace_path.read_text().splitlines())
         if now != count:
             count, still_since = now, time.monotonic()

@@ -44,13 +44,16 @@ SLAB_CHUNK_BYTES = 64 << 20
 
 
 class _PageSlab:
-    """Page tensors carved out of chunks of (pinned) host memory; a dropped page is reused for a
-    page put later. Beside a CUDA pool, a dropped page may still be the source of an upload in
-    flight on the copy stream, so it is reused only once the copies issued before its drop are
+    """Pages of one layout carved out of chunks of (pinned) host memory; a dropped page is reused
+    for a page put later. Beside a CUDA pool, a dropped page may still be the source of an upload
+    in flight on the copy stream, so it is reused only once the copies issued before its drop are
     done (kv_copy.copies_issued). Thread-safe: pages are put on the I/O thread and dropped on
     either thread; pinning and waiting happen outside the lock."""
 
-    def __init__(self, pinned_for: torch.device | None, chunk_bytes: int = SLAB_CHUNK_BYTES) -> None:
+    def __init__(
+        self, layout: StorageFingerprint, pinned_for: torch.device | None, chunk_bytes: int = SLAB_CHUNK_BYTES
+    ) -> None:
+        self.layout = layout
         self.pinned_for = pinned_for
         self.chunk_bytes = chunk_bytes
         self._lock = threading.Lock()
@@ -58,23 +61,21 @@ class _PageSlab:
         self._dropped: deque[tuple[torch.Tensor, torch.cuda.Event | None]] = deque()
         self.pages = 0  # allocated, in use or not
 
-    def take(self, like: torch.Tensor, max_pages: int) -> torch.Tensor:
-        """A page of like's shape and dtype; chunks are allocated up to max_pages pages in all."""
+    def take(self, max_pages: int) -> torch.Tensor:
+        """A page to write; chunks are allocated up to max_pages pages in all."""
         with self._lock:
-            while self._free:
-                page = self._free.pop()
-                if page.shape == like.shape and page.dtype == like.dtype:
-                    return page
+            if self._free:
+                return self._free.pop()
             oldest = self._dropped.popleft() if self._dropped else None
         if oldest is not None:
             page, copied = oldest
             if copied is not None:
                 copied.synchronize()  # usually long done: the page was least recently used
-            if page.shape == like.shape and page.dtype == like.dtype:
-                return page
-        per_chunk = max(1, min(max_pages - self.pages, self.chunk_bytes // max(1, like.nbytes)))
+            return page
+        layout = self.layout
+        per_chunk = max(1, min(max_pages - self.pages, self.chunk_bytes // max(1, layout.kv_bytes)))
         pinned = self.pinned_for is not None
-        chunk = torch.empty((per_chunk, *like.shape), dtype=like.dtype, pin_memory=pinned)
+        chunk = torch.empty((per_chunk, *layout.page_shape), dtype=layout.dtype, pin_memory=pinned)
         page, *rest = chunk.unbind(0)
         with self._lock:
             self.pages += per_chunk
@@ -109,7 +110,7 @@ class HostKVStorage:
         (their copies to and from the device are asynchronous, cache/kv_copy.py)."""
         self.fingerprint = fingerprint
         self.pinned = pinned_for is not None
-        self._slab = _PageSlab(pinned_for)
+        self._slab = _PageSlab(fingerprint, pinned_for)
         self.budget_bytes = budget_bytes
         self.events = events
         # Guards the pages against announce (scheduler thread) while the I/O thread changes them;
@@ -146,7 +147,7 @@ class HostKVStorage:
         size = self.page_bytes
         if size > self.budget_bytes:
             return False
-        page = self._slab.take(kv, self.budget_bytes // size + 1)
+        page = self._slab.take(self.budget_bytes // size + 1)
         page.copy_(kv.detach())
         with self._lock:
             if page_hash in self._pages:  # put meanwhile on another thread

@@ -176,7 +176,7 @@ def fit(
                 float(ef),
                 float(eb),
                 float(overhead[i]),
-                0.0,
+                token_overhead_s=0.0,  # per row instead (ROW_OVERHEAD_S)
                 note="fitted by radixserve calibrate",
                 attention_efficiency=float(ea),
                 decode_overhead_s=float(overhead[j]),

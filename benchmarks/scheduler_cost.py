@@ -3,37 +3,25 @@ building, output processing), with a zero-cost executor, at 64, 256 and 1,024 ru
 with and without 1,000 more waiting (held back by --max-running-requests, so every step orders
 and tries them).
 
-    python benchmarks/scheduler_cost.py [--steps 100] [--config CONFIG_JSON]
+    python benchmarks/scheduler_cost.py [--steps 100] [--config CONFIG_JSON_OR_BUILT_IN_NAME]
 
 Host time per scheduler.step() (median and p90 over --steps decode steps, after every running
-request has finished its prefill); the model is only a shape here (default: Llama-3-8B's).
+request has finished its prefill); the model is only a shape here (default: Llama-3.1-8B's).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 from radixserve.config.server_args import ServerArgs
 from radixserve.models.config import ModelConfig
 from radixserve.protocol.messages import GenerateRequest
 from radixserve.scheduler.scheduler import Scheduler
 from radixserve.simulator.executor import CostModelExecutor
+from radixserve.simulator.model_configs import load_config
 from radixserve.simulator.trace import SyntheticTrace, synthetic
-
-LLAMA_8B = {
-    "architectures": ["LlamaForCausalLM"],
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "vocab_size": 128256,
-    "max_position_embeddings": 131072,
-}
 
 
 def step_times(config: ModelConfig, running: int, waiting: int, steps: int) -> list[float]:
@@ -62,9 +50,9 @@ def step_times(config: ModelConfig, running: int, waiting: int, steps: int) -> l
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--config", type=Path, default=None)
+    parser.add_argument("--config", default="llama-3.1-8b", help="as simulate's --model-config")
     args = parser.parse_args()
-    config = ModelConfig.from_hf_dict(json.loads(args.config.read_text()) if args.config else LLAMA_8B)
+    config = load_config(args.config)
     print("| running | waiting | step ms, median | p90 |\n|---|---|---|---|")
     for running in (64, 256, 1024):
         for waiting in (0, 1000):

@@ -184,10 +184,11 @@ class ReqOutput:
     # per prompt position but the last.
     hidden_states: list[list[float]] | None = None
     prompt_hidden_states: list[list[float]] | None = None
-    # With the first output: when the scheduler took the request, if it was idle then
-    # (Req.received_idle_at; time.monotonic(), one clock for the machine's processes), for the
-    # request trace (--record-trace).
+    # With the first output: when the scheduler took the request (time.monotonic(), one clock for
+    # the machine's processes) and whether it was idle then (Req.received_at), for the request
+    # trace (--record-trace).
     received_at: float | None = None
+    received_idle: bool = False
 
 
 @dataclass
@@ -214,6 +215,7 @@ class TextOutput:
     hidden_states: list[list[float]] | None = None
     prompt_hidden_states: list[list[float]] | None = None
     received_at: float | None = None  # as in ReqOutput
+    received_idle: bool = False
 
 
 @dataclass

@@ -161,6 +161,7 @@ class DetokenizerManager:
                     out.hidden_states,
                     out.prompt_hidden_states,
                     out.received_at,
+                    out.received_idle,
                 )
             )
         return TextBatch(texts)

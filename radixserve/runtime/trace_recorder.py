@@ -4,11 +4,13 @@ traffic a server really saw.
 
 One JSON line per finished request, appended as it finishes:
 - `arrival_s`: when the engine took the request, in seconds since the engine became ready to serve;
-- `received_s`: when the scheduler took it, on the same clock, if it was idle then (absent when it
-  was busy). An idle scheduler wakes on the first request and takes every request waiting by then
-  at once: a simulation that replays these times forms the same first batch as the server did,
-  however close together the arrivals were. A busy scheduler takes requests between its steps,
-  which the simulation models itself (with its own step times, not the recorded server's);
+- `received_s`: when the scheduler took it, on the same clock, if it was idle then. An idle
+  scheduler wakes on the first request and takes every request waiting by then at once: a
+  simulation that replays these times forms the same first batch as the server did, however close
+  together the arrivals were;
+- `received_busy_s` instead, when the scheduler was busy (it takes requests between its steps).
+  The simulation models a busy scheduler's receipts with its own step times, but learns from this
+  one that a request which arrived before an idle receipt had not reached the scheduler by then;
 - `input_ids`: the prompt's token ids as scheduled (after chat templates, sessions, truncation and
   image expansion), so shared prefixes replay as shared; a prompt given as vectors (input_embeds)
   has no ids and is recorded by its length alone;
@@ -53,11 +55,12 @@ class TraceLine:
     output_len: int
     finish: str
     received_s: float | None = None
+    received_idle: bool = False
 
     def to_json(self) -> str:
         row: dict[str, object] = {"arrival_s": round(self.arrival_s, 6)}
         if self.received_s is not None:
-            row["received_s"] = round(self.received_s, 6)
+            row["received_s" if self.received_idle else "received_busy_s"] = round(self.received_s, 6)
         if self.input_ids is not None:
             row["input_ids"] = self.input_ids
         row.update(input_len=self.input_len, output_len=self.output_len, finish=self.finish)
@@ -86,8 +89,9 @@ class TraceRecorder:
         self._lock = threading.Lock()
         # rid -> (arrival_s, input_ids or None, input_len) until the request finishes.
         self._open: dict[str, tuple[float, list[int] | None, int]] = {}
-        # rid -> received_s, from the request's first output until it finishes.
-        self._received: dict[str, float] = {}
+        # rid -> (received_s, whether the scheduler was idle), from the request's first output
+        # until it finishes.
+        self._received: dict[str, tuple[float, bool]] = {}
         # None tells the writer to stop.
         self._lines: queue.SimpleQueue[TraceLine | None] = queue.SimpleQueue()
         self._writer: threading.Thread | None = None
@@ -106,20 +110,22 @@ class TraceRecorder:
         with self._lock:
             self._open[rid] = (arrival_s, ids, input_len)
 
-    def received(self, rid: str, received_at: float) -> None:
-        """The scheduler took the request at received_at (time.monotonic() in its process)."""
+    def received(self, rid: str, received_at: float, idle: bool) -> None:
+        """The scheduler took the request at received_at (time.monotonic() in its process), idle
+        or between two steps."""
         with self._lock:
             if rid in self._open:
-                self._received[rid] = received_at - self._started
+                self._received[rid] = (received_at - self._started, idle)
 
     def finished(self, rid: str, output_len: int, finish: FinishReason) -> None:
         with self._lock:
             entry = self._open.pop(rid, None)
-            received_s = self._received.pop(rid, None)
+            received = self._received.pop(rid, None)
         if entry is None or is_refusal(finish):
             return
         arrival_s, ids, input_len = entry
-        self._lines.put(TraceLine(arrival_s, ids, input_len, output_len, finish.type, received_s))
+        received_s, idle = (None, False) if received is None else received
+        self._lines.put(TraceLine(arrival_s, ids, input_len, output_len, finish.type, received_s, idle))
 
     def forget(self, rid: str) -> None:
         """A request refused before it reached the scheduler: not part of the traffic served."""

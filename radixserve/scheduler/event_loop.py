@@ -25,9 +25,10 @@ def run_event_loop(
         idle = scheduler.is_idle
         messages = receive(idle)
         # An idle scheduler wakes on the first request and takes every one waiting by then, at
-        # once, however long handling them takes: the request trace records that moment, so that
-        # a simulation forms the same first batch (simulator/simulate.py).
-        scheduler.received_idle_at = time.monotonic() if messages and idle else None
+        # once, however long handling them takes; a busy one takes requests between its steps.
+        # The request trace records which, and when, so that a simulation forms the same batches
+        # (simulator/simulate.py).
+        scheduler.received_at, scheduler.received_idle = time.monotonic(), idle
         for msg in messages:
             if isinstance(msg, ShutdownRequest):
                 scheduler.shutdown()

@@ -49,9 +49,9 @@ class OutputBuilder:
     def progress(self, req: Req) -> ReqOutput:
         rid, output_ids = req.rid, req.output_ids
         stream = self._streams.get(rid)
-        received_at = None
+        received_at, received_idle = None, False
         if stream is None:
-            received_at = req.received_idle_at
+            received_at, received_idle = req.received_at, req.received_idle
             params = req.sampling_params
             stream = self._streams[rid] = _Stream(
                 DetokenizeParams(
@@ -77,6 +77,7 @@ class OutputBuilder:
             req.hidden_states[start:] if hidden else None,
             _unsent_prompt_hidden_states(req) if hidden else None,
             received_at,
+            received_idle,
         )
 
     @staticmethod

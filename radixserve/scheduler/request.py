@@ -107,9 +107,11 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     arrival: int = field(default_factory=lambda: next(_arrival_counter))
     arrival_time: float = field(default_factory=time.monotonic)
-    # When the scheduler took the request while it had nothing else to do (every request waiting
-    # for it at that moment at once); None when it was busy (it takes requests between steps).
-    received_idle_at: float | None = None
+    # When the scheduler took the request (None: not through the event loop), and whether it was
+    # idle then: an idle scheduler takes every request waiting at that moment at once, a busy one
+    # takes requests between its steps.
+    received_at: float | None = None
+    received_idle: bool = False
     finished_reason: FinishReason | None = None
 
     # KV ownership (see cache/radix_cache.py): positions [0, cached_len) belong to the radix tree

@@ -33,6 +33,7 @@ from radixserve.protocol.messages import (
     SchedulerOutput,
 )
 from radixserve.protocol.sampling_params import InvalidRequestError
+from radixserve.scheduler.aborts import abort_requests, abort_targets
 from radixserve.scheduler.accounting import SchedulerAccounting
 from radixserve.scheduler.admission import RequestBuilder
 from radixserve.scheduler.batch import KVContext
@@ -146,8 +147,9 @@ class Scheduler(ManagerViews, SchedulerAccounting):
         self.requests = RequestBuilder(info, self.logit_processors, self.lora, self.images, images_refused)
 
         self.stats = SchedulerStats()
-        # When the event loop last took requests while idle (None: busy, or no event loop).
-        self.received_idle_at: float | None = None
+        # When the event loop last took requests (None: no event loop), and whether it was idle.
+        self.received_at: float | None = None
+        self.received_idle = False
         self.queues = RequestQueues()
         # The two halves of choosing a batch (prefill.py, decode.py); they share the queues.
         self.decode = DecodeManager(args, self.kv, self.queues, self.stats, self.max_total_tokens)
@@ -224,8 +226,10 @@ class Scheduler(ManagerViews, SchedulerAccounting):
             return [ReqOutput(msg.rid, [], finish, len(msg.input_ids), 0, 0)]
         try:
             req = self.requests.build(msg, self.tree_cache.root, self.reqs)
-            if self.received_idle_at is not None:
-                req.arrival_time = req.received_idle_at = self.received_idle_at
+            if self.received_at is not None:
+                req.received_at, req.received_idle = self.received_at, self.received_idle
+                if self.received_idle:
+                    req.arrival_time = self.received_at
         except InvalidRequestError as exc:
             prompt_len = len(msg.input_ids) if msg.input_embeds is None else len(msg.input_embeds)
             return [self.outputs.error(msg.rid, prompt_len, str(exc))]
@@ -317,35 +321,12 @@ class Scheduler(ManagerViews, SchedulerAccounting):
         message: str = "aborted by request",
         status_code: int | None = None,
     ) -> list[ReqOutput]:
-        """Aborts every request whose rid starts with `rid` (as SGLang does: the choices of one
-        n > 1 request share their caller's prefix), only `rid` itself when exact, or all of them."""
+        """Aborts every request whose rid starts with `rid`, only `rid` itself when exact, or all of
+        them (aborts.py)."""
         # First every micro-batch in flight lands: nothing a pipeline stage still writes is freed.
         outputs = self._drain_pipeline()
-        if abort_all:
-            targets = list(self.reqs.values())
-        elif exact:
-            targets = [self.reqs[rid]] if rid in self.reqs else []
-        else:
-            targets = [r for r in self.reqs.values() if rid and r.rid.startswith(rid)]
-        queues = self.queues
-        for req in targets:
-            req.abort(message, status_code)
-            self.stats.aborted_reqs += 1
-            if self.prefill_handoffs is not None:
-                self.prefill_handoffs.finished(req)  # the decode side stops waiting for it
-            if req in queues.waiting:
-                queues.waiting.remove(req)
-            elif self.decode_handoffs is not None and self.decode_handoffs.abort(req):
-                pass  # it waited for K/V, which it gave back
-            elif not self.grammar_queue.remove(req):  # one still compiling holds nothing yet
-                # Between steps no forward is in flight, so the KV can be released right away.
-                self._release_kv(req)
-                if req is queues.chunked_req:
-                    queues.chunked_req = None
-                if req in queues.running:
-                    queues.running.remove(req)
-            outputs.append(self._finish(req))
-        return outputs
+        targets = abort_targets(self.reqs, rid, abort_all, exact)
+        return outputs + abort_requests(self, targets, message, status_code)
 
     # ------------------------------------------------------------------ one step
 

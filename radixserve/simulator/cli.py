@@ -4,12 +4,10 @@ Scheduler's throughput, latencies, KV usage and cache hits out, as a table, JSON
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
 from radixserve.config.server_args import ServerArgs
-from radixserve.models.config import ModelConfig
 
 
 def _pair(text: str) -> tuple[int, int]:
@@ -24,7 +22,12 @@ def add_simulate_parser(sub: Any) -> None:
         description="Runs radixserve's Scheduler on a virtual clock: each forward costs what a "
         "roofline of the model on the hardware profile says. No weights are needed.",
     )
-    sim.add_argument("--model-config", required=True, help="an HF config.json, or a folder holding one")
+    sim.add_argument(
+        "--model-config",
+        required=True,
+        help="an HF config.json, a folder holding one, or a built-in shape: "
+        "llama-3.1-8b, llama-3.1-70b, llama-3.2-1b, qwen2.5-7b",
+    )
     sim.add_argument(
         "--hardware", default="H100", help="H100, H200, A100, L4, a profile file from calibrate, or zero"
     )
@@ -70,16 +73,10 @@ def add_simulate_parser(sub: Any) -> None:
     cal.set_defaults(func=_calibrate)
 
 
-def load_config(spec: str) -> ModelConfig:
-    path = Path(spec)
-    if path.is_dir():
-        path = path / "config.json"
-    data: dict[str, Any] = json.loads(path.read_text())
-    return ModelConfig.from_hf_dict(data)
-
-
 def _simulate(args: argparse.Namespace) -> int:
+    from radixserve.config.server_args import InvalidArgumentError
     from radixserve.simulator.hardware import load_profile
+    from radixserve.simulator.model_configs import load_config
     from radixserve.simulator.report import table, write_outputs
     from radixserve.simulator.simulate import kv_capacity, simulate
     from radixserve.simulator.trace import SyntheticTrace, load_trace, synthetic
@@ -87,7 +84,7 @@ def _simulate(args: argparse.Namespace) -> int:
     config = load_config(args.model_config)
     profile = None if args.hardware == "zero" else load_profile(args.hardware)
     if args.max_total_tokens is None and profile is None:
-        raise SystemExit("--hardware zero needs --max-total-tokens")
+        raise InvalidArgumentError("--hardware zero needs --max-total-tokens")
     capacity = args.max_total_tokens or kv_capacity(config, profile)  # type: ignore[arg-type]
     if args.trace_file is not None:
         trace = load_trace(args.trace_file, args.seed)
@@ -191,11 +188,16 @@ def _calibrate(args: argparse.Namespace) -> int:
         error = (predicted - run.seconds) / run.seconds
         label = f"{run.requests} x {run.prompt_len} + {run.output_len}"
         print(f"| {label} | {run.seconds:.3f} | {predicted:.3f} | {error:+.1%} |")
+    decode_flops = profile.decode_flops_efficiency
+    decode_fixed = profile.decode_overhead_s
+    if decode_fixed is None:
+        decode_fixed = profile.forward_overhead_s
     print(
-        f"peak {profile.peak_flops / 1e9:,.0f} GFLOP/s x {profile.flops_efficiency:.2f}, "
+        f"peak {profile.peak_flops / 1e9:,.0f} GFLOP/s x {profile.flops_efficiency:.2f} "
+        f"(decode steps x {profile.flops_efficiency if decode_flops is None else decode_flops:.2f}), "
         f"{profile.memory_bandwidth / 1e9:,.1f} GB/s x {profile.bandwidth_efficiency:.2f}, "
-        f"{profile.forward_overhead_s * 1e3:.2f} ms per forward, "
-        f"{profile.token_overhead_s * 1e6:.0f} us per token, "
+        f"{profile.forward_overhead_s * 1e3:.2f} ms per prefill forward, "
+        f"{decode_fixed * 1e3:.2f} ms per decode step, "
         f"{profile.row_overhead_s * 1e6:.0f} us per sampled row"
     )
     print(f"wrote {args.out}")

@@ -98,7 +98,10 @@ def forward_work(shape: ModelShape, fwd: ForwardShape) -> ForwardWork:
 
 def work_seconds(work: ForwardWork, profile: HardwareProfile) -> float:
     attention_efficiency = profile.attention_efficiency or profile.flops_efficiency
-    compute = work.linear_flops / (profile.peak_flops * profile.flops_efficiency)
+    linear_efficiency = profile.flops_efficiency
+    if work.decode and profile.decode_flops_efficiency is not None:
+        linear_efficiency = profile.decode_flops_efficiency
+    compute = work.linear_flops / (profile.peak_flops * linear_efficiency)
     compute += work.attention_flops / (profile.peak_flops * attention_efficiency)
     moved = work.bytes - work.shared_bytes if profile.cascade_attention else work.bytes
     memory = moved / (profile.memory_bandwidth * profile.bandwidth_efficiency)

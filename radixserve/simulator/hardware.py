@@ -8,6 +8,8 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from radixserve.config.server_args import InvalidArgumentError
+
 
 @dataclass(frozen=True)
 class HardwareProfile:
@@ -35,6 +37,10 @@ class HardwareProfile:
     # inputs, appending and checking the token, its output), which a decode step pays per request
     # and a prefill per request, not per prompt token.
     row_overhead_s: float = 0.0
+    # A decode step's linears' share of peak FLOP/s, where it differs from a prefill's (None: the
+    # same). On a CPU a prefill's activations spill out of the caches and a decode step's rows do
+    # not; on a GPU a decode step's few rows leave the matmul units idle.
+    decode_flops_efficiency: float | None = None
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=2) + "\n")
@@ -61,5 +67,6 @@ def load_profile(spec: str) -> HardwareProfile:
     path = Path(spec)
     if not path.is_file():
         names = ", ".join(BUILTIN_PROFILES)
-        raise ValueError(f"hardware {spec!r} is neither a built-in profile ({names}) nor a profile file")
+        message = f"hardware {spec!r} is neither a built-in profile ({names}) nor a profile file"
+        raise InvalidArgumentError(message)
     return HardwareProfile.load(path)

@@ -1,7 +1,7 @@
 """Driving the real Scheduler over a trace on a virtual clock: requests arrive at their trace times,
 each step's forward costs what the cost model says, and every output is stamped with the clock
-at the end of the forward that made it. Idle gaps jump to the next arrival, or to when the recorded
-server's idle scheduler took it (TraceRequest.received_s)."""
+at the end of the forward that made it. Idle gaps jump to the next request's arrival, or to when
+the recorded server's scheduler could take it (trace.ready_times)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from radixserve.scheduler.scheduler import Scheduler
 from radixserve.simulator.cost_model import ModelShape
 from radixserve.simulator.executor import CostModelExecutor, ForwardRecord, VirtualClock
 from radixserve.simulator.hardware import HardwareProfile
-from radixserve.simulator.trace import TraceRequest
+from radixserve.simulator.trace import TraceRequest, ready_times
 
 # The share of device memory the weights and the KV pool may take (SGLang's mem_fraction_static).
 MEM_FRACTION_STATIC = 0.88
@@ -129,15 +129,17 @@ def simulate(
     step_s: list[float] = []
     hits = _Hits()
     started = time.perf_counter()
-    pending = sorted(trace, key=lambda r: r.arrival_s)
+    ready = ready_times(trace)
+    order = sorted(range(len(trace)), key=lambda i: ready[i])
+    pending, ready = [trace[i] for i in order], [ready[i] for i in order]
     next_up = 0
     stalled = 0
     while next_up < len(pending) or not scheduler.is_idle:
         while next_up < len(pending):
             req = pending[next_up]
-            # An idle scheduler wakes when it sees the next request (its recorded receipt, if any)
-            # and takes every request that has arrived by then in one go.
-            if (req.seen_s if scheduler.is_idle else req.arrival_s) > clock.now:
+            # An idle scheduler wakes when the next request reaches it and takes every request
+            # that has by then in one go; a busy one takes them between its steps.
+            if ready[next_up] > clock.now:
                 break
             rid = f"r{next_up}"
             timings[rid] = _Timing(req.arrival_s, len(req.input_ids))
@@ -146,7 +148,7 @@ def simulate(
             _take(accepted, timings, clock.now, hits)
             next_up += 1
         if scheduler.is_idle:
-            clock.now = max(clock.now, pending[next_up].seen_s)
+            clock.now = max(clock.now, ready[next_up])
             continue
         forwards = len(executor.records)
         t0 = time.perf_counter()

@@ -1,10 +1,13 @@
 """Request traces for the simulator: synthetic (Poisson arrivals, length ranges, shared-prefix
 groups, multi-turn conversations) or recorded (JSON lines, as `serve --record-trace` would write
-them: arrival_s, input_ids or input_len, output_len, and received_s where the server recorded it)."""
+them: arrival_s, input_ids or input_len, output_len, and received_s or received_busy_s where the
+server recorded them)."""
 
 from __future__ import annotations
 
+import bisect
 import json
+import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,13 +23,34 @@ class TraceRequest:
     input_ids: list[int]
     output_len: int
     # When the recorded server's scheduler, idle, took the request (runtime/trace_recorder.py):
-    # the simulated scheduler, idle, sees it then too. None: at arrival_s.
+    # the simulated scheduler sees it then too. None: not recorded, or taken by a busy scheduler.
     received_s: float | None = None
+    # When the recorded server's scheduler, busy, took the request (between two steps).
+    received_busy_s: float | None = None
 
-    @property
-    def seen_s(self) -> float:
-        """When an idle scheduler first sees the request."""
-        return self.arrival_s if self.received_s is None else self.received_s
+
+def ready_times(trace: list[TraceRequest]) -> list[float]:
+    """When the simulated scheduler may first take each request of `trace`:
+    - one the recorded scheduler took while idle: at that moment (every request of one idle
+      receipt has the same), so that the simulation's first batches are the server's;
+    - one it took while busy but which had arrived before an idle receipt in between: just after
+      that receipt. It had not reached the scheduler by then (the engine had stamped its arrival,
+      but it was still on its way), and a simulation that took it at once would batch it with
+      requests the server ran without it;
+    - any other: at its arrival."""
+    idle = sorted({r.received_s for r in trace if r.received_s is not None})
+    out = []
+    for r in trace:
+        if r.received_s is not None:
+            out.append(r.received_s)
+            continue
+        ready = r.arrival_s
+        if r.received_busy_s is not None:
+            missed = bisect.bisect_right(idle, r.received_busy_s) - 1
+            if missed >= 0 and idle[missed] >= r.arrival_s:
+                ready = math.nextafter(idle[missed], math.inf)
+        out.append(ready)
+    return out
 
 
 @dataclass(frozen=True)
@@ -92,11 +116,13 @@ def load_trace_lines(lines: list[str], seed: int = 0, source: str = "trace") -> 
                 if "input_ids" in row
                 else _ids(rng, int(row["input_len"]))
             )
-            received = row.get("received_s")
             arrival = float(row["arrival_s"])
             # Never before the arrival: the two come from different processes' reads of one clock.
-            seen = None if received is None else max(arrival, float(received))
-            out.append(TraceRequest(arrival, ids, int(row["output_len"]), seen))
+            idle, busy = (
+                None if row.get(key) is None else max(arrival, float(row[key]))
+                for key in ("received_s", "received_busy_s")
+            )
+            out.append(TraceRequest(arrival, ids, int(row["output_len"]), idle, busy))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(
                 f"{source}:{number}: a trace line needs arrival_s, input_ids or input_len, output_len"

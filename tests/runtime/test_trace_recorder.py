@@ -85,21 +85,24 @@ def test_a_recorder_never_started_closes(tmp_path: Path) -> None:
     TraceRecorder(str(tmp_path / "trace.jsonl")).close()
 
 
-def test_when_the_idle_scheduler_took_a_request_is_recorded_and_loaded(tmp_path: Path) -> None:
+def test_when_the_scheduler_took_a_request_is_recorded_and_loaded(tmp_path: Path) -> None:
     path = tmp_path / "trace.jsonl"
     recorder = TraceRecorder(str(path))
     recorder.start()
     recorder.submitted("idle", [1, 2], 2)
     recorder.submitted("busy", [3], 1)
-    # The scheduler's clock is time.monotonic(), as the recorder's: 20 ms after it started.
-    recorder.received("idle", recorder._started + 0.020)
-    recorder.received("unknown", recorder._started + 0.5)  # not submitted here: ignored
-    recorder.finished("idle", 1, FinishReason("length"))
-    recorder.finished("busy", 1, FinishReason("length"))
+    recorder.submitted("unseen", [4], 1)
+    # The scheduler's clock is time.monotonic(), as the recorder's: 20 and 90 ms after it started.
+    recorder.received("idle", recorder._started + 0.020, idle=True)
+    recorder.received("busy", recorder._started + 0.090, idle=False)
+    recorder.received("unknown", recorder._started + 0.5, idle=True)  # not submitted here: ignored
+    for rid in ("idle", "busy", "unseen"):
+        recorder.finished(rid, 1, FinishReason("length"))
     recorder.close()
     rows = {tuple(r["input_ids"]): r for r in _lines(path)}  # type: ignore[arg-type]
-    assert rows[(1, 2)]["received_s"] == pytest.approx(0.020)
-    assert "received_s" not in rows[(3,)]  # taken by a busy scheduler: not recorded
+    assert rows[(1, 2)]["received_s"] == pytest.approx(0.020) and "received_busy_s" not in rows[(1, 2)]
+    assert rows[(3,)]["received_busy_s"] == pytest.approx(0.090) and "received_s" not in rows[(3,)]
+    assert "received_s" not in rows[(4,)] and "received_busy_s" not in rows[(4,)]
     loaded = {tuple(r.input_ids): r for r in load_trace(path)}
-    assert loaded[(1, 2)].received_s == pytest.approx(0.020) and loaded[(3,)].received_s is None
-    assert loaded[(3,)].seen_s == loaded[(3,)].arrival_s
+    assert loaded[(1, 2)].received_s == pytest.approx(0.020) and loaded[(1, 2)].received_busy_s is None
+    assert loaded[(3,)].received_busy_s == pytest.approx(0.090) and loaded[(3,)].received_s is None

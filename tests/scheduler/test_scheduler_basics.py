@@ -116,7 +116,7 @@ def test_the_fake_model_reads_the_whole_context() -> None:
 
 def test_the_event_loop_stamps_requests_an_idle_scheduler_took_at_once() -> None:
     """Requests taken while idle share one receipt time, sent with their first output (for the
-    request trace); one taken while the scheduler is busy has none."""
+    request trace); one taken while the scheduler is busy has its own, marked busy."""
     scheduler = make_scheduler(FakeExecutor(vocab_size=VOCAB))
     inbox: list[list[SchedulerInput]] = [
         [GenerateRequest("a", [1, 2, 3], greedy(3)), GenerateRequest("b", [4, 5], greedy(3))],
@@ -133,12 +133,13 @@ def test_the_event_loop_stamps_requests_an_idle_scheduler_took_at_once() -> None
         return inbox.pop(0)
 
     run_event_loop(scheduler, receive, emitted.extend)
-    first: dict[str, float | None] = {}
+    first: dict[str, tuple[float | None, bool]] = {}
     for out in emitted:
         if isinstance(out, ReqOutput) and out.rid not in first:
-            first[out.rid] = out.received_at
+            first[out.rid] = (out.received_at, out.received_idle)
         elif isinstance(out, ReqOutput):
             assert out.received_at is None  # only the first output carries it
-    assert first["a"] is not None and first["a"] == first["b"]
-    assert first["c"] is None
+    assert first["a"][0] is not None and first["a"] == first["b"] and first["a"][1]
+    received_c, idle_c = first["c"]
+    assert received_c is not None and received_c > first["a"][0] and not idle_c
     scheduler.check_kv_invariant()

@@ -10,17 +10,9 @@ import pytest
 from radixserve.models.config import ModelConfig
 from radixserve.simulator.cost_model import ForwardShape, ModelShape, forward_seconds, forward_work
 from radixserve.simulator.hardware import BUILTIN_PROFILES, HardwareProfile, load_profile
+from radixserve.simulator.model_configs import BUILTIN_MODEL_CONFIGS
 
-LLAMA_8B = {
-    "architectures": ["LlamaForCausalLM"],
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "vocab_size": 128256,
-    "max_position_embeddings": 8192,
-}
+LLAMA_8B = BUILTIN_MODEL_CONFIGS["llama-3.1-8b"]
 
 
 def shape() -> ModelShape:

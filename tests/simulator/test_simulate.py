@@ -12,8 +12,9 @@ import pytest
 from radixserve.cli import main
 from radixserve.models.config import ModelConfig
 from radixserve.simulator.hardware import BUILTIN_PROFILES
+from radixserve.simulator.model_configs import load_config
 from radixserve.simulator.simulate import kv_capacity, simulate
-from radixserve.simulator.trace import SyntheticTrace, TraceRequest, synthetic
+from radixserve.simulator.trace import SyntheticTrace, TraceRequest, ready_times, synthetic
 from tests.simulator.test_cost_model import LLAMA_8B
 
 CONFIG = ModelConfig.from_hf_dict(LLAMA_8B)
@@ -100,6 +101,24 @@ def test_cli_writes_table_json_and_html(tmp_path: Path, capsys: pytest.CaptureFi
     assert page.count("<svg") == 3 and "<polyline" in page
 
 
+def test_cli_takes_a_built_in_model_shape_and_refuses_an_unknown_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["simulate", "--hardware", "H100", "--num-requests", "4", "--input-len", "32", "--output-len", "2"]
+    assert main([*args, "--model-config", "llama-3.1-8b"]) == 0
+    assert "| requests | 4 |" in capsys.readouterr().out
+    assert load_config("Llama-3.1-8B") == CONFIG
+    # A usage error is one line and argparse's exit code, not a traceback.
+    for wrong in (["--model-config", str(tmp_path / "missing.json")], ["--model-config", "llama-9"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main([*args, *wrong])
+        assert exit_info.value.code == 2
+        assert "neither a built-in shape (llama-3.1-8b, " in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*args, "--hardware", "B300", "--model-config", "llama-3.1-8b"])
+    assert "neither a built-in profile (H100, " in capsys.readouterr().err
+
+
 def test_a_cascade_backend_reads_a_shared_prefix_once_per_batch() -> None:
     """One group sharing a 2,048-token prefix: the recorded forwards count the K/V reads a cascade
     saves (decode steps and the later prompts' prefills), and only a cascade profile charges less."""
@@ -143,3 +162,22 @@ def test_an_idle_scheduler_takes_every_request_that_arrived_before_it_woke() -> 
     assert together.records[0].shape.q_lens == [256, 256, 256]
     # TTFT still counts from the arrival: the receipt delay is part of it.
     assert min(together.ttft_values_ms) > 0.5 - 0.1
+
+
+def test_a_request_the_idle_scheduler_missed_waits_for_its_next_step() -> None:
+    """The engine stamped the third request's arrival before the idle scheduler woke, but the
+    scheduler took only the first two then, and the third between its steps (received_busy_s): the
+    simulation's first batch holds two, as the server's did, and the third comes right after."""
+    prompts = [[i + 1] * 256 for i in range(3)]
+    trace = [
+        TraceRequest(0.0, prompts[0], 4, 5e-4),
+        TraceRequest(1e-4, prompts[1], 4, 5e-4),
+        TraceRequest(2e-4, prompts[2], 4, None, 0.05),
+    ]
+    assert ready_times(trace)[:2] == [5e-4, 5e-4] and 5e-4 < ready_times(trace)[2] < 5e-4 + 1e-9
+    # One the busy scheduler took with no idle receipt since its arrival is ready on arrival.
+    late = TraceRequest(6e-4, prompts[2], 4, None, 0.05)
+    assert ready_times([*trace[:2], late])[2] == 6e-4
+    result = simulate(CONFIG, BUILTIN_PROFILES["H100"], trace, 20_000)
+    assert result.records[0].shape.q_lens == [256, 256]
+    assert result.records[1].shape.q_lens == [256] and not result.records[1].shape.decode

@@ -269,30 +269,22 @@ class Scheduler(ManagerViews, SchedulerAccounting):
 
     def _take_handoffs(self) -> list[ReqOutput]:
         """Decode side: reserve KV for requests waiting for theirs, and start the ones whose K/V
-        came (scheduler/disaggregation/decode.py); they join the running batch."""
+        came (scheduler/disaggregation/decode.py). Their first token, the prefill server's, is
+        decided as a prefill's is: they join the running batch."""
         handoffs = self.decode_handoffs
         assert handoffs is not None
         handoffs.reserve_and_claim(self.queues.running)
-        outputs = []
+        outputs, came = [], []
         for got in handoffs.receive():
-            req = got.req
-            if got.error is not None:
-                req.abort(got.error, got.status_code)
-                self.stats.aborted_reqs += 1
-                outputs.append(self._finish(req))
+            if got.error is None:
+                came.append(got)
                 continue
-            self._append_token(req, got.first_token)
-            self.stats.generated_tokens += 1
-            if req.finished:
-                self.reqs.pop(req.rid, None)
-                self._release_kv(req)
-                outputs.append(self.outputs.final(req))
-                continue
-            self.tree_cache.cache_unfinished_req(req, req.cache_ids)
-            self.queues.running.append(req)
-            if self.outputs.unsent_tokens(req) >= self.args.stream_interval:
-                outputs.append(self.outputs.progress(req))
-        return outputs
+            got.req.abort(got.error, got.status_code)
+            self.stats.aborted_reqs += 1
+            outputs.append(self._finish(got.req))
+        reqs = [got.req for got in came]
+        decided = self._decide(reqs, [True] * len(reqs), True, [(got.first_token,) for got in came])
+        return outputs + self._publish(decided)
 
     def _move_ready_grammar_requests(self) -> list[ReqOutput]:
         ready, failed = self.grammar_queue.poll()
@@ -445,7 +437,7 @@ class Scheduler(ManagerViews, SchedulerAccounting):
         if sampling_reqs:
             vocab, sample = self.config.vocab_size, self.executor.sample
             next_ids = pick_next_tokens(sampling_reqs, logits, hidden, vocab, sample, self._grammar_mask)
-        return self._decide(batch, [(token,) for token in next_ids])
+        return self._decide(batch.reqs, batch.samples, batch.is_prefill, [(token,) for token in next_ids])
 
     def _decide_verified(self, batch: ScheduledBatch, logits: torch.Tensor, hidden: torch.Tensor) -> Decided:
         """A verify step's results: each request's accepted drafts and one token of the model's."""
@@ -455,7 +447,7 @@ class Scheduler(ManagerViews, SchedulerAccounting):
         verified = speculator.verify(reqs, plan, logits, hidden, vocab, sample, self._grammar_mask)
         speculator.commit(reqs, plan, verified, self.kv, self.executor.move_kv)
         before = [len(r.output_ids) for r in reqs]
-        decided = self._decide(batch, [v.tokens for v in verified])
+        decided = self._decide(batch.reqs, batch.samples, batch.is_prefill, [v.tokens for v in verified])
         kept = [len(r.output_ids) - n for r, n in zip(reqs, before, strict=True)]
         speculator.record(reqs, plan, verified, kept, logits, self.kv, self.stats)
         return decided
@@ -468,7 +460,8 @@ class Scheduler(ManagerViews, SchedulerAccounting):
         done = [r for r in batch.reqs if r.kv_len == r.seq_len]
         for req, vector in zip(done, embeddings, strict=True):
             req.embedding = vector
-        return self._publish(self._decide(batch, [()] * len(done)))  # an embedding samples no token
+        # An embedding samples no token.
+        return self._publish(self._decide(batch.reqs, batch.samples, batch.is_prefill, [()] * len(done)))
 
     def _grammar_mask(self, reqs: list[Req], device: torch.device) -> torch.Tensor | None:
         if all(r.grammar is None for r in reqs):
@@ -500,15 +493,19 @@ class Scheduler(ManagerViews, SchedulerAccounting):
 
     # ------------------------------------------------------------------ results out
 
-    def _decide(self, batch: ScheduledBatch, next_ids: Sequence[Sequence[int]]) -> Decided:
-        """Everything about the step's results that the next batch depends on (outputs.py).
-        next_ids: the new tokens of each request that samples, in batch order (several after a
-        verify step; those after one that finishes the request are dropped)."""
+    def _decide(
+        self, reqs: list[Req], samples: Sequence[bool], prefill: bool, next_ids: Sequence[Sequence[int]]
+    ) -> Decided:
+        """Everything about a step's results that the next batch depends on (outputs.py).
+        samples: per request, whether it samples (not a chunk of its prompt); prefill: whether
+        requests not yet running join the running list. next_ids: the new tokens of each request
+        that samples, in order (several after a verify step; those after one that finishes the
+        request are dropped)."""
         decided = Decided()
         queues = self.queues
         # Sets, not list scans, and finished_reason rather than the property: this runs for every
         # request on every step. Only a prefill adds to the running list (a decode needs no set).
-        running = {id(r) for r in queues.running} if batch.is_prefill else set()
+        running = {id(r) for r in queues.running} if prefill else set()
         finished: set[int] = set()
         generated = 0
         # Every request that sampled has an unsent token, so with an interval of 1 all of them
@@ -517,8 +514,8 @@ class Scheduler(ManagerViews, SchedulerAccounting):
         unsent_tokens = self.outputs.unsent_tokens
         append_token, publish = self._append_token, decided.reqs.append
         sampled = iter(next_ids)
-        for req, samples in zip(batch.reqs, batch.samples, strict=True):
-            if not samples:
+        for req, sampling in zip(reqs, samples, strict=True):
+            if not sampling:
                 # A chunk of a long prompt: publish the computed part so later requests can share it.
                 self.tree_cache.cache_unfinished_req(req, req.cache_ids)
                 continue
@@ -540,7 +537,7 @@ class Scheduler(ManagerViews, SchedulerAccounting):
                 finished.add(id(req))
                 publish((req, True))
                 continue
-            if batch.is_prefill and id(req) not in running:
+            if prefill and id(req) not in running:
                 self.tree_cache.cache_unfinished_req(req, req.cache_ids)
                 queues.running.append(req)
             if interval == 1 or unsent_tokens(req) >= interval:
@@ -568,7 +565,7 @@ class Scheduler(ManagerViews, SchedulerAccounting):
             if finished:
                 if self.prefill_handoffs is not None:
                     self.prefill_handoffs.finished(req)  # copies its prompt's K/V out first
-                self._release_kv(req)
+                release_kv(self.tree_cache, req)
                 output(self.outputs.final(req))
             else:
                 output(progress(req))
@@ -577,9 +574,6 @@ class Scheduler(ManagerViews, SchedulerAccounting):
     def _publish_unpublished(self) -> list[ReqOutput]:
         unpublished, self._unpublished = self._unpublished, None
         return [] if unpublished is None else self._publish(unpublished)
-
-    def _release_kv(self, req: Req) -> None:
-        release_kv(self.tree_cache, req)
 
     def _finish(self, req: Req) -> ReqOutput:
         self.reqs.pop(req.rid, None)

@@ -37,7 +37,7 @@ def test_first_step_logits_match_transformers(smollm2_gguf_path: Path) -> None:
     batch = scheduler._next_batch()
     assert batch is not None
     ours = scheduler.executor.forward(batch.forward)[0][0]
-    scheduler._publish(scheduler._decide(batch, [[int(ours.argmax())]]))
+    scheduler._publish(scheduler._decide(batch.reqs, batch.samples, batch.is_prefill, [[int(ours.argmax())]]))
     scheduler.check_kv_invariant()
 
     assert int(ours.argmax()) == int(expected.argmax())
@@ -73,7 +73,8 @@ def prompt_logits(dtype: str, prompts: list[list[int]], cpu_kernels: str = "auto
         assert batch is not None
         rows = scheduler.executor.forward(batch.forward)[0].float()
         assert rows.shape[0] == len(ids)
-        scheduler._publish(scheduler._decide(batch, [[int(rows[0].argmax())]]))
+        chosen = [[int(rows[0].argmax())]]
+        scheduler._publish(scheduler._decide(batch.reqs, batch.samples, batch.is_prefill, chosen))
         logits.append(rows)
     scheduler.check_kv_invariant()
     return logits

@@ -189,6 +189,10 @@ class ReqOutput:
     # trace (--record-trace).
     received_at: float | None = None
     received_idle: bool = False
+    # With the first output: when the scheduler sent it, on the same clock. The request trace's
+    # scheduler-side time to first token, which the simulator predicts (the engine's adds the
+    # hops from the scheduler through the detokenizer).
+    first_output_at: float | None = None
 
 
 @dataclass
@@ -216,6 +220,7 @@ class TextOutput:
     prompt_hidden_states: list[list[float]] | None = None
     received_at: float | None = None  # as in ReqOutput
     received_idle: bool = False
+    first_output_at: float | None = None
 
 
 @dataclass

@@ -162,6 +162,7 @@ class DetokenizerManager:
                     out.prompt_hidden_states,
                     out.received_at,
                     out.received_idle,
+                    out.first_output_at,
                 )
             )
         return TextBatch(texts)

@@ -216,7 +216,7 @@ class Engine(EngineControl):
                 finish_type = None if out.finished_reason is None else out.finished_reason.type
                 self.live.output(out.rid, len(out.new_token_ids), out.cached_tokens, finish_type)
             if self.trace is not None and isinstance(out, TextOutput) and out.received_at is not None:
-                self.trace.received(out.rid, out.received_at, out.received_idle)
+                self.trace.received(out.rid, out.received_at, out.received_idle, out.first_output_at)
             if isinstance(out, TextOutput) and out.finished_reason is not None:
                 self.router.done(out.rid)
                 self.deadlines.done(out.rid)

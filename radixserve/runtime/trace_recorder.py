@@ -11,6 +11,9 @@ One JSON line per finished request, appended as it finishes:
 - `received_busy_s` instead, when the scheduler was busy (it takes requests between its steps).
   The simulation models a busy scheduler's receipts with its own step times, but learns from this
   one that a request which arrived before an idle receipt had not reached the scheduler by then;
+- `first_output_s`: when the scheduler sent the request's first output, on the same clock. From
+  `arrival_s`, the scheduler-side time to first token, which is what the simulator predicts; the
+  engine's own adds the hops through the detokenizer. The simulator does not read it;
 - `input_ids`: the prompt's token ids as scheduled (after chat templates, sessions, truncation and
   image expansion), so shared prefixes replay as shared; a prompt given as vectors (input_embeds)
   has no ids and is recorded by its length alone;
@@ -56,11 +59,14 @@ class TraceLine:
     finish: str
     received_s: float | None = None
     received_idle: bool = False
+    first_output_s: float | None = None
 
     def to_json(self) -> str:
         row: dict[str, object] = {"arrival_s": round(self.arrival_s, 6)}
         if self.received_s is not None:
             row["received_s" if self.received_idle else "received_busy_s"] = round(self.received_s, 6)
+        if self.first_output_s is not None:
+            row["first_output_s"] = round(self.first_output_s, 6)
         if self.input_ids is not None:
             row["input_ids"] = self.input_ids
         row.update(input_len=self.input_len, output_len=self.output_len, finish=self.finish)
@@ -89,9 +95,9 @@ class TraceRecorder:
         self._lock = threading.Lock()
         # rid -> (arrival_s, input_ids or None, input_len) until the request finishes.
         self._open: dict[str, tuple[float, list[int] | None, int]] = {}
-        # rid -> (received_s, whether the scheduler was idle), from the request's first output
-        # until it finishes.
-        self._received: dict[str, tuple[float, bool]] = {}
+        # rid -> (received_s, whether the scheduler was idle, first_output_s), from the request's
+        # first output until it finishes.
+        self._received: dict[str, tuple[float, bool, float | None]] = {}
         # None tells the writer to stop.
         self._lines: queue.SimpleQueue[TraceLine | None] = queue.SimpleQueue()
         self._writer: threading.Thread | None = None
@@ -110,12 +116,15 @@ class TraceRecorder:
         with self._lock:
             self._open[rid] = (arrival_s, ids, input_len)
 
-    def received(self, rid: str, received_at: float, idle: bool) -> None:
+    def received(
+        self, rid: str, received_at: float, idle: bool, first_output_at: float | None = None
+    ) -> None:
         """The scheduler took the request at received_at (time.monotonic() in its process), idle
-        or between two steps."""
+        or between two steps, and sent its first output at first_output_at."""
+        first = None if first_output_at is None else first_output_at - self._started
         with self._lock:
             if rid in self._open:
-                self._received[rid] = (received_at - self._started, idle)
+                self._received[rid] = (received_at - self._started, idle, first)
 
     def finished(self, rid: str, output_len: int, finish: FinishReason) -> None:
         with self._lock:
@@ -124,8 +133,9 @@ class TraceRecorder:
         if entry is None or is_refusal(finish):
             return
         arrival_s, ids, input_len = entry
-        received_s, idle = (None, False) if received is None else received
-        self._lines.put(TraceLine(arrival_s, ids, input_len, output_len, finish.type, received_s, idle))
+        received_s, idle, first = (None, False, None) if received is None else received
+        line = TraceLine(arrival_s, ids, input_len, output_len, finish.type, received_s, idle, first)
+        self._lines.put(line)
 
     def forget(self, rid: str) -> None:
         """A request refused before it reached the scheduler: not part of the traffic served."""

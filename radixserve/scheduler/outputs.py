@@ -9,6 +9,7 @@ while the main thread runs the next forward (torch releases the GIL inside its k
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -49,9 +50,10 @@ class OutputBuilder:
     def progress(self, req: Req) -> ReqOutput:
         rid, output_ids = req.rid, req.output_ids
         stream = self._streams.get(rid)
-        received_at, received_idle = None, False
+        received_at, received_idle, first_output_at = None, False, None
         if stream is None:
             received_at, received_idle = req.received_at, req.received_idle
+            first_output_at = time.monotonic()
             params = req.sampling_params
             stream = self._streams[rid] = _Stream(
                 DetokenizeParams(
@@ -78,6 +80,7 @@ class OutputBuilder:
             _unsent_prompt_hidden_states(req) if hidden else None,
             received_at,
             received_idle,
+            first_output_at,
         )
 
     @staticmethod

@@ -93,7 +93,7 @@ def test_when_the_scheduler_took_a_request_is_recorded_and_loaded(tmp_path: Path
     recorder.submitted("busy", [3], 1)
     recorder.submitted("unseen", [4], 1)
     # The scheduler's clock is time.monotonic(), as the recorder's: 20 and 90 ms after it started.
-    recorder.received("idle", recorder._started + 0.020, idle=True)
+    recorder.received("idle", recorder._started + 0.020, idle=True, first_output_at=recorder._started + 0.07)
     recorder.received("busy", recorder._started + 0.090, idle=False)
     recorder.received("unknown", recorder._started + 0.5, idle=True)  # not submitted here: ignored
     for rid in ("idle", "busy", "unseen"):
@@ -103,6 +103,8 @@ def test_when_the_scheduler_took_a_request_is_recorded_and_loaded(tmp_path: Path
     assert rows[(1, 2)]["received_s"] == pytest.approx(0.020) and "received_busy_s" not in rows[(1, 2)]
     assert rows[(3,)]["received_busy_s"] == pytest.approx(0.090) and "received_s" not in rows[(3,)]
     assert "received_s" not in rows[(4,)] and "received_busy_s" not in rows[(4,)]
+    # The scheduler-side first output, where the scheduler sent one.
+    assert rows[(1, 2)]["first_output_s"] == pytest.approx(0.07) and "first_output_s" not in rows[(3,)]
     loaded = {tuple(r.input_ids): r for r in load_trace(path)}
     assert loaded[(1, 2)].received_s == pytest.approx(0.020) and loaded[(1, 2)].received_busy_s is None
     assert loaded[(3,)].received_busy_s == pytest.approx(0.090) and loaded[(3,)].received_s is None

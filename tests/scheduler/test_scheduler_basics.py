@@ -137,8 +137,10 @@ def test_the_event_loop_stamps_requests_an_idle_scheduler_took_at_once() -> None
     for out in emitted:
         if isinstance(out, ReqOutput) and out.rid not in first:
             first[out.rid] = (out.received_at, out.received_idle)
+            assert out.first_output_at is not None and out.received_at is not None
+            assert out.first_output_at >= out.received_at
         elif isinstance(out, ReqOutput):
-            assert out.received_at is None  # only the first output carries it
+            assert out.received_at is None and out.first_output_at is None  # the first output's only
     assert first["a"][0] is not None and first["a"] == first["b"] and first["a"][1]
     received_c, idle_c = first["c"]
     assert received_c is not None and received_c > first["a"][0] and not idle_c

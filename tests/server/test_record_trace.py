@@ -96,6 +96,8 @@ def test_a_recorded_trace_replays_in_the_simulator(
     assert all(r["arrival_s"] <= r["received_s"] < r["arrival_s"] + 30 for r in rows[:5])
     # Every request that produced output says when the scheduler took it: idle or busy, not both.
     assert all(("received_s" in r) != ("received_busy_s" in r) for r in rows)
+    # And when it sent the first output: after it took the request, before the engine saw it.
+    assert all(r.get("received_s", r.get("received_busy_s")) <= r["first_output_s"] for r in rows)
     usages = [c["meta_info"] for c in completions] + [plain.json()["usage"], chat.json()["usage"]]
     usages += [vectors.json()["meta_info"], aborted["meta_info"]]
     assert [r["output_len"] for r in rows] == [u["completion_tokens"] for u in usages]

@@ -28,7 +28,8 @@ def run_event_loop(
         # once, however long handling them takes; a busy one takes requests between its steps.
         # The request trace records which, and when, so that a simulation forms the same batches
         # (simulator/simulate.py).
-        scheduler.received_at, scheduler.received_idle = time.monotonic(), idle
+        if messages:  # read only by the requests among them
+            scheduler.received_at, scheduler.received_idle = time.monotonic(), idle
         for msg in messages:
             if isinstance(msg, ShutdownRequest):
                 scheduler.shutdown()

@@ -75,8 +75,7 @@ def main() -> None:
         calibrated, calibration = calibrate_engine(engine, name=f"calibrated-{device.type}")
         print("| calibration run | measured s | predicted s |\n|---|---|---|")
         for run, predicted in calibration:
-            label = f"{run.requests} x {run.prompt_len} + {run.output_len}"
-            print(f"| {label} | {run.seconds:.3f} | {predicted:.3f} |")
+            print(f"| {run.shape.label} | {run.seconds:.3f} | {predicted:.3f} |")
         print(calibrated)
         profiles.append(("calibrated", calibrated))
         if args.hardware:

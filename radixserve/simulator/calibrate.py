@@ -1,12 +1,14 @@
 """`radixserve calibrate`: a hardware profile of this machine, fitted so that the simulator predicts
-measured runs, and (with --validate) its error on workloads the fit did not use.
+measured runs (benchmarks/simulator_validation.py then measures its error on workloads the fit
+did not use).
 
 1. Peaks: a bf16 matmul's FLOP/s and a large copy's bytes/s, measured here.
-2. Calibration runs: a few prefill-heavy and decode-heavy batches through a real Engine, timed.
+2. Calibration runs: prefill-heavy, decode-heavy and long-context batches (some over a prefix
+   cached beforehand) through a real Engine, timed.
 3. The fit: the scheduler's batching of a batch that all arrives at once does not depend on time,
    so each run's forwards are recorded once (the zero-cost executor) and the profile's
-   efficiencies and overheads are searched (a grid, then a pattern search) for the least squared
-   log error of sum(forward times) against the measured times.
+   efficiencies and overheads are searched (a grid, a pattern search, then Levenberg-Marquardt)
+   for the least squared log error of sum(forward times) against the measured times.
 """
 
 from __future__ import annotations
@@ -23,28 +25,60 @@ import torch
 
 from radixserve.models.config import ModelConfig
 from radixserve.simulator.cost_model import ForwardWork, ModelShape, forward_work
-from radixserve.simulator.executor import ForwardRecord
+from radixserve.simulator.executor import SIM_VOCAB, ForwardRecord
 from radixserve.simulator.hardware import HardwareProfile
 from radixserve.simulator.simulate import simulate
 from radixserve.simulator.trace import TraceRequest
 
-# (requests, prompt tokens, output tokens): prefill-bound, then decode-bound shapes.
-CALIBRATION_RUNS: tuple[tuple[int, int, int], ...] = (
-    (1, 64, 1),  # a short prefill shows a prefill forward's fixed cost
-    (1, 256, 1),
-    (1, 512, 1),
-    (1, 1536, 1),
-    (4, 384, 1),
-    (8, 512, 1),
-    (1, 64, 48),
-    (8, 64, 48),
-    (32, 64, 32),
+
+@dataclass(frozen=True)
+class CalibrationShape:
+    """A batch that arrives at once: `requests` prompts of `prompt_len` new tokens each, after a
+    `cached_prefix` they all share that an untimed request put in the cache, each generating
+    `output_len` tokens."""
+
+    requests: int
+    prompt_len: int
+    output_len: int
+    cached_prefix: int = 0
+
+    @property
+    def label(self) -> str:
+        over = f" over {self.cached_prefix} cached" if self.cached_prefix else ""
+        return f"{self.requests} x {self.prompt_len}{over} + {self.output_len}"
+
+
+# Prefill-bound, then decode-bound shapes, then shapes whose attention reads a long context from
+# the KV pool (an extend over a cached prefix, decode steps at a thousand tokens): what requests
+# with a shared system prompt or a long conversation run, at their own efficiency.
+CALIBRATION_RUNS: tuple[CalibrationShape, ...] = (
+    CalibrationShape(1, 64, 1),  # a short prefill shows a prefill forward's fixed cost
+    CalibrationShape(1, 256, 1),
+    CalibrationShape(1, 512, 1),
+    CalibrationShape(1, 1536, 1),
+    CalibrationShape(4, 384, 1),
+    CalibrationShape(8, 512, 1),
+    CalibrationShape(1, 64, 48),
+    CalibrationShape(8, 64, 48),
+    CalibrationShape(32, 64, 32),
+    CalibrationShape(1, 64, 1, cached_prefix=512),  # the extend alone, apart from decode steps
+    CalibrationShape(1, 64, 32, cached_prefix=512),
+    CalibrationShape(4, 64, 32, cached_prefix=512),
+    CalibrationShape(16, 16, 16, cached_prefix=1024),  # a cascade's cost per key and per query
+    CalibrationShape(2, 1024, 32),
 )
 
 
-def calibration_runs(context_len: int) -> list[tuple[int, int, int]]:
-    """CALIBRATION_RUNS with prompts shortened to what the model's context holds."""
-    return [(n, min(p, context_len - out - 8), out) for n, p, out in CALIBRATION_RUNS]
+def calibration_runs(context_len: int) -> list[CalibrationShape]:
+    """CALIBRATION_RUNS with prompts (and cached prefixes) shortened to what the model's context
+    holds."""
+    runs = []
+    for shape in CALIBRATION_RUNS:
+        room = context_len - shape.output_len - 8
+        prefix = min(shape.cached_prefix, room // 2)
+        prompt_len = min(shape.prompt_len, room - prefix)
+        runs.append(CalibrationShape(shape.requests, prompt_len, shape.output_len, prefix))
+    return runs
 
 
 FLOPS_EFFICIENCY = np.geomspace(0.05, 2.0, 24)
@@ -92,16 +126,24 @@ def _rate(work: Any, units: float, seconds: float, device: torch.device) -> floa
 
 @dataclass(frozen=True)
 class Run:
-    requests: int
-    prompt_len: int
-    output_len: int
+    shape: CalibrationShape
     seconds: float
 
 
-def prompts(run: tuple[int, int, int], vocab: int, seed: int) -> list[list[int]]:
+@dataclass(frozen=True)
+class CalibrationBatch:
+    """A shape's token ids: the cached prefix (empty if none) and the timed prompts, which start
+    with it."""
+
+    prefix: list[int]
+    prompts: list[list[int]]
+
+
+def calibration_batch(shape: CalibrationShape, vocab: int, seed: int) -> CalibrationBatch:
     rng = random.Random(seed)
-    requests, prompt_len, _ = run
-    return [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(requests)]
+    prefix = [rng.randrange(3, vocab) for _ in range(shape.cached_prefix)]
+    tails = [[rng.randrange(3, vocab) for _ in range(shape.prompt_len)] for _ in range(shape.requests)]
+    return CalibrationBatch(prefix, [prefix + tail for tail in tails])
 
 
 def measure_runs(engine: Any, repeats: int = 3) -> list[Run]:
@@ -112,37 +154,56 @@ def measure_runs(engine: Any, repeats: int = 3) -> list[Run]:
     that a slow spell of the machine (other work on a shared host) slows one repeat of several
     shapes, which the median drops, rather than every repeat of one shape."""
     shapes = calibration_runs(engine.context_len)
-    batches = [prompts(shape, engine.vocab_size, seed=i) for i, shape in enumerate(shapes)]
+    batches = [calibration_batch(shape, engine.vocab_size, seed=i) for i, shape in enumerate(shapes)]
     times: list[list[float]] = [[] for _ in shapes]
     for _ in range(1 + repeats):
         for shape, batch, shape_times in zip(shapes, batches, times, strict=True):
-            params = {"temperature": 0.0, "max_new_tokens": shape[2], "ignore_eos": True}
             engine.flush_cache()
-            results = engine.generate(input_ids=batch, sampling_params=params)
+            if batch.prefix:
+                engine.generate(input_ids=batch.prefix, sampling_params=_params(1))
+            results = engine.generate(input_ids=batch.prompts, sampling_params=_params(shape.output_len))
             # The scheduler's own span, arrival to the last finish (what the simulator predicts),
             # without the call's round trip through the engine's processes.
             shape_times.append(max(r["meta_info"]["e2e_latency"] for r in results))
-    return [Run(*shape, statistics.median(t[1:])) for shape, t in zip(shapes, times, strict=True)]
+    return [Run(shape, statistics.median(t[1:])) for shape, t in zip(shapes, times, strict=True)]
+
+
+def _params(output_len: int) -> dict[str, Any]:
+    return {"temperature": 0.0, "max_new_tokens": output_len, "ignore_eos": True}
+
+
+# When the timed batch arrives in a recorded run: after its cached prefix's request has finished
+# (forwards of a zero-cost executor take no time, so any moment after 0 will do).
+_TIMED_ARRIVAL_S = 1.0
 
 
 def recorded_forwards(
-    config: ModelConfig, trace: list[TraceRequest], max_total_tokens: int, **server_args: Any
+    config: ModelConfig, shape: CalibrationShape, seed: int, max_total_tokens: int, **server_args: Any
 ) -> list[ForwardRecord]:
-    """The forwards the real scheduler runs for a trace that all arrives at t=0."""
+    """The forwards the real scheduler runs for a calibration shape's timed batch (arriving all at
+    once, after its cached prefix's request, whose forwards are left out as its time is)."""
+    batch = calibration_batch(shape, SIM_VOCAB, seed)
+    trace = [TraceRequest(0.0, batch.prefix, 1)] if batch.prefix else []
+    trace += [TraceRequest(_TIMED_ARRIVAL_S, p, shape.output_len) for p in batch.prompts]
     # With the reads a cascade shares: the fit decides whether the engine's attention has one.
     result = simulate(config, None, trace, max_total_tokens, count_shared_reads=True, **server_args)
     assert result.requests == len(trace)
-    return result.records
+    return [r for r in result.records if r.start >= _TIMED_ARRIVAL_S]
 
 
 @dataclass(frozen=True)
 class _Forwards:
     """Every calibration run's forwards as arrays, one entry per forward: its linears' and
     attention's seconds at 100% of the peak FLOP/s, its bytes' seconds at 100% of the bandwidth,
-    whether it is a decode step, its sampling rows, and the run it belongs to."""
+    whether it is a decode step, its sampling rows, and the run it belongs to. Attention in the
+    parts the cost model splits it into: among the new tokens, over the cached context, and (with
+    a cascade) over prefixes the batch shares, with those prefixes' keys."""
 
     linear: np.ndarray
     attention: np.ndarray
+    context: np.ndarray  # over a cached context, less the part over shared prefixes
+    shared: np.ndarray  # over prefixes the batch shares (a cascade's; 0 without one)
+    shared_keys: np.ndarray  # K/V tokens (per layer) the cascade's calls read (0 without one)
     moved: np.ndarray
     decode: np.ndarray
     rows: np.ndarray
@@ -154,9 +215,13 @@ class _Forwards:
         cls, forwards: list[list[ForwardWork]], peak_flops: float, bandwidth: float, cascade: bool
     ) -> _Forwards:
         every = [w for run in forwards for w in run]
+        shared = np.array([w.shared_context_flops * cascade for w in every]) / peak_flops
         return cls(
             np.array([w.linear_flops for w in every]) / peak_flops,
             np.array([w.attention_flops for w in every]) / peak_flops,
+            np.array([w.context_attention_flops for w in every]) / peak_flops - shared,
+            shared,
+            np.array([w.shared_prefix_keys * cascade for w in every]),
             np.array([w.bytes - w.shared_bytes * cascade for w in every]) / bandwidth,
             np.array([w.decode for w in every], dtype=bool),
             np.array([w.rows for w in every], dtype=float),
@@ -166,17 +231,24 @@ class _Forwards:
 
     def run_seconds(self, p: np.ndarray) -> np.ndarray:
         """Each run's predicted seconds for the parameters `p` (as in _PARAMETERS)."""
-        flops, attention, bandwidth, decode_flops, prefill_fixed, decode_fixed, row = p
+        flops, attention, bandwidth, decode_flops, context, decode_attention, shared, *fixed = p
+        prefill_fixed, decode_fixed, row, key = fixed
         linear = self.linear / np.where(self.decode, decode_flops, flops)
-        per_forward = np.maximum(linear + self.attention / attention, self.moved / bandwidth)
+        compute = linear + self.attention / attention + self.shared / shared
+        compute += self.context / np.where(self.decode, decode_attention, context)
+        compute += self.shared_keys * key
+        per_forward = np.maximum(compute, self.moved / bandwidth)
         per_forward += np.where(self.decode, decode_fixed, prefill_fixed) + self.rows * row
         return np.bincount(self.owner, weights=per_forward, minlength=self.runs)
 
 
 # The fitted parameters, in order: efficiencies (searched by ratios) then fixed costs in seconds
 # (searched by steps).
-_PARAMETERS = ("flops", "attention", "bandwidth", "decode_flops", "prefill_fixed", "decode_fixed", "row")
-_EFFICIENCIES = 4
+_PARAMETERS = (
+    "flops", "attention", "bandwidth", "decode_flops", "context", "decode_attention", "shared",
+    "prefill_fixed", "decode_fixed", "row", "shared_key",
+)  # fmt: skip
+_EFFICIENCIES = 7
 _EFFICIENCY_BOUNDS = (0.002, 4.0)
 _FIXED_BOUNDS = (0.0, 0.25)
 
@@ -195,18 +267,32 @@ def fit(
     seconds; forwards: per run, each forward's work; cascade: whether the engine's attention reads
     a shared prefix once per batch. A coarse grid finds the basin, then a pattern search refines
     every parameter: the grid's steps (17% between efficiencies) alone would leave errors of the
-    size of the 9% target."""
+    size of the 9% target. Last, Levenberg-Marquardt steps move all parameters at once: with
+    eleven of them, some trade against each other (a decode step's fixed cost against its
+    attention), and one-at-a-time moves stall in such valleys short of the best fit."""
     data = _Forwards.of(forwards, peak_flops, bandwidth, cascade)
     measured = np.log(np.array([r.seconds for r in runs]))
 
-    def error(p: np.ndarray) -> float:
-        return float(((np.log(data.run_seconds(p)) - measured) ** 2).mean())
+    def residuals(p: np.ndarray) -> np.ndarray:
+        return np.asarray(np.log(data.run_seconds(p)) - measured)
 
-    p = _polish(error, _coarse_grid(data, measured))
+    def error(p: np.ndarray) -> float:
+        return float((residuals(p) ** 2).mean())
+
+    # Two starts: the grid's best, and the same with memory never binding. A step whose time
+    # does not grow with its rows fits as bound by the weights' bytes or by its fixed cost alike,
+    # and the search cannot cross from one to the other (a kink of the roofline's max).
+    grid = _coarse_grid(data, measured)
+    compute_bound = grid.copy()
+    compute_bound[_PARAMETERS.index("bandwidth")] = _EFFICIENCY_BOUNDS[1]
+    fits = [_levenberg_marquardt(residuals, _polish(error, start)) for start in (grid, compute_bound)]
+    p = min(fits, key=error)
     # The fixed costs' additive steps leave rounding residue (1e-20 s for a cost the search took
-    # to 0): to the nanosecond.
-    p[_EFFICIENCIES:] = np.round(p[_EFFICIENCIES:], 9)
-    flops, attention, eb, decode_flops, prefill_fixed, decode_fixed, row = (float(x) for x in p)
+    # to 0): to the nanosecond (a shared key's, to the picosecond).
+    p[_EFFICIENCIES:-1] = np.round(p[_EFFICIENCIES:-1], 9)
+    p[-1] = np.round(p[-1], 12)
+    flops, attention, eb, decode_flops, context, decode_attention, shared = (float(x) for x in p[:7])
+    prefill_fixed, decode_fixed, row, shared_key = (float(x) for x in p[7:])
     return HardwareProfile(
         name,
         peak_flops,
@@ -222,11 +308,17 @@ def fit(
         cascade_attention=cascade,
         row_overhead_s=row,
         decode_flops_efficiency=decode_flops,
+        context_attention_efficiency=context,
+        decode_attention_efficiency=decode_attention,
+        # Without a cascade no forward showed it: left to default to the context's.
+        shared_prefix_attention_efficiency=shared if cascade else None,
+        shared_prefix_key_s=shared_key,
     )
 
 
 def _coarse_grid(data: _Forwards, measured: np.ndarray) -> np.ndarray:
-    """The best point of the grids above, a decode step's linears at the prefill's efficiency."""
+    """The best point of the grids above, a decode step's linears at the prefill's efficiency and
+    attention over the cached context (shared or not) at the causal attention's."""
     decodes = np.bincount(data.owner, weights=data.decode, minlength=data.runs)
     prefills = np.bincount(data.owner, minlength=data.runs) - decodes
     rows = np.bincount(data.owner, weights=data.rows, minlength=data.runs)
@@ -240,13 +332,15 @@ def _coarse_grid(data: _Forwards, measured: np.ndarray) -> np.ndarray:
     )
     best: tuple[float, np.ndarray] | None = None
     for ef, ea, eb in itertools.product(FLOPS_EFFICIENCY, ATTENTION_EFFICIENCY, BANDWIDTH_EFFICIENCY):
-        per_forward = np.maximum(data.linear / ef + data.attention / ea, data.moved / eb)
+        attention = data.attention + data.context + data.shared
+        per_forward = np.maximum(data.linear / ef + attention / ea, data.moved / eb)
         roof = np.bincount(data.owner, weights=per_forward, minlength=data.runs)
         predicted = roof[:, None, None, None] + fixed
         error = ((np.log(predicted) - measured[:, None, None, None]) ** 2).mean(axis=0)
         i, j, k = np.unravel_index(int(np.argmin(error)), error.shape)
         if best is None or error[i, j, k] < best[0]:
-            point = np.array([ef, ea, eb, ef, overhead[i], overhead[j], ROW_OVERHEAD_S[k]])
+            costs = [overhead[i], overhead[j], ROW_OVERHEAD_S[k], 0.0]
+            point = np.array([ef, ea, eb, ef, ea, ea, ea, *costs])
             best = (float(error[i, j, k]), point)
     assert best is not None
     return best[1]
@@ -258,7 +352,7 @@ def _polish(error: Any, start: np.ndarray, rounds: int = 200) -> np.ndarray:
     costs by steps of seconds; both stay within their bounds."""
     p, best = start.copy(), error(start)
     ratio = np.full(_EFFICIENCIES, 0.16)  # log-steps, about the coarse grid's
-    step = np.maximum(start[_EFFICIENCIES:] * 0.4, [200e-6, 200e-6, 20e-6])
+    step = np.maximum(start[_EFFICIENCIES:] * 0.4, [200e-6, 200e-6, 20e-6, 50e-9])
     for _ in range(rounds):
         moved = False
         for i in range(len(_PARAMETERS)):
@@ -275,6 +369,49 @@ def _polish(error: Any, start: np.ndarray, rounds: int = 200) -> np.ndarray:
             if ratio[0] < 1e-3:  # ratios within 0.1%
                 break
     return p
+
+
+# The scale of each fixed cost in the Levenberg-Marquardt coordinates (efficiencies move by their
+# logarithms): about the size a fit gives them, so that every coordinate moves by steps near 1.
+_FIXED_SCALES = np.array([1e-3, 1e-3, 1e-5, 1e-7])
+
+
+def _levenberg_marquardt(residuals: Any, start: np.ndarray, iterations: int = 200) -> np.ndarray:
+    """Least squares of residuals(p) from `start`, within the parameters' bounds: Gauss-Newton
+    steps on a forward-difference Jacobian, damped (toward gradient descent) when a step does not
+    lower the error, and clipped to the bounds."""
+
+    def params(x: np.ndarray) -> np.ndarray:
+        return np.concatenate([np.exp(x[:_EFFICIENCIES]), x[_EFFICIENCIES:] * _FIXED_SCALES])
+
+    efficiencies = np.log(_EFFICIENCY_BOUNDS)
+    lo = np.concatenate([np.full(_EFFICIENCIES, efficiencies[0]), _FIXED_BOUNDS[0] / _FIXED_SCALES])
+    hi = np.concatenate([np.full(_EFFICIENCIES, efficiencies[1]), _FIXED_BOUNDS[1] / _FIXED_SCALES])
+    x = np.concatenate([np.log(start[:_EFFICIENCIES]), start[_EFFICIENCIES:] / _FIXED_SCALES])
+    r = residuals(params(x))
+    cost, damping = float(r @ r), 1e-3
+    for _ in range(iterations):
+        jacobian = np.empty((len(r), len(x)))
+        for i in range(len(x)):
+            h = 1e-6 * max(1.0, abs(x[i]))
+            nudged = x.copy()
+            nudged[i] += h
+            jacobian[:, i] = (residuals(params(nudged)) - r) / h
+        normal, gradient = jacobian.T @ jacobian, jacobian.T @ r
+        while damping < 1e10:
+            damped = normal + damping * np.diag(np.diag(normal) + 1e-12)
+            candidate = np.clip(x - np.linalg.solve(damped, gradient), lo, hi)
+            r_new = residuals(params(candidate))
+            if (cost_new := float(r_new @ r_new)) < cost:
+                break
+            damping *= 4
+        else:
+            break  # no step lowers the error: a minimum
+        converged = cost - cost_new < 1e-12 * max(cost, 1e-30)
+        x, r, cost, damping = candidate, r_new, cost_new, max(damping / 3, 1e-9)
+        if converged:
+            break
+    return params(x)
 
 
 def forward_costs(config: ModelConfig, records: list[ForwardRecord]) -> list[ForwardWork]:

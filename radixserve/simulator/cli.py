@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from radixserve.config.server_args import ServerArgs
+
+if TYPE_CHECKING:
+    from radixserve.simulator.hardware import HardwareProfile
 
 
 def _pair(text: str) -> tuple[int, int]:
@@ -125,12 +128,9 @@ def calibrate_engine(engine: Any, name: str = "cpu") -> tuple[Any, list[tuple[An
         forward_costs,
         measure_peaks,
         measure_runs,
-        prompts,
         recorded_forwards,
     )
     from radixserve.simulator.cost_model import ModelShape, forward_seconds
-    from radixserve.simulator.executor import SIM_VOCAB
-    from radixserve.simulator.trace import TraceRequest
 
     device = pick_device(engine.args.device)
     flops, bandwidth = measure_peaks(device)
@@ -138,12 +138,7 @@ def calibrate_engine(engine: Any, name: str = "cpu") -> tuple[Any, list[tuple[An
     config = load_model_config(engine.source)
     server_args = scheduler_args(engine.args)
     recorded = [
-        recorded_forwards(
-            config,
-            [TraceRequest(0.0, p, shape[2]) for p in prompts(shape, SIM_VOCAB, seed=i)],
-            engine.max_total_tokens,
-            **server_args,
-        )
+        recorded_forwards(config, shape, i, engine.max_total_tokens, **server_args)
         for i, shape in enumerate(calibration_runs(engine.context_len))
     ]
     memory = float(
@@ -186,19 +181,28 @@ def _calibrate(args: argparse.Namespace) -> int:
     print("| requests x prompt + output | measured s | predicted s | error |\n|---|---|---|---|")
     for run, predicted in rows:
         error = (predicted - run.seconds) / run.seconds
-        label = f"{run.requests} x {run.prompt_len} + {run.output_len}"
-        print(f"| {label} | {run.seconds:.3f} | {predicted:.3f} | {error:+.1%} |")
+        print(f"| {run.shape.label} | {run.seconds:.3f} | {predicted:.3f} | {error:+.1%} |")
+    print(_describe(profile))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _describe(profile: HardwareProfile) -> str:
+    """A fitted profile's figures in one line."""
     decode_flops = profile.decode_flops_efficiency
     decode_fixed = profile.decode_overhead_s
     if decode_fixed is None:
         decode_fixed = profile.forward_overhead_s
-    print(
+    attention = profile.attention_efficiency or profile.flops_efficiency
+    context = profile.context_attention_efficiency or attention
+    decode_attention = profile.decode_attention_efficiency or context
+    return (
         f"peak {profile.peak_flops / 1e9:,.0f} GFLOP/s x {profile.flops_efficiency:.2f} "
-        f"(decode steps x {profile.flops_efficiency if decode_flops is None else decode_flops:.2f}), "
+        f"(decode steps x {profile.flops_efficiency if decode_flops is None else decode_flops:.2f}, "
+        f"attention x {attention:.3f}, over a cached prefix x {context:.3f}, "
+        f"a decode step's x {decode_attention:.3f}), "
         f"{profile.memory_bandwidth / 1e9:,.1f} GB/s x {profile.bandwidth_efficiency:.2f}, "
         f"{profile.forward_overhead_s * 1e3:.2f} ms per prefill forward, "
         f"{decode_fixed * 1e3:.2f} ms per decode step, "
         f"{profile.row_overhead_s * 1e6:.0f} us per sampled row"
     )
-    print(f"wrote {args.out}")
-    return 0

@@ -61,13 +61,23 @@ class ForwardShape:
     # K/V tokens of prefixes that several requests of the batch share, counted once per request
     # beyond the first: the reads a cascade attention backend saves.
     shared_kv_reads: int = 0
+    # (query, key) pairs of new tokens over those shared prefixes: what a cascade attends in one
+    # GEMM-shaped call per prefix instead of per request.
+    shared_pairs: int = 0
+    # The shared prefixes' K/V tokens, once per prefix: what that call reads and stages.
+    shared_prefix_tokens: int = 0
 
 
 @dataclass(frozen=True)
 class ForwardWork:
     """What one forward does: FLOPs of the linears (and LM head), FLOPs of attention (which runs at
     its own efficiency: far below a matmul's on a CPU), bytes moved, new tokens, and the rows that
-    sample (one per request that gets a next token)."""
+    sample (one per request that gets a next token). Attention is split in two: the new tokens
+    among themselves (a prompt's causal attention) and the new tokens over the context already in
+    the KV cache (every decode step's, and an extend's over a cached prefix), which run different
+    kernels at different efficiencies (a few query rows against many keys, from the KV pool); and
+    of the latter, a cascade backend attends a prefix that several requests share in one call for
+    all their queries, at an efficiency of its own."""
 
     linear_flops: float
     attention_flops: float
@@ -76,10 +86,13 @@ class ForwardWork:
     decode: bool = False
     shared_bytes: float = 0.0  # of `bytes`: what a cascade reads once instead of per request
     rows: int = 0
+    context_attention_flops: float = 0.0
+    shared_context_flops: float = 0.0  # of context_attention_flops: over prefixes a batch shares
+    shared_prefix_keys: float = 0.0  # K/V tokens (per layer) a cascade's calls read of those prefixes
 
     @property
     def flops(self) -> float:
-        return self.linear_flops + self.attention_flops
+        return self.linear_flops + self.attention_flops + self.context_attention_flops
 
 
 def forward_work(shape: ModelShape, fwd: ForwardShape) -> ForwardWork:
@@ -88,21 +101,44 @@ def forward_work(shape: ModelShape, fwd: ForwardShape) -> ForwardWork:
     linear += 2.0 * fwd.sampled_rows * shape.hidden * shape.vocab  # the LM head
     # Attention: QK^T and PV, each 2 FLOPs per (query, key, head dim); a new token sees the prefix
     # and the new tokens up to itself.
-    pairs = sum(q * p + q * (q + 1) / 2 for q, p in zip(fwd.q_lens, fwd.prefix_lens, strict=True))
-    attention = 4.0 * shape.layers * shape.heads * shape.head_dim * pairs
+    per_pair = 4.0 * shape.layers * shape.heads * shape.head_dim
+    causal = per_pair * sum(q * (q + 1) / 2 for q in fwd.q_lens)
+    over_context = per_pair * sum(q * p for q, p in zip(fwd.q_lens, fwd.prefix_lens, strict=True))
     context = sum(q + p for q, p in zip(fwd.q_lens, fwd.prefix_lens, strict=True))
     moved = shape.weight_bytes + (context + tokens) * shape.kv_bytes_per_token
     shared = float(fwd.shared_kv_reads * shape.kv_bytes_per_token)
-    return ForwardWork(linear, attention, float(moved), tokens, fwd.decode, shared, fwd.sampled_rows)
+    shared_pairs = per_pair * fwd.shared_pairs
+    keys = float(shape.layers * fwd.shared_prefix_tokens)
+    return ForwardWork(
+        linear,
+        causal,
+        float(moved),
+        tokens,
+        fwd.decode,
+        shared,
+        fwd.sampled_rows,
+        over_context,
+        shared_pairs,
+        keys,
+    )
 
 
 def work_seconds(work: ForwardWork, profile: HardwareProfile) -> float:
     attention_efficiency = profile.attention_efficiency or profile.flops_efficiency
+    context_efficiency = profile.context_attention_efficiency or attention_efficiency
+    if work.decode and profile.decode_attention_efficiency is not None:
+        context_efficiency = profile.decode_attention_efficiency
+    shared_efficiency = profile.shared_prefix_attention_efficiency or context_efficiency
     linear_efficiency = profile.flops_efficiency
     if work.decode and profile.decode_flops_efficiency is not None:
         linear_efficiency = profile.decode_flops_efficiency
     compute = work.linear_flops / (profile.peak_flops * linear_efficiency)
     compute += work.attention_flops / (profile.peak_flops * attention_efficiency)
+    shared = work.shared_context_flops if profile.cascade_attention else 0.0
+    compute += (work.context_attention_flops - shared) / (profile.peak_flops * context_efficiency)
+    compute += shared / (profile.peak_flops * shared_efficiency)
+    if profile.cascade_attention:
+        compute += work.shared_prefix_keys * profile.shared_prefix_key_s
     moved = work.bytes - work.shared_bytes if profile.cascade_attention else work.bytes
     memory = moved / (profile.memory_bandwidth * profile.bandwidth_efficiency)
     overhead = profile.forward_overhead_s

@@ -167,11 +167,16 @@ def _shape_of(batch: ForwardBatch, count_shared_reads: bool) -> ForwardShape:
         assert batch.decode is not None
         seq_lens = batch.decode.seq_lens.tolist()
         prefix = decode_shared_prefix(batch.decode) if count_shared_reads else None
-        shared = 0 if prefix is None else (len(seq_lens) - 1) * len(prefix)
-        return ForwardShape([1] * len(seq_lens), [n - 1 for n in seq_lens], sampled, True, shared)
+        length = 0 if prefix is None else len(prefix)
+        shared, pairs = (len(seq_lens) - 1) * length, len(seq_lens) * length
+        contexts = [n - 1 for n in seq_lens]
+        return ForwardShape([1] * len(seq_lens), contexts, sampled, True, shared, pairs, length)
     assert batch.extend is not None
     segments = batch.extend
     # The same groups the CPU backend's extend cascade finds (attention/common.py).
     groups = shared_prefix_groups(segments) if count_shared_reads else []
     shared = sum((len(g) - 1) * segments[g[0]].prefix_len for g in groups)
-    return ForwardShape([s.q_len for s in segments], [s.prefix_len for s in segments], sampled, False, shared)
+    pairs = sum(segments[g[0]].prefix_len * sum(segments[i].q_len for i in g) for g in groups)
+    keys = sum(segments[g[0]].prefix_len for g in groups)
+    q_lens, prefix_lens = [s.q_len for s in segments], [s.prefix_len for s in segments]
+    return ForwardShape(q_lens, prefix_lens, sampled, False, shared, pairs, keys)

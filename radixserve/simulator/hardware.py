@@ -41,6 +41,20 @@ class HardwareProfile:
     # same). On a CPU a prefill's activations spill out of the caches and a decode step's rows do
     # not; on a GPU a decode step's few rows leave the matmul units idle.
     decode_flops_efficiency: float | None = None
+    # The share of peak FLOP/s of an extend's new tokens' attention over a cached prefix, where it
+    # differs from a prompt's causal attention (None: attention_efficiency). On a CPU a few query
+    # rows against a long context from the KV pool run at a fraction of a long prompt's attention.
+    context_attention_efficiency: float | None = None
+    # A decode step's attention (one query per request over its context), where it differs from
+    # an extend's over a cached prefix (None: context_attention_efficiency): another kernel.
+    decode_attention_efficiency: float | None = None
+    # With cascade_attention: the share of peak FLOP/s of all a batch's queries over a prefix they
+    # share, in one GEMM-shaped call (None: context_attention_efficiency).
+    shared_prefix_attention_efficiency: float | None = None
+    # With cascade_attention: seconds per K/V token and layer of that call's shared prefix (reading
+    # and staging its keys and values, whatever the queries): what makes a cascade of a few
+    # queries slow per FLOP and one of hundreds fast.
+    shared_prefix_key_s: float = 0.0
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=2) + "\n")

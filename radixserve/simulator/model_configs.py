@@ -55,6 +55,17 @@ BUILTIN_MODEL_CONFIGS: dict[str, dict[str, Any]] = {
         "vocab_size": 152064,
         "max_position_embeddings": 32768,
     },
+    "smollm2-135m": {  # radixserve's default model
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "vocab_size": 49152,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": True,
+    },
 }
 
 

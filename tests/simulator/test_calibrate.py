@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -12,50 +13,108 @@ from radixserve.models.config import ModelConfig
 from radixserve.runtime.engine import Engine
 from radixserve.simulator.calibrate import (
     CALIBRATION_RUNS,
+    CalibrationShape,
     Run,
     fit,
     forward_costs,
-    prompts,
     recorded_forwards,
 )
 from radixserve.simulator.cli import calibrate_engine
 from radixserve.simulator.cost_model import ForwardShape, ModelShape, forward_seconds
-from radixserve.simulator.executor import SIM_VOCAB
 from radixserve.simulator.hardware import HardwareProfile, load_profile
-from radixserve.simulator.trace import TraceRequest
+from radixserve.simulator.model_configs import BUILTIN_MODEL_CONFIGS
 from tests.simulator.test_cost_model import LLAMA_8B
 
 
-def _fit_to(truth: HardwareProfile) -> tuple[HardwareProfile, list[float], list[float]]:
-    """The profile fitted to the calibration runs' times as `truth` predicts them; those times, and
-    the fitted profile's predictions of them."""
-    config = ModelConfig.from_hf_dict(LLAMA_8B)
-    recorded = [
-        recorded_forwards(
-            config, [TraceRequest(0.0, p, shape[2]) for p in prompts(shape, SIM_VOCAB, i)], 200_000
-        )
-        for i, shape in enumerate(CALIBRATION_RUNS)
-    ]
+def _fit_to(
+    truth: HardwareProfile, model: dict[str, Any] = LLAMA_8B
+) -> tuple[HardwareProfile, list[float], list[float]]:
+    """The profile fitted to the calibration runs' times as `truth` predicts them for `model`;
+    those times, and the fitted profile's predictions of them."""
+    config = ModelConfig.from_hf_dict(model)
+    recorded = [recorded_forwards(config, shape, i, 200_000) for i, shape in enumerate(CALIBRATION_RUNS)]
     shape = ModelShape.of(config)
     times = [sum(forward_seconds(shape, truth, f.shape) for f in forwards) for forwards in recorded]
-    runs = [Run(*run, time) for run, time in zip(CALIBRATION_RUNS, times, strict=True)]
+    runs = [Run(shape, time) for shape, time in zip(CALIBRATION_RUNS, times, strict=True)]
     costs = [forward_costs(config, r) for r in recorded]
-    fitted = fit(config, runs, costs, truth.peak_flops, truth.memory_bandwidth, truth.memory_bytes)
+    peaks = (truth.peak_flops, truth.memory_bandwidth, truth.memory_bytes)
+    fitted = fit(config, runs, costs, *peaks, cascade=truth.cascade_attention)
     predicted = [sum(forward_seconds(shape, fitted, f.shape) for f in forwards) for forwards in recorded]
     return fitted, times, predicted
 
 
 def test_the_fit_recovers_a_cpu_like_profile() -> None:
     """An 8B model on a slow device: a 32-request decode step is compute-bound, which shows its
-    linears' own efficiency."""
+    linears' own efficiency; attention over a cached context runs slower than a prompt's, and a
+    cascade's over a prefix the batch shares faster."""
     truth = HardwareProfile(
-        "truth", 2e12, 1e11, 6e10, 0.36, 0.62, 2e-3, attention_efficiency=0.05, decode_flops_efficiency=0.5
+        "truth",
+        2e12,
+        1e11,
+        6e10,
+        0.36,
+        0.62,
+        2e-3,
+        attention_efficiency=0.05,
+        decode_flops_efficiency=0.5,
+        context_attention_efficiency=0.02,
+        cascade_attention=True,
+        shared_prefix_attention_efficiency=0.1,
+        shared_prefix_key_s=1e-6,
     )
     fitted, times, predicted = _fit_to(truth)
     assert predicted == pytest.approx(times, rel=0.02)  # the pattern search refines the grid
     assert fitted.flops_efficiency == pytest.approx(0.36, rel=0.1), fitted
     assert fitted.bandwidth_efficiency == pytest.approx(0.62, rel=0.1), fitted
     assert fitted.decode_flops_efficiency == pytest.approx(0.5, rel=0.1), fitted
+    # A prompt's causal attention is a small share of the 8B model's prefill times: known less well.
+    assert fitted.attention_efficiency == pytest.approx(0.05, rel=0.15), fitted
+    assert fitted.context_attention_efficiency == pytest.approx(0.02, rel=0.1), fitted
+    assert fitted.shared_prefix_attention_efficiency == pytest.approx(0.1, rel=0.1), fitted
+    # Its cost per key trades against that efficiency in an 8B model's times, and its decode steps
+    # read the weights for longer than they compute (so their attention's efficiency cannot be
+    # known): what is known is the cost of the cascade's steps and of long-context ones.
+    shape = ModelShape.of(ModelConfig.from_hf_dict(LLAMA_8B))
+    steps = [ForwardShape([1] * 4, [1024] * 4, 4, True, 3 * 1024, 4 * 1024, 1024)]
+    steps.append(ForwardShape([1] * 2, [1024] * 2, 2, True))
+    for step in steps:
+        assert forward_seconds(shape, fitted, step) == pytest.approx(
+            forward_seconds(shape, truth, step), rel=0.02
+        )
+
+
+def test_the_fit_recovers_this_cpus_attention() -> None:
+    """The default model on a profile like the one fitted on a 2-core Zen 4: decode steps compute
+    for longer than they read, so every attention efficiency shows (a prompt's, an extend's over a
+    cached prefix, a decode step's, a cascade's over a shared prefix and its cost per key)."""
+    truth = HardwareProfile(
+        "truth",
+        4.2e11,
+        5.7e10,
+        2.5e10,
+        0.65,
+        4.0,
+        10e-3,
+        attention_efficiency=0.34,
+        decode_overhead_s=8.3e-3,
+        cascade_attention=True,
+        row_overhead_s=85e-6,
+        decode_flops_efficiency=0.93,
+        context_attention_efficiency=0.15,
+        decode_attention_efficiency=0.10,
+        shared_prefix_attention_efficiency=0.28,
+        shared_prefix_key_s=250e-9,
+    )
+    fitted, times, predicted = _fit_to(truth, BUILTIN_MODEL_CONFIGS["smollm2-135m"])
+    assert predicted == pytest.approx(times, rel=0.02)
+    for field in (
+        "attention_efficiency",
+        "context_attention_efficiency",
+        "decode_attention_efficiency",
+        "shared_prefix_attention_efficiency",
+        "shared_prefix_key_s",
+    ):
+        assert getattr(fitted, field) == pytest.approx(getattr(truth, field), rel=0.1), field
 
 
 def test_the_fit_recovers_a_host_bound_profile() -> None:
@@ -100,3 +159,17 @@ def test_calibrate_a_real_engine(tiny_model_dir: Callable[[str], Path], tmp_path
     path = tmp_path / "cpu.json"
     profile.save(path)
     assert load_profile(str(path)) == profile
+
+
+def test_a_cached_prefix_run_times_only_its_batch() -> None:
+    """A calibration shape with a cached prefix: its recorded forwards are the timed batch's alone
+    (the request that cached the prefix is left out, as its time is), extending over that prefix."""
+    config = ModelConfig.from_hf_dict(LLAMA_8B)
+    shape = CalibrationShape(4, 64, 3, cached_prefix=512)
+    records = recorded_forwards(config, shape, 0, 200_000)
+    assert [r.mode for r in records] == ["EXTEND", "DECODE", "DECODE"]
+    assert records[0].shape.q_lens == [64] * 4 and records[0].shape.prefix_lens == [512] * 4
+    assert records[-1].shape.prefix_lens == [577] * 4
+    # Without a prefix the same batch prefills whole prompts.
+    (cold, *_) = recorded_forwards(config, CalibrationShape(4, 64, 3), 0, 200_000)
+    assert cold.shape.q_lens == [64] * 4 and cold.shape.prefix_lens == [0] * 4

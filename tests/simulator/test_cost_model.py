@@ -38,11 +38,14 @@ def test_decode_is_memory_bound_and_prefill_compute_bound() -> None:
     work = forward_work(s, prefill)
     flops, moved = work.flops, work.bytes
     assert forward_seconds(s, bare, prefill) == pytest.approx(flops / h100.peak_flops)
-    # Attention: the same new tokens over a longer prefix cost more.
+    # Attention: the same new tokens over a cached prefix cost more, counted as attention over the
+    # context (its own efficiency where the profile sets one); among themselves, the same.
     longer = ForwardShape([4096], [4096], 1)
-    assert forward_work(s, longer).attention_flops - work.attention_flops == pytest.approx(
-        4 * 32 * 32 * 128 * 4096 * 4096
-    )
+    over_prefix = forward_work(s, longer)
+    assert over_prefix.context_attention_flops == pytest.approx(4 * 32 * 32 * 128 * 4096 * 4096)
+    assert work.context_attention_flops == 0
+    assert over_prefix.attention_flops == work.attention_flops
+    assert over_prefix.flops - work.flops == pytest.approx(over_prefix.context_attention_flops)
     # Attention at its own efficiency: a tenth of the linears' makes its share ten times slower.
     slow_attention = HardwareProfile(
         "a",
@@ -56,6 +59,27 @@ def test_decode_is_memory_bound_and_prefill_compute_bound() -> None:
     )
     expected = (work.linear_flops + 10 * work.attention_flops) / h100.peak_flops
     assert forward_seconds(s, slow_attention, prefill) == pytest.approx(expected)
+    # Without its own efficiency, attention over the context runs at attention's; with one, at it.
+    expected = (over_prefix.linear_flops + 10 * over_prefix.attention_flops) / h100.peak_flops
+    same = expected + 10 * over_prefix.context_attention_flops / h100.peak_flops
+    assert forward_seconds(s, slow_attention, longer) == pytest.approx(same)
+    slower_context = dataclasses.replace(slow_attention, context_attention_efficiency=0.05)
+    own = expected + 20 * over_prefix.context_attention_flops / h100.peak_flops
+    assert forward_seconds(s, slower_context, longer) == pytest.approx(own)
+    # A cascade attends a prefix the batch shares at its own efficiency; without one, no pair is
+    # shared.
+    # (512 new tokens each: compute-bound.)
+    four = ForwardShape([512] * 4, [4096] * 4, 4, shared_kv_reads=3 * 4096, shared_pairs=4 * 512 * 4096)
+    work4 = forward_work(s, four)
+    assert work4.shared_context_flops == pytest.approx(4 * 32 * 32 * 128 * 4 * 512 * 4096)
+    cascade = dataclasses.replace(
+        slower_context, cascade_attention=True, shared_prefix_attention_efficiency=0.5
+    )
+    rest = work4.context_attention_flops - work4.shared_context_flops
+    expected4 = work4.linear_flops + 10 * work4.attention_flops + 20 * rest + 2 * work4.shared_context_flops
+    assert forward_seconds(s, cascade, four) == pytest.approx(expected4 / h100.peak_flops)
+    expected4 = work4.linear_flops + 10 * work4.attention_flops + 20 * work4.context_attention_flops
+    assert forward_seconds(s, slower_context, four) == pytest.approx(expected4 / h100.peak_flops)
     # Fixed costs add once per forward and per token.
     slow = HardwareProfile(
         "slow", bare.peak_flops, bare.memory_bandwidth, bare.memory_bytes, 1.0, 1.0, 1e-3, 1e-6

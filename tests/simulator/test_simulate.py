@@ -135,10 +135,16 @@ def test_a_cascade_backend_reads_a_shared_prefix_once_per_batch() -> None:
     assert decode_steps and all(
         r.shape.shared_kv_reads >= (len(r.shape.q_lens) - 1) * 2048 for r in decode_steps
     )
+    # Every query of a step attends the shared prefix: in one call for all, with a cascade.
+    assert all(r.shape.shared_pairs >= len(r.shape.q_lens) * 2048 for r in decode_steps)
+    assert all(r.shape.shared_prefix_tokens >= 2048 for r in decode_steps)
+    later = [r for r in once.records if not r.shape.decode and min(r.shape.prefix_lens) >= 2048]
+    assert later and all(r.shape.shared_pairs == 2048 * sum(r.shape.q_lens) for r in later)
     # A profile without a cascade does not look for shared prefixes (host time saved); the batches
     # are the same either way.
     assert all(r.shape.shared_kv_reads == 0 for r in plain.records)
-    strip = [dataclasses.replace(r.shape, shared_kv_reads=0) for r in once.records]
+    no_cascade = {"shared_kv_reads": 0, "shared_pairs": 0, "shared_prefix_tokens": 0}
+    strip = [dataclasses.replace(r.shape, **no_cascade) for r in once.records]
     assert [r.shape for r in plain.records] == strip
     assert once.makespan_s < plain.makespan_s
     # Requests that share nothing save nothing.

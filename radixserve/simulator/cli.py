@@ -196,11 +196,16 @@ def _describe(profile: HardwareProfile) -> str:
     attention = profile.attention_efficiency or profile.flops_efficiency
     context = profile.context_attention_efficiency or attention
     decode_attention = profile.decode_attention_efficiency or context
+    cascade = ""
+    if profile.cascade_attention:
+        shared = profile.shared_prefix_attention_efficiency or context
+        key_ns = profile.shared_prefix_key_s * 1e9
+        cascade = f", a cascade's x {shared:.3f} + {key_ns:.0f} ns per key and layer"
     return (
         f"peak {profile.peak_flops / 1e9:,.0f} GFLOP/s x {profile.flops_efficiency:.2f} "
         f"(decode steps x {profile.flops_efficiency if decode_flops is None else decode_flops:.2f}, "
         f"attention x {attention:.3f}, over a cached prefix x {context:.3f}, "
-        f"a decode step's x {decode_attention:.3f}), "
+        f"a decode step's x {decode_attention:.3f}{cascade}), "
         f"{profile.memory_bandwidth / 1e9:,.1f} GB/s x {profile.bandwidth_efficiency:.2f}, "
         f"{profile.forward_overhead_s * 1e3:.2f} ms per prefill forward, "
         f"{decode_fixed * 1e3:.2f} ms per decode step, "

@@ -19,7 +19,7 @@ from radixserve.simulator.calibrate import (
     forward_costs,
     recorded_forwards,
 )
-from radixserve.simulator.cli import calibrate_engine
+from radixserve.simulator.cli import _describe, calibrate_engine
 from radixserve.simulator.cost_model import ForwardShape, ModelShape, forward_seconds
 from radixserve.simulator.hardware import HardwareProfile, load_profile
 from radixserve.simulator.model_configs import BUILTIN_MODEL_CONFIGS
@@ -156,6 +156,10 @@ def test_calibrate_a_real_engine(tiny_model_dir: Callable[[str], Path], tmp_path
     assert len(rows) == len(CALIBRATION_RUNS)
     assert profile.peak_flops > 0 and profile.memory_bandwidth > 0 and profile.memory_bytes > 0
     assert all(run.seconds > 0 and predicted > 0 for run, predicted in rows)
+    # What `calibrate` prints of it: every fitted figure, the cascade's where the engine has one.
+    line = _describe(profile)
+    assert "over a cached prefix x" in line and "a decode step's x" in line
+    assert ("per key and layer" in line) == profile.cascade_attention
     path = tmp_path / "cpu.json"
     profile.save(path)
     assert load_profile(str(path)) == profile

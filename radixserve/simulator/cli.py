@@ -29,7 +29,7 @@ def add_simulate_parser(sub: Any) -> None:
         "--model-config",
         required=True,
         help="an HF config.json, a folder holding one, or a built-in shape: "
-        "llama-3.1-8b, llama-3.1-70b, llama-3.2-1b, qwen2.5-7b",
+        "llama-3.1-8b, llama-3.1-70b, llama-3.2-1b, qwen2.5-7b, smollm2-135m",
     )
     sim.add_argument(
         "--hardware", default="H100", help="H100, H200, A100, L4, a profile file from calibrate, or zero"

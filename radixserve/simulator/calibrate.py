@@ -253,10 +253,16 @@ _EFFICIENCY_BOUNDS = (0.002, 4.0)
 _FIXED_BOUNDS = (0.0, 0.25)
 
 
+# The causal mask's granularities (HardwareProfile.attention_block) the fit tries: exact (a
+# GPU kernel's tiles are small next to most prompts), and blocks of 128 and 512 keys (torch's CPU
+# flash kernel).
+ATTENTION_BLOCKS = (1, 128, 512)
+
+
 def fit(
     config: ModelConfig,
     runs: list[Run],
-    forwards: list[list[ForwardWork]],
+    records: list[list[ForwardRecord]],
     peak_flops: float,
     bandwidth: float,
     memory_bytes: float,
@@ -264,29 +270,18 @@ def fit(
     cascade: bool = False,
 ) -> HardwareProfile:
     """The profile with the least squared log error of each run's predicted against measured
-    seconds; forwards: per run, each forward's work; cascade: whether the engine's attention reads
-    a shared prefix once per batch. A coarse grid finds the basin, then a pattern search refines
-    every parameter: the grid's steps (17% between efficiencies) alone would leave errors of the
-    size of the 9% target. Last, Levenberg-Marquardt steps move all parameters at once: with
-    eleven of them, some trade against each other (a decode step's fixed cost against its
-    attention), and one-at-a-time moves stall in such valleys short of the best fit."""
-    data = _Forwards.of(forwards, peak_flops, bandwidth, cascade)
+    seconds; records: per run, its forwards (recorded_forwards); cascade: whether the engine's
+    attention reads a shared prefix once per batch. Each of ATTENTION_BLOCKS is fitted in turn
+    and the best kept."""
     measured = np.log(np.array([r.seconds for r in runs]))
-
-    def residuals(p: np.ndarray) -> np.ndarray:
-        return np.asarray(np.log(data.run_seconds(p)) - measured)
-
-    def error(p: np.ndarray) -> float:
-        return float((residuals(p) ** 2).mean())
-
-    # Two starts: the grid's best, and the same with memory never binding. A step whose time
-    # does not grow with its rows fits as bound by the weights' bytes or by its fixed cost alike,
-    # and the search cannot cross from one to the other (a kink of the roofline's max).
-    grid = _coarse_grid(data, measured)
-    compute_bound = grid.copy()
-    compute_bound[_PARAMETERS.index("bandwidth")] = _EFFICIENCY_BOUNDS[1]
-    fits = [_levenberg_marquardt(residuals, _polish(error, start)) for start in (grid, compute_bound)]
-    p = min(fits, key=error)
+    best: tuple[float, int, np.ndarray] | None = None
+    for block in ATTENTION_BLOCKS:
+        forwards = [forward_costs(config, run, block) for run in records]
+        p, error = _fit_parameters(_Forwards.of(forwards, peak_flops, bandwidth, cascade), measured)
+        if best is None or error < best[0]:
+            best = (error, block, p)
+    assert best is not None
+    _, block, p = best
     # The fixed costs' additive steps leave rounding residue (1e-20 s for a cost the search took
     # to 0): to the nanosecond (a shared key's, to the picosecond).
     p[_EFFICIENCIES:-1] = np.round(p[_EFFICIENCIES:-1], 9)
@@ -313,7 +308,33 @@ def fit(
         # Without a cascade no forward showed it: left to default to the context's.
         shared_prefix_attention_efficiency=shared if cascade else None,
         shared_prefix_key_s=shared_key,
+        attention_block=block,
     )
+
+
+def _fit_parameters(data: _Forwards, measured: np.ndarray) -> tuple[np.ndarray, float]:
+    """The parameters (as in _PARAMETERS) with the least squared log error, and that error. A
+    coarse grid finds the basin, then a pattern search refines every parameter: the grid's steps
+    (17% between efficiencies) alone would leave errors of the size of the 9% target. Last,
+    Levenberg-Marquardt steps move all parameters at once: with eleven of them, some trade against
+    each other (a decode step's fixed cost against its attention), and one-at-a-time moves stall
+    in such valleys short of the best fit."""
+
+    def residuals(p: np.ndarray) -> np.ndarray:
+        return np.asarray(np.log(data.run_seconds(p)) - measured)
+
+    def error(p: np.ndarray) -> float:
+        return float((residuals(p) ** 2).mean())
+
+    # Two starts: the grid's best, and the same with memory never binding. A step whose time
+    # does not grow with its rows fits as bound by the weights' bytes or by its fixed cost alike,
+    # and the search cannot cross from one to the other (a kink of the roofline's max).
+    grid = _coarse_grid(data, measured)
+    compute_bound = grid.copy()
+    compute_bound[_PARAMETERS.index("bandwidth")] = _EFFICIENCY_BOUNDS[1]
+    fits = [_levenberg_marquardt(residuals, _polish(error, start)) for start in (grid, compute_bound)]
+    p = min(fits, key=error)
+    return p, error(p)
 
 
 def _coarse_grid(data: _Forwards, measured: np.ndarray) -> np.ndarray:
@@ -414,6 +435,8 @@ def _levenberg_marquardt(residuals: Any, start: np.ndarray, iterations: int = 20
     return params(x)
 
 
-def forward_costs(config: ModelConfig, records: list[ForwardRecord]) -> list[ForwardWork]:
+def forward_costs(
+    config: ModelConfig, records: list[ForwardRecord], attention_block: int = 1
+) -> list[ForwardWork]:
     shape = ModelShape.of(config)
-    return [forward_work(shape, r.shape) for r in records]
+    return [forward_work(shape, r.shape, attention_block) for r in records]

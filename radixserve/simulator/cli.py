@@ -125,7 +125,6 @@ def calibrate_engine(engine: Any, name: str = "cpu") -> tuple[Any, list[tuple[An
     from radixserve.simulator.calibrate import (
         calibration_runs,
         fit,
-        forward_costs,
         measure_peaks,
         measure_runs,
         recorded_forwards,
@@ -148,8 +147,7 @@ def calibrate_engine(engine: Any, name: str = "cpu") -> tuple[Any, list[tuple[An
     )
     # radixserve's CPU backend reads a prefix a batch shares once (its decode path says so).
     cascade = "shared-prefix cascade" in engine.get_stats().get("decode_path", "")
-    costs = [forward_costs(config, r) for r in recorded]
-    profile = fit(config, runs, costs, flops, bandwidth, memory, name, cascade)
+    profile = fit(config, runs, recorded, flops, bandwidth, memory, name, cascade)
     shape = ModelShape.of(config)
     predicted = [sum(forward_seconds(shape, profile, f.shape) for f in r) for r in recorded]
     return profile, list(zip(runs, predicted, strict=True))
@@ -204,7 +202,8 @@ def _describe(profile: HardwareProfile) -> str:
     return (
         f"peak {profile.peak_flops / 1e9:,.0f} GFLOP/s x {profile.flops_efficiency:.2f} "
         f"(decode steps x {profile.flops_efficiency if decode_flops is None else decode_flops:.2f}, "
-        f"attention x {attention:.3f}, over a cached prefix x {context:.3f}, "
+        f"attention x {attention:.3f} (causal in blocks of {profile.attention_block}), "
+        f"over a cached prefix x {context:.3f}, "
         f"a decode step's x {decode_attention:.3f}{cascade}), "
         f"{profile.memory_bandwidth / 1e9:,.1f} GB/s x {profile.bandwidth_efficiency:.2f}, "
         f"{profile.forward_overhead_s * 1e3:.2f} ms per prefill forward, "

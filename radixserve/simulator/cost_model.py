@@ -95,14 +95,23 @@ class ForwardWork:
         return self.linear_flops + self.attention_flops + self.context_attention_flops
 
 
-def forward_work(shape: ModelShape, fwd: ForwardShape) -> ForwardWork:
+def causal_pairs(q_len: int, block: int = 1) -> int:
+    """Query-key pairs of q_len new tokens among themselves that a kernel masking by blocks of
+    `block` keys computes: each block of queries, every key up to its block's end (block 1: each
+    token sees the tokens up to itself, q_len * (q_len + 1) / 2)."""
+    full, rest = divmod(q_len, block)
+    return block * block * full * (full + 1) // 2 + rest * q_len
+
+
+def forward_work(shape: ModelShape, fwd: ForwardShape, attention_block: int = 1) -> ForwardWork:
+    """attention_block: as HardwareProfile.attention_block."""
     tokens = sum(fwd.q_lens)
     linear = 2.0 * tokens * shape.layers * shape.layer_params
     linear += 2.0 * fwd.sampled_rows * shape.hidden * shape.vocab  # the LM head
     # Attention: QK^T and PV, each 2 FLOPs per (query, key, head dim); a new token sees the prefix
-    # and the new tokens up to itself.
+    # and the new tokens up to itself (or to its block's end).
     per_pair = 4.0 * shape.layers * shape.heads * shape.head_dim
-    causal = per_pair * sum(q * (q + 1) / 2 for q in fwd.q_lens)
+    causal = per_pair * sum(causal_pairs(q, attention_block) for q in fwd.q_lens)
     over_context = per_pair * sum(q * p for q, p in zip(fwd.q_lens, fwd.prefix_lens, strict=True))
     context = sum(q + p for q, p in zip(fwd.q_lens, fwd.prefix_lens, strict=True))
     moved = shape.weight_bytes + (context + tokens) * shape.kv_bytes_per_token
@@ -110,16 +119,16 @@ def forward_work(shape: ModelShape, fwd: ForwardShape) -> ForwardWork:
     shared_pairs = per_pair * fwd.shared_pairs
     keys = float(shape.layers * fwd.shared_prefix_tokens)
     return ForwardWork(
-        linear,
-        causal,
-        float(moved),
-        tokens,
-        fwd.decode,
-        shared,
-        fwd.sampled_rows,
-        over_context,
-        shared_pairs,
-        keys,
+        linear_flops=linear,
+        attention_flops=causal,
+        bytes=float(moved),
+        tokens=tokens,
+        decode=fwd.decode,
+        shared_bytes=shared,
+        rows=fwd.sampled_rows,
+        context_attention_flops=over_context,
+        shared_context_flops=shared_pairs,
+        shared_prefix_keys=keys,
     )
 
 
@@ -149,4 +158,4 @@ def work_seconds(work: ForwardWork, profile: HardwareProfile) -> float:
 
 
 def forward_seconds(shape: ModelShape, profile: HardwareProfile, fwd: ForwardShape) -> float:
-    return work_seconds(forward_work(shape, fwd), profile)
+    return work_seconds(forward_work(shape, fwd, profile.attention_block), profile)

@@ -55,6 +55,11 @@ class HardwareProfile:
     # and staging its keys and values, whatever the queries): what makes a cascade of a few
     # queries slow per FLOP and one of hundreds fast.
     shared_prefix_key_s: float = 0.0
+    # The causal mask's granularity in a prompt's attention: the kernel computes every query-key
+    # pair of a block of this many keys that any query of the block needs (1: exactly the causal
+    # half). torch's CPU flash kernel skips keys in blocks of 512, so a prompt of up to 512
+    # tokens costs its full square; `calibrate` picks the block that fits best.
+    attention_block: int = 1
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=2) + "\n")

@@ -16,7 +16,6 @@ from radixserve.simulator.calibrate import (
     CalibrationShape,
     Run,
     fit,
-    forward_costs,
     recorded_forwards,
 )
 from radixserve.simulator.cli import _describe, calibrate_engine
@@ -36,9 +35,8 @@ def _fit_to(
     shape = ModelShape.of(config)
     times = [sum(forward_seconds(shape, truth, f.shape) for f in forwards) for forwards in recorded]
     runs = [Run(shape, time) for shape, time in zip(CALIBRATION_RUNS, times, strict=True)]
-    costs = [forward_costs(config, r) for r in recorded]
     peaks = (truth.peak_flops, truth.memory_bandwidth, truth.memory_bytes)
-    fitted = fit(config, runs, costs, *peaks, cascade=truth.cascade_attention)
+    fitted = fit(config, runs, recorded, *peaks, cascade=truth.cascade_attention)
     predicted = [sum(forward_seconds(shape, fitted, f.shape) for f in forwards) for forwards in recorded]
     return fitted, times, predicted
 
@@ -86,7 +84,8 @@ def test_the_fit_recovers_a_cpu_like_profile() -> None:
 def test_the_fit_recovers_this_cpus_attention() -> None:
     """The default model on a profile like the one fitted on a 2-core Zen 4: decode steps compute
     for longer than they read, so every attention efficiency shows (a prompt's, an extend's over a
-    cached prefix, a decode step's, a cascade's over a shared prefix and its cost per key)."""
+    cached prefix, a decode step's, a cascade's over a shared prefix and its cost per key), and so
+    does the size of the blocks a prompt's causal attention skips keys by."""
     truth = HardwareProfile(
         "truth",
         4.2e11,
@@ -104,9 +103,11 @@ def test_the_fit_recovers_this_cpus_attention() -> None:
         decode_attention_efficiency=0.10,
         shared_prefix_attention_efficiency=0.28,
         shared_prefix_key_s=250e-9,
+        attention_block=512,
     )
     fitted, times, predicted = _fit_to(truth, BUILTIN_MODEL_CONFIGS["smollm2-135m"])
     assert predicted == pytest.approx(times, rel=0.02)
+    assert fitted.attention_block == 512  # the causal mask's blocks, as torch's CPU kernel's
     for field in (
         "attention_efficiency",
         "context_attention_efficiency",

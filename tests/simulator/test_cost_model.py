@@ -8,7 +8,13 @@ import dataclasses
 import pytest
 
 from radixserve.models.config import ModelConfig
-from radixserve.simulator.cost_model import ForwardShape, ModelShape, forward_seconds, forward_work
+from radixserve.simulator.cost_model import (
+    ForwardShape,
+    ModelShape,
+    causal_pairs,
+    forward_seconds,
+    forward_work,
+)
 from radixserve.simulator.hardware import BUILTIN_PROFILES, HardwareProfile, load_profile
 from radixserve.simulator.model_configs import BUILTIN_MODEL_CONFIGS
 
@@ -103,3 +109,26 @@ def test_profiles_by_name_or_file(tmp_path: object) -> None:
     assert load_profile(str(path)) == custom
     with pytest.raises(ValueError, match="neither a built-in profile"):
         load_profile("TPU")
+
+
+def test_causal_attention_by_blocks() -> None:
+    """A kernel that masks by blocks of keys computes each query block's keys up to the block's
+    end: a prompt within one block costs its full square, a long one about half plus a block."""
+    assert causal_pairs(6) == 21  # each token sees the tokens up to itself
+    assert causal_pairs(300, 512) == 300 * 300
+    assert causal_pairs(1024, 512) == 512 * 512 + 512 * 1024
+    assert causal_pairs(1100, 512) == 512 * 512 + 512 * 1024 + 76 * 1100
+    assert causal_pairs(4096, 1) == 4096 * 4097 // 2
+    s, h100 = shape(), BUILTIN_PROFILES["H100"]
+    prompt = ForwardShape([300], [0], 1)
+    blocked = dataclasses.replace(h100, attention_block=512)
+    assert forward_work(s, prompt, 512).attention_flops == pytest.approx(
+        forward_work(s, prompt).attention_flops * 300 * 300 / (300 * 301 / 2)
+    )
+    assert forward_seconds(s, blocked, prompt) > forward_seconds(s, h100, prompt)
+    # The cached prefix is attended whole either way.
+    extend = ForwardShape([64], [512], 1)
+    assert (
+        forward_work(s, extend, 512).context_attention_flops
+        == forward_work(s, extend).context_attention_flops
+    )

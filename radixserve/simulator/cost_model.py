@@ -52,7 +52,7 @@ class ModelShape:
 @dataclass(frozen=True)
 class ForwardShape:
     """Per request: new tokens and the tokens already in its KV; how many rows sample; and whether
-    it is a decode step (whose fixed cost may differ from a prefill's)."""
+    it is a decode step (one new token per request; its fixed cost may differ from a prefill's)."""
 
     q_lens: list[int]
     prefix_lens: list[int]
@@ -111,9 +111,13 @@ def forward_work(shape: ModelShape, fwd: ForwardShape, attention_block: int = 1)
     # Attention: QK^T and PV, each 2 FLOPs per (query, key, head dim); a new token sees the prefix
     # and the new tokens up to itself (or to its block's end).
     per_pair = 4.0 * shape.layers * shape.heads * shape.head_dim
-    causal = per_pair * sum(causal_pairs(q, attention_block) for q in fwd.q_lens)
-    over_context = per_pair * sum(q * p for q, p in zip(fwd.q_lens, fwd.prefix_lens, strict=True))
-    context = sum(q + p for q, p in zip(fwd.q_lens, fwd.prefix_lens, strict=True))
+    if fwd.decode:  # one new token per request (sums without a per-request Python loop)
+        rows, cached = len(fwd.q_lens), sum(fwd.prefix_lens)
+        causal, over_context, context = per_pair * rows, per_pair * cached, rows + cached
+    else:
+        causal = per_pair * sum(causal_pairs(q, attention_block) for q in fwd.q_lens)
+        over_context = per_pair * sum(q * p for q, p in zip(fwd.q_lens, fwd.prefix_lens, strict=True))
+        context = sum(q + p for q, p in zip(fwd.q_lens, fwd.prefix_lens, strict=True))
     moved = shape.weight_bytes + (context + tokens) * shape.kv_bytes_per_token
     shared = float(fwd.shared_kv_reads * shape.kv_bytes_per_token)
     shared_pairs = per_pair * fwd.shared_pairs

@@ -131,7 +131,22 @@ def main() -> None:
             f"| {ttft:,.1f} | {sim_ttft:,.1f} | {sim_ttft / ttft - 1:+.1%} |",
             flush=True,
         )
+    # Everything above as JSON, so that a later fit or cost model can be tried on these very
+    # measurements without running them again.
+    record = {
+        "profile": dataclasses.asdict(calibrated),
+        "calibration": [
+            {**dataclasses.asdict(run.shape), "measured_s": run.seconds, "predicted_s": predicted}
+            for run, predicted in calibration
+        ],
+        "workloads": [dict(zip(_ROW_FIELDS, row, strict=True)) for row in rows],
+    }
+    results = args.work / "simulator-validation.json"
+    results.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"wrote {results}")
 
+
+_ROW_FIELDS = ("workload", "profile", "measured_tok_s", "predicted_tok_s", "ttft_ms", "sim_ttft_ms")
 
 # Poisson arrivals of prompts in groups that share a system prompt, streamed over HTTP: a load
 # that calibration (batches arriving at once, offline) never saw.

@@ -50,6 +50,17 @@ class ModelShape:
 
 
 @dataclass(frozen=True)
+class SharedPrefix:
+    """A cached prefix that several requests of a batch share (the very same KV slots): its
+    length, those requests, and their new tokens, which a cascade attention backend attends to it
+    in one GEMM-shaped call, reading its K/V once instead of once per request."""
+
+    length: int
+    requests: int
+    queries: int
+
+
+@dataclass(frozen=True)
 class ForwardShape:
     """Per request: new tokens and the tokens already in its KV; how many rows sample; and whether
     it is a decode step (one new token per request; its fixed cost may differ from a prefill's)."""
@@ -58,14 +69,23 @@ class ForwardShape:
     prefix_lens: list[int]
     sampled_rows: int
     decode: bool = False
-    # K/V tokens of prefixes that several requests of the batch share, counted once per request
-    # beyond the first: the reads a cascade attention backend saves.
-    shared_kv_reads: int = 0
-    # (query, key) pairs of new tokens over those shared prefixes: what a cascade attends in one
-    # GEMM-shaped call per prefix instead of per request.
-    shared_pairs: int = 0
-    # The shared prefixes' K/V tokens, once per prefix: what that call reads and stages.
-    shared_prefix_tokens: int = 0
+    shared_prefixes: tuple[SharedPrefix, ...] = ()
+
+    @property
+    def shared_kv_reads(self) -> int:
+        """K/V tokens of the shared prefixes, counted once per request beyond the first: the reads
+        a cascade saves."""
+        return sum((p.requests - 1) * p.length for p in self.shared_prefixes)
+
+    @property
+    def shared_pairs(self) -> int:
+        """(query, key) pairs of new tokens over the shared prefixes: what a cascade attends."""
+        return sum(p.queries * p.length for p in self.shared_prefixes)
+
+    @property
+    def shared_prefix_tokens(self) -> int:
+        """The shared prefixes' K/V tokens, once per prefix: what a cascade reads and stages."""
+        return sum(p.length for p in self.shared_prefixes)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from radixserve.executor.base import ExecutorInfo, KVLayout, LoraAdapterInfo
 from radixserve.forward.batch import ForwardBatch, ForwardMode
 from radixserve.layers.sampler import SamplingBatch
 from radixserve.models.config import ModelConfig
-from radixserve.simulator.cost_model import ForwardShape, ModelShape, forward_seconds
+from radixserve.simulator.cost_model import ForwardShape, ModelShape, SharedPrefix, forward_seconds
 from radixserve.simulator.hardware import HardwareProfile
 
 # The vocabulary the scheduler is shown: logits are allocated per sampled row every step, and
@@ -167,16 +167,15 @@ def _shape_of(batch: ForwardBatch, count_shared_reads: bool) -> ForwardShape:
         assert batch.decode is not None
         seq_lens = batch.decode.seq_lens.tolist()
         prefix = decode_shared_prefix(batch.decode) if count_shared_reads else None
-        length = 0 if prefix is None else len(prefix)
-        shared, pairs = (len(seq_lens) - 1) * length, len(seq_lens) * length
-        contexts = [n - 1 for n in seq_lens]
-        return ForwardShape([1] * len(seq_lens), contexts, sampled, True, shared, pairs, length)
+        rows = len(seq_lens)
+        one = () if prefix is None else (SharedPrefix(len(prefix), rows, rows),)
+        return ForwardShape([1] * rows, [n - 1 for n in seq_lens], sampled, True, one)
     assert batch.extend is not None
     segments = batch.extend
     # The same groups the CPU backend's extend cascade finds (attention/common.py).
     groups = shared_prefix_groups(segments) if count_shared_reads else []
-    shared = sum((len(g) - 1) * segments[g[0]].prefix_len for g in groups)
-    pairs = sum(segments[g[0]].prefix_len * sum(segments[i].q_len for i in g) for g in groups)
-    keys = sum(segments[g[0]].prefix_len for g in groups)
+    shared = tuple(
+        SharedPrefix(segments[g[0]].prefix_len, len(g), sum(segments[i].q_len for i in g)) for g in groups
+    )
     q_lens, prefix_lens = [s.q_len for s in segments], [s.prefix_len for s in segments]
-    return ForwardShape(q_lens, prefix_lens, sampled, False, shared, pairs, keys)
+    return ForwardShape(q_lens, prefix_lens, sampled, False, shared)

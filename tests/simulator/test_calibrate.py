@@ -19,7 +19,7 @@ from radixserve.simulator.calibrate import (
     recorded_forwards,
 )
 from radixserve.simulator.cli import _describe, calibrate_engine
-from radixserve.simulator.cost_model import ForwardShape, ModelShape, forward_seconds
+from radixserve.simulator.cost_model import ForwardShape, ModelShape, SharedPrefix, forward_seconds
 from radixserve.simulator.hardware import HardwareProfile, load_profile
 from radixserve.simulator.model_configs import BUILTIN_MODEL_CONFIGS
 from tests.simulator.test_cost_model import LLAMA_8B
@@ -73,7 +73,7 @@ def test_the_fit_recovers_a_cpu_like_profile() -> None:
     # read the weights for longer than they compute (so their attention's efficiency cannot be
     # known): what is known is the cost of the cascade's steps and of long-context ones.
     shape = ModelShape.of(ModelConfig.from_hf_dict(LLAMA_8B))
-    steps = [ForwardShape([1] * 4, [1024] * 4, 4, True, 3 * 1024, 4 * 1024, 1024)]
+    steps = [ForwardShape([1] * 4, [1024] * 4, 4, True, (SharedPrefix(1024, 4, 4),))]
     steps.append(ForwardShape([1] * 2, [1024] * 2, 2, True))
     for step in steps:
         assert forward_seconds(shape, fitted, step) == pytest.approx(

@@ -11,6 +11,7 @@ from radixserve.models.config import ModelConfig
 from radixserve.simulator.cost_model import (
     ForwardShape,
     ModelShape,
+    SharedPrefix,
     causal_pairs,
     forward_seconds,
     forward_work,
@@ -75,7 +76,12 @@ def test_decode_is_memory_bound_and_prefill_compute_bound() -> None:
     # A cascade attends a prefix the batch shares at its own efficiency; without one, no pair is
     # shared.
     # (512 new tokens each: compute-bound.)
-    four = ForwardShape([512] * 4, [4096] * 4, 4, shared_kv_reads=3 * 4096, shared_pairs=4 * 512 * 4096)
+    four = ForwardShape([512] * 4, [4096] * 4, 4, shared_prefixes=(SharedPrefix(4096, 4, 4 * 512),))
+    assert (four.shared_kv_reads, four.shared_pairs, four.shared_prefix_tokens) == (
+        3 * 4096,
+        4 * 512 * 4096,
+        4096,
+    )
     work4 = forward_work(s, four)
     assert work4.shared_context_flops == pytest.approx(4 * 32 * 32 * 128 * 4 * 512 * 4096)
     cascade = dataclasses.replace(

@@ -7,9 +7,13 @@ predict W1, W2 and W3 (which the fit did not use) and compare with the measured 
 The model is the random SmolLM2-135M-shaped checkpoint of `radixserve bench offline` (bf16), or
 with --model llama-1b random weights in Llama-3.2-1B's shape, on one Engine with
 --max-total-tokens 40000. With --hardware, the same workloads are also predicted from that
-built-in profile as published (its default efficiencies, no calibration). Each workload is also
-predicted from the calibrated profile with the matmul and copy peaks measured again just before
-it ran ("peaks now"): the machine's peaks drift between runs.
+built-in profile as published (its default efficiencies, no calibration).
+
+The calibration passes are interleaved with the measurements they predict: each round times one
+calibration pass, then W1, W2 and W3 once each; with --serving, a last pass follows the serving
+run. This host's speed drifts by more than the 9% target over the minutes a validation takes, and
+a calibration timed all at the start would fit the machine of those minutes only. Each pass's
+total time against the median pass's is printed, which shows the drift.
 
 Throughput: each workload's total tokens over its wall time (median of the repeats, cold cache),
 against the simulated makespan of each run's arrivals as the server recorded them (median).
@@ -27,17 +31,18 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from radixserve.bench.model import ensure_random_llama_1b, ensure_random_smollm2
-from radixserve.bench.workloads import make_workload, time_engine_runs
+from radixserve.bench.workloads import Workload, make_workload, time_engine_runs
 from radixserve.executor.model_runner import pick_device
 from radixserve.models.loader import load_model_config
 from radixserve.runtime.engine import Engine
-from radixserve.simulator.calibrate import measure_peaks
+from radixserve.simulator.calibrate import CalibrationTimer
 from radixserve.simulator.cli import calibrate_engine, scheduler_args
 from radixserve.simulator.hardware import HardwareProfile, load_profile
 from radixserve.simulator.simulate import simulate
@@ -69,59 +74,44 @@ def main() -> None:
         "max_total_tokens": args.max_total_tokens,
         "record_trace": str(trace_path),
     }
-    profiles: list[tuple[str, HardwareProfile]] = []
     rows = []
     with Engine(str(model), **flags, log_level="warning") as engine:
-        calibrated, calibration = calibrate_engine(engine, name=f"calibrated-{device.type}")
+        timer = CalibrationTimer.start(engine)
+        workloads = {name: _Measured(make_workload(name)) for name in ("W1", "W2", "W3")}
+        for _ in range(args.repeats):
+            timer.time_pass()
+            for entry in workloads.values():
+                _measure_round(engine, entry, trace_path)
+        serving = None
+        if args.serving:
+            serving = _serving_run(model, args)
+            timer.time_pass()
+        totals = [sum(p) for p in timer.passes]
+        middle = statistics.median(totals)
+        print("calibration passes against the median one:", ", ".join(f"{t / middle:.3f}" for t in totals))
+        name = f"calibrated-{device.type}"
+        calibrated, calibration = calibrate_engine(engine, name=name, runs=timer.runs())
         print("| calibration run | measured s | predicted s |\n|---|---|---|")
         for run, predicted in calibration:
             print(f"| {run.shape.label} | {run.seconds:.3f} | {predicted:.3f} |")
         print(calibrated)
-        profiles.append(("calibrated", calibrated))
+        profiles = [("calibrated", calibrated)]
         if args.hardware:
             profiles.append((args.hardware, load_profile(args.hardware)))
         config = load_model_config(engine.source)
         sched = scheduler_args(engine.args)
-        for name in ("W1", "W2", "W3"):
-            workload = make_workload(name)
-            with_now = [*profiles, _peaks_now(calibrated, device)]
-            total = workload.in_tokens + workload.out_tokens
-            # Each timed run's arrivals as the server recorded them (--record-trace): a batch
-            # handed to the engine at once reaches the scheduler over a few milliseconds, and its
-            # first step sees those the idle scheduler took at once (their received_s). On W2
-            # that decides how many requests compute the shared prefix: simulating arrivals all
-            # at 0 predicted 30% less throughput, and the first request alone 38% less TTFT.
-            seconds, timed_runs, count = [], [], len(workload.prompts)
-            for _ in range(args.repeats):
-                seen = _settled_lines(trace_path)
-                (run,) = time_engine_runs(engine, workload, 1)  # its warm-up, then the run
-                seconds.append(run.seconds)
-                timed_runs.append(_since_first(trace_path, seen + count, count))
-            measured = total / statistics.median(seconds)
-            # TTFT: the same prompts, one output token each, replayed the same way.
-            first = {"temperature": 0.0, "max_new_tokens": 1, "ignore_eos": True}
-            ttfts, recorded = [], []
-            for _ in range(args.repeats):
-                engine.flush_cache()
-                seen = _settled_lines(trace_path)
-                results = engine.generate(input_ids=workload.prompts, sampling_params=first)
-                assert isinstance(results, list)
-                ttfts.append(statistics.median(r["meta_info"]["e2e_latency"] for r in results) * 1000)
-                recorded.append(_since_first(trace_path, seen, count))
-            for label, profile in with_now:
-                makespan = statistics.median(
-                    simulate(config, profile, run, engine.max_total_tokens, **sched).makespan_s
-                    for run in timed_runs
-                )
-                sim_ttft = statistics.median(
-                    statistics.median(
-                        simulate(config, profile, run, engine.max_total_tokens, **sched).ttft_values_ms
-                    )
-                    for run in recorded
-                )
-                rows.append((name, label, measured, total / makespan, statistics.median(ttfts), sim_ttft))
-    if args.serving:
-        rows += _serving_rows(model, args, [*profiles, _peaks_now(calibrated, device)], config, sched)
+    limit = args.max_total_tokens
+    for name, entry in workloads.items():
+        total = entry.workload.in_tokens + entry.workload.out_tokens
+        tok_s, ttft = total / statistics.median(entry.seconds), statistics.median(entry.ttfts)
+        for label, profile in profiles:
+            timed = [simulate(config, profile, run, limit, **sched) for run in entry.timed_runs]
+            firsts = [simulate(config, profile, run, limit, **sched) for run in entry.ttft_runs]
+            makespan = statistics.median(sim.makespan_s for sim in timed)
+            sim_ttft = statistics.median(statistics.median(sim.ttft_values_ms) for sim in firsts)
+            rows.append((name, label, tok_s, total / makespan, ttft, sim_ttft))
+    if serving is not None:
+        rows += _serving_rows(serving, profiles, config, sched, args.max_total_tokens)
     columns = "workload | profile | measured tok/s | predicted | error | measured TTFT p50 ms | predicted"
     print(f"| {columns} | error |")
     print("|---|---|---|---|---|---|---|---|")
@@ -157,16 +147,54 @@ SERVING = [
 ]  # fmt: skip
 
 
-def _serving_rows(
-    model: Path,
-    args: argparse.Namespace,
-    profiles: list[tuple[str, HardwareProfile]],
-    config: Any,
-    sched: Any,
-) -> list[tuple[str, str, float, float, float, float]]:
-    """`bench serving` against `serve --record-trace`, then each profile's simulation of the very
-    requests the server recorded, at their recorded arrival times. Measured: the client's output
-    tok/s, and the scheduler's TTFT p50 (from the trace), which is what the simulator predicts."""
+@dataclass
+class _Measured:
+    """A workload's measurements over the rounds: each throughput run's seconds and its requests'
+    arrivals as the server recorded them, and each TTFT run's p50 and arrivals."""
+
+    workload: Workload
+    seconds: list[float] = field(default_factory=list)
+    timed_runs: list[list[TraceRequest]] = field(default_factory=list)
+    ttfts: list[float] = field(default_factory=list)
+    ttft_runs: list[list[TraceRequest]] = field(default_factory=list)
+
+
+def _measure_round(engine: Any, entry: _Measured, trace_path: Path) -> None:
+    """One throughput run and one TTFT run of the workload, each on a cold cache.
+
+    Each run's arrivals are replayed as the server recorded them (--record-trace): a batch handed
+    to the engine at once reaches the scheduler over a few milliseconds, and its first step sees
+    those the idle scheduler took at once (their received_s). On W2 that decides how many requests
+    compute the shared prefix: simulating arrivals all at 0 predicted 30% less throughput, and the
+    first request alone 38% less TTFT."""
+    workload, count = entry.workload, len(entry.workload.prompts)
+    seen = _settled_lines(trace_path)
+    (run,) = time_engine_runs(engine, workload, 1)  # its warm-up, then the run
+    entry.seconds.append(run.seconds)
+    # The warm-up's requests come first in the trace, then the run's.
+    entry.timed_runs.append(_since_first(trace_path, seen + count, count))
+    # TTFT: the same prompts, one output token each, so that each request's latency is its TTFT.
+    engine.flush_cache()
+    seen = _settled_lines(trace_path)
+    first = {"temperature": 0.0, "max_new_tokens": 1, "ignore_eos": True}
+    results = engine.generate(input_ids=workload.prompts, sampling_params=first)
+    assert isinstance(results, list)
+    entry.ttfts.append(statistics.median(r["meta_info"]["e2e_latency"] for r in results) * 1000)
+    entry.ttft_runs.append(_since_first(trace_path, seen, count))
+
+
+@dataclass(frozen=True)
+class _Serving:
+    """What a `bench serving` run measured: the client's report, the server's recorded trace and
+    its dashboard snapshot."""
+
+    report: dict[str, Any]
+    lines: list[str]
+    snapshot: dict[str, Any]
+
+
+def _serving_run(model: Path, args: argparse.Namespace) -> _Serving:
+    """`bench serving` against `serve --record-trace` (while the offline Engine idles beside it)."""
     from pd_disaggregation import _free_port, _process, _serve, _wait
 
     work = args.work
@@ -191,12 +219,24 @@ def _serving_rows(
         # The engine's own TTFT per request (arrival to the first token out of the scheduler), which
         # is what the simulator predicts; the client's adds HTTP, detokenizing and streaming.
         snapshot = httpx.get(url + "/dashboard/snapshot", timeout=30).json()
-    report = json.loads(out.read_text())
+    return _Serving(json.loads(out.read_text()), trace_path.read_text().splitlines(), snapshot)
+
+
+def _serving_rows(
+    serving: _Serving,
+    profiles: list[tuple[str, HardwareProfile]],
+    config: Any,
+    sched: Any,
+    max_total_tokens: int,
+) -> list[tuple[str, str, float, float, float, float]]:
+    """Each profile's simulation of the very requests the server recorded, at their recorded
+    arrival times. Measured: the client's output tok/s, and the scheduler's TTFT p50 (from the
+    trace), which is what the simulator predicts."""
+    report, snapshot = serving.report, serving.snapshot
     engine_ttft = statistics.median(r["ttft_ms"] for r in snapshot["recent"] if r["ttft_ms"] is not None)
-    lines = trace_path.read_text().splitlines()
     # The scheduler's own TTFT, from the engine's arrival stamp to the scheduler's first output:
     # what the simulator predicts. The engine's adds the hops through the detokenizer process.
-    rows_json = [json.loads(line) for line in lines]
+    rows_json = [json.loads(line) for line in serving.lines]
     server_ttft = statistics.median((r["first_output_s"] - r["arrival_s"]) * 1000 for r in rows_json)
     # The client's TTFT is not comparable here: the random model's tokenizer knows 1,000 of its
     # 49,152 ids, so most tokens print nothing and the stream holds back its text.
@@ -204,10 +244,10 @@ def _serving_rows(
         f"serving TTFT p50: the scheduler's {server_ttft:.1f} ms, the engine's {engine_ttft:.1f} ms, "
         f"the client's {report['median_ttft_ms']:.1f} ms"
     )
-    trace = load_trace_lines(lines)
+    trace = load_trace_lines(serving.lines)
     rows = []
     for label, profile in profiles:
-        sim = simulate(config, profile, trace, args.max_total_tokens, **sched)
+        sim = simulate(config, profile, trace, max_total_tokens, **sched)
         predicted, ttft = sim.output_tokens / sim.makespan_s, statistics.median(sim.ttft_values_ms)
         rows.append(("serving", label, report["output_throughput"], predicted, server_ttft, ttft))
         # A diagnostic beside the targets: whether the server's decode steps ran at the offline
@@ -215,16 +255,6 @@ def _serving_rows(
         itl = snapshot["latency"]["itl_ms"]["p50"]
         print(f"serving, {label}: the engine's ITL p50 {itl:.1f} ms, simulated {sim.itl_ms['p50']:.1f} ms")
     return rows
-
-
-def _peaks_now(calibrated: HardwareProfile, device: Any) -> tuple[str, HardwareProfile]:
-    """The calibrated profile with the peaks measured now, before a workload runs. Its
-    efficiencies are fractions of the peaks measured at calibration, and this machine's peaks
-    drift between runs by more than the 9% target: this row shows how much of an error is that."""
-    flops, bandwidth = measure_peaks(device)
-    ratio = flops / calibrated.peak_flops, bandwidth / calibrated.memory_bandwidth
-    label = f"peaks now ({ratio[0]:.2f}x FLOP/s, {ratio[1]:.2f}x B/s)"
-    return label, dataclasses.replace(calibrated, peak_flops=flops, memory_bandwidth=bandwidth)
 
 
 def _settled_lines(trace_path: Path) -> int:

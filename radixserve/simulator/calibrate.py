@@ -146,26 +146,61 @@ def calibration_batch(shape: CalibrationShape, vocab: int, seed: int) -> Calibra
     return CalibrationBatch(prefix, [prefix + tail for tail in tails])
 
 
-def measure_runs(engine: Any, repeats: int = 3) -> list[Run]:
-    """Times each calibration run through the engine, cold cache: the median of `repeats` (as the
-    workloads the profile predicts are measured). A first untimed pass runs every shape once (a
-    device's first forwards of a shape pay one-off setup: kernel selection, scratch buffers
-    growing, pages touched for the first time). Then each timed pass runs every shape in turn, so
-    that a slow spell of the machine (other work on a shared host) slows one repeat of several
-    shapes, which the median drops, rather than every repeat of one shape."""
-    shapes = calibration_runs(engine.context_len)
-    batches = [calibration_batch(shape, engine.vocab_size, seed=i) for i, shape in enumerate(shapes)]
-    times: list[list[float]] = [[] for _ in shapes]
-    for _ in range(1 + repeats):
-        for shape, batch, shape_times in zip(shapes, batches, times, strict=True):
-            engine.flush_cache()
+class CalibrationTimer:
+    """Times the calibration runs through an engine, cold cache, in passes: each run's time is the
+    median over the timed passes (as the workloads the profile predicts are measured).
+
+    - `start` runs every shape once untimed: a device's first forwards of a shape pay one-off
+      setup (kernel selection, scratch buffers growing, pages touched for the first time).
+    - Each pass runs every shape in turn, so that a slow spell of the machine (other work on a
+      shared host) slows one pass of several shapes, which the median drops, rather than every
+      repeat of one shape.
+    - A caller may do other work between passes. simulator_validation.py times its workloads
+      between them, so that the machine's slow and fast spells weigh on the calibration as on the
+      measurements it predicts."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.shapes = calibration_runs(engine.context_len)
+        self._batches = [calibration_batch(s, engine.vocab_size, seed=i) for i, s in enumerate(self.shapes)]
+        # One list per timed pass, each with every shape's seconds.
+        self.passes: list[list[float]] = []
+
+    @classmethod
+    def start(cls, engine: Any) -> CalibrationTimer:
+        timer = cls(engine)
+        timer._run_pass()
+        return timer
+
+    def time_pass(self) -> list[float]:
+        seconds = self._run_pass()
+        self.passes.append(seconds)
+        return seconds
+
+    def runs(self) -> list[Run]:
+        if not self.passes:
+            raise ValueError("no calibration pass has been timed")
+        return [Run(shape, statistics.median(t)) for shape, *t in zip(self.shapes, *self.passes, strict=True)]
+
+    def _run_pass(self) -> list[float]:
+        seconds = []
+        for shape, batch in zip(self.shapes, self._batches, strict=True):
+            self.engine.flush_cache()
             if batch.prefix:
-                engine.generate(input_ids=batch.prefix, sampling_params=_params(1))
-            results = engine.generate(input_ids=batch.prompts, sampling_params=_params(shape.output_len))
+                self.engine.generate(input_ids=batch.prefix, sampling_params=_params(1))
+            results = self.engine.generate(input_ids=batch.prompts, sampling_params=_params(shape.output_len))
             # The scheduler's own span, arrival to the last finish (what the simulator predicts),
             # without the call's round trip through the engine's processes.
-            shape_times.append(max(r["meta_info"]["e2e_latency"] for r in results))
-    return [Run(shape, statistics.median(t[1:])) for shape, t in zip(shapes, times, strict=True)]
+            seconds.append(max(r["meta_info"]["e2e_latency"] for r in results))
+        return seconds
+
+
+def measure_runs(engine: Any, repeats: int = 3) -> list[Run]:
+    """Each calibration run's time: the median of `repeats` timed passes after an untimed one."""
+    timer = CalibrationTimer.start(engine)
+    for _ in range(repeats):
+        timer.time_pass()
+    return timer.runs()
 
 
 def _params(output_len: int) -> dict[str, Any]:

@@ -113,9 +113,12 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def calibrate_engine(engine: Any, name: str = "cpu") -> tuple[Any, list[tuple[Any, float]]]:
+def calibrate_engine(
+    engine: Any, name: str = "cpu", runs: list[Any] | None = None
+) -> tuple[Any, list[tuple[Any, float]]]:
     """A profile fitted to this engine's model on this machine, and each calibration run with its
-    predicted seconds."""
+    predicted seconds. `runs`: the calibration runs as already timed (calibrate.CalibrationTimer);
+    by default they are timed now."""
     import os
 
     import torch
@@ -133,7 +136,7 @@ def calibrate_engine(engine: Any, name: str = "cpu") -> tuple[Any, list[tuple[An
 
     device = pick_device(engine.args.device)
     flops, bandwidth = measure_peaks(device)
-    runs = measure_runs(engine)
+    runs = measure_runs(engine) if runs is None else runs
     config = load_model_config(engine.source)
     server_args = scheduler_args(engine.args)
     recorded = [

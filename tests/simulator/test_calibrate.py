@@ -14,8 +14,10 @@ from radixserve.runtime.engine import Engine
 from radixserve.simulator.calibrate import (
     CALIBRATION_RUNS,
     CalibrationShape,
+    CalibrationTimer,
     Run,
     fit,
+    measure_runs,
     recorded_forwards,
 )
 from radixserve.simulator.cli import _describe, calibrate_engine
@@ -150,7 +152,12 @@ def test_the_fit_recovers_a_host_bound_profile() -> None:
 def test_calibrate_a_real_engine(tiny_model_dir: Callable[[str], Path], tmp_path: Path) -> None:
     engine = Engine(str(tiny_model_dir("llama")), dtype="float32", max_total_tokens=4096, log_level="warning")
     try:
-        profile, rows = calibrate_engine(engine, name="this-cpu")
+        # Two timed passes with other work between them, as simulator_validation.py times them.
+        timer = CalibrationTimer.start(engine)
+        timer.time_pass()
+        engine.generate(input_ids=[[5, 6, 7]] * 3, sampling_params={"max_new_tokens": 4})
+        timer.time_pass()
+        profile, rows = calibrate_engine(engine, name="this-cpu", runs=timer.runs())
         engine.check_kv_invariant()
     finally:
         engine.shutdown()
@@ -164,6 +171,40 @@ def test_calibrate_a_real_engine(tiny_model_dir: Callable[[str], Path], tmp_path
     path = tmp_path / "cpu.json"
     profile.save(path)
     assert load_profile(str(path)) == profile
+
+
+class _ScriptedEngine:
+    """An engine whose every timed batch reports the next of a list of latencies: what the timer
+    makes of them is then known."""
+
+    context_len, vocab_size = 4096, 1000
+
+    def __init__(self, latencies: list[float]) -> None:
+        self.latencies = latencies
+        self.calls: list[int] = []
+
+    def flush_cache(self) -> None:
+        pass
+
+    def generate(self, input_ids: list[Any], sampling_params: dict[str, Any]) -> list[dict[str, Any]]:
+        if isinstance(input_ids[0], int):  # a cached prefix's request: untimed
+            return [{"meta_info": {"e2e_latency": 0.0}}]
+        self.calls.append(len(input_ids))
+        latency = self.latencies.pop(0)
+        return [{"meta_info": {"e2e_latency": latency / (1 + i)}} for i in range(len(input_ids))]
+
+
+def test_the_timer_takes_each_runs_median_over_the_timed_passes() -> None:
+    shapes = len(CALIBRATION_RUNS)
+    # An untimed first pass (all 100 s), then passes of 1, 3 and 2 s per run.
+    engine = _ScriptedEngine([100.0] * shapes + [1.0] * shapes + [3.0] * shapes + [2.0] * shapes)
+    runs = measure_runs(engine, repeats=3)
+    assert [run.shape for run in runs] == list(CALIBRATION_RUNS)
+    # The batch's span is its slowest request's latency; the warm-up pass is left out.
+    assert [run.seconds for run in runs] == [2.0] * shapes
+    assert engine.calls == [shape.requests for shape in CALIBRATION_RUNS] * 4
+    with pytest.raises(ValueError, match="no calibration pass"):
+        CalibrationTimer.start(_ScriptedEngine([1.0] * shapes)).runs()
 
 
 def test_a_cached_prefix_run_times_only_its_batch() -> None:

@@ -10,12 +10,13 @@ with --model llama-1b random weights in Llama-3.2-1B's shape, on one Engine with
 built-in profile as published (its default efficiencies, no calibration).
 
 The calibration passes are interleaved with the measurements they predict: each round times one
-calibration pass, then W1, W2 and W3 once each; with --serving, a last pass follows the serving
-run. This host's speed drifts by more than the 9% target over the minutes a validation takes, and
-a calibration timed all at the start would fit the machine of those minutes only. Each pass's
-total time against the median pass's is printed, which shows the drift.
+calibration pass, then W1, W2 and W3 (each run repeated until about ROUND_S is spent on it, as a
+calibration pass repeats its short runs); with --serving, a last pass follows the serving run.
+This host's speed drifts by more than the 9% target over the minutes a validation takes, and a
+calibration timed all at the start would fit the machine of those minutes only. Each pass's total
+time against the median pass's is printed, which shows the drift.
 
-Throughput: each workload's total tokens over its wall time (median of the repeats, cold cache),
+Throughput: each workload's total tokens over its wall time (median of all its runs, cold cache),
 against the simulated makespan of each run's arrivals as the server recorded them (median).
 TTFT: the same prompts with one output token each, so that each request's latency is its time to
 first token (the offline Engine reports no TTFT otherwise): the measured p50 against the
@@ -27,6 +28,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -42,7 +45,7 @@ from radixserve.bench.workloads import Workload, make_workload, time_engine_runs
 from radixserve.executor.model_runner import pick_device
 from radixserve.models.loader import load_model_config
 from radixserve.runtime.engine import Engine
-from radixserve.simulator.calibrate import CalibrationTimer
+from radixserve.simulator.calibrate import MAX_SAMPLES, CalibrationTimer
 from radixserve.simulator.cli import calibrate_engine, scheduler_args
 from radixserve.simulator.hardware import HardwareProfile, load_profile
 from radixserve.simulator.simulate import simulate
@@ -147,6 +150,12 @@ SERVING = [
 ]  # fmt: skip
 
 
+# A round times each of a workload's runs until about this long is spent on it (at most
+# MAX_SAMPLES times; its first round sets the count), as a calibration pass samples its runs: W3,
+# one request, takes a tenth of W1's time and is what this host's noise moves most.
+ROUND_S = 4.0
+
+
 @dataclass
 class _Measured:
     """A workload's measurements over the rounds: each throughput run's seconds and its requests'
@@ -157,30 +166,54 @@ class _Measured:
     timed_runs: list[list[TraceRequest]] = field(default_factory=list)
     ttfts: list[float] = field(default_factory=list)
     ttft_runs: list[list[TraceRequest]] = field(default_factory=list)
+    # Runs per round, set by the first round (0 until then).
+    per_round: int = 0
+    ttft_per_round: int = 0
 
 
 def _measure_round(engine: Any, entry: _Measured, trace_path: Path) -> None:
-    """One throughput run and one TTFT run of the workload, each on a cold cache.
+    """Throughput runs and TTFT runs of the workload, each on a cold cache.
 
     Each run's arrivals are replayed as the server recorded them (--record-trace): a batch handed
     to the engine at once reaches the scheduler over a few milliseconds, and its first step sees
     those the idle scheduler took at once (their received_s). On W2 that decides how many requests
     compute the shared prefix: simulating arrivals all at 0 predicted 30% less throughput, and the
     first request alone 38% less TTFT."""
-    workload, count = entry.workload, len(entry.workload.prompts)
+    first_round = entry.per_round == 0
+    _time_throughput(engine, entry, trace_path)
+    ttft_seconds = _time_ttft(engine, entry, trace_path)
+    if first_round:
+        entry.per_round = min(MAX_SAMPLES, max(1, round(ROUND_S / entry.seconds[0])))
+        entry.ttft_per_round = min(MAX_SAMPLES, max(1, round(ROUND_S / ttft_seconds)))
+    for _ in range(entry.per_round - 1):
+        _time_throughput(engine, entry, trace_path)
+    for _ in range(entry.ttft_per_round - 1):
+        _time_ttft(engine, entry, trace_path)
+
+
+def _time_throughput(engine: Any, entry: _Measured, trace_path: Path) -> None:
+    count = len(entry.workload.prompts)
     seen = _settled_lines(trace_path)
-    (run,) = time_engine_runs(engine, workload, 1)  # its warm-up, then the run
+    (run,) = time_engine_runs(engine, entry.workload, 1)  # its warm-up, then the run
     entry.seconds.append(run.seconds)
     # The warm-up's requests come first in the trace, then the run's.
     entry.timed_runs.append(_since_first(trace_path, seen + count, count))
-    # TTFT: the same prompts, one output token each, so that each request's latency is its TTFT.
+
+
+def _time_ttft(engine: Any, entry: _Measured, trace_path: Path) -> float:
+    """The same prompts, one output token each, so that each request's latency is its TTFT. Returns
+    the run's wall time."""
+    count = len(entry.workload.prompts)
     engine.flush_cache()
     seen = _settled_lines(trace_path)
     first = {"temperature": 0.0, "max_new_tokens": 1, "ignore_eos": True}
-    results = engine.generate(input_ids=workload.prompts, sampling_params=first)
+    start = time.perf_counter()
+    results = engine.generate(input_ids=entry.workload.prompts, sampling_params=first)
+    seconds = time.perf_counter() - start
     assert isinstance(results, list)
     entry.ttfts.append(statistics.median(r["meta_info"]["e2e_latency"] for r in results) * 1000)
     entry.ttft_runs.append(_since_first(trace_path, seen, count))
+    return seconds
 
 
 @dataclass(frozen=True)
@@ -215,11 +248,43 @@ def _serving_run(model: Path, args: argparse.Namespace) -> _Serving:
         _wait(url, server, log)
         cmd = [sys.executable, "-m", "radixserve.cli", "bench", "serving", "--base-url", url,
                "--tokenizer", str(model), *SERVING, "--output-file", str(out)]  # fmt: skip
+        before, client_before, start = _cpu_seconds(server.pid), _children_cpu_seconds(), time.monotonic()
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        wall, after = time.monotonic() - start, _cpu_seconds(server.pid)
+        # Where the two cores went: the offline calibration's forwards had them to themselves, the
+        # server's share them with its HTTP process, its detokenizer and the client.
+        used = {name: after[name] - before.get(name, 0.0) for name in after}
+        used["the bench client"] = _children_cpu_seconds() - client_before
+        shares = ", ".join(f"{name} {seconds:.1f}" for name, seconds in used.items())
+        print(f"serving run: {wall:.1f} s; CPU seconds used: {shares}")
         # The engine's own TTFT per request (arrival to the first token out of the scheduler), which
         # is what the simulator predicts; the client's adds HTTP, detokenizing and streaming.
         snapshot = httpx.get(url + "/dashboard/snapshot", timeout=30).json()
     return _Serving(json.loads(out.read_text()), trace_path.read_text().splitlines(), snapshot)
+
+
+def _cpu_seconds(root: int) -> dict[str, float]:
+    """CPU seconds used so far by the process `root` and its children, each named by the module it
+    runs (Linux /proc)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    used: dict[str, float] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            argv = (stat.parent / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:  # the process ended meanwhile
+            continue
+        pid, ppid = int(stat.parent.name), int(fields[1])
+        if root not in (pid, ppid):
+            continue
+        name = argv[argv.index("-m") + 1] if "-m" in argv[:-1] else argv[0]
+        used[name] = used.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+    return used
+
+
+def _children_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _serving_rows(

@@ -146,12 +146,20 @@ def calibration_batch(shape: CalibrationShape, vocab: int, seed: int) -> Calibra
     return CalibrationBatch(prefix, [prefix + tail for tail in tails])
 
 
+# A pass times each run until about this long is spent on it (at most MAX_SAMPLES times): a
+# short run's time is noisier, relative to itself, than a long run's.
+SAMPLE_S = 1.0
+MAX_SAMPLES = 5
+
+
 class CalibrationTimer:
     """Times the calibration runs through an engine, cold cache, in passes: each run's time is the
     median over the timed passes (as the workloads the profile predicts are measured).
 
     - `start` runs every shape once untimed: a device's first forwards of a shape pay one-off
-      setup (kernel selection, scratch buffers growing, pages touched for the first time).
+      setup (kernel selection, scratch buffers growing, pages touched for the first time). Its
+      times also set how many samples a pass takes of each run (SAMPLE_S); a pass's time for a
+      run is the median of its samples.
     - Each pass runs every shape in turn, so that a slow spell of the machine (other work on a
       shared host) slows one pass of several shapes, which the median drops, rather than every
       repeat of one shape.
@@ -163,13 +171,15 @@ class CalibrationTimer:
         self.engine = engine
         self.shapes = calibration_runs(engine.context_len)
         self._batches = [calibration_batch(s, engine.vocab_size, seed=i) for i, s in enumerate(self.shapes)]
+        self.samples = [1] * len(self.shapes)
         # One list per timed pass, each with every shape's seconds.
         self.passes: list[list[float]] = []
 
     @classmethod
     def start(cls, engine: Any) -> CalibrationTimer:
         timer = cls(engine)
-        timer._run_pass()
+        first = timer._run_pass()
+        timer.samples = [min(MAX_SAMPLES, max(1, round(SAMPLE_S / seconds))) for seconds in first]
         return timer
 
     def time_pass(self) -> list[float]:
@@ -184,15 +194,18 @@ class CalibrationTimer:
 
     def _run_pass(self) -> list[float]:
         seconds = []
-        for shape, batch in zip(self.shapes, self._batches, strict=True):
-            self.engine.flush_cache()
-            if batch.prefix:
-                self.engine.generate(input_ids=batch.prefix, sampling_params=_params(1))
-            results = self.engine.generate(input_ids=batch.prompts, sampling_params=_params(shape.output_len))
-            # The scheduler's own span, arrival to the last finish (what the simulator predicts),
-            # without the call's round trip through the engine's processes.
-            seconds.append(max(r["meta_info"]["e2e_latency"] for r in results))
+        for shape, batch, samples in zip(self.shapes, self._batches, self.samples, strict=True):
+            seconds.append(statistics.median(self._time_run(shape, batch) for _ in range(samples)))
         return seconds
+
+    def _time_run(self, shape: CalibrationShape, batch: CalibrationBatch) -> float:
+        self.engine.flush_cache()
+        if batch.prefix:
+            self.engine.generate(input_ids=batch.prefix, sampling_params=_params(1))
+        results = self.engine.generate(input_ids=batch.prompts, sampling_params=_params(shape.output_len))
+        # The scheduler's own span, arrival to the last finish (what the simulator predicts),
+        # without the call's round trip through the engine's processes.
+        return float(max(r["meta_info"]["e2e_latency"] for r in results))
 
 
 def measure_runs(engine: Any, repeats: int = 3) -> list[Run]:

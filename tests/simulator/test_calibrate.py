@@ -207,6 +207,19 @@ def test_the_timer_takes_each_runs_median_over_the_timed_passes() -> None:
         CalibrationTimer.start(_ScriptedEngine([1.0] * shapes)).runs()
 
 
+def test_the_timer_samples_a_short_run_several_times_per_pass() -> None:
+    shapes = len(CALIBRATION_RUNS)
+    # Untimed, every run takes a quarter of SAMPLE_S (1 s) or 0.1 s: 4 samples per pass, or 5 at
+    # most; a pass's time for a run is the median of its samples.
+    first = [0.25] * (shapes - 1) + [0.1]
+    passes = [1.0, 9.0, 2.0, 3.0] * (shapes - 1) + [1.0, 9.0, 2.0, 3.0, 0.5]
+    engine = _ScriptedEngine(first + passes)
+    timer = CalibrationTimer.start(engine)
+    assert timer.samples == [4] * (shapes - 1) + [5]
+    assert timer.time_pass() == [2.5] * (shapes - 1) + [2.0]
+    assert not engine.latencies
+
+
 def test_a_cached_prefix_run_times_only_its_batch() -> None:
     """A calibration shape with a cached prefix: its recorded forwards are the timed batch's alone
     (the request that cached the prefix is left out, as its time is), extending over that prefix."""

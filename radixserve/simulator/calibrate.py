@@ -13,10 +13,12 @@ did not use).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +26,13 @@ import numpy as np
 import torch
 
 from radixserve.models.config import ModelConfig
-from radixserve.simulator.cost_model import ForwardWork, ModelShape, forward_work
+from radixserve.simulator.cost_model import (
+    ForwardWork,
+    ModelShape,
+    forward_seconds,
+    forward_work,
+    wake_seconds,
+)
 from radixserve.simulator.executor import SIM_VOCAB, ForwardRecord
 from radixserve.simulator.hardware import HardwareProfile
 from radixserve.simulator.simulate import simulate
@@ -35,17 +43,24 @@ from radixserve.simulator.trace import TraceRequest
 class CalibrationShape:
     """A batch that arrives at once: `requests` prompts of `prompt_len` new tokens each, after a
     `cached_prefix` they all share that an untimed request put in the cache, each generating
-    `output_len` tokens."""
+    `output_len` tokens; `idle_s` after the request before it (the engine idle meanwhile)."""
 
     requests: int
     prompt_len: int
     output_len: int
     cached_prefix: int = 0
+    idle_s: float = 0.0
 
     @property
     def label(self) -> str:
         over = f" over {self.cached_prefix} cached" if self.cached_prefix else ""
-        return f"{self.requests} x {self.prompt_len}{over} + {self.output_len}"
+        idle = f", after {self.idle_s:g} s idle" if self.idle_s else ""
+        return f"{self.requests} x {self.prompt_len}{over} + {self.output_len}{idle}"
+
+
+# How long the engine idles before the calibration run that times a forward after idling
+# (HardwareProfile.idle_wake_s): past the gaps after which this CPU's forwards stop slowing more.
+WAKE_IDLE_S = 1.0
 
 
 # Prefill-bound, then decode-bound shapes, then shapes whose attention reads a long context from
@@ -66,6 +81,9 @@ CALIBRATION_RUNS: tuple[CalibrationShape, ...] = (
     CalibrationShape(4, 64, 32, cached_prefix=512),
     CalibrationShape(16, 16, 16, cached_prefix=1024),  # a cascade's cost per key and per query
     CalibrationShape(2, 1024, 32),
+    # The extend above once more, after the engine idled: what a request arriving at an idle
+    # server pays more (HardwareProfile.idle_wake_s). Not in the fit of the rest.
+    CalibrationShape(1, 64, 1, cached_prefix=512, idle_s=WAKE_IDLE_S),
 )
 
 
@@ -77,7 +95,7 @@ def calibration_runs(context_len: int) -> list[CalibrationShape]:
         room = context_len - shape.output_len - 8
         prefix = min(shape.cached_prefix, room // 2)
         prompt_len = min(shape.prompt_len, room - prefix)
-        runs.append(CalibrationShape(shape.requests, prompt_len, shape.output_len, prefix))
+        runs.append(dataclasses.replace(shape, prompt_len=prompt_len, cached_prefix=prefix))
     return runs
 
 
@@ -167,8 +185,9 @@ class CalibrationTimer:
       between them, so that the machine's slow and fast spells weigh on the calibration as on the
       measurements it predicts."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, sleep: Callable[[float], None] = time.sleep) -> None:
         self.engine = engine
+        self._sleep = sleep
         self.shapes = calibration_runs(engine.context_len)
         self._batches = [calibration_batch(s, engine.vocab_size, seed=i) for i, s in enumerate(self.shapes)]
         self.samples = [1] * len(self.shapes)
@@ -176,8 +195,8 @@ class CalibrationTimer:
         self.passes: list[list[float]] = []
 
     @classmethod
-    def start(cls, engine: Any) -> CalibrationTimer:
-        timer = cls(engine)
+    def start(cls, engine: Any, sleep: Callable[[float], None] = time.sleep) -> CalibrationTimer:
+        timer = cls(engine, sleep)
         first = timer._run_pass()
         timer.samples = [min(MAX_SAMPLES, max(1, round(SAMPLE_S / seconds))) for seconds in first]
         return timer
@@ -202,15 +221,17 @@ class CalibrationTimer:
         self.engine.flush_cache()
         if batch.prefix:
             self.engine.generate(input_ids=batch.prefix, sampling_params=_params(1))
+        if shape.idle_s:
+            self._sleep(shape.idle_s)
         results = self.engine.generate(input_ids=batch.prompts, sampling_params=_params(shape.output_len))
         # The scheduler's own span, arrival to the last finish (what the simulator predicts),
         # without the call's round trip through the engine's processes.
         return float(max(r["meta_info"]["e2e_latency"] for r in results))
 
 
-def measure_runs(engine: Any, repeats: int = 3) -> list[Run]:
+def measure_runs(engine: Any, repeats: int = 3, sleep: Callable[[float], None] = time.sleep) -> list[Run]:
     """Each calibration run's time: the median of `repeats` timed passes after an untimed one."""
-    timer = CalibrationTimer.start(engine)
+    timer = CalibrationTimer.start(engine, sleep)
     for _ in range(repeats):
         timer.time_pass()
     return timer.runs()
@@ -232,7 +253,7 @@ def recorded_forwards(
     once, after its cached prefix's request, whose forwards are left out as its time is)."""
     batch = calibration_batch(shape, SIM_VOCAB, seed)
     trace = [TraceRequest(0.0, batch.prefix, 1)] if batch.prefix else []
-    trace += [TraceRequest(_TIMED_ARRIVAL_S, p, shape.output_len) for p in batch.prompts]
+    trace += [TraceRequest(_TIMED_ARRIVAL_S + shape.idle_s, p, shape.output_len) for p in batch.prompts]
     # With the reads a cascade shares: the fit decides whether the engine's attention has one.
     result = simulate(config, None, trace, max_total_tokens, count_shared_reads=True, **server_args)
     assert result.requests == len(trace)
@@ -320,11 +341,12 @@ def fit(
     """The profile with the least squared log error of each run's predicted against measured
     seconds; records: per run, its forwards (recorded_forwards); cascade: whether the engine's
     attention reads a shared prefix once per batch. Each of ATTENTION_BLOCKS is fitted in turn
-    and the best kept."""
-    measured = np.log(np.array([r.seconds for r in runs]))
+    and the best kept. A run after an idle spell is left out of that fit: it sets idle_wake_s."""
+    back_to_back = [i for i, run in enumerate(runs) if not run.shape.idle_s]
+    measured = np.log(np.array([runs[i].seconds for i in back_to_back]))
     best: tuple[float, int, np.ndarray] | None = None
     for block in ATTENTION_BLOCKS:
-        forwards = [forward_costs(config, run, block) for run in records]
+        forwards = [forward_costs(config, records[i], block) for i in back_to_back]
         p, error = _fit_parameters(_Forwards.of(forwards, peak_flops, bandwidth, cascade), measured)
         if best is None or error < best[0]:
             best = (error, block, p)
@@ -336,7 +358,7 @@ def fit(
     p[-1] = np.round(p[-1], 12)
     flops, attention, eb, decode_flops, context, decode_attention, shared = (float(x) for x in p[:7])
     prefill_fixed, decode_fixed, row, shared_key = (float(x) for x in p[7:])
-    return HardwareProfile(
+    profile = HardwareProfile(
         name,
         peak_flops,
         bandwidth,
@@ -357,7 +379,34 @@ def fit(
         shared_prefix_attention_efficiency=shared if cascade else None,
         shared_prefix_key_s=shared_key,
         attention_block=block,
+        idle_wake_after_s=WAKE_IDLE_S,
     )
+    return dataclasses.replace(profile, idle_wake_s=_idle_wake(config, profile, runs, records))
+
+
+def predicted_seconds(
+    config: ModelConfig, profile: HardwareProfile, shape: CalibrationShape, forwards: list[ForwardRecord]
+) -> float:
+    """A calibration run's time as `profile` predicts it: its forwards, the first after its idle."""
+    model = ModelShape.of(config)
+    work = sum(forward_seconds(model, profile, f.shape) for f in forwards)
+    return work + wake_seconds(profile, shape.idle_s)
+
+
+def _idle_wake(
+    config: ModelConfig, profile: HardwareProfile, runs: list[Run], records: list[list[ForwardRecord]]
+) -> float:
+    """What a forward after an idle spell costs more: the runs timed after one, less what the
+    profile fitted on the rest predicts of their forwards (the same shape as a run timed right
+    after another), per their idle's share of WAKE_IDLE_S. The median, and never below 0."""
+    wake = dataclasses.replace(profile, idle_wake_s=1.0)  # what share of the cost each run pays
+    extra = [
+        (run.seconds - predicted_seconds(config, profile, run.shape, forwards))
+        / wake_seconds(wake, run.shape.idle_s)
+        for run, forwards in zip(runs, records, strict=True)
+        if run.shape.idle_s
+    ]
+    return max(0.0, round(statistics.median(extra), 9)) if extra else 0.0
 
 
 def _fit_parameters(data: _Forwards, measured: np.ndarray) -> tuple[np.ndarray, float]:

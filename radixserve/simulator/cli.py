@@ -130,9 +130,9 @@ def calibrate_engine(
         fit,
         measure_peaks,
         measure_runs,
+        predicted_seconds,
         recorded_forwards,
     )
-    from radixserve.simulator.cost_model import ModelShape, forward_seconds
 
     device = pick_device(engine.args.device)
     flops, bandwidth = measure_peaks(device)
@@ -151,8 +151,8 @@ def calibrate_engine(
     # radixserve's CPU backend reads a prefix a batch shares once (its decode path says so).
     cascade = "shared-prefix cascade" in engine.get_stats().get("decode_path", "")
     profile = fit(config, runs, recorded, flops, bandwidth, memory, name, cascade)
-    shape = ModelShape.of(config)
-    predicted = [sum(forward_seconds(shape, profile, f.shape) for f in r) for r in recorded]
+    pairs = zip(runs, recorded, strict=True)
+    predicted = [predicted_seconds(config, profile, run.shape, forwards) for run, forwards in pairs]
     return profile, list(zip(runs, predicted, strict=True))
 
 
@@ -211,5 +211,6 @@ def _describe(profile: HardwareProfile) -> str:
         f"{profile.memory_bandwidth / 1e9:,.1f} GB/s x {profile.bandwidth_efficiency:.2f}, "
         f"{profile.forward_overhead_s * 1e3:.2f} ms per prefill forward, "
         f"{decode_fixed * 1e3:.2f} ms per decode step, "
-        f"{profile.row_overhead_s * 1e6:.0f} us per sampled row"
+        f"{profile.row_overhead_s * 1e6:.0f} us per sampled row, "
+        f"{profile.idle_wake_s * 1e3:.2f} ms more for a forward after {profile.idle_wake_after_s:g} s idle"
     )

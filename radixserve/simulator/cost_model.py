@@ -183,3 +183,10 @@ def work_seconds(work: ForwardWork, profile: HardwareProfile) -> float:
 
 def forward_seconds(shape: ModelShape, profile: HardwareProfile, fwd: ForwardShape) -> float:
     return work_seconds(forward_work(shape, fwd, profile.attention_block), profile)
+
+
+def wake_seconds(profile: HardwareProfile, idle_s: float) -> float:
+    """What a forward costs more after the device idled for `idle_s` (HardwareProfile.idle_wake_s)."""
+    if idle_s <= 0.0 or not profile.idle_wake_s:
+        return 0.0
+    return profile.idle_wake_s * min(1.0, idle_s / profile.idle_wake_after_s)

@@ -18,7 +18,13 @@ from radixserve.executor.base import ExecutorInfo, KVLayout, LoraAdapterInfo
 from radixserve.forward.batch import ForwardBatch, ForwardMode
 from radixserve.layers.sampler import SamplingBatch
 from radixserve.models.config import ModelConfig
-from radixserve.simulator.cost_model import ForwardShape, ModelShape, SharedPrefix, forward_seconds
+from radixserve.simulator.cost_model import (
+    ForwardShape,
+    ModelShape,
+    SharedPrefix,
+    forward_seconds,
+    wake_seconds,
+)
 from radixserve.simulator.hardware import HardwareProfile
 
 # The vocabulary the scheduler is shown: logits are allocated per sampled row every step, and
@@ -39,6 +45,8 @@ class ForwardRecord:
     seconds: float
     mode: str
     shape: ForwardShape
+    # How long the device had been idle before it (since the previous forward, or the clock's 0).
+    idle_s: float = 0.0
 
     @property
     def tokens(self) -> int:
@@ -57,6 +65,8 @@ class CostModelExecutor:
     # attention is a cascade). Finding shared prefixes costs host time, which a zero-cost run that
     # measures the scheduler's own cost must not count.
     count_shared_reads: bool | None = None
+    # When the last forward ended: the device is idle from then until the next one starts.
+    _last_end: float = field(default=0.0, init=False)
 
     def __post_init__(self) -> None:
         if self.count_shared_reads is None:
@@ -76,9 +86,13 @@ class CostModelExecutor:
 
     def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         fwd = _shape_of(batch, bool(self.count_shared_reads))
-        seconds = 0.0 if self.profile is None else forward_seconds(self.shape, self.profile, fwd)
-        self.records.append(ForwardRecord(self.clock.now, seconds, batch.mode.name, fwd))
+        idle = max(0.0, self.clock.now - self._last_end)
+        seconds = 0.0
+        if self.profile is not None:
+            seconds = forward_seconds(self.shape, self.profile, fwd) + wake_seconds(self.profile, idle)
+        self.records.append(ForwardRecord(self.clock.now, seconds, batch.mode.name, fwd, idle))
         self.clock.now += seconds
+        self._last_end = self.clock.now
         rows = fwd.sampled_rows
         extra = 0 if batch.hidden_rows is None else len(batch.hidden_rows)
         # Never read: sample() answers without them (uninitialized, so they cost no fill).

@@ -60,6 +60,11 @@ class HardwareProfile:
     # half). torch's CPU flash kernel skips keys in blocks of 512, so a prompt of up to 512
     # tokens costs its full square; `calibrate` picks the block that fits best.
     attention_block: int = 1
+    # What the first forward after the device idled costs more than the same forward right after
+    # another: clocks, caches and worker threads waking (`calibrate` times one extend both ways).
+    # An idle spell of at least idle_wake_after_s pays all of it, a shorter one its share.
+    idle_wake_s: float = 0.0
+    idle_wake_after_s: float = 1.0
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=2) + "\n")

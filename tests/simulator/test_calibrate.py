@@ -13,11 +13,13 @@ from radixserve.models.config import ModelConfig
 from radixserve.runtime.engine import Engine
 from radixserve.simulator.calibrate import (
     CALIBRATION_RUNS,
+    WAKE_IDLE_S,
     CalibrationShape,
     CalibrationTimer,
     Run,
     fit,
     measure_runs,
+    predicted_seconds,
     recorded_forwards,
 )
 from radixserve.simulator.cli import _describe, calibrate_engine
@@ -34,12 +36,12 @@ def _fit_to(
     those times, and the fitted profile's predictions of them."""
     config = ModelConfig.from_hf_dict(model)
     recorded = [recorded_forwards(config, shape, i, 200_000) for i, shape in enumerate(CALIBRATION_RUNS)]
-    shape = ModelShape.of(config)
-    times = [sum(forward_seconds(shape, truth, f.shape) for f in forwards) for forwards in recorded]
+    pairs = list(zip(CALIBRATION_RUNS, recorded, strict=True))
+    times = [predicted_seconds(config, truth, shape, forwards) for shape, forwards in pairs]
     runs = [Run(shape, time) for shape, time in zip(CALIBRATION_RUNS, times, strict=True)]
     peaks = (truth.peak_flops, truth.memory_bandwidth, truth.memory_bytes)
     fitted = fit(config, runs, recorded, *peaks, cascade=truth.cascade_attention)
-    predicted = [sum(forward_seconds(shape, fitted, f.shape) for f in forwards) for forwards in recorded]
+    predicted = [predicted_seconds(config, fitted, shape, forwards) for shape, forwards in pairs]
     return fitted, times, predicted
 
 
@@ -106,10 +108,14 @@ def test_the_fit_recovers_this_cpus_attention() -> None:
         shared_prefix_attention_efficiency=0.28,
         shared_prefix_key_s=250e-9,
         attention_block=512,
+        idle_wake_s=12e-3,
     )
     fitted, times, predicted = _fit_to(truth, BUILTIN_MODEL_CONFIGS["smollm2-135m"])
     assert predicted == pytest.approx(times, rel=0.02)
     assert fitted.attention_block == 512  # the causal mask's blocks, as torch's CPU kernel's
+    # The extend timed after an idle spell, less the same extend as the rest of the fit predicts it.
+    assert fitted.idle_wake_s == pytest.approx(12e-3, abs=1e-3)
+    assert fitted.idle_wake_after_s == WAKE_IDLE_S
     for field in (
         "attention_efficiency",
         "context_attention_efficiency",
@@ -167,6 +173,8 @@ def test_calibrate_a_real_engine(tiny_model_dir: Callable[[str], Path], tmp_path
     # What `calibrate` prints of it: every fitted figure, the cascade's where the engine has one.
     line = _describe(profile)
     assert "over a cached prefix x" in line and "a decode step's x" in line
+    assert f"more for a forward after {WAKE_IDLE_S:g} s idle" in line
+    assert profile.idle_wake_s >= 0 and profile.idle_wake_after_s == WAKE_IDLE_S
     assert ("per key and layer" in line) == profile.cascade_attention
     path = tmp_path / "cpu.json"
     profile.save(path)
@@ -198,13 +206,16 @@ def test_the_timer_takes_each_runs_median_over_the_timed_passes() -> None:
     shapes = len(CALIBRATION_RUNS)
     # An untimed first pass (all 100 s), then passes of 1, 3 and 2 s per run.
     engine = _ScriptedEngine([100.0] * shapes + [1.0] * shapes + [3.0] * shapes + [2.0] * shapes)
-    runs = measure_runs(engine, repeats=3)
+    slept: list[float] = []
+    runs = measure_runs(engine, repeats=3, sleep=slept.append)
     assert [run.shape for run in runs] == list(CALIBRATION_RUNS)
+    # The run after an idle spell idles before its batch, in every pass.
+    assert slept == [WAKE_IDLE_S] * 4
     # The batch's span is its slowest request's latency; the warm-up pass is left out.
     assert [run.seconds for run in runs] == [2.0] * shapes
     assert engine.calls == [shape.requests for shape in CALIBRATION_RUNS] * 4
     with pytest.raises(ValueError, match="no calibration pass"):
-        CalibrationTimer.start(_ScriptedEngine([1.0] * shapes)).runs()
+        CalibrationTimer.start(_ScriptedEngine([1.0] * shapes), sleep=lambda seconds: None).runs()
 
 
 def test_the_timer_samples_a_short_run_several_times_per_pass() -> None:
@@ -214,7 +225,7 @@ def test_the_timer_samples_a_short_run_several_times_per_pass() -> None:
     first = [0.25] * (shapes - 1) + [0.1]
     passes = [1.0, 9.0, 2.0, 3.0] * (shapes - 1) + [1.0, 9.0, 2.0, 3.0, 0.5]
     engine = _ScriptedEngine(first + passes)
-    timer = CalibrationTimer.start(engine)
+    timer = CalibrationTimer.start(engine, sleep=lambda seconds: None)
     assert timer.samples == [4] * (shapes - 1) + [5]
     assert timer.time_pass() == [2.5] * (shapes - 1) + [2.0]
     assert not engine.latencies

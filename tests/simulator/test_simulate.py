@@ -186,3 +186,25 @@ def test_a_request_the_idle_scheduler_missed_waits_for_its_next_step() -> None:
     result = simulate(CONFIG, BUILTIN_PROFILES["H100"], trace, 20_000)
     assert result.records[0].shape.q_lens == [256, 256]
     assert result.records[1].shape.q_lens == [256] and not result.records[1].shape.decode
+
+
+def test_a_forward_after_an_idle_spell_pays_the_wake_cost() -> None:
+    """The first forward after the device idled costs idle_wake_s more (a shorter idle than
+    idle_wake_after_s, its share); a forward right after another, or at the clock's start, none."""
+    profile = dataclasses.replace(BUILTIN_PROFILES["H100"], idle_wake_s=0.02, idle_wake_after_s=1.0)
+    prompt = list(range(64))
+    alone = simulate(CONFIG, profile, [TraceRequest(0.0, prompt, 1)], 20_000)
+    extend = alone.records[0].seconds
+    assert alone.records[0].idle_s == 0.0
+    trace = [TraceRequest(0.0, prompt, 1), TraceRequest(5.0, prompt[:32], 1)]
+    trace.append(TraceRequest(5.5, prompt[:16], 1))
+    result = simulate(CONFIG, profile, trace, 20_000)
+    first, long_idle, short_idle = result.records
+    assert first.seconds == extend
+    assert long_idle.idle_s == pytest.approx(5.0 - extend)
+    assert short_idle.idle_s == pytest.approx(0.5 - long_idle.seconds)
+    # Against the same trace without a wake cost:
+    without = dataclasses.replace(profile, idle_wake_s=0.0)
+    bare = simulate(CONFIG, without, trace, 20_000).records
+    assert long_idle.seconds - bare[1].seconds == pytest.approx(0.02)
+    assert short_idle.seconds - bare[2].seconds == pytest.approx(0.02 * short_idle.idle_s)

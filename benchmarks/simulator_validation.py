@@ -11,7 +11,7 @@ built-in profile as published (its default efficiencies, no calibration).
 
 The calibration passes are interleaved with the measurements they predict: each round times one
 calibration pass, then W1, W2 and W3 (each run repeated until about ROUND_S is spent on it, as a
-calibration pass repeats its short runs); with --serving, a last pass follows the serving run.
+calibration pass repeats its short runs), and with --serving a serving run; then a last pass.
 This host's speed drifts by more than the 9% target over the minutes a validation takes, and a
 calibration timed all at the start would fit the machine of those minutes only. Each pass's total
 time against the median pass's is printed, which shows the drift.
@@ -81,14 +81,15 @@ def main() -> None:
     with Engine(str(model), **flags, log_level="warning") as engine:
         timer = CalibrationTimer.start(engine)
         workloads = {name: _Measured(make_workload(name)) for name in ("W1", "W2", "W3")}
+        servings: list[_Serving] = []
         for _ in range(args.repeats):
             timer.time_pass()
             for entry in workloads.values():
                 _measure_round(engine, entry, trace_path)
-        serving = None
+            if args.serving:
+                servings.append(_serving_run(model, args))
         if args.serving:
-            serving = _serving_run(model, args)
-            timer.time_pass()
+            timer.time_pass()  # after the last serving run as before the first
         totals = [sum(p) for p in timer.passes]
         middle = statistics.median(totals)
         print("calibration passes against the median one:", ", ".join(f"{t / middle:.3f}" for t in totals))
@@ -113,8 +114,8 @@ def main() -> None:
             makespan = statistics.median(sim.makespan_s for sim in timed)
             sim_ttft = statistics.median(statistics.median(sim.ttft_values_ms) for sim in firsts)
             rows.append((name, label, tok_s, total / makespan, ttft, sim_ttft))
-    if serving is not None:
-        rows += _serving_rows(serving, profiles, config, sched, args.max_total_tokens)
+    if servings:
+        rows += _serving_rows(servings, profiles, config, sched, args.max_total_tokens)
     columns = "workload | profile | measured tok/s | predicted | error | measured TTFT p50 ms | predicted"
     print(f"| {columns} | error |")
     print("|---|---|---|---|---|---|---|---|")
@@ -288,37 +289,45 @@ def _children_cpu_seconds() -> float:
 
 
 def _serving_rows(
-    serving: _Serving,
+    servings: list[_Serving],
     profiles: list[tuple[str, HardwareProfile]],
     config: Any,
     sched: Any,
     max_total_tokens: int,
 ) -> list[tuple[str, str, float, float, float, float]]:
-    """Each profile's simulation of the very requests the server recorded, at their recorded
-    arrival times. Measured: the client's output tok/s, and the scheduler's TTFT p50 (from the
-    trace), which is what the simulator predicts."""
-    report, snapshot = serving.report, serving.snapshot
-    engine_ttft = statistics.median(r["ttft_ms"] for r in snapshot["recent"] if r["ttft_ms"] is not None)
-    # The scheduler's own TTFT, from the engine's arrival stamp to the scheduler's first output:
-    # what the simulator predicts. The engine's adds the hops through the detokenizer process.
-    rows_json = [json.loads(line) for line in serving.lines]
-    server_ttft = statistics.median((r["first_output_s"] - r["arrival_s"]) * 1000 for r in rows_json)
-    # The client's TTFT is not comparable here: the random model's tokenizer knows 1,000 of its
-    # 49,152 ids, so most tokens print nothing and the stream holds back its text.
-    print(
-        f"serving TTFT p50: the scheduler's {server_ttft:.1f} ms, the engine's {engine_ttft:.1f} ms, "
-        f"the client's {report['median_ttft_ms']:.1f} ms"
-    )
-    trace = load_trace_lines(serving.lines)
+    """Each profile's simulation of the very requests each serving run's server recorded, at their
+    recorded arrival times. Measured: the client's output tok/s, and the scheduler's TTFT p50 (from
+    the trace), which is what the simulator predicts. Each figure is the median over the runs."""
+    measured_ttfts = []
+    for serving in servings:
+        report, snapshot = serving.report, serving.snapshot
+        engine_ttft = statistics.median(r["ttft_ms"] for r in snapshot["recent"] if r["ttft_ms"] is not None)
+        # The scheduler's own TTFT, from the engine's arrival stamp to the scheduler's first
+        # output: what the simulator predicts. The engine's adds the hops through the detokenizer.
+        rows_json = [json.loads(line) for line in serving.lines]
+        measured_ttfts.append(
+            statistics.median((r["first_output_s"] - r["arrival_s"]) * 1000 for r in rows_json)
+        )
+        # The client's TTFT is not comparable here: the random model's tokenizer knows 1,000 of its
+        # 49,152 ids, so most tokens print nothing and the stream holds back its text.
+        print(
+            f"serving TTFT p50: the scheduler's {measured_ttfts[-1]:.1f} ms, "
+            f"the engine's {engine_ttft:.1f} ms, the client's {report['median_ttft_ms']:.1f} ms; "
+            f"the engine's ITL p50 {snapshot['latency']['itl_ms']['p50']:.1f} ms"
+        )
+    measured = statistics.median(s.report["output_throughput"] for s in servings)
     rows = []
     for label, profile in profiles:
-        sim = simulate(config, profile, trace, max_total_tokens, **sched)
-        predicted, ttft = sim.output_tokens / sim.makespan_s, statistics.median(sim.ttft_values_ms)
-        rows.append(("serving", label, report["output_throughput"], predicted, server_ttft, ttft))
+        sims = [
+            simulate(config, profile, load_trace_lines(s.lines), max_total_tokens, **sched) for s in servings
+        ]
+        predicted = statistics.median(sim.output_tokens / sim.makespan_s for sim in sims)
+        ttft = statistics.median(statistics.median(sim.ttft_values_ms) for sim in sims)
+        rows.append(("serving", label, measured, predicted, statistics.median(measured_ttfts), ttft))
         # A diagnostic beside the targets: whether the server's decode steps ran at the offline
         # calibration's speed while HTTP, streaming and the client shared its cores.
-        itl = snapshot["latency"]["itl_ms"]["p50"]
-        print(f"serving, {label}: the engine's ITL p50 {itl:.1f} ms, simulated {sim.itl_ms['p50']:.1f} ms")
+        itls = ", ".join(f"{sim.itl_ms['p50']:.1f}" for sim in sims)
+        print(f"serving, {label}: simulated ITL p50 {itls} ms")
     return rows
 
 

@@ -53,7 +53,9 @@ fi
 
 if want validation; then
 echo "== 3. simulator validation on the GPU"
-timeout "${VALIDATION_TIMEOUT:-200}" $PY benchmarks/simulator_validation.py --device cuda --model llama-1b \
+# 300 s: since session 26 a pass samples each short calibration run up to 5 times and idles 1 s
+# before the wake-cost run, and a round repeats the short workloads (not yet run on a GPU).
+timeout "${VALIDATION_TIMEOUT:-300}" $PY benchmarks/simulator_validation.py --device cuda --model llama-1b \
     --hardware H200 --repeats 2 --work "$WORK" 2>&1 | tee "$OUT/simulator_validation.log"
 fi
 

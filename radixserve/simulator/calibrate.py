@@ -4,7 +4,7 @@ did not use).
 
 1. Peaks: a bf16 matmul's FLOP/s and a large copy's bytes/s, measured here.
 2. Calibration runs: prefill-heavy, decode-heavy and long-context batches (some over a prefix
-   cached beforehand) through a real Engine, timed.
+   cached beforehand) through a real Engine, timed, and one of them again after the engine idled.
 3. The fit: the scheduler's batching of a batch that all arrives at once does not depend on time,
    so each run's forwards are recorded once (the zero-cost executor) and the profile's
    efficiencies and overheads are searched (a grid, a pattern search, then Levenberg-Marquardt)
@@ -59,7 +59,8 @@ class CalibrationShape:
 
 
 # How long the engine idles before the calibration run that times a forward after idling
-# (HardwareProfile.idle_wake_s): past the gaps after which this CPU's forwards stop slowing more.
+# (HardwareProfile.idle_wake_s): on this CPU a second's idle slowed the next forward about as much
+# as longer ones did (docs/simulator.md).
 WAKE_IDLE_S = 1.0
 
 

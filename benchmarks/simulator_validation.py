@@ -115,7 +115,7 @@ def main() -> None:
             sim_ttft = statistics.median(statistics.median(sim.ttft_values_ms) for sim in firsts)
             rows.append((name, label, tok_s, total / makespan, ttft, sim_ttft))
     if servings:
-        rows += _serving_rows(servings, profiles, config, sched, args.max_total_tokens)
+        rows += _serving_rows(servings, profiles, config, sched, limit)
     columns = "workload | profile | measured tok/s | predicted | error | measured TTFT p50 ms | predicted"
     print(f"| {columns} | error |")
     print("|---|---|---|---|---|---|---|---|")

@@ -45,7 +45,7 @@ from radixserve.bench.workloads import Workload, make_workload, time_engine_runs
 from radixserve.executor.model_runner import pick_device
 from radixserve.models.loader import load_model_config
 from radixserve.runtime.engine import Engine
-from radixserve.simulator.calibrate import MAX_SAMPLES, CalibrationTimer
+from radixserve.simulator.calibrate import CalibrationTimer, samples_for
 from radixserve.simulator.cli import calibrate_engine, scheduler_args
 from radixserve.simulator.hardware import HardwareProfile, load_profile
 from radixserve.simulator.simulate import simulate
@@ -151,8 +151,8 @@ SERVING = [
 ]  # fmt: skip
 
 
-# A round times each of a workload's runs until about this long is spent on it (at most
-# MAX_SAMPLES times; its first round sets the count), as a calibration pass samples its runs: W3,
+# A round times each of a workload's runs until about this long is spent on it (calibrate's
+# samples_for; its first round sets the count), as a calibration pass samples its runs: W3,
 # one request, takes a tenth of W1's time and is what this host's noise moves most.
 ROUND_S = 4.0
 
@@ -184,8 +184,8 @@ def _measure_round(engine: Any, entry: _Measured, trace_path: Path) -> None:
     _time_throughput(engine, entry, trace_path)
     ttft_seconds = _time_ttft(engine, entry, trace_path)
     if first_round:
-        entry.per_round = min(MAX_SAMPLES, max(1, round(ROUND_S / entry.seconds[0])))
-        entry.ttft_per_round = min(MAX_SAMPLES, max(1, round(ROUND_S / ttft_seconds)))
+        entry.per_round = samples_for(entry.seconds[0], ROUND_S)
+        entry.ttft_per_round = samples_for(ttft_seconds, ROUND_S)
     for _ in range(entry.per_round - 1):
         _time_throughput(engine, entry, trace_path)
     for _ in range(entry.ttft_per_round - 1):

@@ -32,6 +32,7 @@ from radixserve.simulator.cost_model import (
     forward_seconds,
     forward_work,
     wake_seconds,
+    wake_share,
 )
 from radixserve.simulator.executor import SIM_VOCAB, ForwardRecord
 from radixserve.simulator.hardware import HardwareProfile
@@ -171,6 +172,11 @@ SAMPLE_S = 1.0
 MAX_SAMPLES = 5
 
 
+def samples_for(seconds: float, budget_s: float = SAMPLE_S) -> int:
+    """How many times to time a run that took `seconds` to spend about `budget_s` on it."""
+    return min(MAX_SAMPLES, max(1, round(budget_s / seconds)))
+
+
 class CalibrationTimer:
     """Times the calibration runs through an engine, cold cache, in passes: each run's time is the
     median over the timed passes (as the workloads the profile predicts are measured).
@@ -199,7 +205,7 @@ class CalibrationTimer:
     def start(cls, engine: Any, sleep: Callable[[float], None] = time.sleep) -> CalibrationTimer:
         timer = cls(engine, sleep)
         first = timer._run_pass()
-        timer.samples = [min(MAX_SAMPLES, max(1, round(SAMPLE_S / seconds))) for seconds in first]
+        timer.samples = [samples_for(seconds) for seconds in first]
         return timer
 
     def time_pass(self) -> list[float]:
@@ -242,9 +248,10 @@ def _params(output_len: int) -> dict[str, Any]:
     return {"temperature": 0.0, "max_new_tokens": output_len, "ignore_eos": True}
 
 
-# When the timed batch arrives in a recorded run: after its cached prefix's request has finished
-# (forwards of a zero-cost executor take no time, so any moment after 0 will do).
-_TIMED_ARRIVAL_S = 1.0
+# When the timed batch arrives in a recorded run (plus the shape's idle): after its cached
+# prefix's request has finished, which with a zero-cost executor is at 0. A millisecond, so that
+# the records' idle_s is the run's as calibrate times it: right after the prefix's request.
+_TIMED_ARRIVAL_S = 1e-3
 
 
 def recorded_forwards(
@@ -400,10 +407,9 @@ def _idle_wake(
     """What a forward after an idle spell costs more: the runs timed after one, less what the
     profile fitted on the rest predicts of their forwards (the same shape as a run timed right
     after another), per their idle's share of WAKE_IDLE_S. The median, and never below 0."""
-    wake = dataclasses.replace(profile, idle_wake_s=1.0)  # what share of the cost each run pays
     extra = [
         (run.seconds - predicted_seconds(config, profile, run.shape, forwards))
-        / wake_seconds(wake, run.shape.idle_s)
+        / wake_share(profile, run.shape.idle_s)
         for run, forwards in zip(runs, records, strict=True)
         if run.shape.idle_s
     ]

@@ -185,8 +185,11 @@ def forward_seconds(shape: ModelShape, profile: HardwareProfile, fwd: ForwardSha
     return work_seconds(forward_work(shape, fwd, profile.attention_block), profile)
 
 
+def wake_share(profile: HardwareProfile, idle_s: float) -> float:
+    """The share of HardwareProfile.idle_wake_s a forward pays after the device idled `idle_s`."""
+    return min(1.0, max(0.0, idle_s) / profile.idle_wake_after_s)
+
+
 def wake_seconds(profile: HardwareProfile, idle_s: float) -> float:
-    """What a forward costs more after the device idled for `idle_s` (HardwareProfile.idle_wake_s)."""
-    if idle_s <= 0.0 or not profile.idle_wake_s:
-        return 0.0
-    return profile.idle_wake_s * min(1.0, idle_s / profile.idle_wake_after_s)
+    """What a forward costs more after the device idled for `idle_s`."""
+    return profile.idle_wake_s * wake_share(profile, idle_s) if profile.idle_wake_s else 0.0

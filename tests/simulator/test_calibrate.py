@@ -3,6 +3,7 @@ and the whole path runs on a real engine and writes a profile simulate can load.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -240,6 +241,10 @@ def test_a_cached_prefix_run_times_only_its_batch() -> None:
     assert [r.mode for r in records] == ["EXTEND", "DECODE", "DECODE"]
     assert records[0].shape.q_lens == [64] * 4 and records[0].shape.prefix_lens == [512] * 4
     assert records[-1].shape.prefix_lens == [577] * 4
+    # Timed right after the prefix's request, as calibrate times it; the wake run after its idle.
+    assert records[0].idle_s < 0.01
+    (woken, *_) = recorded_forwards(config, dataclasses.replace(shape, idle_s=WAKE_IDLE_S), 0, 200_000)
+    assert woken.idle_s == pytest.approx(WAKE_IDLE_S, abs=0.01) and woken.shape == records[0].shape
     # Without a prefix the same batch prefills whole prompts.
     (cold, *_) = recorded_forwards(config, CalibrationShape(4, 64, 3), 0, 200_000)
     assert cold.shape.q_lens == [64] * 4 and cold.shape.prefix_lens == [0] * 4

@@ -42,12 +42,14 @@ import httpx
 
 from radixserve.bench.model import ensure_random_llama_1b, ensure_random_smollm2
 from radixserve.bench.workloads import Workload, make_workload, time_engine_runs
+from radixserve.config.server_args import ServerArgs
 from radixserve.executor.model_runner import pick_device
 from radixserve.models.loader import load_model_config
 from radixserve.runtime.engine import Engine
 from radixserve.simulator.calibrate import CalibrationTimer, samples_for
 from radixserve.simulator.cli import calibrate_engine, scheduler_args
 from radixserve.simulator.hardware import HardwareProfile, load_profile
+from radixserve.simulator.replay import compare_forwards, replay
 from radixserve.simulator.simulate import simulate
 from radixserve.simulator.trace import TraceRequest, load_trace_lines
 
@@ -114,8 +116,10 @@ def main() -> None:
             makespan = statistics.median(sim.makespan_s for sim in timed)
             sim_ttft = statistics.median(statistics.median(sim.ttft_values_ms) for sim in firsts)
             rows.append((name, label, tok_s, total / makespan, ttft, sim_ttft))
+    replays: list[dict[str, Any]] = []
     if servings:
         rows += _serving_rows(servings, profiles, config, sched, limit)
+        replays = _replays(servings, model, args, config, calibrated)
     columns = "workload | profile | measured tok/s | predicted | error | measured TTFT p50 ms | predicted"
     print(f"| {columns} | error |")
     print("|---|---|---|---|---|---|---|---|")
@@ -134,6 +138,7 @@ def main() -> None:
             for run, predicted in calibration
         ],
         "workloads": [dict(zip(_ROW_FIELDS, row, strict=True)) for row in rows],
+        "replays": replays,
     }
     results = args.work / "simulator-validation.json"
     results.write_text(json.dumps(record, indent=1) + "\n")
@@ -329,6 +334,49 @@ def _serving_rows(
         itls = ", ".join(f"{sim.itl_ms['p50']:.1f}" for sim in sims)
         print(f"serving, {label}: simulated ITL p50 {itls} ms")
     return rows
+
+
+def _replays(
+    servings: list[_Serving], model: Path, args: argparse.Namespace, config: Any, profile: HardwareProfile
+) -> list[dict[str, Any]]:
+    """Each serving run's trace replayed on the real model in this process (simulator/replay.py),
+    with no HTTP, detokenizer or client beside it: its TTFT against the server's and the
+    simulation's, and each forward it ran against what the calibrated profile predicts for it."""
+    server_args = ServerArgs(
+        model_path=str(model),
+        dtype="bfloat16",
+        device=args.device,
+        max_total_tokens=args.max_total_tokens,
+        log_level="warning",
+    )
+    out = []
+    for serving in servings:
+        trace = load_trace_lines(serving.lines)
+        replayed = replay(server_args, trace, count_shared_reads=profile.cascade_attention)
+        simulated = simulate(config, profile, trace, args.max_total_tokens, **scheduler_args(server_args))
+        server = statistics.median(
+            (row["first_output_s"] - row["arrival_s"]) * 1000 for row in map(json.loads, serving.lines)
+        )
+        ttft = statistics.median(replayed.ttft_values_ms)
+        sim_ttft = statistics.median(simulated.ttft_values_ms)
+        itl, sim_itl = replayed.itl_ms["p50"], simulated.itl_ms["p50"]
+        print(
+            f"replayed in process: TTFT p50 {ttft:.1f} ms (the server's {server:.1f}, simulated "
+            f"{sim_ttft:.1f}), ITL p50 {itl:.1f} ms (simulated {sim_itl:.1f})"
+        )
+        groups = compare_forwards(replayed.records, config, profile)
+        print("| forwards | count | measured s | predicted s | error |\n|---|---|---|---|---|")
+        for g in groups:
+            print(f"| {g.kind} | {g.count} | {g.measured_s:.3f} | {g.predicted_s:.3f} | {g.error:+.1%} |")
+        out.append(
+            {
+                "ttft_ms": ttft,
+                "server_ttft_ms": server,
+                "sim_ttft_ms": sim_ttft,
+                "forwards": [dataclasses.asdict(g) for g in groups],
+            }
+        )
+    return out
 
 
 def _settled_lines(trace_path: Path) -> int:

@@ -2,7 +2,8 @@
 measured runs (benchmarks/simulator_validation.py then measures its error on workloads the fit
 did not use).
 
-1. Peaks: a bf16 matmul's FLOP/s and a large copy's bytes/s, measured here.
+1. Peaks: the FLOP/s of the matmul the engine's linears run, and a large copy's bytes/s, measured
+   here.
 2. Calibration runs: prefill-heavy, decode-heavy and long-context batches (some over a prefix
    cached beforehand) through a real Engine, timed, and one of them again after the engine idled.
 3. The fit: the scheduler's batching of a batch that all arrives at once does not depend on time,
@@ -25,6 +26,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from radixserve.config.server_args import ServerArgs
+from radixserve.executor.model_runner import pick_dtype
+from radixserve.kernels.cpu_ops import select_cpu_kernels
+from radixserve.layers.packed_weights import WeightPacking, cpu_packing_supported
 from radixserve.models.config import ModelConfig
 from radixserve.simulator.cost_model import (
     ForwardWork,
@@ -112,18 +117,41 @@ FORWARD_OVERHEAD_S = np.concatenate([[0.0], np.geomspace(0.1e-3, 64e-3, 19)])
 ROW_OVERHEAD_S = np.array([0.0, 10e-6, 25e-6, 50e-6, 100e-6, 200e-6, 400e-6])
 
 
-def measure_peaks(device: torch.device | None = None, seconds: float = 1.0) -> tuple[float, float]:
-    """(bf16 matmul FLOP/s, copy bytes/s) on `device` (default: this machine's CPU threads). A GPU
-    gets operands large enough to fill it."""
+def measure_peaks(
+    device: torch.device | None = None,
+    seconds: float = 1.0,
+    dtype: torch.dtype = torch.bfloat16,
+    packing: WeightPacking | None = None,
+) -> tuple[float, float]:
+    """(matmul FLOP/s, copy bytes/s) on `device` (default: this machine's CPU threads). The matmul is
+    the one the engine's linears run: with `packing` (a CPU's bf16 weights packed for its kernel:
+    engine_linears) that kernel's, else torch's in `dtype`. A GPU gets operands large enough to
+    fill it."""
     device = device or torch.device("cpu")
     n, copy_bytes = (8192, 1 << 30) if device.type == "cuda" else (1024, 64 << 20)
-    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-    flops = _rate(lambda: torch.mm(a, b), 2 * n**3, seconds, device)
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    if packing is not None:
+        weight = packing.pack(b)
+        flops = _rate(lambda: weight.matmul(a), 2 * n**3, seconds, device)
+    else:
+        flops = _rate(lambda: torch.mm(a, b), 2 * n**3, seconds, device)
     src = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     bandwidth = _rate(lambda: dst.copy_(src), 2 * src.numel(), seconds, device)  # read + write
     return flops, bandwidth
+
+
+def engine_linears(args: ServerArgs, device: torch.device) -> tuple[torch.dtype, WeightPacking | None]:
+    """The dtype an engine of `args` runs in on `device`, and on a CPU in bf16 how it packs its
+    linear weights: the model runner's own choices, made again in this process. The peak must be
+    the matmul the engine runs. torch's bf16 matmul on a CPU without AVX-512 BF16 is emulated, a
+    hundred times slower than the native kernel the engine runs there (docs/simulator.md)."""
+    dtype = pick_dtype(args.dtype, device)
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return dtype, None
+    kernels = select_cpu_kernels(args.cpu_kernels, device, args.cpu_isa)
+    return dtype, WeightPacking(kernels) if cpu_packing_supported(dtype, device, kernels) else None
 
 
 def _rate(work: Any, units: float, seconds: float, device: torch.device) -> float:

@@ -127,6 +127,7 @@ def calibrate_engine(
     from radixserve.models.loader import load_model_config
     from radixserve.simulator.calibrate import (
         calibration_runs,
+        engine_linears,
         fit,
         measure_peaks,
         measure_runs,
@@ -135,7 +136,8 @@ def calibrate_engine(
     )
 
     device = pick_device(engine.args.device)
-    flops, bandwidth = measure_peaks(device)
+    dtype, packing = engine_linears(engine.args, device)
+    flops, bandwidth = measure_peaks(device, dtype=dtype, packing=packing)
     runs = measure_runs(engine) if runs is None else runs
     config = load_model_config(engine.source)
     server_args = scheduler_args(engine.args)

@@ -38,6 +38,9 @@ SIM_HIDDEN = 8
 class VirtualClock:
     now: float = 0.0
 
+    def advance_to(self, t: float) -> None:
+        self.now = max(self.now, t)
+
 
 @dataclass
 class ForwardRecord:
@@ -85,7 +88,7 @@ class CostModelExecutor:
         return set()
 
     def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        fwd = _shape_of(batch, bool(self.count_shared_reads))
+        fwd = forward_shape(batch, bool(self.count_shared_reads))
         idle = max(0.0, self.clock.now - self._last_end)
         seconds = 0.0
         if self.profile is not None:
@@ -174,7 +177,9 @@ class CostModelExecutor:
         raise NotImplementedError("the simulator holds no weights")
 
 
-def _shape_of(batch: ForwardBatch, count_shared_reads: bool) -> ForwardShape:
+def forward_shape(batch: ForwardBatch, count_shared_reads: bool) -> ForwardShape:
+    """What the cost model is given of a batch: each request's new and cached tokens, the rows it
+    samples, and with count_shared_reads the cached prefixes its requests share."""
     logprob_rows = 0 if batch.logprob_rows is None else len(batch.logprob_rows)
     sampled = len(batch.sample_rows) + logprob_rows
     if batch.mode is ForwardMode.DECODE:

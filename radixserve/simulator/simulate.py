@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from radixserve.config.server_args import ServerArgs
 from radixserve.models.config import ModelConfig
@@ -123,6 +123,29 @@ def simulate(
     )
     server_args.setdefault("log_level", "warning")
     scheduler = Scheduler(ServerArgs(**server_args), executor)
+    return drive(scheduler, executor.records, trace, clock, max_total_tokens)
+
+
+class Clock(Protocol):
+    """The time a drive runs on: the simulator's virtual clock, which forwards advance, or the
+    wall clock of a replay on the real model (replay.py)."""
+
+    @property
+    def now(self) -> float: ...
+
+    def advance_to(self, t: float) -> None:
+        """Lets time pass until t (the scheduler is idle until a request reaches it then)."""
+
+
+def drive(
+    scheduler: Scheduler,
+    records: list[ForwardRecord],
+    trace: list[TraceRequest],
+    clock: Clock,
+    max_total_tokens: int,
+) -> SimResult:
+    """Feeds `trace` to `scheduler` on `clock` as the server's event loop would, and steps it until
+    every request has finished; `records` is where its executor records each forward."""
     timings: dict[str, _Timing] = {}
     kv_timeline: list[tuple[float, int, int]] = []
     hit_timeline: list[tuple[float, float]] = []
@@ -148,20 +171,20 @@ def simulate(
             _take(accepted, timings, clock.now, hits)
             next_up += 1
         if scheduler.is_idle:
-            clock.now = max(clock.now, ready[next_up])
+            clock.advance_to(ready[next_up])
             continue
-        forwards = len(executor.records)
+        forwards = len(records)
         t0 = time.perf_counter()
         outputs = scheduler.step()
         step_s.append(time.perf_counter() - t0)
         _take(outputs, timings, clock.now, hits)
-        stalled = 0 if len(executor.records) > forwards or outputs else stalled + 1
+        stalled = 0 if len(records) > forwards or outputs else stalled + 1
         if stalled > 1000:
             raise RuntimeError("the scheduler made no progress for 1000 steps")
         usage = scheduler.allocator.available_size()
         cached = scheduler.tree_cache.evictable_size()
         kv_timeline.append((clock.now, max_total_tokens - usage, cached))
-        if executor.records and executor.records[-1].mode == "EXTEND" and len(executor.records) > forwards:
+        if records and records[-1].mode == "EXTEND" and len(records) > forwards:
             hit_timeline.append((clock.now, hits.rate))
     # Idle now: every KV slot is free or evictable, as after any run of the real scheduler.
     scheduler.check_kv_invariant()
@@ -179,13 +202,13 @@ def simulate(
         cache_hit_rate=hits.rate,
         retracted_reqs=scheduler.stats.retracted_reqs,
         max_total_tokens=max_total_tokens,
-        forwards=len(executor.records),
+        forwards=len(records),
         wall_s=time.perf_counter() - started,
         kv_timeline=kv_timeline,
         hit_timeline=hit_timeline,
         scheduler_step_s=step_s,
         ttft_values_ms=ttfts,
-        records=executor.records,
+        records=records,
     )
 
 

@@ -1,0 +1,70 @@
+"""A trace replayed on the real model on the wall clock (simulator/replay.py): the simulator's own
+drive, so a replay forms the batches a simulation of the same trace forms, every forward is
+recorded with its measured time, and arrivals wait for their time."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from pathlib import Path
+
+from radixserve.config.server_args import ServerArgs
+from radixserve.models.loader import load_model_config, resolve_model_source
+from radixserve.simulator.executor import ForwardRecord
+from radixserve.simulator.hardware import BUILTIN_PROFILES
+from radixserve.simulator.replay import replay
+from radixserve.simulator.simulate import simulate
+from radixserve.simulator.trace import TraceRequest
+
+SHARED = list(range(1, 41))
+
+
+def _trace(late_s: float = 0.0) -> list[TraceRequest]:
+    """Three requests sharing a 40-token prefix, two of other prompts, and with late_s one more
+    that arrives then."""
+    trace = [TraceRequest(0.0, SHARED + [50 + i] * (3 + i), 4 + i) for i in range(3)]
+    trace += [TraceRequest(0.0, [60 + i] * (20 + 7 * i), 6) for i in range(2)]
+    if late_s:
+        trace.append(TraceRequest(late_s, SHARED + [90] * 5, 3))
+    return trace
+
+
+def test_a_replay_forms_the_simulations_batches_and_times_each(
+    tiny_model_dir: Callable[[str], Path],
+) -> None:
+    model = str(tiny_model_dir("llama"))
+    args = ServerArgs(model_path=model, dtype="float32", max_total_tokens=2048, log_level="warning")
+    trace = _trace()
+    replayed = replay(args, trace)  # ends with the scheduler's KV check, as a simulation does
+    config = load_model_config(resolve_model_source(model))
+    simulated = simulate(config, BUILTIN_PROFILES["H100"], trace, 2048)
+    assert replayed.requests == simulated.requests == len(trace)
+    assert replayed.output_tokens == simulated.output_tokens == sum(r.output_len for r in trace)
+    # The warm-up's forwards are not among the records, and its cache was flushed: the same
+    # forwards, of the same shapes (their cached prefixes too).
+    assert [(r.mode, r.shape) for r in replayed.records] == [(r.mode, r.shape) for r in simulated.records]
+    assert replayed.cache_hit_rate == simulated.cache_hit_rate
+    assert all(r.seconds > 0 for r in replayed.records)
+    records = replayed.records
+    assert all(a.start + a.seconds <= b.start for a, b in itertools.pairwise(records))
+    assert replayed.makespan_s >= sum(r.seconds for r in replayed.records)
+    assert len(replayed.ttft_values_ms) == len(trace)
+
+
+def test_a_replay_waits_for_each_arrival(tiny_model_dir: Callable[[str], Path]) -> None:
+    args = ServerArgs(
+        model_path=str(tiny_model_dir("llama")), dtype="float32", max_total_tokens=2048, log_level="warning"
+    )
+    late = 0.3
+    replayed = replay(args, _trace(late_s=late))
+    assert replayed.requests == 6
+    # The late request's prefill (its 5 new tokens over the cached 40-token prefix) starts no
+    # sooner than its arrival, whatever the five before were doing by then.
+    prefill = [r for r in replayed.records if r.mode == "EXTEND" and (5, 40) in zip(*_rows(r), strict=True)]
+    assert len(prefill) == 1 and prefill[0].start >= late
+    last = replayed.records[-1]
+    assert last.start + last.seconds <= replayed.makespan_s
+
+
+def _rows(record: ForwardRecord) -> tuple[list[int], list[int]]:
+    return record.shape.q_lens, record.shape.prefix_lens

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import resource
@@ -111,8 +112,9 @@ def main() -> None:
         total = entry.workload.in_tokens + entry.workload.out_tokens
         tok_s, ttft = total / statistics.median(entry.seconds), statistics.median(entry.ttfts)
         for label, profile in profiles:
-            timed = [simulate(config, profile, run, limit, **sched) for run in entry.timed_runs]
-            firsts = [simulate(config, profile, run, limit, **sched) for run in entry.ttft_runs]
+            sims = functools.partial(_simulations, config, profile, limit=limit, sched=sched)
+            timed = [sim for run in entry.timed_runs for sim in sims(run)]
+            firsts = [sim for run in entry.ttft_runs for sim in sims(run)]
             makespan = statistics.median(sim.makespan_s for sim in timed)
             sim_ttft = statistics.median(statistics.median(sim.ttft_values_ms) for sim in firsts)
             rows.append((name, label, tok_s, total / makespan, ttft, sim_ttft))
@@ -324,7 +326,9 @@ def _serving_rows(
     rows = []
     for label, profile in profiles:
         sims = [
-            simulate(config, profile, load_trace_lines(s.lines), max_total_tokens, **sched) for s in servings
+            sim
+            for s in servings
+            for sim in _simulations(config, profile, load_trace_lines(s.lines), max_total_tokens, sched)
         ]
         predicted = statistics.median(sim.output_tokens / sim.makespan_s for sim in sims)
         ttft = statistics.median(statistics.median(sim.ttft_values_ms) for sim in sims)
@@ -353,13 +357,13 @@ def _replays(
     for serving in servings:
         trace = load_trace_lines(serving.lines)
         replayed = replay(server_args, trace, count_shared_reads=profile.cascade_attention)
-        simulated = simulate(config, profile, trace, args.max_total_tokens, **scheduler_args(server_args))
+        sims = _simulations(config, profile, trace, args.max_total_tokens, scheduler_args(server_args))
         server = statistics.median(
             (row["first_output_s"] - row["arrival_s"]) * 1000 for row in map(json.loads, serving.lines)
         )
         ttft = statistics.median(replayed.ttft_values_ms)
-        sim_ttft = statistics.median(simulated.ttft_values_ms)
-        itl, sim_itl = replayed.itl_ms["p50"], simulated.itl_ms["p50"]
+        sim_ttft = statistics.median(statistics.median(sim.ttft_values_ms) for sim in sims)
+        itl, sim_itl = replayed.itl_ms["p50"], statistics.median(sim.itl_ms["p50"] for sim in sims)
         print(
             f"replayed in process: TTFT p50 {ttft:.1f} ms (the server's {server:.1f}, simulated "
             f"{sim_ttft:.1f}), ITL p50 {itl:.1f} ms (simulated {sim_itl:.1f})"
@@ -377,6 +381,19 @@ def _replays(
             }
         )
     return out
+
+
+# A profile with forward noise is simulated once per seed, and each figure is the median over
+# them: one draw of the forwards' times is one path, and under load which requests share a
+# prefill can turn on a few milliseconds.
+SEEDS = 9
+
+
+def _simulations(
+    config: Any, profile: HardwareProfile, trace: list[TraceRequest], limit: int, sched: dict[str, Any]
+) -> list[Any]:
+    seeds = range(SEEDS if profile.forward_noise else 1)
+    return [simulate(config, profile, trace, limit, seed=seed, **sched) for seed in seeds]
 
 
 def _settled_lines(trace_path: Path) -> int:

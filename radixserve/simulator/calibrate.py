@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import random
 import statistics
 import time
@@ -176,6 +177,10 @@ def _rate(work: Any, units: float, seconds: float, device: torch.device) -> floa
 class Run:
     shape: CalibrationShape
     seconds: float
+    # How the run's repeats within a pass spread: the sum of their logs' squared deviations from
+    # each pass's mean, and its degrees of freedom (0: timed once per pass).
+    log_squares: float = 0.0
+    log_df: int = 0
 
 
 @dataclass(frozen=True)
@@ -226,31 +231,42 @@ class CalibrationTimer:
         self.shapes = calibration_runs(engine.context_len)
         self._batches = [calibration_batch(s, engine.vocab_size, seed=i) for i, s in enumerate(self.shapes)]
         self.samples = [1] * len(self.shapes)
-        # One list per timed pass, each with every shape's seconds.
+        # One list per timed pass, each with every shape's seconds (the median of its samples).
         self.passes: list[list[float]] = []
+        # The same passes' every sample of every shape.
+        self.pass_samples: list[list[list[float]]] = []
 
     @classmethod
     def start(cls, engine: Any, sleep: Callable[[float], None] = time.sleep) -> CalibrationTimer:
         timer = cls(engine, sleep)
-        first = timer._run_pass()
-        timer.samples = [samples_for(seconds) for seconds in first]
+        first = timer._run_pass()  # one sample each
+        timer.samples = [samples_for(seconds) for (seconds,) in first]
         return timer
 
     def time_pass(self) -> list[float]:
-        seconds = self._run_pass()
-        self.passes.append(seconds)
-        return seconds
+        samples = self._run_pass()
+        self.pass_samples.append(samples)
+        self.passes.append([statistics.median(times) for times in samples])
+        return self.passes[-1]
 
     def runs(self) -> list[Run]:
         if not self.passes:
             raise ValueError("no calibration pass has been timed")
-        return [Run(shape, statistics.median(t)) for shape, *t in zip(self.shapes, *self.passes, strict=True)]
+        out = []
+        for i, shape in enumerate(self.shapes):
+            squares, df = 0.0, 0
+            for samples in self.pass_samples:
+                logs = np.log(samples[i])
+                squares += float(np.sum((logs - logs.mean()) ** 2))
+                df += len(logs) - 1
+            out.append(Run(shape, statistics.median(p[i] for p in self.passes), squares, df))
+        return out
 
-    def _run_pass(self) -> list[float]:
-        seconds = []
-        for shape, batch, samples in zip(self.shapes, self._batches, self.samples, strict=True):
-            seconds.append(statistics.median(self._time_run(shape, batch) for _ in range(samples)))
-        return seconds
+    def _run_pass(self) -> list[list[float]]:
+        return [
+            [self._time_run(shape, batch) for _ in range(samples)]
+            for shape, batch, samples in zip(self.shapes, self._batches, self.samples, strict=True)
+        ]
 
     def _time_run(self, shape: CalibrationShape, batch: CalibrationBatch) -> float:
         self.engine.flush_cache()
@@ -417,7 +433,18 @@ def fit(
         attention_block=block,
         idle_wake_after_s=WAKE_IDLE_S,
     )
-    return dataclasses.replace(profile, idle_wake_s=_idle_wake(config, profile, runs, records))
+    wake = _idle_wake(config, profile, runs, records)
+    return dataclasses.replace(profile, idle_wake_s=wake, forward_noise=forward_noise(runs))
+
+
+def forward_noise(runs: list[Run]) -> float:
+    """How much one forward's time varies (HardwareProfile.forward_noise): the pooled standard
+    deviation of the log of each single-forward run's repeats within a pass (one request's prefill
+    and its one output token, no idle before it). Within a pass, since the host drifts between
+    passes; single forwards, since a run of many averages their spread out. 0 where none repeat."""
+    single = [r for r in runs if r.shape.requests == 1 and r.shape.output_len == 1 and not r.shape.idle_s]
+    df = sum(r.log_df for r in single)
+    return math.sqrt(sum(r.log_squares for r in single) / df) if df else 0.0
 
 
 def predicted_seconds(

@@ -49,9 +49,9 @@ def add_simulate_parser(sub: Any) -> None:
     trace.add_argument("--prefix-len", type=int, default=0)
     trace.add_argument("--turns", type=int, default=1, help="turns per conversation (each extends the last)")
     trace.add_argument("--turn-gap", type=float, default=10.0, help="seconds between a conversation's turns")
-    trace.add_argument("--seed", type=int, default=0)
+    trace.add_argument("--seed", type=int, default=0, help="seeds the trace and the draws of forward times")
     sched = sim.add_argument_group("scheduler (ServerArgs)")
-    sched.add_argument("--schedule-policy", default="lpm")
+    sched.add_argument("--schedule-policy", default=ServerArgs.schedule_policy)
     sched.add_argument("--chunked-prefill-size", type=int, default=ServerArgs.chunked_prefill_size)
     sched.add_argument("--max-prefill-tokens", type=int, default=ServerArgs.max_prefill_tokens)
     sched.add_argument("--max-running-requests", type=int, default=None)
@@ -104,7 +104,7 @@ def _simulate(args: argparse.Namespace) -> int:
             args.seed,
         )
         trace = synthetic(spec)
-    result = simulate(config, profile, trace, capacity, **scheduler_args(args))
+    result = simulate(config, profile, trace, capacity, seed=args.seed, **scheduler_args(args))
     title = f"{config.architecture} on {args.hardware}, {len(trace)} requests"
     print(table(result, title))
     if args.out is not None:
@@ -214,5 +214,6 @@ def _describe(profile: HardwareProfile) -> str:
         f"{profile.forward_overhead_s * 1e3:.2f} ms per prefill forward, "
         f"{decode_fixed * 1e3:.2f} ms per decode step, "
         f"{profile.row_overhead_s * 1e6:.0f} us per sampled row, "
-        f"{profile.idle_wake_s * 1e3:.2f} ms more for a forward after {profile.idle_wake_after_s:g} s idle"
+        f"{profile.idle_wake_s * 1e3:.2f} ms more for a forward after {profile.idle_wake_after_s:g} s idle, "
+        f"each forward's time spread by {profile.forward_noise:.3f} (its log's standard deviation)"
     )

@@ -6,6 +6,7 @@ model but the tokens' values; only what batching, caching and retraction need is
 from __future__ import annotations
 
 import dataclasses
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,6 +69,8 @@ class CostModelExecutor:
     # attention is a cascade). Finding shared prefixes costs host time, which a zero-cost run that
     # measures the scheduler's own cost must not count.
     count_shared_reads: bool | None = None
+    # Seeds the draws of each forward's time around the roofline's (the profile's forward_noise).
+    seed: int = 0
     # When the last forward ended: the device is idle from then until the next one starts.
     _last_end: float = field(default=0.0, init=False)
 
@@ -75,6 +78,7 @@ class CostModelExecutor:
         if self.count_shared_reads is None:
             self.count_shared_reads = self.profile is not None and self.profile.cascade_attention
         self.shape = ModelShape.of(self.config)
+        self._noise = random.Random(self.seed)
         self.sim_config = dataclasses.replace(self.config, vocab_size=SIM_VOCAB, eos_token_ids=[])
 
     @property
@@ -92,7 +96,8 @@ class CostModelExecutor:
         idle = max(0.0, self.clock.now - self._last_end)
         seconds = 0.0
         if self.profile is not None:
-            seconds = forward_seconds(self.shape, self.profile, fwd) + wake_seconds(self.profile, idle)
+            seconds = forward_seconds(self.shape, self.profile, fwd) * self._spread()
+            seconds += wake_seconds(self.profile, idle)
         self.records.append(ForwardRecord(self.clock.now, seconds, batch.mode.name, fwd, idle))
         self.clock.now += seconds
         self._last_end = self.clock.now
@@ -100,6 +105,12 @@ class CostModelExecutor:
         extra = 0 if batch.hidden_rows is None else len(batch.hidden_rows)
         # Never read: sample() answers without them (uninitialized, so they cost no fill).
         return torch.empty(rows, SIM_VOCAB), torch.zeros(rows + extra, SIM_HIDDEN)
+
+    def _spread(self) -> float:
+        """A lognormal factor of mean 1 (a calibrated profile's times are means: its fit is on
+        runs of many forwards), or 1 where the profile has no noise."""
+        sigma = 0.0 if self.profile is None else self.profile.forward_noise
+        return self._noise.lognormvariate(-sigma * sigma / 2, sigma) if sigma else 1.0
 
     def forward_pipeline(
         self, batches: Sequence[ForwardBatch | None]

@@ -65,6 +65,11 @@ class HardwareProfile:
     # An idle spell of at least idle_wake_after_s pays all of it, a shorter one its share.
     idle_wake_s: float = 0.0
     idle_wake_after_s: float = 1.0
+    # How much one forward's time varies on this device: the standard deviation of its log
+    # (`calibrate` measures it on repeated single-forward runs). The simulator draws each forward's
+    # time around the roofline's, mean kept: under load the spread itself lengthens queues, and
+    # which requests share a prefill can turn on a few milliseconds.
+    forward_noise: float = 0.0
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=2) + "\n")

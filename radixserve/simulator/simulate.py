@@ -113,13 +113,14 @@ def simulate(
     trace: list[TraceRequest],
     max_total_tokens: int,
     count_shared_reads: bool | None = None,
+    seed: int = 0,
     **server_args: Any,
 ) -> SimResult:
     """Runs the trace; server_args are ServerArgs fields (schedule policy, chunking, limits...);
-    count_shared_reads as for CostModelExecutor."""
+    count_shared_reads and seed as for CostModelExecutor."""
     clock = VirtualClock()
     executor = CostModelExecutor(
-        config, max_total_tokens, profile, clock, count_shared_reads=count_shared_reads
+        config, max_total_tokens, profile, clock, count_shared_reads=count_shared_reads, seed=seed
     )
     server_args.setdefault("log_level", "warning")
     scheduler = Scheduler(ServerArgs(**server_args), executor)

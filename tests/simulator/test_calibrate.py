@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -24,6 +25,7 @@ from radixserve.simulator.calibrate import (
     Run,
     engine_linears,
     fit,
+    forward_noise,
     measure_peaks,
     measure_runs,
     predicted_seconds,
@@ -236,6 +238,16 @@ def test_the_timer_samples_a_short_run_several_times_per_pass() -> None:
     assert timer.samples == [4] * (shapes - 1) + [5]
     assert timer.time_pass() == [2.5] * (shapes - 1) + [2.0]
     assert not engine.latencies
+    # The samples' spread within the pass: the forward noise is that of the single-forward runs
+    # (one request, one output token, no idle before it), all of which took 1, 9, 2 and 3 s.
+    runs = timer.runs()
+    spread = float(np.std(np.log([1.0, 9.0, 2.0, 3.0]), ddof=1))
+    assert all(run.log_df == 3 for run in runs[:-1]) and runs[-1].log_df == 4
+    assert runs[0].log_squares == pytest.approx(3 * spread**2)
+    assert forward_noise(runs) == pytest.approx(spread)
+    shapes_of_one = [r.shape for r in runs if r.shape.requests == r.shape.output_len == 1]
+    assert len([shape for shape in shapes_of_one if not shape.idle_s]) == 5
+    assert forward_noise([dataclasses.replace(r, log_squares=0.0, log_df=0) for r in runs]) == 0.0
 
 
 def test_a_cached_prefix_run_times_only_its_batch() -> None:

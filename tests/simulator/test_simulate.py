@@ -5,6 +5,8 @@ retracts, and the outputs (table, JSON, HTML) are written."""
 from __future__ import annotations
 
 import dataclasses
+import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -208,3 +210,21 @@ def test_a_forward_after_an_idle_spell_pays_the_wake_cost() -> None:
     bare = simulate(CONFIG, without, trace, 20_000).records
     assert long_idle.seconds - bare[1].seconds == pytest.approx(0.02)
     assert short_idle.seconds - bare[2].seconds == pytest.approx(0.02 * short_idle.idle_s)
+
+
+def test_a_noisy_profile_draws_each_forwards_time_around_the_roofline() -> None:
+    """forward_noise: each forward's time is drawn around the roofline's (the mean kept), the same
+    for the same seed; a run of many forwards keeps its total."""
+    trace = synthetic(SyntheticTrace(num_requests=30, input_len=(100, 300), output_len=(20, 40), seed=2))
+    quiet = BUILTIN_PROFILES["H100"]
+    noisy = dataclasses.replace(quiet, forward_noise=0.1)
+    base = simulate(CONFIG, quiet, trace, 20_000)
+    again, other = simulate(CONFIG, noisy, trace, 20_000), simulate(CONFIG, noisy, trace, 20_000, seed=1)
+    assert simulate(CONFIG, noisy, trace, 20_000).records == again.records
+    assert again.records != other.records
+    # All arrive at once: the batches do not depend on time, only each forward's cost does.
+    assert [r.shape for r in again.records] == [r.shape for r in base.records]
+    ratios = [n.seconds / b.seconds for n, b in zip(again.records, base.records, strict=True)]
+    logs = [math.log(r) for r in ratios]
+    assert statistics.pstdev(logs) == pytest.approx(0.1, rel=0.25)
+    assert again.makespan_s == pytest.approx(base.makespan_s, rel=0.05)

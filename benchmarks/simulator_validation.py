@@ -90,7 +90,7 @@ def main() -> None:
             for entry in workloads.values():
                 _measure_round(engine, entry, trace_path)
             if args.serving:
-                servings.append(_serving_run(model, args))
+                servings.append(_serving_run(model, args, len(servings)))
         if args.serving:
             timer.time_pass()  # after the last serving run as before the first
         totals = [sum(p) for p in timer.passes]
@@ -103,6 +103,9 @@ def main() -> None:
             print(f"| {run.shape.label} | {run.seconds:.3f} | {predicted:.3f} |")
         print(calibrated)
         profiles = [("calibrated", calibrated)]
+        if calibrated.forward_noise:
+            # Beside it, the same profile's noiseless predictions: what the noise changes.
+            profiles.append(("calibrated, no noise", dataclasses.replace(calibrated, forward_noise=0.0)))
         if args.hardware:
             profiles.append((args.hardware, load_profile(args.hardware)))
         config = load_model_config(engine.source)
@@ -136,9 +139,17 @@ def main() -> None:
     record = {
         "profile": dataclasses.asdict(calibrated),
         "calibration": [
-            {**dataclasses.asdict(run.shape), "measured_s": run.seconds, "predicted_s": predicted}
+            {
+                **dataclasses.asdict(run.shape),
+                "measured_s": run.seconds,
+                "predicted_s": predicted,
+                "log_squares": run.log_squares,
+                "log_df": run.log_df,
+            }
             for run, predicted in calibration
         ],
+        # Every sample of every calibration run, per pass (the figures above are their medians).
+        "pass_samples": timer.pass_samples,
         "workloads": [dict(zip(_ROW_FIELDS, row, strict=True)) for row in rows],
         "replays": replays,
     }
@@ -234,12 +245,14 @@ class _Serving:
     snapshot: dict[str, Any]
 
 
-def _serving_run(model: Path, args: argparse.Namespace) -> _Serving:
+def _serving_run(model: Path, args: argparse.Namespace, index: int) -> _Serving:
     """`bench serving` against `serve --record-trace` (while the offline Engine idles beside it)."""
     from pd_disaggregation import _free_port, _process, _serve, _wait
 
     work = args.work
-    trace_path, log, out = work / "serving-trace.jsonl", work / "serving-server.log", work / "serving.json"
+    # Each run's trace is kept, so that another profile or cost model can replay it later.
+    trace_path = work / f"serving-trace-{index}.jsonl"
+    log, out = work / "serving-server.log", work / "serving.json"
     trace_path.unlink(missing_ok=True)
     port = _free_port()
     url = f"http://127.0.0.1:{port}"

@@ -15,7 +15,8 @@ export RADIXSERVE_REQUIRE_BROWSER=1
 .venv/bin/python -m pytest -q -p no:cacheprovider --durations=60 "$@"
 # Without arguments, the native kernels are then tested as other CPUs run them: built for each
 # narrower ISA this CPU can execute (RADIXSERVE_CPU_ISA, radixserve/kernels/native.py), the kernel
-# tests and the bf16 accuracy test run again (about 2-3 minutes on 2 cores, builds included).
+# tests, the bf16 accuracy test and calibrate's pick of the engine's matmul run again (about 2-3
+# minutes on 2 cores, builds included).
 if [ $# -eq 0 ]; then
     isas=$(.venv/bin/python -c "from radixserve.kernels.native import executable_isas; print(*executable_isas())")
     for isa in $isas; do
@@ -24,6 +25,7 @@ if [ $# -eq 0 ]; then
             tests/models/test_fused_decode.py \
             tests/attention/test_backends.py \
             tests/engine/test_verify_mode.py \
-            tests/engine/test_smollm2_gguf.py::test_bfloat16_logits_stay_close_to_float32
+            tests/engine/test_smollm2_gguf.py::test_bfloat16_logits_stay_close_to_float32 \
+            tests/simulator/test_calibrate.py::test_the_peak_is_the_matmul_the_engine_runs
     done
 fi

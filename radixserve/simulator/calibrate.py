@@ -203,6 +203,8 @@ def calibration_batch(shape: CalibrationShape, vocab: int, seed: int) -> Calibra
 # short run's time is noisier, relative to itself, than a long run's.
 SAMPLE_S = 1.0
 MAX_SAMPLES = 5
+# The untimed request each pass starts with.
+PASS_WARMUP_TOKENS = 16
 
 
 def samples_for(seconds: float, budget_s: float = SAMPLE_S) -> int:
@@ -221,6 +223,10 @@ class CalibrationTimer:
     - Each pass runs every shape in turn, so that a slow spell of the machine (other work on a
       shared host) slows one pass of several shapes, which the median drops, rather than every
       repeat of one shape.
+    - Each pass starts with a short untimed request, so that its first sample does not pay for
+      what ran before it (or for the engine idling: the wake cost), which inflated the
+      forward noise measured on that run's samples (session 27: 0.197 against 0.01-0.07 for
+      the other single-forward runs).
     - A caller may do other work between passes. simulator_validation.py times its workloads
       between them, so that the machine's slow and fast spells weigh on the calibration as on the
       measurements it predicts."""
@@ -263,6 +269,11 @@ class CalibrationTimer:
         return out
 
     def _run_pass(self) -> list[list[float]]:
+        # What ran before the pass (the caller's other work, or nothing for a while: a wake cost)
+        # must not weigh on its first run's first sample: one short request, untimed, first.
+        self.engine.generate(
+            input_ids=self._batches[0].prompts[0][:PASS_WARMUP_TOKENS], sampling_params=_params(1)
+        )
         return [
             [self._time_run(shape, batch) for _ in range(samples)]
             for shape, batch, samples in zip(self.shapes, self._batches, self.samples, strict=True)

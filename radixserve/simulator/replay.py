@@ -2,7 +2,7 @@
 (simulate.drive) with the model runner in place of the cost model. Every forward is timed and
 recorded with the shape the cost model would be given, so a replay and a simulation of one trace
 compare figure by figure, and each forward the real scheduler ran can be set against what the cost
-model predicts for it (`radixserve simulate --replay`, benchmarks/simulator_validation.py).
+model predicts for it (compare_forwards; benchmarks/simulator_validation.py --serving).
 
 A replay runs the scheduler in this process, without the server's HTTP process, detokenizer and
 sockets: what it measures beside the server's own figures tells the forwards' share of a gap
@@ -11,6 +11,7 @@ between measured and simulated from the rest's."""
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -100,7 +101,7 @@ def replay(
         runner = ModelRunner(RunnerConfig.from_server_args(args))
     vocab = runner.info.config.vocab_size
     # A trace's ids only shape the batches (shared prefixes); any model's vocabulary takes them.
-    requests = [TraceRequest(r.arrival_s, [t % vocab for t in r.input_ids], *_rest(r)) for r in trace]
+    requests = [dataclasses.replace(r, input_ids=[t % vocab for t in r.input_ids]) for r in trace]
     clock = WallClock()
     timed = TimedExecutor(runner, clock, count_shared_reads)
     scheduler = Scheduler(args, cast(Executor, timed))
@@ -113,10 +114,6 @@ def replay(
     finally:
         if owned:
             runner.close()
-
-
-def _rest(r: TraceRequest) -> tuple[int, float | None, float | None]:
-    return r.output_len, r.received_s, r.received_busy_s
 
 
 def _warm_up(scheduler: Scheduler, first: TraceRequest) -> None:

@@ -244,6 +244,13 @@ class _Serving:
     lines: list[str]
     snapshot: dict[str, Any]
 
+    @property
+    def scheduler_ttft_ms(self) -> float:
+        """The scheduler's own TTFT p50, from the engine's arrival stamp to the scheduler's first
+        output: what the simulator predicts. The engine's adds the hops through the detokenizer."""
+        rows = [json.loads(line) for line in self.lines]
+        return statistics.median((r["first_output_s"] - r["arrival_s"]) * 1000 for r in rows)
+
 
 def _serving_run(model: Path, args: argparse.Namespace, index: int) -> _Serving:
     """`bench serving` against `serve --record-trace` (while the offline Engine idles beside it)."""
@@ -322,12 +329,7 @@ def _serving_rows(
     for serving in servings:
         report, snapshot = serving.report, serving.snapshot
         engine_ttft = statistics.median(r["ttft_ms"] for r in snapshot["recent"] if r["ttft_ms"] is not None)
-        # The scheduler's own TTFT, from the engine's arrival stamp to the scheduler's first
-        # output: what the simulator predicts. The engine's adds the hops through the detokenizer.
-        rows_json = [json.loads(line) for line in serving.lines]
-        measured_ttfts.append(
-            statistics.median((r["first_output_s"] - r["arrival_s"]) * 1000 for r in rows_json)
-        )
+        measured_ttfts.append(serving.scheduler_ttft_ms)
         # The client's TTFT is not comparable here: the random model's tokenizer knows 1,000 of its
         # 49,152 ids, so most tokens print nothing and the stream holds back its text.
         print(
@@ -371,9 +373,7 @@ def _replays(
         trace = load_trace_lines(serving.lines)
         replayed = replay(server_args, trace, count_shared_reads=profile.cascade_attention)
         sims = _simulations(config, profile, trace, args.max_total_tokens, scheduler_args(server_args))
-        server = statistics.median(
-            (row["first_output_s"] - row["arrival_s"]) * 1000 for row in map(json.loads, serving.lines)
-        )
+        server = serving.scheduler_ttft_ms
         ttft = statistics.median(replayed.ttft_values_ms)
         sim_ttft = statistics.median(statistics.median(sim.ttft_values_ms) for sim in sims)
         itl, sim_itl = replayed.itl_ms["p50"], statistics.median(sim.itl_ms["p50"] for sim in sims)

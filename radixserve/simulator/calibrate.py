@@ -224,9 +224,9 @@ class CalibrationTimer:
       shared host) slows one pass of several shapes, which the median drops, rather than every
       repeat of one shape.
     - Each pass starts with a short untimed request, so that its first sample does not pay for
-      what ran before it (or for the engine idling: the wake cost), which inflated the
-      forward noise measured on that run's samples (session 27: 0.197 against 0.01-0.07 for
-      the other single-forward runs).
+      what ran before it (the caller's other work, or the engine idling: the wake cost). It did
+      not explain why the first run's samples spread more than the other single-forward runs'
+      (session 27, docs/simulator.md).
     - A caller may do other work between passes. simulator_validation.py times its workloads
       between them, so that the machine's slow and fast spells weigh on the calibration as on the
       measurements it predicts."""
@@ -269,8 +269,7 @@ class CalibrationTimer:
         return out
 
     def _run_pass(self) -> list[list[float]]:
-        # What ran before the pass (the caller's other work, or nothing for a while: a wake cost)
-        # must not weigh on its first run's first sample: one short request, untimed, first.
+        # One short request, untimed, first (see the class's docstring).
         self.engine.generate(
             input_ids=self._batches[0].prompts[0][:PASS_WARMUP_TOKENS], sampling_params=_params(1)
         )

@@ -144,15 +144,15 @@ class ForwardGroup:
 AFTER_IDLE_S = 0.01
 # Decode steps are grouped by batch size: from each of these up to the next.
 _DECODE_BATCHES = (1, 2, 5, 9, 17)
+_DECODE_LABELS = ("1", "2-4", "5-8", "9-16", "17+")
 
 
 def forward_kind(record: ForwardRecord) -> str:
     """A forward's group: a decode step by its batch size, a prefill by whether its requests had
     cached prefixes; either after an idle spell or not."""
     if record.mode == "DECODE":
-        i = bisect.bisect_right(_DECODE_BATCHES, len(record.shape.q_lens)) - 1
-        lo, hi = _DECODE_BATCHES[i], _DECODE_BATCHES[i + 1] - 1 if i + 1 < len(_DECODE_BATCHES) else None
-        kind = f"decode, batch {lo}" + ("+" if hi is None else "" if hi == lo else f"-{hi}")
+        group = bisect.bisect_right(_DECODE_BATCHES, len(record.shape.q_lens)) - 1
+        kind = f"decode, batch {_DECODE_LABELS[group]}"
     else:
         kind = "extend over a cached prefix" if any(record.shape.prefix_lens) else "prefill"
     return kind + (", after idle" if record.idle_s >= AFTER_IDLE_S else "")

@@ -4,17 +4,23 @@ recorded with its measured time, and arrivals wait for their time."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from radixserve.config.server_args import ServerArgs
+from radixserve.models.config import ModelConfig
 from radixserve.models.loader import load_model_config, resolve_model_source
+from radixserve.simulator.cost_model import ForwardShape, ModelShape, forward_seconds
 from radixserve.simulator.executor import ForwardRecord
 from radixserve.simulator.hardware import BUILTIN_PROFILES
-from radixserve.simulator.replay import replay
+from radixserve.simulator.replay import compare_forwards, forward_kind, replay
 from radixserve.simulator.simulate import simulate
 from radixserve.simulator.trace import TraceRequest
+from tests.simulator.test_cost_model import LLAMA_8B
 
 SHARED = list(range(1, 41))
 
@@ -68,3 +74,28 @@ def test_a_replay_waits_for_each_arrival(tiny_model_dir: Callable[[str], Path]) 
 
 def _rows(record: ForwardRecord) -> tuple[list[int], list[int]]:
     return record.shape.q_lens, record.shape.prefix_lens
+
+
+def test_forwards_are_grouped_by_kind_and_set_against_their_predictions() -> None:
+    def record(mode: str, rows: int, prefix: int, idle_s: float = 0.0) -> ForwardRecord:
+        shape = ForwardShape([1 if mode == "DECODE" else 16] * rows, [prefix] * rows, rows, mode == "DECODE")
+        return ForwardRecord(0.0, 0.0, mode, shape, idle_s)
+
+    kinds = [forward_kind(record("DECODE", n, 100)) for n in (1, 2, 4, 5, 9, 16, 17, 300)]
+    assert kinds == [f"decode, batch {b}" for b in ("1", "2-4", "2-4", "5-8", "9-16", "9-16", "17+", "17+")]
+    assert forward_kind(record("EXTEND", 2, 0)) == "prefill"
+    assert forward_kind(record("EXTEND", 1, 512, idle_s=0.5)) == "extend over a cached prefix, after idle"
+    # Measured at exactly the prediction, and at twice it: each kind's sums and error.
+    config = ModelConfig.from_hf_dict(LLAMA_8B)
+    profile = BUILTIN_PROFILES["H100"]
+    model = ModelShape.of(config)
+    records = [record("DECODE", 4, 100), record("EXTEND", 2, 0), record("EXTEND", 2, 0)]
+    predicted = [forward_seconds(model, profile, r.shape) for r in records]
+    records = [
+        dataclasses.replace(r, seconds=p * (1 if r.mode == "DECODE" else 2))
+        for r, p in zip(records, predicted, strict=True)
+    ]
+    groups = {g.kind: g for g in compare_forwards(records, config, profile)}
+    assert groups["decode, batch 2-4"].count == 1 and groups["decode, batch 2-4"].error == pytest.approx(0.0)
+    assert groups["prefill"].count == 2 and groups["prefill"].error == pytest.approx(-0.5)
+    assert groups["prefill"].predicted_s == pytest.approx(predicted[1] + predicted[2])

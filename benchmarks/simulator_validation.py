@@ -80,7 +80,7 @@ def main() -> None:
         "max_total_tokens": args.max_total_tokens,
         "record_trace": str(trace_path),
     }
-    rows = []
+    rows: list[_Row] = []
     with Engine(str(model), **flags, log_level="warning") as engine:
         timer = CalibrationTimer.start(engine)
         workloads = {name: _Measured(make_workload(name)) for name in ("W1", "W2", "W3")}
@@ -113,25 +113,30 @@ def main() -> None:
     limit = args.max_total_tokens
     for name, entry in workloads.items():
         total = entry.workload.in_tokens + entry.workload.out_tokens
-        tok_s, ttft = total / statistics.median(entry.seconds), statistics.median(entry.ttfts)
+        tok_s_runs = [total / seconds for seconds in entry.seconds]
+        tok_s, ttft = statistics.median(tok_s_runs), statistics.median(entry.ttfts)
         for label, profile in profiles:
             sims = functools.partial(_simulations, config, profile, limit=limit, sched=sched)
             timed = [sim for run in entry.timed_runs for sim in sims(run)]
             firsts = [sim for run in entry.ttft_runs for sim in sims(run)]
             makespan = statistics.median(sim.makespan_s for sim in timed)
             sim_ttft = statistics.median(statistics.median(sim.ttft_values_ms) for sim in firsts)
-            rows.append((name, label, tok_s, total / makespan, ttft, sim_ttft))
+            rows.append(_Row(name, label, tok_s, total / makespan, ttft, sim_ttft, tok_s_runs, entry.ttfts))
     replays: list[dict[str, Any]] = []
     if servings:
         rows += _serving_rows(servings, profiles, config, sched, limit)
         replays = _replays(servings, model, args, config, calibrated)
-    columns = "workload | profile | measured tok/s | predicted | error | measured TTFT p50 ms | predicted"
-    print(f"| {columns} | error |")
-    print("|---|---|---|---|---|---|---|---|")
-    for name, label, measured, predicted, ttft, sim_ttft in rows:
+    # Each measured figure's runs, as their least and greatest against their median: an error
+    # inside that range is within the measurement's own noise.
+    columns = "workload | profile | measured tok/s | runs | predicted | error | measured TTFT p50 ms | runs"
+    print(f"| {columns} | predicted | error |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
         print(
-            f"| {name} | {label} | {measured:,.0f} | {predicted:,.0f} | {predicted / measured - 1:+.1%} "
-            f"| {ttft:,.1f} | {sim_ttft:,.1f} | {sim_ttft / ttft - 1:+.1%} |",
+            f"| {row.workload} | {row.profile} | {row.measured_tok_s:,.0f} | {_spread(row.tok_s_runs)} "
+            f"| {row.predicted_tok_s:,.0f} | {row.predicted_tok_s / row.measured_tok_s - 1:+.1%} "
+            f"| {row.ttft_ms:,.1f} | {_spread(row.ttft_ms_runs)} | {row.sim_ttft_ms:,.1f} "
+            f"| {row.sim_ttft_ms / row.ttft_ms - 1:+.1%} |",
             flush=True,
         )
     # Everything above as JSON, so that a later fit or cost model can be tried on these very
@@ -150,7 +155,7 @@ def main() -> None:
         ],
         # Every sample of every calibration run, per pass (the figures above are their medians).
         "pass_samples": timer.pass_samples,
-        "workloads": [dict(zip(_ROW_FIELDS, row, strict=True)) for row in rows],
+        "workloads": [dataclasses.asdict(row) for row in rows],
         "replays": replays,
     }
     results = args.work / "simulator-validation.json"
@@ -158,7 +163,25 @@ def main() -> None:
     print(f"wrote {results}")
 
 
-_ROW_FIELDS = ("workload", "profile", "measured_tok_s", "predicted_tok_s", "ttft_ms", "sim_ttft_ms")
+@dataclass(frozen=True)
+class _Row:
+    """A workload's measured and predicted figures (medians), and the measured runs themselves."""
+
+    workload: str
+    profile: str
+    measured_tok_s: float
+    predicted_tok_s: float
+    ttft_ms: float
+    sim_ttft_ms: float
+    tok_s_runs: list[float]
+    ttft_ms_runs: list[float]
+
+
+def _spread(runs: list[float]) -> str:
+    """The runs' least and greatest against their median, as percentages."""
+    middle = statistics.median(runs)
+    return f"{min(runs) / middle - 1:+.0%}..{max(runs) / middle - 1:+.0%}"
+
 
 # Poisson arrivals of prompts in groups that share a system prompt, streamed over HTTP: a load
 # that calibration (batches arriving at once, offline) never saw.
@@ -321,7 +344,7 @@ def _serving_rows(
     config: Any,
     sched: Any,
     max_total_tokens: int,
-) -> list[tuple[str, str, float, float, float, float]]:
+) -> list[_Row]:
     """Each profile's simulation of the very requests each serving run's server recorded, at their
     recorded arrival times. Measured: the client's output tok/s, and the scheduler's TTFT p50 (from
     the trace), which is what the simulator predicts. Each figure is the median over the runs."""
@@ -337,7 +360,8 @@ def _serving_rows(
             f"the engine's {engine_ttft:.1f} ms, the client's {report['median_ttft_ms']:.1f} ms; "
             f"the engine's ITL p50 {snapshot['latency']['itl_ms']['p50']:.1f} ms"
         )
-    measured = statistics.median(s.report["output_throughput"] for s in servings)
+    throughputs = [s.report["output_throughput"] for s in servings]
+    measured = statistics.median(throughputs)
     rows = []
     for label, profile in profiles:
         sims = [
@@ -347,7 +371,8 @@ def _serving_rows(
         ]
         predicted = statistics.median(sim.output_tokens / sim.makespan_s for sim in sims)
         ttft = statistics.median(statistics.median(sim.ttft_values_ms) for sim in sims)
-        rows.append(("serving", label, measured, predicted, statistics.median(measured_ttfts), ttft))
+        ttft_ms = statistics.median(measured_ttfts)
+        rows.append(_Row("serving", label, measured, predicted, ttft_ms, ttft, throughputs, measured_ttfts))
         # A diagnostic beside the targets: whether the server's decode steps ran at the offline
         # calibration's speed while HTTP, streaming and the client shared its cores.
         itls = ", ".join(f"{sim.itl_ms['p50']:.1f}" for sim in sims)
@@ -382,9 +407,13 @@ def _replays(
             f"{sim_ttft:.1f}), ITL p50 {itl:.1f} ms (simulated {sim_itl:.1f})"
         )
         groups = compare_forwards(replayed.records, config, profile)
-        print("| forwards | count | measured s | predicted s | error |\n|---|---|---|---|---|")
+        print(f"the profile's forward noise: {profile.forward_noise:.3f}")
+        print("| forwards | count | measured s | predicted s | error | spread |\n|---|---|---|---|---|---|")
         for g in groups:
-            print(f"| {g.kind} | {g.count} | {g.measured_s:.3f} | {g.predicted_s:.3f} | {g.error:+.1%} |")
+            print(
+                f"| {g.kind} | {g.count} | {g.measured_s:.3f} | {g.predicted_s:.3f} | {g.error:+.1%} "
+                f"| {g.spread:.3f} |"
+            )
         out.append(
             {
                 "ttft_ms": ttft,

@@ -26,6 +26,6 @@ if [ $# -eq 0 ]; then
             tests/attention/test_backends.py \
             tests/engine/test_verify_mode.py \
             tests/engine/test_smollm2_gguf.py::test_bfloat16_logits_stay_close_to_float32 \
-            tests/simulator/test_calibrate.py::test_the_peak_is_the_matmul_the_engine_runs
+            tests/simulator/test_peaks.py
     done
 fi

@@ -3,7 +3,7 @@ measured runs (benchmarks/simulator_validation.py then measures its error on wor
 did not use).
 
 1. Peaks: the FLOP/s of the matmul the engine's linears run, and a large copy's bytes/s, measured
-   here.
+   here (simulator/peaks.py).
 2. Calibration runs: prefill-heavy, decode-heavy and long-context batches (some over a prefix
    cached beforehand) through a real Engine, timed, and one of them again after the engine idled.
 3. The fit: the scheduler's batching of a batch that all arrives at once does not depend on time,
@@ -25,12 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
-from radixserve.config.server_args import ServerArgs
-from radixserve.executor.model_runner import pick_dtype
-from radixserve.kernels.cpu_ops import select_cpu_kernels
-from radixserve.layers.packed_weights import WeightPacking, cpu_packing_supported
 from radixserve.models.config import ModelConfig
 from radixserve.simulator.cost_model import (
     ForwardWork,
@@ -116,61 +111,6 @@ FORWARD_OVERHEAD_S = np.concatenate([[0.0], np.geomspace(0.1e-3, 64e-3, 19)])
 # Per row that samples (a request's next token). Fitted per row, not per new token: the host's
 # per-request work is the same for a prefill's hundreds of tokens as for a decode step's one.
 ROW_OVERHEAD_S = np.array([0.0, 10e-6, 25e-6, 50e-6, 100e-6, 200e-6, 400e-6])
-
-
-def measure_peaks(
-    device: torch.device | None = None,
-    seconds: float = 1.0,
-    dtype: torch.dtype = torch.bfloat16,
-    packing: WeightPacking | None = None,
-) -> tuple[float, float]:
-    """(matmul FLOP/s, copy bytes/s) on `device` (default: this machine's CPU threads). The matmul is
-    the one the engine's linears run: with `packing` (a CPU's bf16 weights packed for its kernel:
-    engine_linears) that kernel's, else torch's in `dtype`. A GPU gets operands large enough to
-    fill it."""
-    device = device or torch.device("cpu")
-    n, copy_bytes = (8192, 1 << 30) if device.type == "cuda" else (1024, 64 << 20)
-    a = torch.randn(n, n, dtype=dtype, device=device)
-    b = torch.randn(n, n, dtype=dtype, device=device)
-    if packing is not None:
-        weight = packing.pack(b)
-        flops = _rate(lambda: weight.matmul(a), 2 * n**3, seconds, device)
-    else:
-        flops = _rate(lambda: torch.mm(a, b), 2 * n**3, seconds, device)
-    src = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    bandwidth = _rate(lambda: dst.copy_(src), 2 * src.numel(), seconds, device)  # read + write
-    return flops, bandwidth
-
-
-def engine_linears(args: ServerArgs, device: torch.device) -> tuple[torch.dtype, WeightPacking | None]:
-    """The dtype an engine of `args` runs in on `device`, and on a CPU in bf16 how it packs its
-    linear weights: the model runner's own choices, made again in this process. The peak must be
-    the matmul the engine runs. torch's bf16 matmul on a CPU without AVX-512 BF16 is emulated, a
-    hundred times slower than the native kernel the engine runs there (docs/simulator.md)."""
-    dtype = pick_dtype(args.dtype, device)
-    if device.type != "cpu" or dtype != torch.bfloat16:
-        return dtype, None
-    kernels = select_cpu_kernels(args.cpu_kernels, device, args.cpu_isa)
-    return dtype, WeightPacking(kernels) if cpu_packing_supported(dtype, device, kernels) else None
-
-
-def _rate(work: Any, units: float, seconds: float, device: torch.device) -> float:
-    # A GPU runs work asynchronously: time whole batches of it, each ended by a synchronize.
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    batch = 10 if device.type == "cuda" else 1
-    work()
-    sync()
-    done, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        for _ in range(batch):
-            work()
-        sync()
-        done += batch
-    return units * done / (time.perf_counter() - start)
 
 
 @dataclass(frozen=True)

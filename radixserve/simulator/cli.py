@@ -127,13 +127,12 @@ def calibrate_engine(
     from radixserve.models.loader import load_model_config
     from radixserve.simulator.calibrate import (
         calibration_runs,
-        engine_linears,
         fit,
-        measure_peaks,
         measure_runs,
         predicted_seconds,
         recorded_forwards,
     )
+    from radixserve.simulator.peaks import engine_linears, measure_peaks
 
     device = pick_device(engine.args.device)
     dtype, packing = engine_linears(engine.args, device)

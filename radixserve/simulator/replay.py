@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import math
+import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -128,12 +130,16 @@ def _warm_up(scheduler: Scheduler, first: TraceRequest) -> None:
 
 @dataclass(frozen=True)
 class ForwardGroup:
-    """Forwards of one kind: how many, and their measured and predicted seconds in all."""
+    """Forwards of one kind: how many, their measured and predicted seconds in all, and how the
+    log of each one's measured over predicted time spreads (its standard deviation; 0 for one
+    forward): the forwards' noise, plus how far the cost model's error differs between the kind's
+    shapes. Set beside the profile's forward_noise."""
 
     kind: str
     count: int
     measured_s: float
     predicted_s: float
+    spread: float
 
     @property
     def error(self) -> float:
@@ -169,7 +175,13 @@ def compare_forwards(
         predicted = forward_seconds(model, profile, record.shape) + wake_seconds(profile, record.idle_s)
         groups.setdefault(forward_kind(record), []).append((record.seconds, predicted))
     out = [
-        ForwardGroup(kind, len(pairs), sum(m for m, _ in pairs), sum(p for _, p in pairs))
+        ForwardGroup(
+            kind,
+            len(pairs),
+            sum(m for m, _ in pairs),
+            sum(p for _, p in pairs),
+            statistics.stdev(math.log(m / p) for m, p in pairs) if len(pairs) > 1 else 0.0,
+        )
         for kind, pairs in groups.items()
     ]
     return sorted(out, key=lambda g: -g.measured_s)

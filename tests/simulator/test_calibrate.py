@@ -10,11 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 
-from radixserve.config.server_args import ServerArgs
-from radixserve.executor.model_runner import ModelRunner
-from radixserve.executor.runner_config import RunnerConfig
 from radixserve.models.config import ModelConfig
 from radixserve.runtime.engine import Engine
 from radixserve.simulator.calibrate import (
@@ -23,10 +19,8 @@ from radixserve.simulator.calibrate import (
     CalibrationShape,
     CalibrationTimer,
     Run,
-    engine_linears,
     fit,
     forward_noise,
-    measure_peaks,
     measure_runs,
     predicted_seconds,
     recorded_forwards,
@@ -266,25 +260,3 @@ def test_a_cached_prefix_run_times_only_its_batch() -> None:
     # Without a prefix the same batch prefills whole prompts.
     (cold, *_) = recorded_forwards(config, CalibrationShape(4, 64, 3), 0, 200_000)
     assert cold.shape.q_lens == [64] * 4 and cold.shape.prefix_lens == [0] * 4
-
-
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_the_peak_is_the_matmul_the_engine_runs(tiny_model_dir: Callable[[str], Path], dtype: str) -> None:
-    """calibrate's matmul peak times the linear kernel the model runner picks for the same flags:
-    torch's bf16 matmul is emulated on a CPU without AVX-512 BF16, a hundred times slower than
-    the native kernel the engine runs there."""
-    args = ServerArgs(model_path=str(tiny_model_dir("llama")), dtype=dtype, max_total_tokens=256)
-    runner = ModelRunner(RunnerConfig.from_server_args(args))
-    try:
-        chosen = runner.describe()["linear_kernel"]
-    finally:
-        runner.close()
-    device = torch.device("cpu")
-    dtype_used, packing = engine_linears(args, device)
-    assert dtype_used == runner.dtype
-    if dtype == "float32":
-        assert packing is None
-    else:
-        assert packing is not None and packing.kernel == chosen
-    flops, bandwidth = measure_peaks(device, seconds=0.05, dtype=dtype_used, packing=packing)
-    assert flops > 0 and bandwidth > 0

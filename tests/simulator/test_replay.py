@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -89,13 +90,17 @@ def test_forwards_are_grouped_by_kind_and_set_against_their_predictions() -> Non
     config = ModelConfig.from_hf_dict(LLAMA_8B)
     profile = BUILTIN_PROFILES["H100"]
     model = ModelShape.of(config)
+    # Two extends over a prefix, e^0.1 and e^-0.1 times their predictions: their logs spread by 0.1414.
     records = [record("DECODE", 4, 100), record("EXTEND", 2, 0), record("EXTEND", 2, 0)]
+    records += [record("EXTEND", 1, 512), record("EXTEND", 1, 512)]
     predicted = [forward_seconds(model, profile, r.shape) for r in records]
-    records = [
-        dataclasses.replace(r, seconds=p * (1 if r.mode == "DECODE" else 2))
-        for r, p in zip(records, predicted, strict=True)
-    ]
+    factors = [1, 2, 2, math.exp(0.1), math.exp(-0.1)]
+    timed = zip(records, predicted, factors, strict=True)
+    records = [dataclasses.replace(r, seconds=p * f) for r, p, f in timed]
     groups = {g.kind: g for g in compare_forwards(records, config, profile)}
     assert groups["decode, batch 2-4"].count == 1 and groups["decode, batch 2-4"].error == pytest.approx(0.0)
+    assert groups["decode, batch 2-4"].spread == 0.0
     assert groups["prefill"].count == 2 and groups["prefill"].error == pytest.approx(-0.5)
     assert groups["prefill"].predicted_s == pytest.approx(predicted[1] + predicted[2])
+    assert groups["prefill"].spread == pytest.approx(0.0, abs=1e-12)
+    assert groups["extend over a cached prefix"].spread == pytest.approx(math.sqrt(0.02))

@@ -20,7 +20,7 @@ import math
 import random
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,11 +90,12 @@ CALIBRATION_RUNS: tuple[CalibrationShape, ...] = (
 )
 
 
-def calibration_runs(context_len: int) -> list[CalibrationShape]:
-    """CALIBRATION_RUNS with prompts (and cached prefixes) shortened to what the model's context
-    holds."""
+def calibration_runs(
+    context_len: int, shapes: Sequence[CalibrationShape] = CALIBRATION_RUNS
+) -> list[CalibrationShape]:
+    """`shapes` with prompts (and cached prefixes) shortened to what the model's context holds."""
     runs = []
-    for shape in CALIBRATION_RUNS:
+    for shape in shapes:
         room = context_len - shape.output_len - 8
         prefix = min(shape.cached_prefix, room // 2)
         prompt_len = min(shape.prompt_len, room - prefix)
@@ -105,7 +106,6 @@ def calibration_runs(context_len: int) -> list[CalibrationShape]:
 FLOPS_EFFICIENCY = np.geomspace(0.05, 2.0, 24)
 # Attention (softmax, small per-head matmuls) may run far below the linears' efficiency.
 ATTENTION_EFFICIENCY = np.geomspace(0.005, 2.0, 20)
-BANDWIDTH_EFFICIENCY = np.geomspace(0.05, 2.0, 24)
 # Up to 64 ms: on a GPU a small model's forward can be bound by the host (launches, Python).
 FORWARD_OVERHEAD_S = np.concatenate([[0.0], np.geomspace(0.1e-3, 64e-3, 19)])
 # Per row that samples (a request's next token). Fitted per row, not per new token: the host's
@@ -171,10 +171,15 @@ class CalibrationTimer:
       between them, so that the machine's slow and fast spells weigh on the calibration as on the
       measurements it predicts."""
 
-    def __init__(self, engine: Any, sleep: Callable[[float], None] = time.sleep) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        sleep: Callable[[float], None] = time.sleep,
+        shapes: Sequence[CalibrationShape] = CALIBRATION_RUNS,
+    ) -> None:
         self.engine = engine
         self._sleep = sleep
-        self.shapes = calibration_runs(engine.context_len)
+        self.shapes = calibration_runs(engine.context_len, shapes)
         self._batches = [calibration_batch(s, engine.vocab_size, seed=i) for i, s in enumerate(self.shapes)]
         self.samples = [1] * len(self.shapes)
         # One list per timed pass, each with every shape's seconds (the median of its samples).
@@ -183,8 +188,13 @@ class CalibrationTimer:
         self.pass_samples: list[list[list[float]]] = []
 
     @classmethod
-    def start(cls, engine: Any, sleep: Callable[[float], None] = time.sleep) -> CalibrationTimer:
-        timer = cls(engine, sleep)
+    def start(
+        cls,
+        engine: Any,
+        sleep: Callable[[float], None] = time.sleep,
+        shapes: Sequence[CalibrationShape] = CALIBRATION_RUNS,
+    ) -> CalibrationTimer:
+        timer = cls(engine, sleep, shapes)
         first = timer._run_pass()  # one sample each
         timer.samples = [samples_for(seconds) for (seconds,) in first]
         return timer
@@ -265,7 +275,8 @@ def recorded_forwards(
 @dataclass(frozen=True)
 class _Forwards:
     """Every calibration run's forwards as arrays, one entry per forward: its linears' and
-    attention's seconds at 100% of the peak FLOP/s, its bytes' seconds at 100% of the bandwidth,
+    attention's seconds at 100% of the peak FLOP/s, its bytes' seconds at the measured bandwidth
+    (the rate the engine's linear streams weights: peaks.py, taken as it is, not fitted),
     whether it is a decode step, its sampling rows, and the run it belongs to. Attention in the
     parts the cost model splits it into: among the new tokens, over the cached context, and (with
     a cascade) over prefixes the batch shares, with those prefixes' keys."""
@@ -302,13 +313,13 @@ class _Forwards:
 
     def run_seconds(self, p: np.ndarray) -> np.ndarray:
         """Each run's predicted seconds for the parameters `p` (as in _PARAMETERS)."""
-        flops, attention, bandwidth, decode_flops, context, decode_attention, shared, *fixed = p
+        flops, attention, decode_flops, context, decode_attention, shared, *fixed = p
         prefill_fixed, decode_fixed, row, key = fixed
         linear = self.linear / np.where(self.decode, decode_flops, flops)
         compute = linear + self.attention / attention + self.shared / shared
         compute += self.context / np.where(self.decode, decode_attention, context)
         compute += self.shared_keys * key
-        per_forward = np.maximum(compute, self.moved / bandwidth)
+        per_forward = np.maximum(compute, self.moved)
         per_forward += np.where(self.decode, decode_fixed, prefill_fixed) + self.rows * row
         return np.bincount(self.owner, weights=per_forward, minlength=self.runs)
 
@@ -316,10 +327,10 @@ class _Forwards:
 # The fitted parameters, in order: efficiencies (searched by ratios) then fixed costs in seconds
 # (searched by steps).
 _PARAMETERS = (
-    "flops", "attention", "bandwidth", "decode_flops", "context", "decode_attention", "shared",
+    "flops", "attention", "decode_flops", "context", "decode_attention", "shared",
     "prefill_fixed", "decode_fixed", "row", "shared_key",
 )  # fmt: skip
-_EFFICIENCIES = 7
+_EFFICIENCIES = 6
 _EFFICIENCY_BOUNDS = (0.002, 4.0)
 _FIXED_BOUNDS = (0.0, 0.25)
 
@@ -343,7 +354,10 @@ def fit(
     """The profile with the least squared log error of each run's predicted against measured
     seconds; records: per run, its forwards (recorded_forwards); cascade: whether the engine's
     attention reads a shared prefix once per batch. Each of ATTENTION_BLOCKS is fitted in turn
-    and the best kept. A run after an idle spell is left out of that fit: it sets idle_wake_s."""
+    and the best kept. A run after an idle spell is left out of that fit: it sets idle_wake_s.
+    `bandwidth` is the weights' (peaks.measure_peaks) and is not fitted: a decode step reads the
+    same weights at every batch size, so the runs show only the sum of their reading and the
+    step's fixed cost (docs/simulator.md), and the measured rate splits it."""
     back_to_back = [i for i, run in enumerate(runs) if not run.shape.idle_s]
     measured = np.log(np.array([runs[i].seconds for i in back_to_back]))
     best: tuple[float, int, np.ndarray] | None = None
@@ -358,15 +372,15 @@ def fit(
     # to 0): to the nanosecond (a shared key's, to the picosecond).
     p[_EFFICIENCIES:-1] = np.round(p[_EFFICIENCIES:-1], 9)
     p[-1] = np.round(p[-1], 12)
-    flops, attention, eb, decode_flops, context, decode_attention, shared = (float(x) for x in p[:7])
-    prefill_fixed, decode_fixed, row, shared_key = (float(x) for x in p[7:])
+    flops, attention, decode_flops, context, decode_attention, shared = (float(x) for x in p[:_EFFICIENCIES])
+    prefill_fixed, decode_fixed, row, shared_key = (float(x) for x in p[_EFFICIENCIES:])
     profile = HardwareProfile(
         name,
         peak_flops,
         bandwidth,
         memory_bytes,
         flops,
-        eb,
+        1.0,  # the bandwidth as measured
         prefill_fixed,
         token_overhead_s=0.0,  # per row instead
         note="fitted by radixserve calibrate",
@@ -425,7 +439,7 @@ def _fit_parameters(data: _Forwards, measured: np.ndarray) -> tuple[np.ndarray, 
     """The parameters (as in _PARAMETERS) with the least squared log error, and that error. A
     coarse grid finds the basin, then a pattern search refines every parameter: the grid's steps
     (17% between efficiencies) alone would leave errors of the size of the 9% target. Last,
-    Levenberg-Marquardt steps move all parameters at once: with eleven of them, some trade against
+    Levenberg-Marquardt steps move all parameters at once: with ten of them, some trade against
     each other (a decode step's fixed cost against its attention), and one-at-a-time moves stall
     in such valleys short of the best fit."""
 
@@ -435,14 +449,7 @@ def _fit_parameters(data: _Forwards, measured: np.ndarray) -> tuple[np.ndarray, 
     def error(p: np.ndarray) -> float:
         return float((residuals(p) ** 2).mean())
 
-    # Two starts: the grid's best, and the same with memory never binding. A step whose time
-    # does not grow with its rows fits as bound by the weights' bytes or by its fixed cost alike,
-    # and the search cannot cross from one to the other (a kink of the roofline's max).
-    grid = _coarse_grid(data, measured)
-    compute_bound = grid.copy()
-    compute_bound[_PARAMETERS.index("bandwidth")] = _EFFICIENCY_BOUNDS[1]
-    fits = [_levenberg_marquardt(residuals, _polish(error, start)) for start in (grid, compute_bound)]
-    p = min(fits, key=error)
+    p = _levenberg_marquardt(residuals, _polish(error, _coarse_grid(data, measured)))
     return p, error(p)
 
 
@@ -461,16 +468,16 @@ def _coarse_grid(data: _Forwards, measured: np.ndarray) -> np.ndarray:
         + rows[:, None, None, None] * ROW_OVERHEAD_S[None, None, None, :]
     )
     best: tuple[float, np.ndarray] | None = None
-    for ef, ea, eb in itertools.product(FLOPS_EFFICIENCY, ATTENTION_EFFICIENCY, BANDWIDTH_EFFICIENCY):
+    for ef, ea in itertools.product(FLOPS_EFFICIENCY, ATTENTION_EFFICIENCY):
         attention = data.attention + data.context + data.shared
-        per_forward = np.maximum(data.linear / ef + attention / ea, data.moved / eb)
+        per_forward = np.maximum(data.linear / ef + attention / ea, data.moved)
         roof = np.bincount(data.owner, weights=per_forward, minlength=data.runs)
         predicted = roof[:, None, None, None] + fixed
         error = ((np.log(predicted) - measured[:, None, None, None]) ** 2).mean(axis=0)
         i, j, k = np.unravel_index(int(np.argmin(error)), error.shape)
         if best is None or error[i, j, k] < best[0]:
             costs = [overhead[i], overhead[j], ROW_OVERHEAD_S[k], 0.0]
-            point = np.array([ef, ea, eb, ef, ea, ea, ea, *costs])
+            point = np.array([ef, ea, ef, ea, ea, ea, *costs])
             best = (float(error[i, j, k]), point)
     assert best is not None
     return best[1]

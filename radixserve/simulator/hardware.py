@@ -15,7 +15,9 @@ from radixserve.config.server_args import InvalidArgumentError
 class HardwareProfile:
     name: str
     peak_flops: float  # dense bf16 FLOP/s
-    memory_bandwidth: float  # bytes/s
+    # bytes/s: published for a GPU profile; a calibrated one's is measured, the rate the engine's
+    # linear streams weights (calibrate's fit then keeps bandwidth_efficiency at 1).
+    memory_bandwidth: float
     memory_bytes: float  # device memory: weights plus the KV pool must fit
     flops_efficiency: float = 0.6
     bandwidth_efficiency: float = 0.8

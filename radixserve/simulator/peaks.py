@@ -21,23 +21,36 @@ def measure_peaks(
     dtype: torch.dtype = torch.bfloat16,
     packing: WeightPacking | None = None,
 ) -> tuple[float, float]:
-    """(matmul FLOP/s, copy bytes/s) on `device` (default: this machine's CPU threads). The matmul is
-    the one the engine's linears run: with `packing` (a CPU's bf16 weights packed for its kernel:
-    engine_linears) that kernel's, else torch's in `dtype`. A GPU gets operands large enough to
-    fill it."""
+    """(matmul FLOP/s, weight bytes/s) of the engine's linears on `device` (default: this machine's
+    CPU threads): with `packing` (a CPU's bf16 weights packed for its kernel: engine_linears) that
+    kernel's, else torch's in `dtype`.
+
+    - FLOP/s: a square product, large enough to fill the device.
+    - Bytes/s: one row through a weight larger than any cache, the weight's bytes over its time:
+      how fast the engine's linear streams weights when a decode step reads them all for a few
+      rows. A decode step's time is that plus its fixed cost, and the two are the same at every
+      batch size, so runs of one model cannot tell them apart (docs/simulator.md): the fit takes
+      this rate as the weights' and fits only the rest."""
     device = device or torch.device("cpu")
-    n, copy_bytes = (8192, 1 << 30) if device.type == "cuda" else (1024, 64 << 20)
+    n = 8192 if device.type == "cuda" else 1024
     a = torch.randn(n, n, dtype=dtype, device=device)
     b = torch.randn(n, n, dtype=dtype, device=device)
+    rows, cols = STREAMED_WEIGHT
+    weight = torch.randn(cols, rows, dtype=dtype, device=device) / rows**0.5
+    row = torch.randn(1, rows, dtype=dtype, device=device)
     if packing is not None:
-        weight = packing.pack(b)
-        flops = _rate(lambda: weight.matmul(a), 2 * n**3, seconds, device)
+        square, streamed = packing.pack(b), packing.pack(weight)
+        flops = _rate(lambda: square.matmul(a), 2 * n**3, seconds, device)
+        bandwidth = _rate(lambda: streamed.matmul(row), weight.nbytes, seconds, device)
     else:
         flops = _rate(lambda: torch.mm(a, b), 2 * n**3, seconds, device)
-    src = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    bandwidth = _rate(lambda: dst.copy_(src), 2 * src.numel(), seconds, device)  # read + write
+        bandwidth = _rate(lambda: torch.nn.functional.linear(row, weight), weight.nbytes, seconds, device)
     return flops, bandwidth
+
+
+# The streamed weight's (in features, out features): 256 MiB in bf16, more than any CPU's or GPU's
+# cache holds, so that each row reads it from memory.
+STREAMED_WEIGHT = (8192, 16384)
 
 
 def engine_linears(args: ServerArgs, device: torch.device) -> tuple[torch.dtype, WeightPacking | None]:

@@ -53,7 +53,7 @@ def main() -> None:
     parser.add_argument("--validation", type=Path, help="its JSON (default: WORK/simulator-validation.json)")
     args = parser.parse_args()
     validation = json.loads((args.validation or args.work / "simulator-validation.json").read_text())
-    profile = HardwareProfile(**validation["profile"])
+    profile = HardwareProfile.from_dict(validation["profile"])
     model = ensure_random_llama_1b(args.work)
     flags = {"dtype": "bfloat16", "max_total_tokens": args.max_total_tokens, "log_level": "warning"}
     with Engine(str(model), **flags) as engine:

@@ -274,10 +274,11 @@ def recorded_forwards(
 
 @dataclass(frozen=True)
 class _Forwards:
-    """Every calibration run's forwards as arrays, one entry per forward: its linears' and
-    attention's seconds at 100% of the peak FLOP/s, its bytes' seconds at the measured bandwidth
-    (the rate the engine's linear streams weights: peaks.py, taken as it is, not fitted),
-    whether it is a decode step, its sampling rows, and the run it belongs to. Attention in the
+    """Every calibration run's forwards as arrays, one entry per forward: its linears' seconds at
+    100% of their rate at the model's width (HardwareProfile.linear_peak), its attention's at 100%
+    of the peak FLOP/s, its bytes' seconds at the measured bandwidth (the rate the engine's linear
+    streams weights: peaks.py, taken as it is, not fitted), whether it is a decode step, its
+    sampling rows, and the run it belongs to. Attention in the
     parts the cost model splits it into: among the new tokens, over the cached context, and (with
     a cascade) over prefixes the batch shares, with those prefixes' keys."""
 
@@ -294,12 +295,17 @@ class _Forwards:
 
     @classmethod
     def of(
-        cls, forwards: list[list[ForwardWork]], peak_flops: float, bandwidth: float, cascade: bool
+        cls,
+        forwards: list[list[ForwardWork]],
+        peak_flops: float,
+        linear_peak: float,
+        bandwidth: float,
+        cascade: bool,
     ) -> _Forwards:
         every = [w for run in forwards for w in run]
         shared = np.array([w.shared_context_flops * cascade for w in every]) / peak_flops
         return cls(
-            np.array([w.linear_flops for w in every]) / peak_flops,
+            np.array([w.linear_flops for w in every]) / linear_peak,
             np.array([w.attention_flops for w in every]) / peak_flops,
             np.array([w.context_attention_flops for w in every]) / peak_flops - shared,
             shared,
@@ -350,6 +356,7 @@ def fit(
     memory_bytes: float,
     name: str = "cpu",
     cascade: bool = False,
+    linear_rates: tuple[tuple[int, float], ...] = (),
 ) -> HardwareProfile:
     """The profile with the least squared log error of each run's predicted against measured
     seconds; records: per run, its forwards (recorded_forwards); cascade: whether the engine's
@@ -357,13 +364,18 @@ def fit(
     and the best kept. A run after an idle spell is left out of that fit: it sets idle_wake_s.
     `bandwidth` is the weights' (peaks.measure_peaks) and is not fitted: a decode step reads the
     same weights at every batch size, so the runs show only the sum of their reading and the
-    step's fixed cost (docs/simulator.md), and the measured rate splits it."""
+    step's fixed cost (docs/simulator.md), and the measured rate splits it. `linear_rates`: the
+    linears' FLOP/s by model width (peaks.measure_linear_rates); the linears' efficiencies are
+    fitted as shares of the rate at this model's width."""
+    peaks = HardwareProfile(name, peak_flops, bandwidth, memory_bytes, linear_rates=linear_rates)
+    linear_peak = peaks.linear_peak(config.hidden_size)
     back_to_back = [i for i, run in enumerate(runs) if not run.shape.idle_s]
     measured = np.log(np.array([runs[i].seconds for i in back_to_back]))
     best: tuple[float, int, np.ndarray] | None = None
     for block in ATTENTION_BLOCKS:
         forwards = [forward_costs(config, records[i], block) for i in back_to_back]
-        p, error = _fit_parameters(_Forwards.of(forwards, peak_flops, bandwidth, cascade), measured)
+        data = _Forwards.of(forwards, peak_flops, linear_peak, bandwidth, cascade)
+        p, error = _fit_parameters(data, measured)
         if best is None or error < best[0]:
             best = (error, block, p)
     assert best is not None
@@ -374,14 +386,11 @@ def fit(
     p[-1] = np.round(p[-1], 12)
     flops, attention, decode_flops, context, decode_attention, shared = (float(x) for x in p[:_EFFICIENCIES])
     prefill_fixed, decode_fixed, row, shared_key = (float(x) for x in p[_EFFICIENCIES:])
-    profile = HardwareProfile(
-        name,
-        peak_flops,
-        bandwidth,
-        memory_bytes,
-        flops,
-        1.0,  # the bandwidth as measured
-        prefill_fixed,
+    profile = dataclasses.replace(
+        peaks,
+        flops_efficiency=flops,
+        bandwidth_efficiency=1.0,  # the bandwidth as measured
+        forward_overhead_s=prefill_fixed,
         token_overhead_s=0.0,  # per row instead
         note="fitted by radixserve calibrate",
         attention_efficiency=attention,

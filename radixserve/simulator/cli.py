@@ -132,11 +132,12 @@ def calibrate_engine(
         predicted_seconds,
         recorded_forwards,
     )
-    from radixserve.simulator.peaks import engine_linears, measure_peaks
+    from radixserve.simulator.peaks import engine_linears, measure_linear_rates, measure_peaks
 
     device = pick_device(engine.args.device)
     dtype, packing = engine_linears(engine.args, device)
     flops, bandwidth = measure_peaks(device, dtype=dtype, packing=packing)
+    rates = measure_linear_rates(device, dtype=dtype, packing=packing)
     runs = measure_runs(engine) if runs is None else runs
     config = load_model_config(engine.source)
     server_args = scheduler_args(engine.args)
@@ -151,7 +152,7 @@ def calibrate_engine(
     )
     # radixserve's CPU backend reads a prefix a batch shares once (its decode path says so).
     cascade = "shared-prefix cascade" in engine.get_stats().get("decode_path", "")
-    profile = fit(config, runs, recorded, flops, bandwidth, memory, name, cascade)
+    profile = fit(config, runs, recorded, flops, bandwidth, memory, name, cascade, rates)
     pairs = zip(runs, recorded, strict=True)
     predicted = [predicted_seconds(config, profile, run.shape, forwards) for run, forwards in pairs]
     return profile, list(zip(runs, predicted, strict=True))
@@ -203,8 +204,12 @@ def _describe(profile: HardwareProfile) -> str:
         shared = profile.shared_prefix_attention_efficiency or context
         key_ns = profile.shared_prefix_key_s * 1e9
         cascade = f", a cascade's x {shared:.3f} + {key_ns:.0f} ns per key and layer"
+    linears = f"peak {profile.peak_flops / 1e9:,.0f} GFLOP/s"
+    if profile.linear_rates:
+        rates = ", ".join(f"{width}: {rate / 1e9:,.0f}" for width, rate in profile.linear_rates)
+        linears = f"linears by hidden size {rates} GFLOP/s"
     return (
-        f"peak {profile.peak_flops / 1e9:,.0f} GFLOP/s x {profile.flops_efficiency:.2f} "
+        f"{linears} x {profile.flops_efficiency:.2f} "
         f"(decode steps x {profile.flops_efficiency if decode_flops is None else decode_flops:.2f}, "
         f"attention x {attention:.3f} (causal in blocks of {profile.attention_block}), "
         f"over a cached prefix x {context:.3f}, "

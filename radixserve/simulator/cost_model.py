@@ -109,6 +109,7 @@ class ForwardWork:
     context_attention_flops: float = 0.0
     shared_context_flops: float = 0.0  # of context_attention_flops: over prefixes a batch shares
     shared_prefix_keys: float = 0.0  # K/V tokens (per layer) a cascade's calls read of those prefixes
+    width: int = 0  # the model's hidden size: its linears' rate depends on it (linear_peak)
 
     @property
     def flops(self) -> float:
@@ -153,6 +154,7 @@ def forward_work(shape: ModelShape, fwd: ForwardShape, attention_block: int = 1)
         context_attention_flops=over_context,
         shared_context_flops=shared_pairs,
         shared_prefix_keys=keys,
+        width=shape.hidden,
     )
 
 
@@ -165,7 +167,7 @@ def work_seconds(work: ForwardWork, profile: HardwareProfile) -> float:
     linear_efficiency = profile.flops_efficiency
     if work.decode and profile.decode_flops_efficiency is not None:
         linear_efficiency = profile.decode_flops_efficiency
-    compute = work.linear_flops / (profile.peak_flops * linear_efficiency)
+    compute = work.linear_flops / (profile.linear_peak(work.width) * linear_efficiency)
     compute += work.attention_flops / (profile.peak_flops * attention_efficiency)
     shared = work.shared_context_flops if profile.cascade_attention else 0.0
     compute += (work.context_attention_flops - shared) / (profile.peak_flops * context_efficiency)

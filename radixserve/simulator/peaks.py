@@ -1,10 +1,13 @@
-"""This machine's peaks for the roofline: the FLOP/s of the matmul the engine's linears run (the
-kernel the model runner picks for the same flags, not torch's: torch's bf16 matmul is emulated on a
-CPU without AVX-512 BF16) and a large copy's bytes/s."""
+"""This machine's peaks for the roofline, all on the matmul the engine's linears run (the kernel the
+model runner picks for the same flags, not torch's: torch's bf16 matmul is emulated on a CPU
+without AVX-512 BF16): a square product's FLOP/s, the rate one row streams a large weight, and the
+FLOP/s of a model's linears at each of several hidden sizes."""
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,24 +36,62 @@ def measure_peaks(
       this rate as the weights' and fits only the rest."""
     device = device or torch.device("cpu")
     n = 8192 if device.type == "cuda" else 1024
+    square = _engine_linear(torch.randn(n, n, dtype=dtype, device=device), packing)
     a = torch.randn(n, n, dtype=dtype, device=device)
-    b = torch.randn(n, n, dtype=dtype, device=device)
+    flops = _rate(lambda: square(a), 2 * n**3, seconds, device)
     rows, cols = STREAMED_WEIGHT
     weight = torch.randn(cols, rows, dtype=dtype, device=device) / rows**0.5
+    streamed = _engine_linear(weight, packing)
     row = torch.randn(1, rows, dtype=dtype, device=device)
-    if packing is not None:
-        square, streamed = packing.pack(b), packing.pack(weight)
-        flops = _rate(lambda: square.matmul(a), 2 * n**3, seconds, device)
-        bandwidth = _rate(lambda: streamed.matmul(row), weight.nbytes, seconds, device)
-    else:
-        flops = _rate(lambda: torch.mm(a, b), 2 * n**3, seconds, device)
-        bandwidth = _rate(lambda: torch.nn.functional.linear(row, weight), weight.nbytes, seconds, device)
+    bandwidth = _rate(lambda: streamed(row), weight.nbytes, seconds, device)
     return flops, bandwidth
 
 
 # The streamed weight's (in features, out features): 256 MiB in bf16, more than any CPU's or GPU's
 # cache holds, so that each row reads it from memory.
 STREAMED_WEIGHT = (8192, 16384)
+
+# The hidden sizes measure_linear_rates times: SmolLM2-135M's is 576, Llama-3.2-1B's 2048, an
+# 8B's 4096.
+LINEAR_WIDTHS = (512, 1024, 2048, 4096)
+
+
+def measure_linear_rates(
+    device: torch.device | None = None,
+    seconds: float = 2.0,
+    dtype: torch.dtype = torch.bfloat16,
+    packing: WeightPacking | None = None,
+    widths: tuple[int, ...] = LINEAR_WIDTHS,
+) -> tuple[tuple[int, float], ...]:
+    """The FLOP/s of the engine's linears in a model of each hidden size (HardwareProfile.
+    linear_rates): a prompt's tokens through an MLP's pair, up to four times the width and down
+    again, `seconds` spent in all."""
+    device = device or torch.device("cpu")
+    tokens = 2048 if device.type == "cuda" else 256
+    out = []
+    for width in widths:
+        weight = torch.randn(4 * width, width, dtype=dtype, device=device) / width**0.5
+        up, down = _engine_linear(weight, packing), _engine_linear(weight.t().contiguous(), packing)
+        x = torch.randn(tokens, width, dtype=dtype, device=device)
+        flops = 2 * 2 * tokens * width * 4 * width
+        mlp = functools.partial(_through, x, up, down)
+        out.append((width, _rate(mlp, flops, seconds / len(widths), device)))
+    return tuple(out)
+
+
+def _through(x: torch.Tensor, *linears: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    for linear in linears:
+        x = linear(x)
+    return x
+
+
+def _engine_linear(
+    weight: torch.Tensor, packing: WeightPacking | None
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x W^T as the engine's linear computes it: with `packing`, its packed kernel; else F.linear."""
+    if packing is not None:
+        return packing.pack(weight).matmul
+    return lambda x: torch.nn.functional.linear(x, weight)
 
 
 def engine_linears(args: ServerArgs, device: torch.device) -> tuple[torch.dtype, WeightPacking | None]:

@@ -29,6 +29,7 @@ from radixserve.simulator.cli import _describe, calibrate_engine
 from radixserve.simulator.cost_model import ForwardShape, ModelShape, SharedPrefix, forward_seconds
 from radixserve.simulator.hardware import HardwareProfile, load_profile
 from radixserve.simulator.model_configs import BUILTIN_MODEL_CONFIGS
+from radixserve.simulator.peaks import LINEAR_WIDTHS
 from tests.simulator.test_cost_model import LLAMA_8B
 
 
@@ -131,6 +132,27 @@ def test_the_fit_recovers_this_cpus_attention() -> None:
         assert getattr(fitted, field) == pytest.approx(getattr(truth, field), rel=0.1), field
 
 
+def test_a_profile_fitted_on_one_model_predicts_a_wider_ones_linears() -> None:
+    """Fitted on the 576-wide SmolLM2 with the linears' rates by width, a profile predicts an 8B
+    (4096 wide, whose linears run twice as fast here) as the device would run it. Fitted on one
+    peak for every width, it predicts the 8B's prefills about twice as slow."""
+    rates = ((512, 1e11), (4096, 2e11))
+    truth = HardwareProfile(
+        "truth", 1.5e11, 3e10, 2.5e10, 0.8, 1.0, 10e-3, attention_efficiency=0.5, linear_rates=rates
+    )
+    small = ModelConfig.from_hf_dict(BUILTIN_MODEL_CONFIGS["smollm2-135m"])
+    recorded = [recorded_forwards(small, shape, i, 200_000) for i, shape in enumerate(CALIBRATION_RUNS)]
+    pairs = list(zip(CALIBRATION_RUNS, recorded, strict=True))
+    runs = [Run(shape, predicted_seconds(small, truth, shape, forwards)) for shape, forwards in pairs]
+    with_rates = fit(small, runs, recorded, 1.5e11, 3e10, 2.5e10, linear_rates=rates)
+    one_peak = fit(small, runs, recorded, 1.5e11, 3e10, 2.5e10)
+    wide = ModelShape.of(ModelConfig.from_hf_dict(LLAMA_8B))
+    prefill = ForwardShape([512], [0], 1)
+    measured = forward_seconds(wide, truth, prefill)
+    assert forward_seconds(wide, with_rates, prefill) == pytest.approx(measured, rel=0.03)
+    assert forward_seconds(wide, one_peak, prefill) > 1.5 * measured
+
+
 def test_the_fit_recovers_a_host_bound_profile() -> None:
     """The same model on a device fast enough that a decode step's fixed costs (per step and per
     row) show: told apart from a prefill forward's."""
@@ -175,10 +197,12 @@ def test_calibrate_a_real_engine(tiny_model_dir: Callable[[str], Path], tmp_path
         engine.shutdown()
     assert len(rows) == len(CALIBRATION_RUNS)
     assert profile.peak_flops > 0 and profile.memory_bandwidth > 0 and profile.memory_bytes > 0
+    assert [width for width, _ in profile.linear_rates] == list(LINEAR_WIDTHS)
     assert all(run.seconds > 0 and predicted > 0 for run, predicted in rows)
     # What `calibrate` prints of it: every fitted figure, the cascade's where the engine has one.
     line = _describe(profile)
     assert "over a cached prefix x" in line and "a decode step's x" in line
+    assert line.startswith("linears by hidden size 512: ")
     assert f"more for a forward after {WAKE_IDLE_S:g} s idle" in line
     assert profile.idle_wake_s >= 0 and profile.idle_wake_after_s == WAKE_IDLE_S
     assert ("per key and layer" in line) == profile.cascade_attention

@@ -117,6 +117,27 @@ def test_profiles_by_name_or_file(tmp_path: object) -> None:
         load_profile("TPU")
 
 
+def test_linears_run_at_the_rate_of_their_models_width(tmp_path: object) -> None:
+    """A profile with linear rates prices a model's linears at the rate of its hidden size,
+    interpolated in the log of the width and held at the ends; attention stays at the peak."""
+    from pathlib import Path
+
+    rates = ((512, 1e11), (2048, 2e11))
+    profile = HardwareProfile("cpu", 1.5e11, 1e15, 2e10, 1.0, 1.0, 0.0, linear_rates=rates)
+    assert HardwareProfile("gpu", 1.5e11, 1e15, 2e10).linear_peak(4096) == 1.5e11  # no rates
+    assert [profile.linear_peak(w) for w in (256, 512, 2048, 8192)] == [1e11, 1e11, 2e11, 2e11]
+    assert profile.linear_peak(1024) == pytest.approx(1.5e11)  # halfway in the log
+    s = shape()  # 4096 wide: the widest rate
+    prefill = ForwardShape([512], [0], 1)
+    work = forward_work(s, prefill)
+    assert work.width == 4096
+    attention = work.attention_flops / 1.5e11
+    assert forward_seconds(s, profile, prefill) == pytest.approx(work.linear_flops / 2e11 + attention)
+    path = Path(str(tmp_path)) / "cpu.json"
+    profile.save(path)
+    assert load_profile(str(path)) == profile  # the pairs come back as tuples
+
+
 def test_causal_attention_by_blocks() -> None:
     """A kernel that masks by blocks of keys computes each query block's keys up to the block's
     end: a prompt within one block costs its full square, a long one about half plus a block."""

@@ -77,7 +77,7 @@ class HardwareProfile:
     forward_noise: float = 0.0
     # The FLOP/s of the engine's linears in a model of each hidden size: (hidden size, FLOP/s)
     # pairs, widest last (`calibrate` times them). A matmul's rate depends on its shape: on a
-    # 2-core Zen 3 a 2048-wide model's linears ran 1.3 times as fast as a 576-wide one's. The
+    # 2-core Zen 3 a 2048-wide model's linears ran 1.2 times as fast as a 576-wide one's. The
     # efficiencies are shares of the rate at the model's width, so that a profile fitted on one
     # model predicts another's linears. Empty: peak_flops at every width (the GPU profiles).
     linear_rates: tuple[tuple[int, float], ...] = ()

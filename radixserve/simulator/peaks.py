@@ -58,7 +58,7 @@ LINEAR_WIDTHS = (512, 1024, 2048, 4096)
 
 def measure_linear_rates(
     device: torch.device | None = None,
-    seconds: float = 2.0,
+    seconds: float = 4.0,
     dtype: torch.dtype = torch.bfloat16,
     packing: WeightPacking | None = None,
     widths: tuple[int, ...] = LINEAR_WIDTHS,

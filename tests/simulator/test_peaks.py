@@ -1,4 +1,4 @@
-"""simulator/peaks.py: the peak calibrate measures is the matmul the engine's linears run."""
+"""simulator/peaks.py: the peaks calibrate measures are on the matmul the engine's linears run."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from radixserve.config.server_args import ServerArgs
 from radixserve.executor.model_runner import ModelRunner
 from radixserve.executor.runner_config import RunnerConfig
-from radixserve.simulator.peaks import engine_linears, measure_peaks
+from radixserve.simulator.peaks import engine_linears, measure_linear_rates, measure_peaks
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -34,3 +34,5 @@ def test_the_peak_is_the_matmul_the_engine_runs(tiny_model_dir: Callable[[str], 
         assert packing is not None and packing.kernel == chosen
     flops, bandwidth = measure_peaks(device, seconds=0.05, dtype=dtype_used, packing=packing)
     assert flops > 0 and bandwidth > 0
+    rates = measure_linear_rates(device, seconds=0.05, dtype=dtype_used, packing=packing, widths=(64, 128))
+    assert [width for width, _ in rates] == [64, 128] and all(rate > 0 for _, rate in rates)

@@ -2,8 +2,9 @@
 measured runs (benchmarks/simulator_validation.py then measures its error on workloads the fit
 did not use).
 
-1. Peaks: the FLOP/s of the matmul the engine's linears run, and a large copy's bytes/s, measured
-   here (simulator/peaks.py).
+1. Peaks, measured here on the matmul the engine's linears run (simulator/peaks.py): its FLOP/s,
+   overall and by model width, and the rate it streams weights (taken as the weights' bandwidth,
+   not fitted).
 2. Calibration runs: prefill-heavy, decode-heavy and long-context batches (some over a prefix
    cached beforehand) through a real Engine, timed, and one of them again after the engine idled.
 3. The fit: the scheduler's batching of a batch that all arrives at once does not depend on time,

@@ -45,18 +45,23 @@ from radixserve.simulator.trace import TraceRequest
 @dataclass(frozen=True)
 class CalibrationShape:
     """A batch that arrives at once: `requests` prompts of `prompt_len` new tokens each, after a
-    `cached_prefix` they all share that an untimed request put in the cache, each generating
-    `output_len` tokens; `idle_s` after the request before it (the engine idle meanwhile)."""
+    `cached_prefix` they share that an untimed request put in the cache, each generating
+    `output_len` tokens; `idle_s` after the request before it (the engine idle meanwhile).
+    With `prefix_groups` above 1, that many distinct prefixes of `cached_prefix` tokens, the
+    requests taking them in turn: no prefix is then the whole batch's, as in a server whose
+    requests come from several system prompts at once."""
 
     requests: int
     prompt_len: int
     output_len: int
     cached_prefix: int = 0
     idle_s: float = 0.0
+    prefix_groups: int = 1
 
     @property
     def label(self) -> str:
-        over = f" over {self.cached_prefix} cached" if self.cached_prefix else ""
+        groups = f"{self.prefix_groups} x " if self.prefix_groups > 1 else ""
+        over = f" over {groups}{self.cached_prefix} cached" if self.cached_prefix else ""
         idle = f", after {self.idle_s:g} s idle" if self.idle_s else ""
         return f"{self.requests} x {self.prompt_len}{over} + {self.output_len}{idle}"
 
@@ -85,6 +90,11 @@ CALIBRATION_RUNS: tuple[CalibrationShape, ...] = (
     CalibrationShape(4, 64, 32, cached_prefix=512),
     CalibrationShape(16, 16, 16, cached_prefix=1024),  # a cascade's cost per key and per query
     CalibrationShape(2, 1024, 32),
+    # Decode steps over long contexts that no whole batch shares (no cascade), with little prefill
+    # before them: the runs above show a decode step's attention over its context only beside a
+    # long prefill, which then outweighs it in the fit.
+    CalibrationShape(8, 16, 48, cached_prefix=512, prefix_groups=4),
+    CalibrationShape(2, 16, 48, cached_prefix=1024, prefix_groups=2),
     # The extend above once more, after the engine idled: what a request arriving at an idle
     # server pays more (HardwareProfile.idle_wake_s). Not in the fit of the rest.
     CalibrationShape(1, 64, 1, cached_prefix=512, idle_s=WAKE_IDLE_S),
@@ -126,18 +136,20 @@ class Run:
 
 @dataclass(frozen=True)
 class CalibrationBatch:
-    """A shape's token ids: the cached prefix (empty if none) and the timed prompts, which start
-    with it."""
+    """A shape's token ids: the cached prefixes (none if the shape has none) and the timed
+    prompts, each starting with one of them."""
 
-    prefix: list[int]
+    prefixes: list[list[int]]
     prompts: list[list[int]]
 
 
 def calibration_batch(shape: CalibrationShape, vocab: int, seed: int) -> CalibrationBatch:
     rng = random.Random(seed)
-    prefix = [rng.randrange(3, vocab) for _ in range(shape.cached_prefix)]
+    groups = shape.prefix_groups if shape.cached_prefix else 1
+    prefixes = [[rng.randrange(3, vocab) for _ in range(shape.cached_prefix)] for _ in range(groups)]
     tails = [[rng.randrange(3, vocab) for _ in range(shape.prompt_len)] for _ in range(shape.requests)]
-    return CalibrationBatch(prefix, [prefix + tail for tail in tails])
+    prompts = [prefixes[i % groups] + tail for i, tail in enumerate(tails)]
+    return CalibrationBatch([p for p in prefixes if p], prompts)
 
 
 # A pass times each run until about this long is spent on it (at most MAX_SAMPLES times): a
@@ -231,8 +243,8 @@ class CalibrationTimer:
 
     def _time_run(self, shape: CalibrationShape, batch: CalibrationBatch) -> float:
         self.engine.flush_cache()
-        if batch.prefix:
-            self.engine.generate(input_ids=batch.prefix, sampling_params=_params(1))
+        for prefix in batch.prefixes:
+            self.engine.generate(input_ids=prefix, sampling_params=_params(1))
         if shape.idle_s:
             self._sleep(shape.idle_s)
         results = self.engine.generate(input_ids=batch.prompts, sampling_params=_params(shape.output_len))
@@ -263,9 +275,9 @@ def recorded_forwards(
     config: ModelConfig, shape: CalibrationShape, seed: int, max_total_tokens: int, **server_args: Any
 ) -> list[ForwardRecord]:
     """The forwards the real scheduler runs for a calibration shape's timed batch (arriving all at
-    once, after its cached prefix's request, whose forwards are left out as its time is)."""
+    once, after its cached prefixes' requests, whose forwards are left out as their time is)."""
     batch = calibration_batch(shape, SIM_VOCAB, seed)
-    trace = [TraceRequest(0.0, batch.prefix, 1)] if batch.prefix else []
+    trace = [TraceRequest(0.0, prefix, 1) for prefix in batch.prefixes]
     trace += [TraceRequest(_TIMED_ARRIVAL_S + shape.idle_s, p, shape.output_len) for p in batch.prompts]
     # With the reads a cascade shares: the fit decides whether the engine's attention has one.
     result = simulate(config, None, trace, max_total_tokens, count_shared_reads=True, **server_args)

@@ -19,6 +19,7 @@ from radixserve.simulator.calibrate import (
     CalibrationShape,
     CalibrationTimer,
     Run,
+    calibration_batch,
     fit,
     forward_noise,
     measure_runs,
@@ -287,3 +288,24 @@ def test_a_cached_prefix_run_times_only_its_batch() -> None:
     # Without a prefix the same batch prefills whole prompts.
     (cold, *_) = recorded_forwards(config, CalibrationShape(4, 64, 3), 0, 200_000)
     assert cold.shape.q_lens == [64] * 4 and cold.shape.prefix_lens == [0] * 4
+
+
+def test_prefix_groups_give_decode_steps_no_prefix_of_the_whole_batch() -> None:
+    """Requests over several cached prefixes: the extend attends each group's prefix once (a
+    cascade per group), and the decode steps have no prefix every request shares, so their
+    attention over the context is a decode step's own, with no cascade."""
+    config = ModelConfig.from_hf_dict(LLAMA_8B)
+    shape = CalibrationShape(8, 16, 3, cached_prefix=512, prefix_groups=4)
+    assert shape.label == "8 x 16 over 4 x 512 cached + 3"
+    batch = calibration_batch(shape, 1000, seed=0)
+    assert len(batch.prefixes) == 4 and len({tuple(p) for p in batch.prefixes}) == 4
+    assert [batch.prefixes.index(prompt[:512]) for prompt in batch.prompts] == [0, 1, 2, 3] * 2
+    extend, *decodes = recorded_forwards(config, shape, 0, 200_000)
+    assert extend.mode == "EXTEND" and extend.shape.prefix_lens == [512] * 8
+    assert [(p.length, p.requests, p.queries) for p in extend.shape.shared_prefixes] == [(512, 2, 32)] * 4
+    assert [r.mode for r in decodes] == ["DECODE"] * 2
+    assert [r.shape.prefix_lens for r in decodes] == [[528] * 8, [529] * 8]
+    assert all(r.shape.shared_prefixes == () for r in decodes)
+    # One group is the whole batch's prefix: its decode steps are a cascade's.
+    (_, shared, _) = recorded_forwards(config, CalibrationShape(8, 16, 3, cached_prefix=512), 0, 200_000)
+    assert [(p.length, p.requests) for p in shared.shape.shared_prefixes] == [(512, 8)]

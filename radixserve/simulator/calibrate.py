@@ -33,6 +33,7 @@ from radixserve.simulator.cost_model import (
     ModelShape,
     forward_seconds,
     forward_work,
+    pointwise_seconds,
     wake_seconds,
     wake_share,
 )
@@ -296,6 +297,7 @@ class _Forwards:
     a cascade) over prefixes the batch shares, with those prefixes' keys."""
 
     linear: np.ndarray
+    pointwise: np.ndarray  # seconds, at the measured costs (not fitted)
     attention: np.ndarray
     context: np.ndarray  # over a cached context, less the part over shared prefixes
     shared: np.ndarray  # over prefixes the batch shares (a cascade's; 0 without one)
@@ -308,17 +310,14 @@ class _Forwards:
 
     @classmethod
     def of(
-        cls,
-        forwards: list[list[ForwardWork]],
-        peak_flops: float,
-        linear_peak: float,
-        bandwidth: float,
-        cascade: bool,
+        cls, forwards: list[list[ForwardWork]], peaks: HardwareProfile, linear_peak: float, cascade: bool
     ) -> _Forwards:
         every = [w for run in forwards for w in run]
+        peak_flops, bandwidth = peaks.peak_flops, peaks.memory_bandwidth
         shared = np.array([w.shared_context_flops * cascade for w in every]) / peak_flops
         return cls(
             np.array([w.linear_flops for w in every]) / linear_peak,
+            np.array([pointwise_seconds(w, peaks.pointwise) for w in every]),
             np.array([w.attention_flops for w in every]) / peak_flops,
             np.array([w.context_attention_flops for w in every]) / peak_flops - shared,
             shared,
@@ -335,7 +334,7 @@ class _Forwards:
         flops, attention, decode_flops, context, decode_attention, shared, *fixed = p
         prefill_fixed, decode_fixed, row, key = fixed
         linear = self.linear / np.where(self.decode, decode_flops, flops)
-        compute = linear + self.attention / attention + self.shared / shared
+        compute = linear + self.pointwise + self.attention / attention + self.shared / shared
         compute += self.context / np.where(self.decode, decode_attention, context)
         compute += self.shared_keys * key
         per_forward = np.maximum(compute, self.moved)
@@ -364,30 +363,28 @@ def fit(
     config: ModelConfig,
     runs: list[Run],
     records: list[list[ForwardRecord]],
-    peak_flops: float,
-    bandwidth: float,
-    memory_bytes: float,
-    name: str = "cpu",
+    peaks: HardwareProfile,
     cascade: bool = False,
-    linear_rates: tuple[tuple[int, float], ...] = (),
 ) -> HardwareProfile:
     """The profile with the least squared log error of each run's predicted against measured
     seconds; records: per run, its forwards (recorded_forwards); cascade: whether the engine's
     attention reads a shared prefix once per batch. Each of ATTENTION_BLOCKS is fitted in turn
     and the best kept. A run after an idle spell is left out of that fit: it sets idle_wake_s.
-    `bandwidth` is the weights' (peaks.measure_peaks) and is not fitted: a decode step reads the
-    same weights at every batch size, so the runs show only the sum of their reading and the
-    step's fixed cost (docs/simulator.md), and the measured rate splits it. `linear_rates`: the
-    linears' FLOP/s by model width (peaks.measure_linear_rates); the linears' efficiencies are
-    fitted as shares of the rate at this model's width."""
-    peaks = HardwareProfile(name, peak_flops, bandwidth, memory_bytes, linear_rates=linear_rates)
+
+    `peaks`: what calibrate measured (simulator/peaks.py), taken as it is; the fit fills in the
+    rest. Its name, memory size, peak FLOP/s and the linears' FLOP/s by model width (the linears'
+    efficiencies are fitted as shares of the rate at this model's width); the weights' bandwidth,
+    which is not fitted: a decode step reads the same weights at every batch size, so the runs
+    show only the sum of their reading and the step's fixed cost (docs/simulator.md), and the
+    measured rate splits it; and the pointwise ops' costs, which the runs of one model cannot
+    tell from its linears' efficiency."""
     linear_peak = peaks.linear_peak(config.hidden_size)
     back_to_back = [i for i, run in enumerate(runs) if not run.shape.idle_s]
     measured = np.log(np.array([runs[i].seconds for i in back_to_back]))
     best: tuple[float, int, np.ndarray] | None = None
     for block in ATTENTION_BLOCKS:
         forwards = [forward_costs(config, records[i], block) for i in back_to_back]
-        data = _Forwards.of(forwards, peak_flops, linear_peak, bandwidth, cascade)
+        data = _Forwards.of(forwards, peaks, linear_peak, cascade)
         p, error = _fit_parameters(data, measured)
         if best is None or error < best[0]:
             best = (error, block, p)
@@ -492,7 +489,7 @@ def _coarse_grid(data: _Forwards, measured: np.ndarray) -> np.ndarray:
     best: tuple[float, np.ndarray] | None = None
     for ef, ea in itertools.product(FLOPS_EFFICIENCY, ATTENTION_EFFICIENCY):
         attention = data.attention + data.context + data.shared
-        per_forward = np.maximum(data.linear / ef + attention / ea, data.moved)
+        per_forward = np.maximum(data.linear / ef + data.pointwise + attention / ea, data.moved)
         roof = np.bincount(data.owner, weights=per_forward, minlength=data.runs)
         predicted = roof[:, None, None, None] + fixed
         error = ((np.log(predicted) - measured[:, None, None, None]) ** 2).mean(axis=0)

@@ -132,12 +132,31 @@ def calibrate_engine(
         predicted_seconds,
         recorded_forwards,
     )
-    from radixserve.simulator.peaks import engine_linears, measure_linear_rates, measure_peaks
+    from radixserve.simulator.hardware import HardwareProfile
+    from radixserve.simulator.peaks import (
+        engine_kernels,
+        engine_linears,
+        measure_linear_rates,
+        measure_peaks,
+        measure_pointwise,
+    )
 
     device = pick_device(engine.args.device)
     dtype, packing = engine_linears(engine.args, device)
     flops, bandwidth = measure_peaks(device, dtype=dtype, packing=packing)
-    rates = measure_linear_rates(device, dtype=dtype, packing=packing)
+    memory = float(
+        torch.cuda.get_device_properties(device).total_memory
+        if device.type == "cuda"
+        else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    )
+    peaks = HardwareProfile(
+        name,
+        flops,
+        bandwidth,
+        memory,
+        linear_rates=measure_linear_rates(device, dtype=dtype, packing=packing),
+        pointwise=measure_pointwise(device, dtype=dtype, kernels=engine_kernels(engine.args, device)),
+    )
     runs = measure_runs(engine) if runs is None else runs
     config = load_model_config(engine.source)
     server_args = scheduler_args(engine.args)
@@ -145,14 +164,9 @@ def calibrate_engine(
         recorded_forwards(config, shape, i, engine.max_total_tokens, **server_args)
         for i, shape in enumerate(calibration_runs(engine.context_len))
     ]
-    memory = float(
-        torch.cuda.get_device_properties(device).total_memory
-        if device.type == "cuda"
-        else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    )
     # radixserve's CPU backend reads a prefix a batch shares once (its decode path says so).
     cascade = "shared-prefix cascade" in engine.get_stats().get("decode_path", "")
-    profile = fit(config, runs, recorded, flops, bandwidth, memory, name, cascade, rates)
+    profile = fit(config, runs, recorded, peaks, cascade)
     pairs = zip(runs, recorded, strict=True)
     predicted = [predicted_seconds(config, profile, run.shape, forwards) for run, forwards in pairs]
     return profile, list(zip(runs, predicted, strict=True))
@@ -208,6 +222,7 @@ def _describe(profile: HardwareProfile) -> str:
     if profile.linear_rates:
         rates = ", ".join(f"{width}: {rate / 1e9:,.0f}" for width, rate in profile.linear_rates)
         linears = f"linears by hidden size {rates} GFLOP/s"
+    pointwise = profile.pointwise
     return (
         f"{linears} x {profile.flops_efficiency:.2f} "
         f"(decode steps x {profile.flops_efficiency if decode_flops is None else decode_flops:.2f}, "
@@ -215,6 +230,8 @@ def _describe(profile: HardwareProfile) -> str:
         f"over a cached prefix x {context:.3f}, "
         f"a decode step's x {decode_attention:.3f}{cascade}), "
         f"{profile.memory_bandwidth / 1e9:,.1f} GB/s x {profile.bandwidth_efficiency:.2f}, "
+        f"pointwise ns per value: norm {pointwise.norm_s * 1e9:.2f}, rotary {pointwise.rotary_s * 1e9:.2f}, "
+        f"activation {pointwise.activation_s * 1e9:.2f}, "
         f"{profile.forward_overhead_s * 1e3:.2f} ms per prefill forward, "
         f"{decode_fixed * 1e3:.2f} ms per decode step, "
         f"{profile.row_overhead_s * 1e6:.0f} us per sampled row, "

@@ -1,13 +1,14 @@
 """A roofline of one forward: the FLOPs and bytes a batch moves through the model, attention
-included, on a hardware profile. Time = the larger of compute and memory time at the profile's
-efficiencies, plus its fixed costs."""
+included, on a hardware profile. Time = the larger of compute (matmuls at the profile's
+efficiencies, and the pointwise ops at their measured rates) and memory time, plus its fixed
+costs."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from radixserve.models.config import ModelConfig
-from radixserve.simulator.hardware import HardwareProfile
+from radixserve.simulator.hardware import HardwareProfile, PointwiseCosts
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,10 @@ class ForwardWork:
     shared_context_flops: float = 0.0  # of context_attention_flops: over prefixes a batch shares
     shared_prefix_keys: float = 0.0  # K/V tokens (per layer) a cascade's calls read of those prefixes
     width: int = 0  # the model's hidden size: its linears' rate depends on it (linear_peak)
+    # Values through each layer's pointwise ops, summed over layers (HardwareProfile.pointwise).
+    norm_values: float = 0.0
+    rotary_values: float = 0.0
+    activation_values: float = 0.0
 
     @property
     def flops(self) -> float:
@@ -143,6 +148,7 @@ def forward_work(shape: ModelShape, fwd: ForwardShape, attention_block: int = 1)
     shared = float(fwd.shared_kv_reads * shape.kv_bytes_per_token)
     shared_pairs = per_pair * fwd.shared_pairs
     keys = float(shape.layers * fwd.shared_prefix_tokens)
+    token_layers = float(tokens * shape.layers)
     return ForwardWork(
         linear_flops=linear,
         attention_flops=causal,
@@ -155,6 +161,18 @@ def forward_work(shape: ModelShape, fwd: ForwardShape, attention_block: int = 1)
         shared_context_flops=shared_pairs,
         shared_prefix_keys=keys,
         width=shape.hidden,
+        norm_values=token_layers * 2 * shape.hidden,  # before attention and before the MLP
+        rotary_values=token_layers * (shape.heads + shape.kv_heads) * shape.head_dim,
+        activation_values=token_layers * shape.intermediate,
+    )
+
+
+def pointwise_seconds(work: ForwardWork, costs: PointwiseCosts) -> float:
+    """What a forward's pointwise ops take at `costs`' measured rates."""
+    return (
+        work.norm_values * costs.norm_s
+        + work.rotary_values * costs.rotary_s
+        + work.activation_values * costs.activation_s
     )
 
 
@@ -169,6 +187,7 @@ def work_seconds(work: ForwardWork, profile: HardwareProfile) -> float:
         linear_efficiency = profile.decode_flops_efficiency
     compute = work.linear_flops / (profile.linear_peak(work.width) * linear_efficiency)
     compute += work.attention_flops / (profile.peak_flops * attention_efficiency)
+    compute += pointwise_seconds(work, profile.pointwise)
     shared = work.shared_context_flops if profile.cascade_attention else 0.0
     compute += (work.context_attention_flops - shared) / (profile.peak_flops * context_efficiency)
     compute += shared / (profile.peak_flops * shared_efficiency)

@@ -15,6 +15,19 @@ from radixserve.config.server_args import InvalidArgumentError
 
 
 @dataclass(frozen=True)
+class PointwiseCosts:
+    """Seconds per value of a layer's work outside its matmuls, on the engine's own ops: RMSNorm
+    (per value normed), the rotary embedding (per query and key value rotated) and SiLU-and-multiply
+    (per value out). It costs a narrow model a larger share of its time than a wide one (on a
+    2-core Zen 3, a fifth of a 576-wide layer's linears, a twentieth of a 2048-wide one's), so a
+    profile fitted on one model must know it apart from the linears to predict another."""
+
+    norm_s: float = 0.0
+    rotary_s: float = 0.0
+    activation_s: float = 0.0
+
+
+@dataclass(frozen=True)
 class HardwareProfile:
     name: str
     peak_flops: float  # dense bf16 FLOP/s
@@ -81,6 +94,9 @@ class HardwareProfile:
     # efficiencies are shares of the rate at the model's width, so that a profile fitted on one
     # model predicts another's linears. Empty: peak_flops at every width (the GPU profiles).
     linear_rates: tuple[tuple[int, float], ...] = ()
+    # Measured by `calibrate`, not fitted; none on the GPU profiles (their kernels' share is small
+    # and in their efficiencies).
+    pointwise: PointwiseCosts = PointwiseCosts()
 
     def linear_peak(self, width: int) -> float:
         """The FLOP/s of a `width`-wide model's linears: linear_rates interpolated in the log of
@@ -103,7 +119,8 @@ class HardwareProfile:
     def from_dict(cls, fields: dict[str, Any]) -> HardwareProfile:
         """A profile from its JSON (save's), the rates' pairs made tuples again."""
         rates = tuple((int(width), float(rate)) for width, rate in fields.get("linear_rates", ()))
-        return cls(**{**fields, "linear_rates": rates})
+        pointwise = PointwiseCosts(**fields.get("pointwise", {}))
+        return cls(**{**fields, "linear_rates": rates, "pointwise": pointwise})
 
     @classmethod
     def load(cls, path: Path) -> HardwareProfile:

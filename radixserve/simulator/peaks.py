@@ -1,7 +1,8 @@
 """This machine's peaks for the roofline, all on the matmul the engine's linears run (the kernel the
 model runner picks for the same flags, not torch's: torch's bf16 matmul is emulated on a CPU
 without AVX-512 BF16): a square product's FLOP/s, the rate one row streams a large weight, and the
-FLOP/s of a model's linears at each of several hidden sizes."""
+FLOP/s of a model's linears at each of several hidden sizes. Beside them, what a value costs in
+the engine's pointwise ops (norms, rotary embedding, activation)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,12 @@ import torch
 
 from radixserve.config.server_args import ServerArgs
 from radixserve.executor.model_runner import pick_dtype
-from radixserve.kernels.cpu_ops import select_cpu_kernels
+from radixserve.kernels.cpu_ops import CpuKernels, select_cpu_kernels
+from radixserve.layers.activation import silu_and_mul
+from radixserve.layers.norm import RMSNorm
 from radixserve.layers.packed_weights import WeightPacking, cpu_packing_supported
+from radixserve.layers.rotary import RotaryEmbedding
+from radixserve.simulator.hardware import PointwiseCosts
 
 
 def measure_peaks(
@@ -79,6 +84,39 @@ def measure_linear_rates(
     return tuple(out)
 
 
+# The layer whose pointwise ops measure_pointwise times: a 1024-wide one (a value's cost hardly
+# depends on the width: on a 2-core Zen 3 within a third between 576 and 2048 wide).
+POINTWISE_LAYER = {"hidden": 1024, "intermediate": 4096, "heads": 16, "kv_heads": 4, "head_dim": 64}
+
+
+def measure_pointwise(
+    device: torch.device | None = None,
+    seconds: float = 1.5,
+    dtype: torch.dtype = torch.bfloat16,
+    kernels: CpuKernels | None = None,
+) -> PointwiseCosts:
+    """Seconds per value of a layer's pointwise ops (HardwareProfile.pointwise) on the engine's own
+    layers: RMSNorm, the rotary embedding and SiLU-and-multiply, on `kernels` (the native CPU
+    kernels the model runner picks: engine_kernels) where they run, for a prompt's tokens through
+    POINTWISE_LAYER; `seconds` spent in all."""
+    device = device or torch.device("cpu")
+    tokens = 2048 if device.type == "cuda" else 256
+    layer = POINTWISE_LAYER
+    hidden, heads = layer["hidden"], layer["heads"] + layer["kv_heads"]
+    norm = RMSNorm(hidden, 1e-5, kernels).to(device=device, dtype=dtype)  # as the model holds it
+    x = torch.randn(tokens, hidden, dtype=dtype, device=device)
+    rope = RotaryEmbedding(layer["head_dim"], tokens, 10000.0, None).to(device)
+    rotation = rope.lookup(torch.arange(tokens, device=device), dtype, kernels)
+    qk = torch.randn(tokens, heads, layer["head_dim"], dtype=dtype, device=device)
+    gate_up = torch.randn(tokens, 2 * layer["intermediate"], dtype=dtype, device=device)
+    each = seconds / 3
+    return PointwiseCosts(
+        norm_s=1 / _rate(lambda: norm(x), x.numel(), each, device),
+        rotary_s=1 / _rate(lambda: rotation.rotate_(qk), qk.numel(), each, device),
+        activation_s=1 / _rate(lambda: silu_and_mul(gate_up, kernels), gate_up.numel() / 2, each, device),
+    )
+
+
 def _through(x: torch.Tensor, *linears: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     for linear in linears:
         x = linear(x)
@@ -102,8 +140,14 @@ def engine_linears(args: ServerArgs, device: torch.device) -> tuple[torch.dtype,
     dtype = pick_dtype(args.dtype, device)
     if device.type != "cpu" or dtype != torch.bfloat16:
         return dtype, None
-    kernels = select_cpu_kernels(args.cpu_kernels, device, args.cpu_isa)
+    kernels = engine_kernels(args, device)
     return dtype, WeightPacking(kernels) if cpu_packing_supported(dtype, device, kernels) else None
+
+
+def engine_kernels(args: ServerArgs, device: torch.device) -> CpuKernels | None:
+    """The native CPU kernels an engine of `args` runs on `device` (None: torch's ops), as the model
+    runner picks them."""
+    return select_cpu_kernels(args.cpu_kernels, device, args.cpu_isa)
 
 
 def _rate(work: Any, units: float, seconds: float, device: torch.device) -> float:

@@ -28,7 +28,7 @@ from radixserve.simulator.calibrate import (
 )
 from radixserve.simulator.cli import _describe, calibrate_engine
 from radixserve.simulator.cost_model import ForwardShape, ModelShape, SharedPrefix, forward_seconds
-from radixserve.simulator.hardware import HardwareProfile, load_profile
+from radixserve.simulator.hardware import HardwareProfile, PointwiseCosts, load_profile
 from radixserve.simulator.model_configs import BUILTIN_MODEL_CONFIGS
 from radixserve.simulator.peaks import LINEAR_WIDTHS
 from tests.simulator.test_cost_model import LLAMA_8B
@@ -44,10 +44,16 @@ def _fit_to(
     pairs = list(zip(CALIBRATION_RUNS, recorded, strict=True))
     times = [predicted_seconds(config, truth, shape, forwards) for shape, forwards in pairs]
     runs = [Run(shape, time) for shape, time in zip(CALIBRATION_RUNS, times, strict=True)]
-    peaks = (truth.peak_flops, truth.memory_bandwidth, truth.memory_bytes)
-    fitted = fit(config, runs, recorded, *peaks, cascade=truth.cascade_attention)
+    fitted = fit(config, runs, recorded, _measured(truth), cascade=truth.cascade_attention)
     predicted = [predicted_seconds(config, fitted, shape, forwards) for shape, forwards in pairs]
     return fitted, times, predicted
+
+
+def _measured(truth: HardwareProfile, **fields: Any) -> HardwareProfile:
+    """What calibrate measures of a device whose every figure `truth` holds (fields: some of them
+    replaced): its peaks, bandwidth, memory, linears' rates and pointwise costs, and no more."""
+    measured = {"linear_rates": truth.linear_rates, "pointwise": truth.pointwise, **fields}
+    return HardwareProfile("cpu", truth.peak_flops, truth.memory_bandwidth, truth.memory_bytes, **measured)
 
 
 def test_the_fit_recovers_a_cpu_like_profile() -> None:
@@ -145,13 +151,37 @@ def test_a_profile_fitted_on_one_model_predicts_a_wider_ones_linears() -> None:
     recorded = [recorded_forwards(small, shape, i, 200_000) for i, shape in enumerate(CALIBRATION_RUNS)]
     pairs = list(zip(CALIBRATION_RUNS, recorded, strict=True))
     runs = [Run(shape, predicted_seconds(small, truth, shape, forwards)) for shape, forwards in pairs]
-    with_rates = fit(small, runs, recorded, 1.5e11, 3e10, 2.5e10, linear_rates=rates)
-    one_peak = fit(small, runs, recorded, 1.5e11, 3e10, 2.5e10)
+    with_rates = fit(small, runs, recorded, _measured(truth))
+    one_peak = fit(small, runs, recorded, _measured(truth, linear_rates=()))
     wide = ModelShape.of(ModelConfig.from_hf_dict(LLAMA_8B))
     prefill = ForwardShape([512], [0], 1)
     measured = forward_seconds(wide, truth, prefill)
     assert forward_seconds(wide, with_rates, prefill) == pytest.approx(measured, rel=0.03)
     assert forward_seconds(wide, one_peak, prefill) > 1.5 * measured
+
+
+def test_measured_pointwise_costs_carry_a_fit_to_a_wider_model() -> None:
+    """Norms, rotary embedding and activation cost a 576-wide model a larger share of its prefill
+    than a 4096-wide one. Measured apart, a profile fitted on the narrow model predicts the wide
+    one's prefill as the device runs it; unknown to the fit, they are folded into the linears'
+    efficiency, and the wide model's prefill comes out slow."""
+    pointwise = PointwiseCosts(norm_s=1.3e-9, rotary_s=2.3e-9, activation_s=3.7e-9)
+    truth = HardwareProfile(
+        "truth", 1.5e11, 3e10, 2.5e10, 0.95, 1.0, 10e-3, attention_efficiency=0.5, pointwise=pointwise
+    )
+    small = ModelConfig.from_hf_dict(BUILTIN_MODEL_CONFIGS["smollm2-135m"])
+    recorded = [recorded_forwards(small, shape, i, 200_000) for i, shape in enumerate(CALIBRATION_RUNS)]
+    pairs = list(zip(CALIBRATION_RUNS, recorded, strict=True))
+    runs = [Run(shape, predicted_seconds(small, truth, shape, forwards)) for shape, forwards in pairs]
+    known = fit(small, runs, recorded, _measured(truth))
+    unknown = fit(small, runs, recorded, _measured(truth, pointwise=PointwiseCosts()))
+    assert known.flops_efficiency == pytest.approx(0.95, rel=0.03)
+    assert unknown.flops_efficiency < 0.85  # the pointwise ops' time taken for slower linears
+    wide = ModelShape.of(ModelConfig.from_hf_dict(LLAMA_8B))
+    prefill = ForwardShape([512], [0], 1)
+    measured = forward_seconds(wide, truth, prefill)
+    assert forward_seconds(wide, known, prefill) == pytest.approx(measured, rel=0.02)
+    assert forward_seconds(wide, unknown, prefill) > 1.08 * measured
 
 
 def test_the_fit_recovers_a_host_bound_profile() -> None:

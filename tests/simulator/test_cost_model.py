@@ -16,7 +16,7 @@ from radixserve.simulator.cost_model import (
     forward_seconds,
     forward_work,
 )
-from radixserve.simulator.hardware import BUILTIN_PROFILES, HardwareProfile, load_profile
+from radixserve.simulator.hardware import BUILTIN_PROFILES, HardwareProfile, PointwiseCosts, load_profile
 from radixserve.simulator.model_configs import BUILTIN_MODEL_CONFIGS
 
 LLAMA_8B = BUILTIN_MODEL_CONFIGS["llama-3.1-8b"]
@@ -136,6 +136,29 @@ def test_linears_run_at_the_rate_of_their_models_width(tmp_path: object) -> None
     path = Path(str(tmp_path)) / "cpu.json"
     profile.save(path)
     assert load_profile(str(path)) == profile  # the pairs come back as tuples
+
+
+def test_pointwise_ops_cost_their_values_at_the_measured_rates(tmp_path: object) -> None:
+    """Each layer's two norms (hidden values each), rotary embedding (query and key heads) and
+    activation (intermediate values) per new token, priced at the profile's measured cost per
+    value beside the linears; a profile keeps them through its JSON."""
+    from pathlib import Path
+
+    s = shape()  # Llama-8B: 32 layers, 4096 wide, 32 + 8 heads of 128, 14336 intermediate
+    prefill = ForwardShape([100, 28], [0, 0], 2)
+    work = forward_work(s, prefill)
+    token_layers = 128 * 32
+    assert work.norm_values == token_layers * 2 * 4096
+    assert work.rotary_values == token_layers * (32 + 8) * 128
+    assert work.activation_values == token_layers * 14336
+    costs = PointwiseCosts(norm_s=1e-9, rotary_s=2e-9, activation_s=4e-9)
+    bare = HardwareProfile("cpu", 1e12, 1e15, 2e10, 1.0, 1.0, 0.0)
+    priced = dataclasses.replace(bare, pointwise=costs)
+    extra = work.norm_values * 1e-9 + work.rotary_values * 2e-9 + work.activation_values * 4e-9
+    assert forward_seconds(s, priced, prefill) == pytest.approx(forward_seconds(s, bare, prefill) + extra)
+    path = Path(str(tmp_path)) / "cpu.json"
+    priced.save(path)
+    assert load_profile(str(path)) == priced
 
 
 def test_causal_attention_by_blocks() -> None:

@@ -11,7 +11,13 @@ import torch
 from radixserve.config.server_args import ServerArgs
 from radixserve.executor.model_runner import ModelRunner
 from radixserve.executor.runner_config import RunnerConfig
-from radixserve.simulator.peaks import engine_linears, measure_linear_rates, measure_peaks
+from radixserve.simulator.peaks import (
+    engine_kernels,
+    engine_linears,
+    measure_linear_rates,
+    measure_peaks,
+    measure_pointwise,
+)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -36,3 +42,19 @@ def test_the_peak_is_the_matmul_the_engine_runs(tiny_model_dir: Callable[[str], 
     assert flops > 0 and bandwidth > 0
     rates = measure_linear_rates(device, seconds=0.05, dtype=dtype_used, packing=packing, widths=(64, 128))
     assert [width for width, _ in rates] == [64, 128] and all(rate > 0 for _, rate in rates)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_pointwise_costs_are_timed_on_the_engines_kernels(dtype: str) -> None:
+    """The pointwise ops are the engine's own layers, on the native kernels the model runner picks
+    for the same flags: RMSNorm, rotary and activation each run on them, none declined."""
+    args = ServerArgs(model_path="unused", dtype=dtype)
+    device = torch.device("cpu")
+    dtype_used, _ = engine_linears(args, device)
+    kernels = engine_kernels(args, device)
+    assert kernels is not None  # the suite's CPUs all build them
+    declined = dict(kernels.fallbacks)
+    costs = measure_pointwise(device, seconds=0.03, dtype=dtype_used, kernels=kernels)
+    assert costs.norm_s > 0 and costs.rotary_s > 0 and costs.activation_s > 0
+    # None of the three fell back to torch's ops (a declined native op is counted).
+    assert dict(kernels.fallbacks) == declined

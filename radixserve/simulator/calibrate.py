@@ -307,10 +307,16 @@ class _Forwards:
     rows: np.ndarray
     owner: np.ndarray
     runs: int
+    overlap: bool  # HardwareProfile.memory_overlaps_compute
 
     @classmethod
     def of(
-        cls, forwards: list[list[ForwardWork]], peaks: HardwareProfile, linear_peak: float, cascade: bool
+        cls,
+        forwards: list[list[ForwardWork]],
+        peaks: HardwareProfile,
+        linear_peak: float,
+        cascade: bool,
+        overlap: bool,
     ) -> _Forwards:
         every = [w for run in forwards for w in run]
         peak_flops, bandwidth = peaks.peak_flops, peaks.memory_bandwidth
@@ -327,7 +333,13 @@ class _Forwards:
             np.array([w.rows for w in every], dtype=float),
             np.repeat(np.arange(len(forwards)), [len(run) for run in forwards]),
             len(forwards),
+            overlap,
         )
+
+    def roofline(self, compute: np.ndarray) -> np.ndarray:
+        """Each forward's time before its fixed costs, for its `compute` seconds."""
+        seconds: np.ndarray = np.maximum(compute, self.moved) if self.overlap else compute + self.moved
+        return seconds
 
     def run_seconds(self, p: np.ndarray) -> np.ndarray:
         """Each run's predicted seconds for the parameters `p` (as in _PARAMETERS)."""
@@ -337,7 +349,7 @@ class _Forwards:
         compute = linear + self.pointwise + self.attention / attention + self.shared / shared
         compute += self.context / np.where(self.decode, decode_attention, context)
         compute += self.shared_keys * key
-        per_forward = np.maximum(compute, self.moved)
+        per_forward = self.roofline(compute)
         per_forward += np.where(self.decode, decode_fixed, prefill_fixed) + self.rows * row
         return np.bincount(self.owner, weights=per_forward, minlength=self.runs)
 
@@ -367,29 +379,32 @@ def fit(
     cascade: bool = False,
 ) -> HardwareProfile:
     """The profile with the least squared log error of each run's predicted against measured
-    seconds; records: per run, its forwards (recorded_forwards); cascade: whether the engine's
-    attention reads a shared prefix once per batch. Each of ATTENTION_BLOCKS is fitted in turn
-    and the best kept. A run after an idle spell is left out of that fit: it sets idle_wake_s.
+        seconds; records: per run, its forwards (recorded_forwards); cascade: whether the engine's
+        attention reads a shared prefix once per batch. Each of ATTENTION_BLOCKS is fitted in turn
+        and the best kept, each with memory overlapping compute and adding to it
+    (HardwareProfile.memory_overlaps_compute). A run after an idle spell is left out of that fit: it
+    sets idle_wake_s.
 
-    `peaks`: what calibrate measured (simulator/peaks.py), taken as it is; the fit fills in the
-    rest. Its name, memory size, peak FLOP/s and the linears' FLOP/s by model width (the linears'
-    efficiencies are fitted as shares of the rate at this model's width); the weights' bandwidth,
-    which is not fitted: a decode step reads the same weights at every batch size, so the runs
-    show only the sum of their reading and the step's fixed cost (docs/simulator.md), and the
-    measured rate splits it; and the pointwise ops' costs, which the runs of one model cannot
-    tell from its linears' efficiency."""
+        `peaks`: what calibrate measured (simulator/peaks.py), taken as it is; the fit fills in the
+        rest. Its name, memory size, peak FLOP/s and the linears' FLOP/s by model width (the linears'
+        efficiencies are fitted as shares of the rate at this model's width); the weights' bandwidth,
+        which is not fitted: a decode step reads the same weights at every batch size, so the runs
+        show only the sum of their reading and the step's fixed cost (docs/simulator.md), and the
+        measured rate splits it; and the pointwise ops' costs, which the runs of one model cannot
+        tell from its linears' efficiency."""
     linear_peak = peaks.linear_peak(config.hidden_size)
     back_to_back = [i for i, run in enumerate(runs) if not run.shape.idle_s]
     measured = np.log(np.array([runs[i].seconds for i in back_to_back]))
-    best: tuple[float, int, np.ndarray] | None = None
+    best: tuple[float, int, bool, np.ndarray] | None = None
     for block in ATTENTION_BLOCKS:
         forwards = [forward_costs(config, records[i], block) for i in back_to_back]
-        data = _Forwards.of(forwards, peaks, linear_peak, cascade)
-        p, error = _fit_parameters(data, measured)
-        if best is None or error < best[0]:
-            best = (error, block, p)
+        for overlap in (True, False):
+            data = _Forwards.of(forwards, peaks, linear_peak, cascade, overlap)
+            p, error = _fit_parameters(data, measured)
+            if best is None or error < best[0]:
+                best = (error, block, overlap, p)
     assert best is not None
-    _, block, p = best
+    _, block, overlap, p = best
     # The fixed costs' additive steps leave rounding residue (1e-20 s for a cost the search took
     # to 0): to the nanosecond (a shared key's, to the picosecond).
     p[_EFFICIENCIES:-1] = np.round(p[_EFFICIENCIES:-1], 9)
@@ -414,6 +429,7 @@ def fit(
         shared_prefix_attention_efficiency=shared if cascade else None,
         shared_prefix_key_s=shared_key,
         attention_block=block,
+        memory_overlaps_compute=overlap,
         idle_wake_after_s=WAKE_IDLE_S,
     )
     wake = _idle_wake(config, profile, runs, records)
@@ -489,7 +505,7 @@ def _coarse_grid(data: _Forwards, measured: np.ndarray) -> np.ndarray:
     best: tuple[float, np.ndarray] | None = None
     for ef, ea in itertools.product(FLOPS_EFFICIENCY, ATTENTION_EFFICIENCY):
         attention = data.attention + data.context + data.shared
-        per_forward = np.maximum(data.linear / ef + data.pointwise + attention / ea, data.moved)
+        per_forward = data.roofline(data.linear / ef + data.pointwise + attention / ea)
         roof = np.bincount(data.owner, weights=per_forward, minlength=data.runs)
         predicted = roof[:, None, None, None] + fixed
         error = ((np.log(predicted) - measured[:, None, None, None]) ** 2).mean(axis=0)

@@ -94,6 +94,11 @@ class HardwareProfile:
     # efficiencies are shares of the rate at the model's width, so that a profile fitted on one
     # model predicts another's linears. Empty: peak_flops at every width (the GPU profiles).
     linear_rates: tuple[tuple[int, float], ...] = ()
+    # Whether a forward's memory reads overlap its compute, so that it takes the larger of the two
+    # (the roofline; a GPU streams weights while its matmul units work), or add to it (a CPU whose
+    # few cores both stream the weights and compute: a decode step then grows with its rows from
+    # the first). `calibrate` keeps whichever fits the runs better.
+    memory_overlaps_compute: bool = True
     # Measured by `calibrate`, not fitted; none on the GPU profiles (their kernels' share is small
     # and in their efficiencies).
     pointwise: PointwiseCosts = PointwiseCosts()

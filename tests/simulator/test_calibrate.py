@@ -79,6 +79,7 @@ def test_the_fit_recovers_a_cpu_like_profile() -> None:
     )
     fitted, times, predicted = _fit_to(truth)
     assert predicted == pytest.approx(times, rel=0.02)  # the pattern search refines the grid
+    assert fitted.memory_overlaps_compute  # a roofline, as the truth's
     assert fitted.flops_efficiency == pytest.approx(0.36, rel=0.1), fitted
     assert fitted.bandwidth_efficiency == 1.0 and fitted.memory_bandwidth == truth.memory_bandwidth
     assert fitted.decode_flops_efficiency == pytest.approx(0.5, rel=0.1), fitted
@@ -137,6 +138,40 @@ def test_the_fit_recovers_this_cpus_attention() -> None:
         "shared_prefix_key_s",
     ):
         assert getattr(fitted, field) == pytest.approx(getattr(truth, field), rel=0.1), field
+
+
+def test_the_fit_tells_a_device_whose_memory_reads_add_to_its_compute() -> None:
+    """On a 2-core CPU the cores that stream a decode step's weights also compute its rows, so the
+    step grows with its rows from the first: memory and compute add up. The fit finds that (the
+    runs fit better that way than as a roofline's larger of the two) and the figures with it;
+    a roofline would have to fake the growth with a cost per row."""
+    truth = HardwareProfile(
+        "truth",
+        1.6e11,
+        2.6e10,
+        2.5e10,
+        1.0,
+        1.0,
+        13e-3,
+        attention_efficiency=0.7,
+        decode_overhead_s=1e-3,
+        cascade_attention=True,
+        row_overhead_s=300e-6,
+        decode_flops_efficiency=1.1,
+        context_attention_efficiency=0.38,
+        decode_attention_efficiency=0.35,
+        shared_prefix_attention_efficiency=0.7,
+        shared_prefix_key_s=280e-9,
+        attention_block=512,
+        memory_overlaps_compute=False,
+        pointwise=PointwiseCosts(norm_s=1.3e-9, rotary_s=2.3e-9, activation_s=3.7e-9),
+    )
+    fitted, times, predicted = _fit_to(truth, BUILTIN_MODEL_CONFIGS["smollm2-135m"])
+    assert predicted == pytest.approx(times, rel=0.01)
+    assert not fitted.memory_overlaps_compute
+    assert fitted.decode_flops_efficiency == pytest.approx(1.1, rel=0.1), fitted
+    assert fitted.row_overhead_s == pytest.approx(300e-6, rel=0.2), fitted
+    assert fitted.decode_attention_efficiency == pytest.approx(0.35, rel=0.1), fitted
 
 
 def test_a_profile_fitted_on_one_model_predicts_a_wider_ones_linears() -> None:

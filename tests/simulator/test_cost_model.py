@@ -161,6 +161,20 @@ def test_pointwise_ops_cost_their_values_at_the_measured_rates(tmp_path: object)
     assert load_profile(str(path)) == priced
 
 
+def test_memory_reads_add_to_compute_where_they_do_not_overlap() -> None:
+    """A roofline takes the larger of a forward's compute and memory times; a device whose reads do
+    not overlap its compute (memory_overlaps_compute False) takes their sum."""
+    s = shape()
+    step = ForwardShape([1] * 8, [512] * 8, 8, decode=True)
+    roofline = HardwareProfile("cpu", 1e12, 1e11, 2e10, 1.0, 1.0, 0.0)
+    compute_only = dataclasses.replace(roofline, memory_bandwidth=1e30)
+    memory_only = dataclasses.replace(roofline, peak_flops=1e30)
+    compute, memory = forward_seconds(s, compute_only, step), forward_seconds(s, memory_only, step)
+    assert forward_seconds(s, roofline, step) == pytest.approx(max(compute, memory))
+    adding = dataclasses.replace(roofline, memory_overlaps_compute=False)
+    assert forward_seconds(s, adding, step) == pytest.approx(compute + memory)
+
+
 def test_causal_attention_by_blocks() -> None:
     """A kernel that masks by blocks of keys computes each query block's keys up to the block's
     end: a prompt within one block costs its full square, a long one about half plus a block."""

@@ -222,7 +222,7 @@ def _describe(profile: HardwareProfile) -> str:
     if profile.linear_rates:
         rates = ", ".join(f"{width}: {rate / 1e9:,.0f}" for width, rate in profile.linear_rates)
         linears = f"linears by hidden size {rates} GFLOP/s"
-    pointwise = profile.pointwise
+    pointwise, norm = profile.pointwise, profile.memory_compute_norm
     return (
         f"{linears} x {profile.flops_efficiency:.2f} "
         f"(decode steps x {profile.flops_efficiency if decode_flops is None else decode_flops:.2f}, "
@@ -230,7 +230,7 @@ def _describe(profile: HardwareProfile) -> str:
         f"over a cached prefix x {context:.3f}, "
         f"a decode step's x {decode_attention:.3f}{cascade}), "
         f"{profile.memory_bandwidth / 1e9:,.1f} GB/s x {profile.bandwidth_efficiency:.2f} "
-        f"({'overlapping' if profile.memory_overlaps_compute else 'adding to'} compute), "
+        f"(with compute: {'the larger' if norm is None else f'their {norm:g}-norm'}), "
         f"pointwise ns per value: norm {pointwise.norm_s * 1e9:.2f}, rotary {pointwise.rotary_s * 1e9:.2f}, "
         f"activation {pointwise.activation_s * 1e9:.2f}, "
         f"{profile.forward_overhead_s * 1e3:.2f} ms per prefill forward, "

@@ -1,7 +1,7 @@
 """A roofline of one forward: the FLOPs and bytes a batch moves through the model, attention
 included, on a hardware profile. Time = the larger of compute (matmuls at the profile's
-efficiencies, and the pointwise ops at their measured rates) and memory time, or their sum on a
-device where they do not overlap, plus its fixed costs."""
+efficiencies, and the pointwise ops at their measured rates) and memory time, or on a device where
+they overlap only in part a norm between that and their sum, plus its fixed costs."""
 
 from __future__ import annotations
 
@@ -199,8 +199,7 @@ def work_seconds(work: ForwardWork, profile: HardwareProfile) -> float:
     if work.decode and profile.decode_overhead_s is not None:
         overhead = profile.decode_overhead_s
     per_item = profile.token_overhead_s * work.tokens + profile.row_overhead_s * work.rows
-    roofline = max(compute, memory) if profile.memory_overlaps_compute else compute + memory
-    return roofline + overhead + per_item
+    return profile.roofline(compute, memory) + overhead + per_item
 
 
 def forward_seconds(shape: ModelShape, profile: HardwareProfile, fwd: ForwardShape) -> float:

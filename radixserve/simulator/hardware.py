@@ -94,11 +94,18 @@ class HardwareProfile:
     # efficiencies are shares of the rate at the model's width, so that a profile fitted on one
     # model predicts another's linears. Empty: peak_flops at every width (the GPU profiles).
     linear_rates: tuple[tuple[int, float], ...] = ()
-    # Whether a forward's memory reads overlap its compute, so that it takes the larger of the two
-    # (the roofline; a GPU streams weights while its matmul units work), or add to it (a CPU whose
-    # few cores both stream the weights and compute: a decode step then grows with its rows from
-    # the first). `calibrate` keeps whichever fits the runs better.
-    memory_overlaps_compute: bool = True
+    # How a forward's compute and memory times combine: their p-norm, (c^p + m^p)^(1/p). None:
+    # the larger of the two, the roofline (a GPU streams weights while its matmul units work);
+    # 1: their sum (nothing overlaps); between, a partial overlap, as on a CPU whose few cores both
+    # stream a decode step's weights and compute its rows (the step grows with its rows from the
+    # first, slowly at first). `calibrate` keeps the one of MEMORY_COMPUTE_NORMS that fits best.
+    memory_compute_norm: float | None = None
+
+    def roofline(self, compute: float, memory: float) -> float:
+        """A forward's time before its fixed costs (memory_compute_norm)."""
+        p = self.memory_compute_norm
+        return max(compute, memory) if p is None else float((compute**p + memory**p) ** (1 / p))
+
     # Measured by `calibrate`, not fitted; none on the GPU profiles (their kernels' share is small
     # and in their efficiencies).
     pointwise: PointwiseCosts = PointwiseCosts()

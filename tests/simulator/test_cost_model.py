@@ -161,9 +161,9 @@ def test_pointwise_ops_cost_their_values_at_the_measured_rates(tmp_path: object)
     assert load_profile(str(path)) == priced
 
 
-def test_memory_reads_add_to_compute_where_they_do_not_overlap() -> None:
-    """A roofline takes the larger of a forward's compute and memory times; a device whose reads do
-    not overlap its compute (memory_overlaps_compute False) takes their sum."""
+def test_memory_and_compute_combine_by_the_profiles_norm() -> None:
+    """A roofline takes the larger of a forward's compute and memory times; a device whose reads
+    overlap its compute in part, their p-norm (memory_compute_norm; 1: their sum)."""
     s = shape()
     step = ForwardShape([1] * 8, [512] * 8, 8, decode=True)
     roofline = HardwareProfile("cpu", 1e12, 1e11, 2e10, 1.0, 1.0, 0.0)
@@ -171,8 +171,10 @@ def test_memory_reads_add_to_compute_where_they_do_not_overlap() -> None:
     memory_only = dataclasses.replace(roofline, peak_flops=1e30)
     compute, memory = forward_seconds(s, compute_only, step), forward_seconds(s, memory_only, step)
     assert forward_seconds(s, roofline, step) == pytest.approx(max(compute, memory))
-    adding = dataclasses.replace(roofline, memory_overlaps_compute=False)
+    adding = dataclasses.replace(roofline, memory_compute_norm=1.0)
     assert forward_seconds(s, adding, step) == pytest.approx(compute + memory)
+    partial = dataclasses.replace(roofline, memory_compute_norm=2.0)
+    assert forward_seconds(s, partial, step) == pytest.approx((compute**2 + memory**2) ** 0.5)
 
 
 def test_causal_attention_by_blocks() -> None:

@@ -4,13 +4,14 @@ did not use).
 
 1. Peaks, measured here on the matmul the engine's linears run (simulator/peaks.py): its FLOP/s,
    overall and by model width, and the rate it streams weights (taken as the weights' bandwidth,
-   not fitted).
-2. Calibration runs: prefill-heavy, decode-heavy and long-context batches (some over a prefix
+   not fitted); and what a value costs in the engine's norms, rotary embedding and activation.
+2. Calibration runs: prefill-heavy, decode-heavy and long-context batches (some over prefixes
    cached beforehand) through a real Engine, timed, and one of them again after the engine idled.
 3. The fit: the scheduler's batching of a batch that all arrives at once does not depend on time,
    so each run's forwards are recorded once (the zero-cost executor) and the profile's
    efficiencies and overheads are searched (a grid, a pattern search, then Levenberg-Marquardt)
-   for the least squared log error of sum(forward times) against the measured times.
+   for the least squared log error of sum(forward times) against the measured times, for each
+   way compute and memory may combine and each causal-mask block.
 """
 
 from __future__ import annotations
@@ -337,7 +338,8 @@ class _Forwards:
         )
 
     def roofline(self, compute: np.ndarray) -> np.ndarray:
-        """Each forward's time before its fixed costs, for its `compute` seconds."""
+        """Each forward's time before its fixed costs, for its `compute` seconds: HardwareProfile.
+        roofline over arrays (the fit evaluates it thousands of times)."""
         if self.norm is None:
             larger: np.ndarray = np.maximum(compute, self.moved)
             return larger
@@ -389,18 +391,18 @@ def fit(
     cascade: bool = False,
 ) -> HardwareProfile:
     """The profile with the least squared log error of each run's predicted against measured
-        seconds; records: per run, its forwards (recorded_forwards); cascade: whether the engine's
-        attention reads a shared prefix once per batch. Each of ATTENTION_BLOCKS is fitted in turn
-    and the best kept, each with each of MEMORY_COMPUTE_NORMS. A run after an idle spell is left
+    seconds; records: per run, its forwards (recorded_forwards); cascade: whether the engine's
+    attention reads a shared prefix once per batch. Each of ATTENTION_BLOCKS is fitted in turn,
+    each with each of MEMORY_COMPUTE_NORMS, and the best kept. A run after an idle spell is left
     out of that fit: it sets idle_wake_s.
 
-        `peaks`: what calibrate measured (simulator/peaks.py), taken as it is; the fit fills in the
-        rest. Its name, memory size, peak FLOP/s and the linears' FLOP/s by model width (the linears'
-        efficiencies are fitted as shares of the rate at this model's width); the weights' bandwidth,
-        which is not fitted: a decode step reads the same weights at every batch size, so the runs
-        show only the sum of their reading and the step's fixed cost (docs/simulator.md), and the
-        measured rate splits it; and the pointwise ops' costs, which the runs of one model cannot
-        tell from its linears' efficiency."""
+    `peaks`: what calibrate measured (simulator/peaks.py), taken as it is; the fit fills in the
+    rest. Its name, memory size, peak FLOP/s and the linears' FLOP/s by model width (the linears'
+    efficiencies are fitted as shares of the rate at this model's width); the weights' bandwidth,
+    which is not fitted: a decode step reads the same weights at every batch size, so the runs
+    show only the sum of their reading and the step's fixed cost (docs/simulator.md), and the
+    measured rate splits it; and the pointwise ops' costs, which the runs of one model cannot
+    tell from its linears' efficiency."""
     linear_peak = peaks.linear_peak(config.hidden_size)
     back_to_back = [i for i, run in enumerate(runs) if not run.shape.idle_s]
     measured = np.log(np.array([runs[i].seconds for i in back_to_back]))

@@ -16,6 +16,7 @@ per step.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 from pathlib import Path
@@ -71,7 +72,10 @@ def main() -> None:
     for i, run in enumerate(runs):
         forwards = recorded_forwards(config, run.shape, i, limit, **server_args)
         predicted = predicted_seconds(config, profile, run.shape, forwards)
-        rows.append({"run": run.shape.label, "measured_s": run.seconds, "predicted_s": predicted})
+        shape = dataclasses.asdict(run.shape)
+        rows.append(
+            {"run": run.shape.label, "shape": shape, "measured_s": run.seconds, "predicted_s": predicted}
+        )
         error = predicted / run.seconds - 1
         print(f"| {run.shape.label} | {run.seconds:.3f} | {predicted:.3f} | {error:+.1%} |")
     measured_step = (rows[2]["measured_s"] - rows[0]["measured_s"]) / DECODE_STEPS

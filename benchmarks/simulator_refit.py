@@ -1,0 +1,112 @@
+"""Fit a profile again on measurements a validation saved, with the code as it is now: another
+fit or cost model tried on the same runs without timing them again (they take 10-20 minutes and
+the host drifts between runs). Prints the calibration runs' errors, the fitted figures and, with
+--other-model, the errors on the other model's runs that simulator_other_model.py saved.
+
+    python benchmarks/simulator_refit.py bench-work/simulator-validation.json \\
+        [--other-model bench-work/simulator-other-model.json]
+
+What calibrate measured (peaks, bandwidth, the linears' rates, the pointwise costs) is taken from
+the saved profile; what the fit fills in is fitted again. The models are the validation's and the
+other-model run's random-weight models in WORK.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+from radixserve.bench.model import ensure_random_llama_1b, ensure_random_smollm2
+from radixserve.config.server_args import ServerArgs
+from radixserve.models.config import ModelConfig
+from radixserve.models.loader import load_model_config, resolve_model_source
+from radixserve.simulator.calibrate import (
+    CalibrationShape,
+    Run,
+    fit,
+    predicted_seconds,
+    recorded_forwards,
+)
+from radixserve.simulator.cli import _describe, scheduler_args
+from radixserve.simulator.hardware import HardwareProfile
+
+_SHAPE_FIELDS = {field.name for field in dataclasses.fields(CalibrationShape)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("validation", type=Path, help="a JSON simulator_validation.py wrote")
+    parser.add_argument("--other-model", type=Path, help="a JSON simulator_other_model.py wrote")
+    parser.add_argument("--work", type=Path, default=Path("bench-work"))
+    parser.add_argument("--max-total-tokens", type=int, default=40000)
+    args = parser.parse_args()
+    saved = json.loads(args.validation.read_text())
+    # Fields this code no longer has (an older profile's) are left out.
+    fields = {
+        k: v
+        for k, v in saved["profile"].items()
+        if k in {f.name for f in dataclasses.fields(HardwareProfile)}
+    }
+    measured = HardwareProfile.from_dict(fields)
+    peaks = HardwareProfile(
+        measured.name,
+        measured.peak_flops,
+        measured.memory_bandwidth,
+        measured.memory_bytes,
+        linear_rates=measured.linear_rates,
+        pointwise=measured.pointwise,
+    )
+    config, sched = _model(ensure_random_smollm2(args.work, "bfloat16"), args.max_total_tokens)
+    runs = [
+        Run(_shape(row), row["measured_s"], row["log_squares"], row["log_df"]) for row in saved["calibration"]
+    ]
+    # The shapes as the validation timed them (already cut to the model's context).
+    recorded = [
+        recorded_forwards(config, run.shape, i, args.max_total_tokens, **sched) for i, run in enumerate(runs)
+    ]
+    profile = fit(config, runs, recorded, peaks, measured.cascade_attention)
+    print("| calibration run | measured s | predicted s | error |\n|---|---|---|---|")
+    logs = []
+    for run, forwards in zip(runs, recorded, strict=True):
+        predicted = predicted_seconds(config, profile, run.shape, forwards)
+        error = predicted / run.seconds - 1
+        print(f"| {run.shape.label} | {run.seconds:.3f} | {predicted:.3f} | {error:+.1%} |")
+        if not run.shape.idle_s:
+            logs.append(math.log(predicted / run.seconds))
+    print(f"rms log error {math.sqrt(statistics.fmean(x * x for x in logs)):.4f}")
+    print(_describe(profile))
+    if args.other_model:
+        _other_model(json.loads(args.other_model.read_text()), profile, args)
+
+
+def _other_model(saved: dict[str, Any], profile: HardwareProfile, args: argparse.Namespace) -> None:
+    config, sched = _model(ensure_random_llama_1b(args.work), args.max_total_tokens)
+    print("| other model's run | measured s | predicted s | error |\n|---|---|---|---|")
+    for i, row in enumerate(saved["runs"]):
+        if "shape" not in row:  # saved before session 29
+            raise SystemExit(
+                f"{args.other_model} has no run shapes: time it again with simulator_other_model.py"
+            )
+        shape = _shape(row["shape"])
+        forwards = recorded_forwards(config, shape, i, args.max_total_tokens, **sched)
+        predicted = predicted_seconds(config, profile, shape, forwards)
+        error = predicted / row["measured_s"] - 1
+        print(f"| {shape.label} | {row['measured_s']:.3f} | {predicted:.3f} | {error:+.1%} |")
+
+
+def _model(path: Path, max_total_tokens: int) -> tuple[ModelConfig, dict[str, Any]]:
+    args = ServerArgs(model_path=str(path), dtype="bfloat16", max_total_tokens=max_total_tokens)
+    return load_model_config(resolve_model_source(str(path))), scheduler_args(args)
+
+
+def _shape(row: dict[str, Any]) -> CalibrationShape:
+    return CalibrationShape(**{k: v for k, v in row.items() if k in _SHAPE_FIELDS})
+
+
+if __name__ == "__main__":
+    main()

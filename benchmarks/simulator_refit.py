@@ -52,15 +52,7 @@ def main() -> None:
         for k, v in saved["profile"].items()
         if k in {f.name for f in dataclasses.fields(HardwareProfile)}
     }
-    measured = HardwareProfile.from_dict(fields)
-    peaks = HardwareProfile(
-        measured.name,
-        measured.peak_flops,
-        measured.memory_bandwidth,
-        measured.memory_bytes,
-        linear_rates=measured.linear_rates,
-        pointwise=measured.pointwise,
-    )
+    saved_profile = HardwareProfile.from_dict(fields)
     config, sched = _model(ensure_random_smollm2(args.work, "bfloat16"), args.max_total_tokens)
     runs = [
         Run(_shape(row), row["measured_s"], row["log_squares"], row["log_df"]) for row in saved["calibration"]
@@ -69,7 +61,7 @@ def main() -> None:
     recorded = [
         recorded_forwards(config, run.shape, i, args.max_total_tokens, **sched) for i, run in enumerate(runs)
     ]
-    profile = fit(config, runs, recorded, peaks, measured.cascade_attention)
+    profile = fit(config, runs, recorded, saved_profile.measured(), saved_profile.cascade_attention)
     print("| calibration run | measured s | predicted s | error |\n|---|---|---|---|")
     logs = []
     for run, forwards in zip(runs, recorded, strict=True):

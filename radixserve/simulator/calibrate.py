@@ -147,11 +147,11 @@ class CalibrationBatch:
 
 def calibration_batch(shape: CalibrationShape, vocab: int, seed: int) -> CalibrationBatch:
     rng = random.Random(seed)
-    groups = shape.prefix_groups if shape.cached_prefix else 1
+    groups = shape.prefix_groups if shape.cached_prefix else 0
     prefixes = [[rng.randrange(3, vocab) for _ in range(shape.cached_prefix)] for _ in range(groups)]
     tails = [[rng.randrange(3, vocab) for _ in range(shape.prompt_len)] for _ in range(shape.requests)]
-    prompts = [prefixes[i % groups] + tail for i, tail in enumerate(tails)]
-    return CalibrationBatch([p for p in prefixes if p], prompts)
+    prompts = [prefixes[i % groups] + tail if prefixes else tail for i, tail in enumerate(tails)]
+    return CalibrationBatch(prefixes, prompts)
 
 
 # A pass times each run until about this long is spent on it (at most MAX_SAMPLES times): a

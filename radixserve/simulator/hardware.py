@@ -110,6 +110,18 @@ class HardwareProfile:
     # and in their efficiencies).
     pointwise: PointwiseCosts = PointwiseCosts()
 
+    def measured(self) -> HardwareProfile:
+        """What `calibrate` measures of this device, the rest at its defaults: the input of its
+        fit (calibrate.fit), which fills the rest in."""
+        return HardwareProfile(
+            self.name,
+            self.peak_flops,
+            self.memory_bandwidth,
+            self.memory_bytes,
+            linear_rates=self.linear_rates,
+            pointwise=self.pointwise,
+        )
+
     def linear_peak(self, width: int) -> float:
         """The FLOP/s of a `width`-wide model's linears: linear_rates interpolated in the log of
         the width, held at their ends; peak_flops without them."""

@@ -50,10 +50,9 @@ def _fit_to(
 
 
 def _measured(truth: HardwareProfile, **fields: Any) -> HardwareProfile:
-    """What calibrate measures of a device whose every figure `truth` holds (fields: some of them
-    replaced): its peaks, bandwidth, memory, linears' rates and pointwise costs, and no more."""
-    measured = {"linear_rates": truth.linear_rates, "pointwise": truth.pointwise, **fields}
-    return HardwareProfile("cpu", truth.peak_flops, truth.memory_bandwidth, truth.memory_bytes, **measured)
+    """What calibrate measures of a device whose every figure `truth` holds, `fields` of it
+    replaced (a measurement left out)."""
+    return dataclasses.replace(truth.measured(), **fields)
 
 
 def test_the_fit_recovers_a_cpu_like_profile() -> None:

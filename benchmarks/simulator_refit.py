@@ -4,11 +4,14 @@ the host drifts between runs). Prints the calibration runs' errors, the fitted f
 --other-model, the errors on the other model's runs that simulator_other_model.py saved.
 
     python benchmarks/simulator_refit.py bench-work/simulator-validation.json \\
-        [--other-model bench-work/simulator-other-model.json]
+        [--other-model bench-work/simulator-other-model.json] [--passes 1,2]
 
 What calibrate measured (peaks, bandwidth, the linears' rates, the pointwise costs) is taken from
-the saved profile; what the fit fills in is fitted again. The models are the validation's and the
-other-model run's random-weight models in WORK.
+the saved profile; what the fit fills in is fitted again. A validation saved since session 30 keeps
+its replays' forwards too, and each is set against the new fit (the fit never saw them). With
+--passes, the fit takes those calibration passes only: a replay's neighbours, say, apart from the
+host's drift over the rest. The models are the validation's and the other-model run's
+random-weight models in WORK.
 """
 
 from __future__ import annotations
@@ -31,9 +34,12 @@ from radixserve.simulator.calibrate import (
     fit,
     predicted_seconds,
     recorded_forwards,
+    timed_runs,
 )
 from radixserve.simulator.cli import _describe, scheduler_args
+from radixserve.simulator.executor import ForwardRecord
 from radixserve.simulator.hardware import HardwareProfile
+from radixserve.simulator.replay import ForwardGroup, compare_forwards
 
 _SHAPE_FIELDS = {field.name for field in dataclasses.fields(CalibrationShape)}
 
@@ -44,6 +50,9 @@ def main() -> None:
     parser.add_argument("--other-model", type=Path, help="a JSON simulator_other_model.py wrote")
     parser.add_argument("--work", type=Path, default=Path("bench-work"))
     parser.add_argument("--max-total-tokens", type=int, default=40000)
+    parser.add_argument(
+        "--passes", help="fit on these calibration passes only (comma-separated, from 0), e.g. a round's"
+    )
     args = parser.parse_args()
     saved = json.loads(args.validation.read_text())
     # Fields this code no longer has (an older profile's) are left out.
@@ -54,9 +63,13 @@ def main() -> None:
     }
     saved_profile = HardwareProfile.from_dict(fields)
     config, sched = _model(ensure_random_smollm2(args.work, "bfloat16"), args.max_total_tokens)
-    runs = [
-        Run(_shape(row), row["measured_s"], row["log_squares"], row["log_df"]) for row in saved["calibration"]
-    ]
+    shapes = [_shape(row) for row in saved["calibration"]]
+    if args.passes:
+        passes = [int(k) for k in args.passes.split(",")]
+        runs = timed_runs(shapes, saved["pass_samples"], passes)
+    else:
+        pairs = zip(shapes, saved["calibration"], strict=True)
+        runs = [Run(shape, r["measured_s"], r["log_squares"], r["log_df"]) for shape, r in pairs]
     # The shapes as the validation timed them (already cut to the model's context).
     recorded = [
         recorded_forwards(config, run.shape, i, args.max_total_tokens, **sched) for i, run in enumerate(runs)
@@ -72,6 +85,10 @@ def main() -> None:
             logs.append(math.log(predicted / run.seconds))
     print(f"rms log error {math.sqrt(statistics.fmean(x * x for x in logs)):.4f}")
     print(_describe(profile))
+    for i, replayed in enumerate(saved.get("replays", [])):
+        if "records" in replayed:  # saved since session 30
+            records = [ForwardRecord.from_dict(r) for r in replayed["records"]]
+            _print_forwards(f"serving run {i}'s replay", compare_forwards(records, config, profile))
     if args.other_model:
         _other_model(json.loads(args.other_model.read_text()), profile, args)
 
@@ -89,6 +106,12 @@ def _other_model(saved: dict[str, Any], profile: HardwareProfile, args: argparse
         predicted = predicted_seconds(config, profile, shape, forwards)
         error = predicted / row["measured_s"] - 1
         print(f"| {shape.label} | {row['measured_s']:.3f} | {predicted:.3f} | {error:+.1%} |")
+
+
+def _print_forwards(title: str, groups: list[ForwardGroup]) -> None:
+    print(f"| {title}: forwards | count | measured s | predicted s | error |\n|---|---|---|---|---|")
+    for g in groups:
+        print(f"| {g.kind} | {g.count} | {g.measured_s:.3f} | {g.predicted_s:.3f} | {g.error:+.1%} |")
 
 
 def _model(path: Path, max_total_tokens: int) -> tuple[ModelConfig, dict[str, Any]]:

@@ -14,7 +14,10 @@ calibration pass, then W1, W2 and W3 (each run repeated until about ROUND_S is s
 calibration pass repeats its short runs), and with --serving a serving run; then a last pass.
 This host's speed drifts by more than the 9% target over the minutes a validation takes, and a
 calibration timed all at the start would fit the machine of those minutes only. Each pass's total
-time against the median pass's is printed, which shows the drift.
+time against the median pass's is printed, which shows the drift. Beside the profile fitted on all
+passes ("calibrated"), each round is also predicted by a profile fitted on the passes just before
+and after it ("its round's passes"): its error is the cost model's with the drift between rounds
+left out. Each serving run's trace is replayed in this process right after it, in its round.
 
 Throughput: each workload's total tokens over its wall time (median of all its runs, cold cache),
 against the simulated makespan of each run's arrivals as the server recorded them (median).
@@ -47,11 +50,11 @@ from radixserve.config.server_args import ServerArgs
 from radixserve.executor.model_runner import pick_device
 from radixserve.models.loader import load_model_config
 from radixserve.runtime.engine import Engine
-from radixserve.simulator.calibrate import CalibrationTimer, samples_for
-from radixserve.simulator.cli import calibrate_engine, scheduler_args
+from radixserve.simulator.calibrate import CalibrationTimer, neighbour_passes, samples_for
+from radixserve.simulator.cli import engine_cascades, fit_engine, measure_engine_peaks, scheduler_args
 from radixserve.simulator.hardware import HardwareProfile, load_profile
 from radixserve.simulator.replay import compare_forwards, replay
-from radixserve.simulator.simulate import simulate
+from radixserve.simulator.simulate import SimResult, simulate
 from radixserve.simulator.trace import TraceRequest, load_trace_lines
 
 
@@ -85,29 +88,38 @@ def main() -> None:
         timer = CalibrationTimer.start(engine)
         workloads = {name: _Measured(make_workload(name)) for name in ("W1", "W2", "W3")}
         servings: list[_Serving] = []
-        for _ in range(args.repeats):
+        for round_ in range(args.repeats):
             timer.time_pass()
             for entry in workloads.values():
-                _measure_round(engine, entry, trace_path)
+                _measure_round(engine, entry, trace_path, round_)
             if args.serving:
-                servings.append(_serving_run(model, args, len(servings)))
+                servings.append(_serving_run(model, args, round_, cascade=engine_cascades(engine)))
         if args.serving:
             timer.time_pass()  # after the last serving run as before the first
         totals = [sum(p) for p in timer.passes]
         middle = statistics.median(totals)
         print("calibration passes against the median one:", ", ".join(f"{t / middle:.3f}" for t in totals))
-        name = f"calibrated-{device.type}"
-        calibrated, calibration = calibrate_engine(engine, name=name, runs=timer.runs())
+        peaks = measure_engine_peaks(engine, name=f"calibrated-{device.type}")
+        calibrated, calibration = fit_engine(engine, peaks, timer.runs())
         print("| calibration run | measured s | predicted s |\n|---|---|---|")
         for run, predicted in calibration:
             print(f"| {run.shape.label} | {run.seconds:.3f} | {predicted:.3f} |")
         print(calibrated)
-        profiles = [("calibrated", calibrated)]
+        # Each round's own profile, fitted on the passes timed just before and after it: its
+        # errors are the cost model's with the host's drift between the rounds left out.
+        by_round = [
+            fit_engine(engine, peaks, timer.runs(neighbour_passes(k, len(timer.passes))))[0]
+            for k in range(args.repeats)
+        ]
+        # Per profile, the one each round is predicted with.
+        profiles = [("calibrated", [calibrated] * args.repeats)]
         if calibrated.forward_noise:
             # Beside it, the same profile's noiseless predictions: what the noise changes.
-            profiles.append(("calibrated, no noise", dataclasses.replace(calibrated, forward_noise=0.0)))
+            noiseless = dataclasses.replace(calibrated, forward_noise=0.0)
+            profiles.append(("calibrated, no noise", [noiseless] * args.repeats))
+        profiles.append((ROUND_PROFILE, by_round))
         if args.hardware:
-            profiles.append((args.hardware, load_profile(args.hardware)))
+            profiles.append((args.hardware, [load_profile(args.hardware)] * args.repeats))
         config = load_model_config(engine.source)
         sched = scheduler_args(engine.args)
     limit = args.max_total_tokens
@@ -115,17 +127,17 @@ def main() -> None:
         total = entry.workload.in_tokens + entry.workload.out_tokens
         tok_s_runs = [total / seconds for seconds in entry.seconds]
         tok_s, ttft = statistics.median(tok_s_runs), statistics.median(entry.ttfts)
-        for label, profile in profiles:
-            sims = functools.partial(_simulations, config, profile, limit=limit, sched=sched)
-            timed = [sim for run in entry.timed_runs for sim in sims(run)]
-            firsts = [sim for run in entry.ttft_runs for sim in sims(run)]
+        for label, per_round in profiles:
+            sims = functools.partial(_simulations, config, limit=limit, sched=sched)
+            timed = [sim for run, k in entry.timed_runs for sim in sims(per_round[k], run)]
+            firsts = [sim for run, k in entry.ttft_runs for sim in sims(per_round[k], run)]
             makespan = statistics.median(sim.makespan_s for sim in timed)
             sim_ttft = statistics.median(statistics.median(sim.ttft_values_ms) for sim in firsts)
             rows.append(_Row(name, label, tok_s, total / makespan, ttft, sim_ttft, tok_s_runs, entry.ttfts))
     replays: list[dict[str, Any]] = []
     if servings:
         rows += _serving_rows(servings, profiles, config, sched, limit)
-        replays = _replays(servings, model, args, config, calibrated)
+        replays = _replays(servings, config, calibrated, by_round, limit, sched)
     # Each measured figure's runs, as their least and greatest against their median: an error
     # inside that range is within the measurement's own noise.
     columns = "workload | profile | measured tok/s | runs | predicted | error | measured TTFT p50 ms | runs"
@@ -143,6 +155,7 @@ def main() -> None:
     # measurements without running them again.
     record = {
         "profile": dataclasses.asdict(calibrated),
+        "round_profiles": [dataclasses.asdict(p) for p in by_round],
         "calibration": [
             {
                 **dataclasses.asdict(run.shape),
@@ -197,6 +210,11 @@ SERVING = [
 # one request, takes a tenth of W1's time and is what this host's noise moves most.
 ROUND_S = 4.0
 
+# The profile fitted on the calibration passes timed right before and right after each round
+# (calibrate.neighbour_passes), which predicts that round's runs: beside the profile fitted on all
+# passes, it tells the cost model's error from the host's drift between the rounds.
+ROUND_PROFILE = "its round's passes"
+
 
 @dataclass
 class _Measured:
@@ -205,15 +223,16 @@ class _Measured:
 
     workload: Workload
     seconds: list[float] = field(default_factory=list)
-    timed_runs: list[list[TraceRequest]] = field(default_factory=list)
+    # Each run's arrivals, with the round it was timed in.
+    timed_runs: list[tuple[list[TraceRequest], int]] = field(default_factory=list)
     ttfts: list[float] = field(default_factory=list)
-    ttft_runs: list[list[TraceRequest]] = field(default_factory=list)
+    ttft_runs: list[tuple[list[TraceRequest], int]] = field(default_factory=list)
     # Runs per round, set by the first round (0 until then).
     per_round: int = 0
     ttft_per_round: int = 0
 
 
-def _measure_round(engine: Any, entry: _Measured, trace_path: Path) -> None:
+def _measure_round(engine: Any, entry: _Measured, trace_path: Path, round_: int) -> None:
     """Throughput runs and TTFT runs of the workload, each on a cold cache.
 
     Each run's arrivals are replayed as the server recorded them (--record-trace): a batch handed
@@ -222,27 +241,27 @@ def _measure_round(engine: Any, entry: _Measured, trace_path: Path) -> None:
     compute the shared prefix: simulating arrivals all at 0 predicted 30% less throughput, and the
     first request alone 38% less TTFT."""
     first_round = entry.per_round == 0
-    _time_throughput(engine, entry, trace_path)
-    ttft_seconds = _time_ttft(engine, entry, trace_path)
+    _time_throughput(engine, entry, trace_path, round_)
+    ttft_seconds = _time_ttft(engine, entry, trace_path, round_)
     if first_round:
         entry.per_round = samples_for(entry.seconds[0], ROUND_S)
         entry.ttft_per_round = samples_for(ttft_seconds, ROUND_S)
     for _ in range(entry.per_round - 1):
-        _time_throughput(engine, entry, trace_path)
+        _time_throughput(engine, entry, trace_path, round_)
     for _ in range(entry.ttft_per_round - 1):
-        _time_ttft(engine, entry, trace_path)
+        _time_ttft(engine, entry, trace_path, round_)
 
 
-def _time_throughput(engine: Any, entry: _Measured, trace_path: Path) -> None:
+def _time_throughput(engine: Any, entry: _Measured, trace_path: Path, round_: int) -> None:
     count = len(entry.workload.prompts)
     seen = _settled_lines(trace_path)
     (run,) = time_engine_runs(engine, entry.workload, 1)  # its warm-up, then the run
     entry.seconds.append(run.seconds)
     # The warm-up's requests come first in the trace, then the run's.
-    entry.timed_runs.append(_since_first(trace_path, seen + count, count))
+    entry.timed_runs.append((_since_first(trace_path, seen + count, count), round_))
 
 
-def _time_ttft(engine: Any, entry: _Measured, trace_path: Path) -> float:
+def _time_ttft(engine: Any, entry: _Measured, trace_path: Path, round_: int) -> float:
     """The same prompts, one output token each, so that each request's latency is its TTFT. Returns
     the run's wall time."""
     count = len(entry.workload.prompts)
@@ -254,18 +273,19 @@ def _time_ttft(engine: Any, entry: _Measured, trace_path: Path) -> float:
     seconds = time.perf_counter() - start
     assert isinstance(results, list)
     entry.ttfts.append(statistics.median(r["meta_info"]["e2e_latency"] for r in results) * 1000)
-    entry.ttft_runs.append(_since_first(trace_path, seen, count))
+    entry.ttft_runs.append((_since_first(trace_path, seen, count), round_))
     return seconds
 
 
 @dataclass(frozen=True)
 class _Serving:
     """What a `bench serving` run measured: the client's report, the server's recorded trace and
-    its dashboard snapshot."""
+    its dashboard snapshot; and the trace replayed in this process right after (_replay)."""
 
     report: dict[str, Any]
     lines: list[str]
     snapshot: dict[str, Any]
+    replayed: SimResult
 
     @property
     def scheduler_ttft_ms(self) -> float:
@@ -275,8 +295,9 @@ class _Serving:
         return statistics.median((r["first_output_s"] - r["arrival_s"]) * 1000 for r in rows)
 
 
-def _serving_run(model: Path, args: argparse.Namespace, index: int) -> _Serving:
-    """`bench serving` against `serve --record-trace` (while the offline Engine idles beside it)."""
+def _serving_run(model: Path, args: argparse.Namespace, index: int, cascade: bool) -> _Serving:
+    """`bench serving` against `serve --record-trace` (while the offline Engine idles beside it),
+    then its trace replayed (cascade: whether the engine's attention cascades)."""
     from pd_disaggregation import _free_port, _process, _serve, _wait
 
     work = args.work
@@ -311,7 +332,8 @@ def _serving_run(model: Path, args: argparse.Namespace, index: int) -> _Serving:
         # The engine's own TTFT per request (arrival to the first token out of the scheduler), which
         # is what the simulator predicts; the client's adds HTTP, detokenizing and streaming.
         snapshot = httpx.get(url + "/dashboard/snapshot", timeout=30).json()
-    return _Serving(json.loads(out.read_text()), trace_path.read_text().splitlines(), snapshot)
+    lines = trace_path.read_text().splitlines()
+    return _Serving(json.loads(out.read_text()), lines, snapshot, _replay(lines, model, args, cascade))
 
 
 def _cpu_seconds(root: int) -> dict[str, float]:
@@ -340,14 +362,15 @@ def _children_cpu_seconds() -> float:
 
 def _serving_rows(
     servings: list[_Serving],
-    profiles: list[tuple[str, HardwareProfile]],
+    profiles: list[tuple[str, list[HardwareProfile]]],
     config: Any,
     sched: Any,
     max_total_tokens: int,
 ) -> list[_Row]:
     """Each profile's simulation of the very requests each serving run's server recorded, at their
     recorded arrival times. Measured: the client's output tok/s, and the scheduler's TTFT p50 (from
-    the trace), which is what the simulator predicts. Each figure is the median over the runs."""
+    the trace), which is what the simulator predicts. Each figure is the median over the runs.
+    `profiles`: per label, the profile of each round (run)."""
     measured_ttfts = []
     for serving in servings:
         report, snapshot = serving.report, serving.snapshot
@@ -363,10 +386,10 @@ def _serving_rows(
     throughputs = [s.report["output_throughput"] for s in servings]
     measured = statistics.median(throughputs)
     rows = []
-    for label, profile in profiles:
+    for label, per_round in profiles:
         sims = [
             sim
-            for s in servings
+            for s, profile in zip(servings, per_round, strict=False)
             for sim in _simulations(config, profile, load_trace_lines(s.lines), max_total_tokens, sched)
         ]
         predicted = statistics.median(sim.output_tokens / sim.makespan_s for sim in sims)
@@ -380,12 +403,10 @@ def _serving_rows(
     return rows
 
 
-def _replays(
-    servings: list[_Serving], model: Path, args: argparse.Namespace, config: Any, profile: HardwareProfile
-) -> list[dict[str, Any]]:
-    """Each serving run's trace replayed on the real model in this process (simulator/replay.py),
-    with no HTTP, detokenizer or client beside it: its TTFT against the server's and the
-    simulation's, and each forward it ran against what the calibrated profile predicts for it."""
+def _replay(lines: list[str], model: Path, args: argparse.Namespace, cascade: bool) -> SimResult:
+    """A serving run's trace replayed on the real model in this process (simulator/replay.py),
+    with no HTTP, detokenizer or client beside it; right after the run, next to the calibration
+    passes its round's profile is fitted on."""
     server_args = ServerArgs(
         model_path=str(model),
         dtype="bfloat16",
@@ -393,11 +414,24 @@ def _replays(
         max_total_tokens=args.max_total_tokens,
         log_level="warning",
     )
+    return replay(server_args, load_trace_lines(lines), count_shared_reads=cascade)
+
+
+def _replays(
+    servings: list[_Serving],
+    config: Any,
+    calibrated: HardwareProfile,
+    by_round: list[HardwareProfile],
+    limit: int,
+    sched: dict[str, Any],
+) -> list[dict[str, Any]]:
+    """Each serving run's replay: its TTFT against the server's and the simulation's, and each
+    forward it ran against what the calibrated profile, and its round's, predict for it."""
     out = []
-    for serving in servings:
+    for serving, own in zip(servings, by_round, strict=False):
+        replayed = serving.replayed
         trace = load_trace_lines(serving.lines)
-        replayed = replay(server_args, trace, count_shared_reads=profile.cascade_attention)
-        sims = _simulations(config, profile, trace, args.max_total_tokens, scheduler_args(server_args))
+        sims = _simulations(config, calibrated, trace, limit, sched)
         server = serving.scheduler_ttft_ms
         ttft = statistics.median(replayed.ttft_values_ms)
         sim_ttft = statistics.median(statistics.median(sim.ttft_values_ms) for sim in sims)
@@ -406,13 +440,16 @@ def _replays(
             f"replayed in process: TTFT p50 {ttft:.1f} ms (the server's {server:.1f}, simulated "
             f"{sim_ttft:.1f}), ITL p50 {itl:.1f} ms (simulated {sim_itl:.1f})"
         )
-        groups = compare_forwards(replayed.records, config, profile)
-        print(f"the profile's forward noise: {profile.forward_noise:.3f}")
-        print("| forwards | count | measured s | predicted s | error | spread |\n|---|---|---|---|---|---|")
+        groups = compare_forwards(replayed.records, config, calibrated)
+        own_groups = compare_forwards(replayed.records, config, own)
+        round_errors = {g.kind: g.error for g in own_groups}
+        print(f"the profile's forward noise: {calibrated.forward_noise:.3f}")
+        print("| forwards | count | measured s | predicted s | error | spread | its round's profile |")
+        print("|---|---|---|---|---|---|---|")
         for g in groups:
             print(
                 f"| {g.kind} | {g.count} | {g.measured_s:.3f} | {g.predicted_s:.3f} | {g.error:+.1%} "
-                f"| {g.spread:.3f} |"
+                f"| {g.spread:.3f} | {round_errors[g.kind]:+.1%} |"
             )
         out.append(
             {
@@ -420,6 +457,9 @@ def _replays(
                 "server_ttft_ms": server,
                 "sim_ttft_ms": sim_ttft,
                 "forwards": [dataclasses.asdict(g) for g in groups],
+                "round_forwards": [dataclasses.asdict(g) for g in own_groups],
+                # Every forward, so that a later fit can be set against these (simulator_refit.py).
+                "records": [dataclasses.asdict(r) for r in replayed.records],
             }
         )
     return out

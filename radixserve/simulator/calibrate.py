@@ -220,18 +220,11 @@ class CalibrationTimer:
         self.passes.append([statistics.median(times) for times in samples])
         return self.passes[-1]
 
-    def runs(self) -> list[Run]:
+    def runs(self, passes: Sequence[int] | None = None) -> list[Run]:
+        """Each run as the timed passes measured it (all of them, or those numbered `passes`)."""
         if not self.passes:
             raise ValueError("no calibration pass has been timed")
-        out = []
-        for i, shape in enumerate(self.shapes):
-            squares, df = 0.0, 0
-            for samples in self.pass_samples:
-                logs = np.log(samples[i])
-                squares += float(np.sum((logs - logs.mean()) ** 2))
-                df += len(logs) - 1
-            out.append(Run(shape, statistics.median(p[i] for p in self.passes), squares, df))
-        return out
+        return timed_runs(self.shapes, self.pass_samples, passes)
 
     def _run_pass(self) -> list[list[float]]:
         # One short request, untimed, first (see the class's docstring).
@@ -253,6 +246,37 @@ class CalibrationTimer:
         # The scheduler's own span, arrival to the last finish (what the simulator predicts),
         # without the call's round trip through the engine's processes.
         return float(max(r["meta_info"]["e2e_latency"] for r in results))
+
+
+def timed_runs(
+    shapes: Sequence[CalibrationShape],
+    pass_samples: Sequence[Sequence[Sequence[float]]],
+    passes: Sequence[int] | None = None,
+) -> list[Run]:
+    """Each shape's Run from timed passes' samples (per pass, per shape, every sample; as
+    CalibrationTimer.pass_samples, which a validation saves): its seconds the median over the
+    passes of each pass's median, and the spread of its samples within each pass. `passes`: the
+    passes to use (all by default): a validation fits one profile per round on the passes timed
+    next to it, apart from the host's drift over the rest (docs/simulator.md)."""
+    chosen = [pass_samples[k] for k in (range(len(pass_samples)) if passes is None else passes)]
+    if not chosen:
+        raise ValueError("no calibration pass chosen")
+    out = []
+    for i, shape in enumerate(shapes):
+        squares, df = 0.0, 0
+        for samples in chosen:
+            logs = np.log(samples[i])
+            squares += float(np.sum((logs - logs.mean()) ** 2))
+            df += len(logs) - 1
+        seconds = statistics.median(statistics.median(samples[i]) for samples in chosen)
+        out.append(Run(shape, seconds, squares, df))
+    return out
+
+
+def neighbour_passes(round_: int, passes: int) -> list[int]:
+    """The passes timed right before and right after round `round_` of a validation that times a
+    pass before each round (and maybe one after the last): `passes` of them in all."""
+    return [k for k in (round_, round_ + 1) if k < passes]
 
 
 def measure_runs(engine: Any, repeats: int = 3, sleep: Callable[[float], None] = time.sleep) -> list[Run]:

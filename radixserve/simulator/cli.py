@@ -119,19 +119,21 @@ def calibrate_engine(
     """A profile fitted to this engine's model on this machine, and each calibration run with its
     predicted seconds. `runs`: the calibration runs as already timed (calibrate.CalibrationTimer);
     by default they are timed now."""
+    from radixserve.simulator.calibrate import measure_runs
+
+    peaks = measure_engine_peaks(engine, name)
+    return fit_engine(engine, peaks, measure_runs(engine) if runs is None else runs)
+
+
+def measure_engine_peaks(engine: Any, name: str) -> Any:
+    """What calibrate measures of this machine for the engine's linears and kernels (the fit's
+    input, HardwareProfile.measured): peak FLOP/s, bandwidth, memory, rates by width, pointwise
+    costs."""
     import os
 
     import torch
 
     from radixserve.executor.model_runner import pick_device
-    from radixserve.models.loader import load_model_config
-    from radixserve.simulator.calibrate import (
-        calibration_runs,
-        fit,
-        measure_runs,
-        predicted_seconds,
-        recorded_forwards,
-    )
     from radixserve.simulator.hardware import HardwareProfile
     from radixserve.simulator.peaks import (
         engine_kernels,
@@ -149,7 +151,7 @@ def calibrate_engine(
         if device.type == "cuda"
         else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     )
-    peaks = HardwareProfile(
+    return HardwareProfile(
         name,
         flops,
         bandwidth,
@@ -157,19 +159,30 @@ def calibrate_engine(
         linear_rates=measure_linear_rates(device, dtype=dtype, packing=packing),
         pointwise=measure_pointwise(device, dtype=dtype, kernels=engine_kernels(engine.args, device)),
     )
-    runs = measure_runs(engine) if runs is None else runs
+
+
+def fit_engine(engine: Any, peaks: Any, runs: list[Any]) -> tuple[Any, list[tuple[Any, float]]]:
+    """calibrate.fit on this engine's model and attention, from measured `peaks` and timed `runs`;
+    with each run's predicted seconds."""
+    from radixserve.models.loader import load_model_config
+    from radixserve.simulator.calibrate import calibration_runs, fit, predicted_seconds, recorded_forwards
+
     config = load_model_config(engine.source)
     server_args = scheduler_args(engine.args)
     recorded = [
         recorded_forwards(config, shape, i, engine.max_total_tokens, **server_args)
         for i, shape in enumerate(calibration_runs(engine.context_len))
     ]
-    # radixserve's CPU backend reads a prefix a batch shares once (its decode path says so).
-    cascade = "shared-prefix cascade" in engine.get_stats().get("decode_path", "")
-    profile = fit(config, runs, recorded, peaks, cascade)
+    profile = fit(config, runs, recorded, peaks, engine_cascades(engine))
     pairs = zip(runs, recorded, strict=True)
     predicted = [predicted_seconds(config, profile, run.shape, forwards) for run, forwards in pairs]
     return profile, list(zip(runs, predicted, strict=True))
+
+
+def engine_cascades(engine: Any) -> bool:
+    """Whether the engine's attention reads a prefix a batch shares once (radixserve's CPU backend
+    does; its decode path says so)."""
+    return "shared-prefix cascade" in engine.get_stats().get("decode_path", "")
 
 
 def scheduler_args(args: ServerArgs | argparse.Namespace) -> dict[str, Any]:

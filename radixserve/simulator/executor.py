@@ -56,6 +56,13 @@ class ForwardRecord:
     def tokens(self) -> int:
         return sum(self.shape.q_lens)
 
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> ForwardRecord:
+        """A record from its JSON (dataclasses.asdict's), as a validation saves a replay's."""
+        shape = dict(fields["shape"])
+        shape["shared_prefixes"] = tuple(SharedPrefix(**p) for p in shape.get("shared_prefixes", ()))
+        return cls(**{**fields, "shape": ForwardShape(**shape)})
+
 
 @dataclass
 class CostModelExecutor:

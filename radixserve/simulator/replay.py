@@ -74,7 +74,9 @@ class TimedExecutor:
         end = self._clock.now
         shape = forward_shape(batch, self._count_shared_reads)
         self.records.append(ForwardRecord(start, end - start, batch.mode.name, shape, start - self._last_end))
-        self._last_end = end
+        # The next forward's idle_s counts from here: the scheduler's own time between forwards,
+        # without this recording's (finding shared prefixes costs host time the engine has not).
+        self._last_end = self._clock.now
         return out
 
     def restart(self) -> None:
@@ -164,16 +166,25 @@ def forward_kind(record: ForwardRecord) -> str:
     return kind + (", after idle" if record.idle_s >= AFTER_IDLE_S else "")
 
 
+def measured_step_seconds(record: ForwardRecord) -> float:
+    """A replayed forward's measured time as the cost model prices it: the forward, and after
+    another the scheduler's host time between the two (building the batch, processing the last
+    one's outputs). A calibration run times both, and a simulation charges them to the forwards.
+    After an idle spell the gap was idle: the forward alone."""
+    return record.seconds + (record.idle_s if record.idle_s < AFTER_IDLE_S else 0.0)
+
+
 def compare_forwards(
     records: list[ForwardRecord], config: ModelConfig, profile: HardwareProfile
 ) -> list[ForwardGroup]:
-    """Each recorded forward's measured seconds against what `profile` predicts for its very shape
-    and idle, summed per kind (forward_kind), in order of measured time."""
+    """Each recorded forward's measured seconds (measured_step_seconds) against what `profile`
+    predicts for its very shape and idle, summed per kind (forward_kind), in order of measured
+    time."""
     model = ModelShape.of(config)
     groups: dict[str, list[tuple[float, float]]] = {}
     for record in records:
         predicted = forward_seconds(model, profile, record.shape) + wake_seconds(profile, record.idle_s)
-        groups.setdefault(forward_kind(record), []).append((record.seconds, predicted))
+        groups.setdefault(forward_kind(record), []).append((measured_step_seconds(record), predicted))
     out = [
         ForwardGroup(
             kind,

@@ -23,8 +23,10 @@ from radixserve.simulator.calibrate import (
     fit,
     forward_noise,
     measure_runs,
+    neighbour_passes,
     predicted_seconds,
     recorded_forwards,
+    timed_runs,
 )
 from radixserve.simulator.cli import _describe, calibrate_engine
 from radixserve.simulator.cost_model import ForwardShape, ModelShape, SharedPrefix, forward_seconds
@@ -311,6 +313,25 @@ def test_the_timer_takes_each_runs_median_over_the_timed_passes() -> None:
     assert engine.calls == [shape.requests for shape in CALIBRATION_RUNS] * 4
     with pytest.raises(ValueError, match="no calibration pass"):
         CalibrationTimer.start(_ScriptedEngine([1.0] * shapes), sleep=lambda seconds: None).runs()
+
+
+def test_a_rounds_profile_is_fitted_on_the_passes_next_to_it() -> None:
+    """A validation times a pass before each round and one after the last: round k's neighbours
+    are passes k and k + 1, and the runs of those passes alone are theirs."""
+    assert neighbour_passes(0, 4) == [0, 1] and neighbour_passes(2, 4) == [2, 3]
+    assert neighbour_passes(2, 3) == [2]  # no pass after the last round
+    shapes = len(CALIBRATION_RUNS)
+    engine = _ScriptedEngine([100.0] * shapes + [1.0] * shapes + [3.0] * shapes + [8.0] * shapes)
+    timer = CalibrationTimer.start(engine, sleep=lambda seconds: None)
+    for _ in range(3):
+        timer.time_pass()
+    assert [run.seconds for run in timer.runs()] == [3.0] * shapes
+    assert [run.seconds for run in timer.runs(neighbour_passes(1, 3))] == [5.5] * shapes
+    assert [run.seconds for run in timer.runs([2])] == [8.0] * shapes
+    # The same from the samples a validation saves (benchmarks/simulator_refit.py --passes).
+    assert timed_runs(timer.shapes, timer.pass_samples, [0, 1]) == timer.runs([0, 1])
+    with pytest.raises(ValueError, match="no calibration pass"):
+        timer.runs([])
 
 
 def test_the_timer_samples_a_short_run_several_times_per_pass() -> None:

@@ -18,7 +18,7 @@ from radixserve.models.loader import load_model_config, resolve_model_source
 from radixserve.simulator.cost_model import ForwardShape, ModelShape, forward_seconds
 from radixserve.simulator.executor import ForwardRecord
 from radixserve.simulator.hardware import BUILTIN_PROFILES
-from radixserve.simulator.replay import compare_forwards, forward_kind, replay
+from radixserve.simulator.replay import compare_forwards, forward_kind, measured_step_seconds, replay
 from radixserve.simulator.simulate import simulate
 from radixserve.simulator.trace import TraceRequest
 from tests.simulator.test_cost_model import LLAMA_8B
@@ -104,3 +104,19 @@ def test_forwards_are_grouped_by_kind_and_set_against_their_predictions() -> Non
     assert groups["prefill"].predicted_s == pytest.approx(predicted[1] + predicted[2])
     assert groups["prefill"].spread == pytest.approx(0.0, abs=1e-12)
     assert groups["extend over a cached prefix"].spread == pytest.approx(math.sqrt(0.02))
+
+
+def test_the_schedulers_time_between_two_forwards_counts_with_the_second() -> None:
+    """A calibration run times the scheduler's host work between forwards along with them, so a
+    replayed forward right after another is measured with its gap; after an idle spell, alone."""
+    config = ModelConfig.from_hf_dict(LLAMA_8B)
+    profile = BUILTIN_PROFILES["H100"]
+    shape = ForwardShape([1, 1], [100, 100], 2, decode=True)
+    predicted = forward_seconds(ModelShape.of(config), profile, shape)
+    back_to_back = ForwardRecord(0.0, predicted, "DECODE", shape, idle_s=0.004)
+    after_idle = ForwardRecord(0.0, predicted, "DECODE", shape, idle_s=0.5)
+    assert measured_step_seconds(back_to_back) == pytest.approx(predicted + 0.004)
+    assert measured_step_seconds(after_idle) == predicted
+    (group,) = compare_forwards([back_to_back], config, profile)
+    assert group.measured_s == pytest.approx(predicted + 0.004)
+    assert group.error == pytest.approx(predicted / (predicted + 0.004) - 1)

@@ -7,6 +7,7 @@ the engine's pointwise ops (norms, rotary embedding, activation)."""
 from __future__ import annotations
 
 import functools
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -151,6 +152,11 @@ def engine_kernels(args: ServerArgs, device: torch.device) -> CpuKernels | None:
 
 
 def _rate(work: Any, units: float, seconds: float, device: torch.device) -> float:
+    """`units` over the median time of one call of `work`, calls repeated for `seconds`: the
+    median, as calibration takes its runs', so that a short slow spell of the host moves the rate
+    no more than it moves those runs (a mean over the whole time once read one width's linears at
+    half their neighbours' rate: docs/simulator.md)."""
+
     # A GPU runs work asynchronously: time whole batches of it, each ended by a synchronize.
     def sync() -> None:
         if device.type == "cuda":
@@ -159,10 +165,12 @@ def _rate(work: Any, units: float, seconds: float, device: torch.device) -> floa
     batch = 10 if device.type == "cuda" else 1
     work()
     sync()
-    done, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
+    times: list[float] = []
+    start = time.perf_counter()
+    while not times or time.perf_counter() - start < seconds:
+        began = time.perf_counter()
         for _ in range(batch):
             work()
         sync()
-        done += batch
-    return units * done / (time.perf_counter() - start)
+        times.append((time.perf_counter() - began) / batch)
+    return units / statistics.median(times)

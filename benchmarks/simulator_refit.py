@@ -41,8 +41,6 @@ from radixserve.simulator.executor import ForwardRecord
 from radixserve.simulator.hardware import HardwareProfile
 from radixserve.simulator.replay import ForwardGroup, compare_forwards
 
-_SHAPE_FIELDS = {field.name for field in dataclasses.fields(CalibrationShape)}
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -63,7 +61,7 @@ def main() -> None:
     }
     saved_profile = HardwareProfile.from_dict(fields)
     config, sched = _model(ensure_random_smollm2(args.work, "bfloat16"), args.max_total_tokens)
-    shapes = [_shape(row) for row in saved["calibration"]]
+    shapes = [CalibrationShape.from_row(row) for row in saved["calibration"]]
     if args.passes:
         passes = [int(k) for k in args.passes.split(",")]
         runs = timed_runs(shapes, saved["pass_samples"], passes)
@@ -101,7 +99,7 @@ def _other_model(saved: dict[str, Any], profile: HardwareProfile, args: argparse
             raise SystemExit(
                 f"{args.other_model} has no run shapes: time it again with simulator_other_model.py"
             )
-        shape = _shape(row["shape"])
+        shape = CalibrationShape.from_row(row["shape"])
         forwards = recorded_forwards(config, shape, i, args.max_total_tokens, **sched)
         predicted = predicted_seconds(config, profile, shape, forwards)
         error = predicted / row["measured_s"] - 1
@@ -117,10 +115,6 @@ def _print_forwards(title: str, groups: list[ForwardGroup]) -> None:
 def _model(path: Path, max_total_tokens: int) -> tuple[ModelConfig, dict[str, Any]]:
     args = ServerArgs(model_path=str(path), dtype="bfloat16", max_total_tokens=max_total_tokens)
     return load_model_config(resolve_model_source(str(path))), scheduler_args(args)
-
-
-def _shape(row: dict[str, Any]) -> CalibrationShape:
-    return CalibrationShape(**{k: v for k, v in row.items() if k in _SHAPE_FIELDS})
 
 
 if __name__ == "__main__":

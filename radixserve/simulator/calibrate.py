@@ -60,6 +60,11 @@ class CalibrationShape:
     idle_s: float = 0.0
     prefix_groups: int = 1
 
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> CalibrationShape:
+        """The shape of a saved run (a validation's JSON row: its fields and others, ignored)."""
+        return cls(**{f.name: row[f.name] for f in dataclasses.fields(cls) if f.name in row})
+
     @property
     def label(self) -> str:
         groups = f"{self.prefix_groups} x " if self.prefix_groups > 1 else ""

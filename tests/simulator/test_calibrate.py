@@ -334,6 +334,13 @@ def test_a_rounds_profile_is_fitted_on_the_passes_next_to_it() -> None:
         timer.runs([])
 
 
+def test_a_saved_runs_shape_is_read_back() -> None:
+    shape = CalibrationShape(8, 16, 48, cached_prefix=512, prefix_groups=4)
+    row = {**dataclasses.asdict(shape), "measured_s": 2.1, "log_squares": 0.0}
+    assert CalibrationShape.from_row(row) == shape
+    assert CalibrationShape.from_row({"requests": 1, "prompt_len": 64, "output_len": 1}).label == "1 x 64 + 1"
+
+
 def test_the_timer_samples_a_short_run_several_times_per_pass() -> None:
     shapes = len(CALIBRATION_RUNS)
     # Untimed, every run takes a quarter of SAMPLE_S (1 s) or 0.1 s: 4 samples per pass, or 5 at

@@ -33,12 +33,8 @@ from radixserve.bench.model import ensure_random_llama_1b, ensure_random_smollm2
 from radixserve.executor.model_runner import pick_device
 from radixserve.models.loader import load_model_config
 from radixserve.runtime.engine import Engine
-from radixserve.simulator.calibrate import (
-    CalibrationShape,
-    CalibrationTimer,
-    predicted_seconds,
-    recorded_forwards,
-)
+from radixserve.simulator.calibrate import predicted_seconds, recorded_forwards
+from radixserve.simulator.calibration_passes import CalibrationShape, CalibrationTimer
 from radixserve.simulator.cli import scheduler_args
 from radixserve.simulator.hardware import HardwareProfile
 from radixserve.simulator.peaks import engine_linears, measure_peaks

@@ -28,14 +28,8 @@ from radixserve.bench.model import ensure_random_llama_1b, ensure_random_smollm2
 from radixserve.config.server_args import ServerArgs
 from radixserve.models.config import ModelConfig
 from radixserve.models.loader import load_model_config, resolve_model_source
-from radixserve.simulator.calibrate import (
-    CalibrationShape,
-    Run,
-    fit,
-    predicted_seconds,
-    recorded_forwards,
-    timed_runs,
-)
+from radixserve.simulator.calibrate import fit, predicted_seconds, recorded_forwards
+from radixserve.simulator.calibration_passes import CalibrationShape, Run, timed_runs
 from radixserve.simulator.cli import _describe, scheduler_args
 from radixserve.simulator.executor import ForwardRecord
 from radixserve.simulator.hardware import HardwareProfile

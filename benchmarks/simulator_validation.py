@@ -50,7 +50,7 @@ from radixserve.config.server_args import ServerArgs
 from radixserve.executor.model_runner import pick_device
 from radixserve.models.loader import load_model_config
 from radixserve.runtime.engine import Engine
-from radixserve.simulator.calibrate import CalibrationTimer, neighbour_passes, samples_for
+from radixserve.simulator.calibration_passes import CalibrationTimer, neighbour_passes, samples_for
 from radixserve.simulator.cli import engine_cascades, fit_engine, measure_engine_peaks, scheduler_args
 from radixserve.simulator.hardware import HardwareProfile, load_profile
 from radixserve.simulator.replay import compare_forwards, replay
@@ -211,7 +211,7 @@ SERVING = [
 ROUND_S = 4.0
 
 # The profile fitted on the calibration passes timed right before and right after each round
-# (calibrate.neighbour_passes), which predicts that round's runs: beside the profile fitted on all
+# (calibration_passes.neighbour_passes), which predicts that round's runs: beside the profile fitted on all
 # passes, it tells the cost model's error from the host's drift between the rounds.
 ROUND_PROFILE = "its round's passes"
 

@@ -117,9 +117,9 @@ def calibrate_engine(
     engine: Any, name: str = "cpu", runs: list[Any] | None = None
 ) -> tuple[Any, list[tuple[Any, float]]]:
     """A profile fitted to this engine's model on this machine, and each calibration run with its
-    predicted seconds. `runs`: the calibration runs as already timed (calibrate.CalibrationTimer);
+    predicted seconds. `runs`: the calibration runs as already timed (calibration_passes.CalibrationTimer);
     by default they are timed now."""
-    from radixserve.simulator.calibrate import measure_runs
+    from radixserve.simulator.calibration_passes import measure_runs
 
     peaks = measure_engine_peaks(engine, name)
     return fit_engine(engine, peaks, measure_runs(engine) if runs is None else runs)
@@ -165,7 +165,8 @@ def fit_engine(engine: Any, peaks: Any, runs: list[Any]) -> tuple[Any, list[tupl
     """calibrate.fit on this engine's model and attention, from measured `peaks` and timed `runs`;
     with each run's predicted seconds."""
     from radixserve.models.loader import load_model_config
-    from radixserve.simulator.calibrate import calibration_runs, fit, predicted_seconds, recorded_forwards
+    from radixserve.simulator.calibrate import fit, predicted_seconds, recorded_forwards
+    from radixserve.simulator.calibration_passes import calibration_runs
 
     config = load_model_config(engine.source)
     server_args = scheduler_args(engine.args)

@@ -8,25 +8,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 from radixserve.models.config import ModelConfig
 from radixserve.runtime.engine import Engine
-from radixserve.simulator.calibrate import (
+from radixserve.simulator.calibrate import fit, predicted_seconds, recorded_forwards
+from radixserve.simulator.calibration_passes import (
     CALIBRATION_RUNS,
     WAKE_IDLE_S,
     CalibrationShape,
     CalibrationTimer,
     Run,
     calibration_batch,
-    fit,
-    forward_noise,
-    measure_runs,
-    neighbour_passes,
-    predicted_seconds,
-    recorded_forwards,
-    timed_runs,
 )
 from radixserve.simulator.cli import _describe, calibrate_engine
 from radixserve.simulator.cost_model import ForwardShape, ModelShape, SharedPrefix, forward_seconds
@@ -276,92 +269,6 @@ def test_calibrate_a_real_engine(tiny_model_dir: Callable[[str], Path], tmp_path
     path = tmp_path / "cpu.json"
     profile.save(path)
     assert load_profile(str(path)) == profile
-
-
-class _ScriptedEngine:
-    """An engine whose every timed batch reports the next of a list of latencies: what the timer
-    makes of them is then known."""
-
-    context_len, vocab_size = 4096, 1000
-
-    def __init__(self, latencies: list[float]) -> None:
-        self.latencies = latencies
-        self.calls: list[int] = []
-
-    def flush_cache(self) -> None:
-        pass
-
-    def generate(self, input_ids: list[Any], sampling_params: dict[str, Any]) -> list[dict[str, Any]]:
-        if isinstance(input_ids[0], int):  # a cached prefix's request: untimed
-            return [{"meta_info": {"e2e_latency": 0.0}}]
-        self.calls.append(len(input_ids))
-        latency = self.latencies.pop(0)
-        return [{"meta_info": {"e2e_latency": latency / (1 + i)}} for i in range(len(input_ids))]
-
-
-def test_the_timer_takes_each_runs_median_over_the_timed_passes() -> None:
-    shapes = len(CALIBRATION_RUNS)
-    # An untimed first pass (all 100 s), then passes of 1, 3 and 2 s per run.
-    engine = _ScriptedEngine([100.0] * shapes + [1.0] * shapes + [3.0] * shapes + [2.0] * shapes)
-    slept: list[float] = []
-    runs = measure_runs(engine, repeats=3, sleep=slept.append)
-    assert [run.shape for run in runs] == list(CALIBRATION_RUNS)
-    # The run after an idle spell idles before its batch, in every pass.
-    assert slept == [WAKE_IDLE_S] * 4
-    # The batch's span is its slowest request's latency; the warm-up pass is left out.
-    assert [run.seconds for run in runs] == [2.0] * shapes
-    assert engine.calls == [shape.requests for shape in CALIBRATION_RUNS] * 4
-    with pytest.raises(ValueError, match="no calibration pass"):
-        CalibrationTimer.start(_ScriptedEngine([1.0] * shapes), sleep=lambda seconds: None).runs()
-
-
-def test_a_rounds_profile_is_fitted_on_the_passes_next_to_it() -> None:
-    """A validation times a pass before each round and one after the last: round k's neighbours
-    are passes k and k + 1, and the runs of those passes alone are theirs."""
-    assert neighbour_passes(0, 4) == [0, 1] and neighbour_passes(2, 4) == [2, 3]
-    assert neighbour_passes(2, 3) == [2]  # no pass after the last round
-    shapes = len(CALIBRATION_RUNS)
-    engine = _ScriptedEngine([100.0] * shapes + [1.0] * shapes + [3.0] * shapes + [8.0] * shapes)
-    timer = CalibrationTimer.start(engine, sleep=lambda seconds: None)
-    for _ in range(3):
-        timer.time_pass()
-    assert [run.seconds for run in timer.runs()] == [3.0] * shapes
-    assert [run.seconds for run in timer.runs(neighbour_passes(1, 3))] == [5.5] * shapes
-    assert [run.seconds for run in timer.runs([2])] == [8.0] * shapes
-    # The same from the samples a validation saves (benchmarks/simulator_refit.py --passes).
-    assert timed_runs(timer.shapes, timer.pass_samples, [0, 1]) == timer.runs([0, 1])
-    with pytest.raises(ValueError, match="no calibration pass"):
-        timer.runs([])
-
-
-def test_a_saved_runs_shape_is_read_back() -> None:
-    shape = CalibrationShape(8, 16, 48, cached_prefix=512, prefix_groups=4)
-    row = {**dataclasses.asdict(shape), "measured_s": 2.1, "log_squares": 0.0}
-    assert CalibrationShape.from_row(row) == shape
-    assert CalibrationShape.from_row({"requests": 1, "prompt_len": 64, "output_len": 1}).label == "1 x 64 + 1"
-
-
-def test_the_timer_samples_a_short_run_several_times_per_pass() -> None:
-    shapes = len(CALIBRATION_RUNS)
-    # Untimed, every run takes a quarter of SAMPLE_S (1 s) or 0.1 s: 4 samples per pass, or 5 at
-    # most; a pass's time for a run is the median of its samples.
-    first = [0.25] * (shapes - 1) + [0.1]
-    passes = [1.0, 9.0, 2.0, 3.0] * (shapes - 1) + [1.0, 9.0, 2.0, 3.0, 0.5]
-    engine = _ScriptedEngine(first + passes)
-    timer = CalibrationTimer.start(engine, sleep=lambda seconds: None)
-    assert timer.samples == [4] * (shapes - 1) + [5]
-    assert timer.time_pass() == [2.5] * (shapes - 1) + [2.0]
-    assert not engine.latencies
-    # The samples' spread within the pass: the forward noise is that of the single-forward runs
-    # (one request, one output token, no idle before it), all of which took 1, 9, 2 and 3 s.
-    runs = timer.runs()
-    spread = float(np.std(np.log([1.0, 9.0, 2.0, 3.0]), ddof=1))
-    assert all(run.log_df == 3 for run in runs[:-1]) and runs[-1].log_df == 4
-    assert runs[0].log_squares == pytest.approx(3 * spread**2)
-    assert forward_noise(runs) == pytest.approx(spread)
-    shapes_of_one = [r.shape for r in runs if r.shape.requests == r.shape.output_len == 1]
-    assert len([shape for shape in shapes_of_one if not shape.idle_s]) == 5
-    assert forward_noise([dataclasses.replace(r, log_squares=0.0, log_df=0) for r in runs]) == 0.0
 
 
 def test_a_cached_prefix_run_times_only_its_batch() -> None:

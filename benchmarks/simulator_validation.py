@@ -389,7 +389,7 @@ def _serving_rows(
     for label, per_round in profiles:
         sims = [
             sim
-            for s, profile in zip(servings, per_round, strict=False)
+            for s, profile in zip(servings, per_round, strict=True)
             for sim in _simulations(config, profile, load_trace_lines(s.lines), max_total_tokens, sched)
         ]
         predicted = statistics.median(sim.output_tokens / sim.makespan_s for sim in sims)
@@ -428,7 +428,7 @@ def _replays(
     """Each serving run's replay: its TTFT against the server's and the simulation's, and each
     forward it ran against what the calibrated profile, and its round's, predict for it."""
     out = []
-    for serving, own in zip(servings, by_round, strict=False):
+    for serving, own in zip(servings, by_round, strict=True):
         replayed = serving.replayed
         trace = load_trace_lines(serving.lines)
         sims = _simulations(config, calibrated, trace, limit, sched)

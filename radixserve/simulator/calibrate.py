@@ -125,11 +125,11 @@ class _Forwards:
     def roofline(self, compute: np.ndarray) -> np.ndarray:
         """Each forward's time before its fixed costs, for its `compute` seconds: HardwareProfile.
         roofline over arrays (the fit evaluates it thousands of times)."""
+        larger: np.ndarray = np.maximum(compute, self.moved)
         if self.norm is None:
-            larger: np.ndarray = np.maximum(compute, self.moved)
             return larger
-        seconds: np.ndarray = (compute**self.norm + self.moved**self.norm) ** (1 / self.norm)
-        return seconds
+        normed = (compute**self.norm + self.moved**self.norm) ** (1 / self.norm)
+        return np.where(self.decode, normed, larger)
 
     def run_seconds(self, p: np.ndarray) -> np.ndarray:
         """Each run's predicted seconds for the parameters `p` (as in _PARAMETERS)."""

@@ -244,7 +244,7 @@ def _describe(profile: HardwareProfile) -> str:
         f"over a cached prefix x {context:.3f}, "
         f"a decode step's x {decode_attention:.3f}{cascade}), "
         f"{profile.memory_bandwidth / 1e9:,.1f} GB/s x {profile.bandwidth_efficiency:.2f} "
-        f"(with compute: {'the larger' if norm is None else f'their {norm:g}-norm'}), "
+        f"(a decode step's with compute: {'the larger' if norm is None else f'their {norm:g}-norm'}), "
         f"pointwise ns per value: norm {pointwise.norm_s * 1e9:.2f}, rotary {pointwise.rotary_s * 1e9:.2f}, "
         f"activation {pointwise.activation_s * 1e9:.2f}, "
         f"{profile.forward_overhead_s * 1e3:.2f} ms per prefill forward, "

@@ -167,16 +167,36 @@ def forward_work(shape: ModelShape, fwd: ForwardShape, attention_block: int = 1)
     )
 
 
-def pointwise_seconds(work: ForwardWork, costs: PointwiseCosts) -> float:
-    """What a forward's pointwise ops take at `costs`' measured rates."""
+def pointwise_terms(work: ForwardWork, costs: PointwiseCosts) -> tuple[float, float, float]:
+    """What a forward's norms, rotary embedding and activation take at `costs`' measured rates."""
     return (
-        work.norm_values * costs.norm_s
-        + work.rotary_values * costs.rotary_s
-        + work.activation_values * costs.activation_s
+        work.norm_values * costs.norm_s,
+        work.rotary_values * costs.rotary_s,
+        work.activation_values * costs.activation_s,
     )
 
 
-def work_seconds(work: ForwardWork, profile: HardwareProfile) -> float:
+def pointwise_seconds(work: ForwardWork, costs: PointwiseCosts) -> float:
+    return sum(pointwise_terms(work, costs))
+
+
+@dataclass(frozen=True)
+class ComputeTerms:
+    """A forward's compute seconds on a profile, by the part of the model that spends them (what
+    simulator/components.py times in place, to set each against its measured share)."""
+
+    linear: float
+    attention: float  # causal, over a cached context, over shared prefixes, and their keys
+    norm: float
+    rotary: float
+    activation: float
+
+    @property
+    def total(self) -> float:
+        return self.linear + self.attention + self.norm + self.rotary + self.activation
+
+
+def compute_terms(work: ForwardWork, profile: HardwareProfile) -> ComputeTerms:
     attention_efficiency = profile.attention_efficiency or profile.flops_efficiency
     context_efficiency = profile.context_attention_efficiency or attention_efficiency
     if work.decode and profile.decode_attention_efficiency is not None:
@@ -185,21 +205,25 @@ def work_seconds(work: ForwardWork, profile: HardwareProfile) -> float:
     linear_efficiency = profile.flops_efficiency
     if work.decode and profile.decode_flops_efficiency is not None:
         linear_efficiency = profile.decode_flops_efficiency
-    compute = work.linear_flops / (profile.linear_peak(work.width) * linear_efficiency)
-    compute += work.attention_flops / (profile.peak_flops * attention_efficiency)
-    compute += pointwise_seconds(work, profile.pointwise)
+    attention = work.attention_flops / (profile.peak_flops * attention_efficiency)
     shared = work.shared_context_flops if profile.cascade_attention else 0.0
-    compute += (work.context_attention_flops - shared) / (profile.peak_flops * context_efficiency)
-    compute += shared / (profile.peak_flops * shared_efficiency)
+    attention += (work.context_attention_flops - shared) / (profile.peak_flops * context_efficiency)
+    attention += shared / (profile.peak_flops * shared_efficiency)
     if profile.cascade_attention:
-        compute += work.shared_prefix_keys * profile.shared_prefix_key_s
+        attention += work.shared_prefix_keys * profile.shared_prefix_key_s
+    linear = work.linear_flops / (profile.linear_peak(work.width) * linear_efficiency)
+    return ComputeTerms(linear, attention, *pointwise_terms(work, profile.pointwise))
+
+
+def work_seconds(work: ForwardWork, profile: HardwareProfile) -> float:
+    compute = compute_terms(work, profile).total
     moved = work.bytes - work.shared_bytes if profile.cascade_attention else work.bytes
     memory = moved / (profile.memory_bandwidth * profile.bandwidth_efficiency)
     overhead = profile.forward_overhead_s
     if work.decode and profile.decode_overhead_s is not None:
         overhead = profile.decode_overhead_s
     per_item = profile.token_overhead_s * work.tokens + profile.row_overhead_s * work.rows
-    return profile.roofline(compute, memory) + overhead + per_item
+    return profile.roofline(compute, memory, work.decode) + overhead + per_item
 
 
 def forward_seconds(shape: ModelShape, profile: HardwareProfile, fwd: ForwardShape) -> float:

@@ -94,17 +94,22 @@ class HardwareProfile:
     # efficiencies are shares of the rate at the model's width, so that a profile fitted on one
     # model predicts another's linears. Empty: peak_flops at every width (the GPU profiles).
     linear_rates: tuple[tuple[int, float], ...] = ()
-    # How a forward's compute and memory times combine: their p-norm, (c^p + m^p)^(1/p). None:
+    # How a decode step's compute and memory times combine: their p-norm, (c^p + m^p)^(1/p). None:
     # the larger of the two, the roofline (a GPU streams weights while its matmul units work);
     # 1: their sum (nothing overlaps); between, a partial overlap, as on a CPU whose few cores both
     # stream a decode step's weights and compute its rows (the step grows with its rows from the
-    # first, slowly at first). `calibrate` keeps the one of MEMORY_COMPUTE_NORMS that fits best.
+    # first, slowly at first). `calibrate` keeps the one of MEMORY_COMPUTE_NORMS that fits best. A
+    # prefill or extend takes the larger whatever the norm: its hundreds of rows per weight read
+    # hide the reads (on the 2-core Zen 3 a 1B-shaped model's prefill spent 13 ms a forward
+    # outside its timed parts, where the sum would have added its weights' 95 ms:
+    # simulator/components.py, docs/simulator.md).
     memory_compute_norm: float | None = None
 
-    def roofline(self, compute: float, memory: float) -> float:
-        """A forward's time before its fixed costs (memory_compute_norm)."""
+    def roofline(self, compute: float, memory: float, decode: bool) -> float:
+        """A forward's time before its fixed costs: a decode step's by memory_compute_norm, any
+        other's the larger of the two."""
         p = self.memory_compute_norm
-        return max(compute, memory) if p is None else float((compute**p + memory**p) ** (1 / p))
+        return max(compute, memory) if p is None or not decode else float((compute**p + memory**p) ** (1 / p))
 
     # Measured by `calibrate`, not fitted; none on the GPU profiles (their kernels' share is small
     # and in their efficiencies).

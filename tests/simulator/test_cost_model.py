@@ -163,7 +163,7 @@ def test_pointwise_ops_cost_their_values_at_the_measured_rates(tmp_path: object)
 
 def test_memory_and_compute_combine_by_the_profiles_norm() -> None:
     """A roofline takes the larger of a forward's compute and memory times; a device whose reads
-    overlap its compute in part, their p-norm (memory_compute_norm; 1: their sum)."""
+    overlap a decode step's compute in part, their p-norm (memory_compute_norm; 1: their sum)."""
     s = shape()
     step = ForwardShape([1] * 8, [512] * 8, 8, decode=True)
     roofline = HardwareProfile("cpu", 1e12, 1e11, 2e10, 1.0, 1.0, 0.0)
@@ -175,6 +175,12 @@ def test_memory_and_compute_combine_by_the_profiles_norm() -> None:
     assert forward_seconds(s, adding, step) == pytest.approx(compute + memory)
     partial = dataclasses.replace(roofline, memory_compute_norm=2.0)
     assert forward_seconds(s, partial, step) == pytest.approx((compute**2 + memory**2) ** 0.5)
+    # A prefill's rows hide its weights' reads whatever the norm: the larger of the two.
+    prompt = ForwardShape([64], [0], 1)
+    compute, memory = forward_seconds(s, compute_only, prompt), forward_seconds(s, memory_only, prompt)
+    assert compute > memory
+    assert forward_seconds(s, adding, prompt) == forward_seconds(s, roofline, prompt)
+    assert forward_seconds(s, roofline, prompt) == pytest.approx(compute)
 
 
 def test_causal_attention_by_blocks() -> None:

@@ -33,7 +33,7 @@ from radixserve.simulator.calibration_passes import CalibrationShape, Run, timed
 from radixserve.simulator.cli import _describe, scheduler_args
 from radixserve.simulator.executor import ForwardRecord
 from radixserve.simulator.hardware import HardwareProfile
-from radixserve.simulator.replay import ForwardGroup, compare_forwards
+from radixserve.simulator.replay import ForwardGroup, compare_forwards, decode_host_time
 
 
 def main() -> None:
@@ -81,6 +81,8 @@ def main() -> None:
         if "records" in replayed:  # saved since session 30
             records = [ForwardRecord.from_dict(r) for r in replayed["records"]]
             _print_forwards(f"serving run {i}'s replay", compare_forwards(records, config, profile))
+            if (host := decode_host_time(records)) is not None:
+                print(host.describe(profile))
     if args.other_model:
         _other_model(json.loads(args.other_model.read_text()), profile, args)
 

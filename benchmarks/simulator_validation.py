@@ -53,7 +53,7 @@ from radixserve.runtime.engine import Engine
 from radixserve.simulator.calibration_passes import CalibrationTimer, neighbour_passes, samples_for
 from radixserve.simulator.cli import engine_cascades, fit_engine, measure_engine_peaks, scheduler_args
 from radixserve.simulator.hardware import HardwareProfile, load_profile
-from radixserve.simulator.replay import compare_forwards, replay
+from radixserve.simulator.replay import compare_forwards, decode_host_time, replay
 from radixserve.simulator.simulate import SimResult, simulate
 from radixserve.simulator.trace import TraceRequest, load_trace_lines
 
@@ -444,6 +444,9 @@ def _replays(
         own_groups = compare_forwards(replayed.records, config, own)
         round_errors = {g.kind: g.error for g in own_groups}
         print(f"the profile's forward noise: {calibrated.forward_noise:.3f}")
+        host = decode_host_time(replayed.records)
+        if host is not None:
+            print(host.describe(calibrated))
         print("| forwards | count | measured s | predicted s | error | spread | its round's profile |")
         print("|---|---|---|---|---|---|---|")
         for g in groups:

@@ -196,3 +196,34 @@ def compare_forwards(
         for kind, pairs in groups.items()
     ]
     return sorted(out, key=lambda g: -g.measured_s)
+
+
+@dataclass(frozen=True)
+class HostTime:
+    """The scheduler's time between two decode steps, back to back (the later one's idle_s:
+    sampling, processing the last step's outputs, building the next batch), as a straight line in
+    the step's rows: what a profile's decode_overhead_s and row_overhead_s price beside the
+    forward's own. Measured apart from the forward, it splits a step's cost per row between the
+    host and the model, which one model's calibration runs cannot (docs/simulator.md)."""
+
+    fixed_s: float
+    per_row_s: float
+    steps: int
+
+    def describe(self, profile: HardwareProfile) -> str:
+        return (
+            f"the scheduler's time between decode steps: {self.fixed_s * 1e3:.2f} ms + "
+            f"{self.per_row_s * 1e6:.0f} us per row over {self.steps} steps (the profile charges "
+            f"{profile.row_overhead_s * 1e6:.0f} us per sampled row)"
+        )
+
+
+def decode_host_time(records: Sequence[ForwardRecord]) -> HostTime | None:
+    """HostTime by least squares over `records`' decode steps that followed another forward
+    without an idle spell; None without two batch sizes to draw the line through."""
+    steps = [r for r in records if r.mode == "DECODE" and r.idle_s < AFTER_IDLE_S]
+    rows = [float(len(r.shape.q_lens)) for r in steps]
+    if len(set(rows)) < 2:
+        return None
+    slope, intercept = statistics.linear_regression(rows, [r.idle_s for r in steps])
+    return HostTime(intercept, slope, len(steps))

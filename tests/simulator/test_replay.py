@@ -18,7 +18,13 @@ from radixserve.models.loader import load_model_config, resolve_model_source
 from radixserve.simulator.cost_model import ForwardShape, ModelShape, forward_seconds
 from radixserve.simulator.executor import ForwardRecord
 from radixserve.simulator.hardware import BUILTIN_PROFILES
-from radixserve.simulator.replay import compare_forwards, forward_kind, measured_step_seconds, replay
+from radixserve.simulator.replay import (
+    compare_forwards,
+    decode_host_time,
+    forward_kind,
+    measured_step_seconds,
+    replay,
+)
 from radixserve.simulator.simulate import simulate
 from radixserve.simulator.trace import TraceRequest
 from tests.simulator.test_cost_model import LLAMA_8B
@@ -120,3 +126,20 @@ def test_the_schedulers_time_between_two_forwards_counts_with_the_second() -> No
     (group,) = compare_forwards([back_to_back], config, profile)
     assert group.measured_s == pytest.approx(predicted + 0.004)
     assert group.error == pytest.approx(predicted / (predicted + 0.004) - 1)
+
+
+def test_the_schedulers_time_between_decode_steps_is_a_line_in_their_rows() -> None:
+    """decode_host_time draws the scheduler's time before each back-to-back decode step as a
+    fixed part plus a part per row; prefills and steps after an idle spell are left out."""
+
+    def step(rows: int, idle_s: float, mode: str = "DECODE") -> ForwardRecord:
+        shape = ForwardShape([1] * rows, [100] * rows, rows, decode=mode == "DECODE")
+        return ForwardRecord(0.0, 0.02, mode, shape, idle_s)
+
+    records = [step(rows, 0.5e-3 + 80e-6 * rows) for rows in (1, 2, 2, 4, 8)]
+    records += [step(3, 0.5, "DECODE"), step(4, 5e-3, "EXTEND")]  # after idle; a prefill
+    host = decode_host_time(records)
+    assert host is not None and host.steps == 5
+    assert host.fixed_s == pytest.approx(0.5e-3) and host.per_row_s == pytest.approx(80e-6)
+    assert "80 us per row" in host.describe(BUILTIN_PROFILES["H100"])
+    assert decode_host_time([step(2, 1e-3), step(2, 2e-3)]) is None  # one batch size: no line

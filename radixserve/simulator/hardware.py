@@ -99,10 +99,8 @@ class HardwareProfile:
     # 1: their sum (nothing overlaps); between, a partial overlap, as on a CPU whose few cores both
     # stream a decode step's weights and compute its rows (the step grows with its rows from the
     # first, slowly at first). `calibrate` keeps the one of MEMORY_COMPUTE_NORMS that fits best. A
-    # prefill or extend takes the larger whatever the norm: its hundreds of rows per weight read
-    # hide the reads (on the 2-core Zen 3 a 1B-shaped model's prefill spent 13 ms a forward
-    # outside its timed parts, where the sum would have added its weights' 95 ms:
-    # simulator/components.py, docs/simulator.md).
+    # prefill or extend takes the larger whatever the norm: its many rows per weight read hide
+    # the reads, as its parts timed in place show (simulator/components.py, docs/simulator.md).
     memory_compute_norm: float | None = None
 
     def roofline(self, compute: float, memory: float, decode: bool) -> float:

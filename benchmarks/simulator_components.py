@@ -65,14 +65,15 @@ def main() -> None:
         for pair in timed:
             if not pair[0].shape.decode:
                 kinds.setdefault(forward_kind(pair[0]), []).append(pair)
-        out[name] = {}
+        by_kind: dict[str, list[dict[str, object]]] = {}
+        out[name] = by_kind
         for kind, pairs in kinds.items():
             rows = compare_parts(config, profile, pairs)
             print(f"\n{name} ({path.name}), {len(pairs)} forwards: {kind}")
             print("| part | measured s | predicted s | error |\n|---|---|---|---|")
             for row in rows:
                 print(f"| {row.part} | {row.measured_s:.3f} | {row.predicted_s:.3f} | {row.error:+.1%} |")
-            out[name][kind] = [dataclasses.asdict(row) for row in rows]  # type: ignore[index]
+            by_kind[kind] = [dataclasses.asdict(row) for row in rows]
     path = args.work / "simulator-components.json"
     path.write_text(json.dumps(out, indent=1) + "\n")
     print(f"\nwrote {path}")

@@ -4,14 +4,16 @@ the host drifts between runs). Prints the calibration runs' errors, the fitted f
 --other-model, the errors on the other model's runs that simulator_other_model.py saved.
 
     python benchmarks/simulator_refit.py bench-work/simulator-validation.json \\
-        [--other-model bench-work/simulator-other-model.json] [--passes 1,2]
+        [--other-model bench-work/simulator-other-model.json] [--passes 1,2] [--row-cost fit|SECONDS]
 
 What calibrate measured (peaks, bandwidth, the linears' rates, the pointwise costs) is taken from
 the saved profile; what the fit fills in is fitted again. A validation saved since session 30 keeps
 its replays' forwards too, and each is set against the new fit (the fit never saw them). With
 --passes, the fit takes those calibration passes only: a replay's neighbours, say, apart from the
-host's drift over the rest. The models are the validation's and the other-model run's
-random-weight models in WORK.
+host's drift over the rest. The cost per row is held where the validation's engine measured its
+scheduler's own (saved since session 32; fitted for older saves); --row-cost fits it, or holds it
+at the seconds given. The models are the validation's and the other-model run's random-weight
+models in WORK.
 """
 
 from __future__ import annotations
@@ -45,6 +47,10 @@ def main() -> None:
     parser.add_argument(
         "--passes", help="fit on these calibration passes only (comma-separated, from 0), e.g. a round's"
     )
+    parser.add_argument(
+        "--row-cost",
+        help="'fit', or seconds per sampled row to hold (default: what the validation's engine measured)",
+    )
     args = parser.parse_args()
     saved = json.loads(args.validation.read_text())
     # Fields this code no longer has (an older profile's) are left out.
@@ -66,7 +72,9 @@ def main() -> None:
     recorded = [
         recorded_forwards(config, run.shape, i, args.max_total_tokens, **sched) for i, run in enumerate(runs)
     ]
-    profile = fit(config, runs, recorded, saved_profile.measured(), saved_profile.cascade_attention)
+    row_cost = _row_cost(saved, args.row_cost)
+    print("cost per row:", "fitted" if row_cost is None else f"held at {row_cost * 1e6:.1f} us")
+    profile = fit(config, runs, recorded, saved_profile.measured(), saved_profile.cascade_attention, row_cost)
     print("| calibration run | measured s | predicted s | error |\n|---|---|---|---|")
     logs = []
     for run, forwards in zip(runs, recorded, strict=True):
@@ -100,6 +108,15 @@ def _other_model(saved: dict[str, Any], profile: HardwareProfile, args: argparse
         predicted = predicted_seconds(config, profile, shape, forwards)
         error = predicted / row["measured_s"] - 1
         print(f"| {shape.label} | {row['measured_s']:.3f} | {predicted:.3f} | {error:+.1%} |")
+
+
+def _row_cost(saved: dict[str, Any], given: str | None) -> float | None:
+    """The row cost to hold: `given` ('fit': none), else what the validation's engine measured of
+    its scheduler (cli.engine_row_cost), if it was saved."""
+    if given is not None:
+        return None if given == "fit" else float(given)
+    per_row = saved.get("decode_host_time", {}).get("per_row_s")
+    return None if per_row is None else max(0.0, float(per_row))
 
 
 def _print_forwards(title: str, groups: list[ForwardGroup]) -> None:

@@ -122,6 +122,9 @@ def main() -> None:
             profiles.append((args.hardware, [load_profile(args.hardware)] * args.repeats))
         config = load_model_config(engine.source)
         sched = scheduler_args(engine.args)
+        # What the fits held the cost per row at (the scheduler's own time, cli.engine_row_cost).
+        host_time = engine.get_stats()["decode_host_time"]
+        print(f"the engine's scheduler between decode steps: {host_time}")
     limit = args.max_total_tokens
     for name, entry in workloads.items():
         total = entry.workload.in_tokens + entry.workload.out_tokens
@@ -168,6 +171,7 @@ def main() -> None:
         ],
         # Every sample of every calibration run, per pass (the figures above are their medians).
         "pass_samples": timer.pass_samples,
+        "decode_host_time": host_time,
         "workloads": [dataclasses.asdict(row) for row in rows],
         "replays": replays,
     }

@@ -182,6 +182,9 @@ def get_stats(scheduler: ControlledScheduler, args: dict[str, Any]) -> Reply:
             "overlapped_steps": s.stats.overlapped_steps,
             "step_time_s": s.stats.step_time_s,
             "forward_time_s": s.stats.forward_time_s,
+            # The scheduler's own time before each back-to-back decode step, as a line in its
+            # rows (what calibrate holds the simulator's cost per row at).
+            "decode_host_time": s.stats.decode_host_time.describe(),
             # The attention backend, decode path and CPU kernels chosen at startup, and their counters.
             **s.executor.describe(),
             **s.executor.stats(),

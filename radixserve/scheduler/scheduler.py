@@ -377,12 +377,16 @@ class Scheduler(ManagerViews, SchedulerAccounting):
             publishing = self.publisher.start(lambda: self._publish(unpublished))
             self.stats.overlapped_steps += 1
         forward_started = time.perf_counter()
+        decode_rows = len(batch.reqs) if not batch.is_prefill and batch.verify is None else None
+        self.stats.decode_host_time.forward_started(forward_started, decode_rows)
         try:
             logits, hidden = self.executor.forward(batch.forward)
         finally:
             # Joined even when the forward fails: nothing may touch the cache while it runs.
             published = [] if publishing is None else publishing.result()
-        self.stats.forward_time_s += time.perf_counter() - forward_started
+        forward_ended = time.perf_counter()
+        self.stats.forward_time_s += forward_ended - forward_started
+        self.stats.decode_host_time.forward_ended(forward_ended)
         self.step_started = None
         self.profiler.after_step(batch.is_prefill)
         if batch.verify is not None:

@@ -8,6 +8,55 @@ from dataclasses import dataclass, field
 
 logger = logging.getLogger("radixserve.scheduler")
 
+# A gap between two forwards longer than this was the scheduler waiting for requests, not working.
+IDLE_GAP_S = 0.01
+
+
+@dataclass
+class HostTimeLine:
+    """The scheduler's own time before each decode step that follows another forward back to back
+    (sampling and publishing the last step's tokens, taking new requests, building the batch), as
+    a straight line in the step's rows, fitted by least squares. The simulator prices a decode
+    step as this host time plus the model's forward, and one model's timed runs cannot split the
+    two: both grow with the rows. So calibrate reads this line off the engine it times and holds
+    the profile's cost per row at its slope (simulator/calibrate.py)."""
+
+    steps: int = 0
+    _rows: float = 0.0
+    _seconds: float = 0.0
+    _rows_squared: float = 0.0
+    _rows_seconds: float = 0.0
+    _last_end: float | None = None
+
+    def add(self, rows: int, seconds: float) -> None:
+        self.steps += 1
+        self._rows += rows
+        self._seconds += seconds
+        self._rows_squared += rows * rows
+        self._rows_seconds += rows * seconds
+
+    def forward_started(self, now: float, decode_rows: int | None) -> None:
+        """A forward starts at `now` (time.perf_counter); decode_rows: a plain decode step's rows,
+        None for any other forward (a prefill's host time depends on its prompts, not its rows)."""
+        if decode_rows is not None and self._last_end is not None and now - self._last_end < IDLE_GAP_S:
+            self.add(decode_rows, now - self._last_end)
+
+    def forward_ended(self, now: float) -> None:
+        self._last_end = now
+
+    def line(self) -> tuple[float, float] | None:
+        """(seconds per step, seconds per row); None before two batch sizes have been seen."""
+        spread = self.steps * self._rows_squared - self._rows**2
+        if self.steps < 2 or spread <= 1e-9 * max(1.0, self._rows_squared):
+            return None
+        per_row = (self.steps * self._rows_seconds - self._rows * self._seconds) / spread
+        return (self._seconds - per_row * self._rows) / self.steps, per_row
+
+    def describe(self) -> dict[str, float | int | None]:
+        fitted = self.line()
+        fixed, per_row = (None, None) if fitted is None else fitted
+        return {"steps": self.steps, "fixed_s": fixed, "per_row_s": per_row}
+
 
 @dataclass
 class SchedulerStats:
@@ -37,6 +86,7 @@ class SchedulerStats:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_emitted_tokens: int = 0
+    decode_host_time: HostTimeLine = field(default_factory=HostTimeLine)
     _window_start: float = field(default_factory=time.perf_counter)
     _window_tokens: int = 0
     _window_steps: int = 0

@@ -151,6 +151,7 @@ _PARAMETERS = (
     "prefill_fixed", "decode_fixed", "row", "shared_key",
 )  # fmt: skip
 _EFFICIENCIES = 6
+_ROW = _PARAMETERS.index("row")
 _EFFICIENCY_BOUNDS = (0.002, 4.0)
 _FIXED_BOUNDS = (0.0, 0.25)
 
@@ -174,12 +175,18 @@ def fit(
     records: list[list[ForwardRecord]],
     peaks: HardwareProfile,
     cascade: bool = False,
+    row_overhead_s: float | None = None,
 ) -> HardwareProfile:
     """The profile with the least squared log error of each run's predicted against measured
     seconds; records: per run, its forwards (recorded_forwards); cascade: whether the engine's
     attention reads a shared prefix once per batch. Each of ATTENTION_BLOCKS is fitted in turn,
     each with each of MEMORY_COMPUTE_NORMS, and the best kept. A run after an idle spell is left
     out of that fit: it sets idle_wake_s.
+
+    `row_overhead_s`: the host's cost per sampled row as the engine measured it (its scheduler's
+    HostTimeLine), held there; None fits it with the rest. The runs of one model cannot split a
+    decode step's cost per row between the host and the model's compute, so a fitted row cost
+    takes up the compute's error too (docs/simulator.md).
 
     `peaks`: what calibrate measured (simulator/peaks.py), taken as it is; the fit fills in the
     rest. Its name, memory size, peak FLOP/s and the linears' FLOP/s by model width (the linears'
@@ -196,7 +203,7 @@ def fit(
         forwards = [forward_costs(config, records[i], block) for i in back_to_back]
         for norm in MEMORY_COMPUTE_NORMS:
             data = _Forwards.of(forwards, peaks, linear_peak, cascade, norm)
-            p, error = _fit_parameters(data, measured)
+            p, error = _fit_parameters(data, measured, row_overhead_s)
             if best is None or error < best[0]:
                 best = (error, block, norm, p)
     assert best is not None
@@ -266,13 +273,15 @@ def _idle_wake(
     return max(0.0, round(statistics.median(extra), 9)) if extra else 0.0
 
 
-def _fit_parameters(data: _Forwards, measured: np.ndarray) -> tuple[np.ndarray, float]:
+def _fit_parameters(
+    data: _Forwards, measured: np.ndarray, row_overhead_s: float | None = None
+) -> tuple[np.ndarray, float]:
     """The parameters (as in _PARAMETERS) with the least squared log error, and that error. A
     coarse grid finds the basin, then a pattern search refines every parameter: the grid's steps
     (17% between efficiencies) alone would leave errors of the size of the 9% target. Last,
     Levenberg-Marquardt steps move all parameters at once: with ten of them, some trade against
     each other (a decode step's fixed cost against its attention), and one-at-a-time moves stall
-    in such valleys short of the best fit."""
+    in such valleys short of the best fit. The row cost stays at `row_overhead_s` if given."""
 
     def residuals(p: np.ndarray) -> np.ndarray:
         return np.asarray(np.log(data.run_seconds(p)) - measured)
@@ -280,13 +289,18 @@ def _fit_parameters(data: _Forwards, measured: np.ndarray) -> tuple[np.ndarray, 
     def error(p: np.ndarray) -> float:
         return float((residuals(p) ** 2).mean())
 
-    p = _levenberg_marquardt(residuals, _polish(error, _coarse_grid(data, measured)))
+    free = np.ones(len(_PARAMETERS), dtype=bool)
+    rows = ROW_OVERHEAD_S
+    if row_overhead_s is not None:
+        free[_ROW], rows = False, np.array([row_overhead_s])
+    p = _levenberg_marquardt(residuals, _polish(error, _coarse_grid(data, measured, rows), free), free)
     return p, error(p)
 
 
-def _coarse_grid(data: _Forwards, measured: np.ndarray) -> np.ndarray:
-    """The best point of the grids above, a decode step's linears at the prefill's efficiency and
-    attention over the cached context (shared or not) at the causal attention's."""
+def _coarse_grid(data: _Forwards, measured: np.ndarray, row_costs: np.ndarray) -> np.ndarray:
+    """The best point of the grids above (with `row_costs` for the row cost), a decode step's
+    linears at the prefill's efficiency and attention over the cached context (shared or not) at
+    the causal attention's."""
     decodes = np.bincount(data.owner, weights=data.decode, minlength=data.runs)
     prefills = np.bincount(data.owner, minlength=data.runs) - decodes
     rows = np.bincount(data.owner, weights=data.rows, minlength=data.runs)
@@ -296,7 +310,7 @@ def _coarse_grid(data: _Forwards, measured: np.ndarray) -> np.ndarray:
     fixed = (
         prefills[:, None, None, None] * overhead[None, :, None, None]
         + decodes[:, None, None, None] * overhead[None, None, :, None]
-        + rows[:, None, None, None] * ROW_OVERHEAD_S[None, None, None, :]
+        + rows[:, None, None, None] * row_costs[None, None, None, :]
     )
     best: tuple[float, np.ndarray] | None = None
     for ef, ea in itertools.product(FLOPS_EFFICIENCY, ATTENTION_EFFICIENCY):
@@ -307,23 +321,23 @@ def _coarse_grid(data: _Forwards, measured: np.ndarray) -> np.ndarray:
         error = ((np.log(predicted) - measured[:, None, None, None]) ** 2).mean(axis=0)
         i, j, k = np.unravel_index(int(np.argmin(error)), error.shape)
         if best is None or error[i, j, k] < best[0]:
-            costs = [overhead[i], overhead[j], ROW_OVERHEAD_S[k], 0.0]
+            costs = [overhead[i], overhead[j], row_costs[k], 0.0]
             point = np.array([ef, ea, ef, ea, ea, ea, *costs])
             best = (float(error[i, j, k]), point)
     assert best is not None
     return best[1]
 
 
-def _polish(error: Any, start: np.ndarray, rounds: int = 200) -> np.ndarray:
-    """A pattern search from `start`: each parameter in turn moves up or down by its step while
-    that lowers the error; when none does, the steps halve. Efficiencies move by ratios, fixed
-    costs by steps of seconds; both stay within their bounds."""
+def _polish(error: Any, start: np.ndarray, free: np.ndarray, rounds: int = 200) -> np.ndarray:
+    """A pattern search from `start`: each `free` parameter in turn moves up or down by its step
+    while that lowers the error; when none does, the steps halve. Efficiencies move by ratios,
+    fixed costs by steps of seconds; both stay within their bounds."""
     p, best = start.copy(), error(start)
     ratio = np.full(_EFFICIENCIES, 0.16)  # log-steps, about the coarse grid's
     step = np.maximum(start[_EFFICIENCIES:] * 0.4, [200e-6, 200e-6, 20e-6, 50e-9])
     for _ in range(rounds):
         moved = False
-        for i in range(len(_PARAMETERS)):
+        for i in np.flatnonzero(free):
             for sign in (1.0, -1.0):
                 q = p.copy()
                 if i < _EFFICIENCIES:
@@ -344,10 +358,12 @@ def _polish(error: Any, start: np.ndarray, rounds: int = 200) -> np.ndarray:
 _FIXED_SCALES = np.array([1e-3, 1e-3, 1e-5, 1e-7])
 
 
-def _levenberg_marquardt(residuals: Any, start: np.ndarray, iterations: int = 200) -> np.ndarray:
-    """Least squares of residuals(p) from `start`, within the parameters' bounds: Gauss-Newton
-    steps on a forward-difference Jacobian, damped (toward gradient descent) when a step does not
-    lower the error, and clipped to the bounds."""
+def _levenberg_marquardt(
+    residuals: Any, start: np.ndarray, free: np.ndarray, iterations: int = 200
+) -> np.ndarray:
+    """Least squares of residuals(p) from `start` over the `free` parameters, within their
+    bounds: Gauss-Newton steps on a forward-difference Jacobian, damped (toward gradient descent)
+    when a step does not lower the error, and clipped to the bounds."""
 
     def params(x: np.ndarray) -> np.ndarray:
         return np.concatenate([np.exp(x[:_EFFICIENCIES]), x[_EFFICIENCIES:] * _FIXED_SCALES])
@@ -359,15 +375,15 @@ def _levenberg_marquardt(residuals: Any, start: np.ndarray, iterations: int = 20
     r = residuals(params(x))
     cost, damping = float(r @ r), 1e-3
     for _ in range(iterations):
-        jacobian = np.empty((len(r), len(x)))
-        for i in range(len(x)):
+        jacobian = np.zeros((len(r), len(x)))  # a held parameter's column stays 0: it never moves
+        for i in np.flatnonzero(free):
             h = 1e-6 * max(1.0, abs(x[i]))
             nudged = x.copy()
             nudged[i] += h
             jacobian[:, i] = (residuals(params(nudged)) - r) / h
         normal, gradient = jacobian.T @ jacobian, jacobian.T @ r
         while damping < 1e10:
-            damped = normal + damping * np.diag(np.diag(normal) + 1e-12)
+            damped = normal + damping * np.diag(np.diag(normal) + 1e-12) + np.diag(~free)
             candidate = np.clip(x - np.linalg.solve(damped, gradient), lo, hi)
             r_new = residuals(params(candidate))
             if (cost_new := float(r_new @ r_new)) < cost:

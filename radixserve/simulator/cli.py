@@ -162,8 +162,9 @@ def measure_engine_peaks(engine: Any, name: str) -> Any:
 
 
 def fit_engine(engine: Any, peaks: Any, runs: list[Any]) -> tuple[Any, list[tuple[Any, float]]]:
-    """calibrate.fit on this engine's model and attention, from measured `peaks` and timed `runs`;
-    with each run's predicted seconds."""
+    """calibrate.fit on this engine's model and attention, from measured `peaks` and timed `runs`,
+    with the cost per row held at what the engine's scheduler measured of its own time; with each
+    run's predicted seconds."""
     from radixserve.models.loader import load_model_config
     from radixserve.simulator.calibrate import fit, predicted_seconds, recorded_forwards
     from radixserve.simulator.calibration_passes import calibration_runs
@@ -174,10 +175,18 @@ def fit_engine(engine: Any, peaks: Any, runs: list[Any]) -> tuple[Any, list[tupl
         recorded_forwards(config, shape, i, engine.max_total_tokens, **server_args)
         for i, shape in enumerate(calibration_runs(engine.context_len))
     ]
-    profile = fit(config, runs, recorded, peaks, engine_cascades(engine))
+    profile = fit(config, runs, recorded, peaks, engine_cascades(engine), engine_row_cost(engine))
     pairs = zip(runs, recorded, strict=True)
     predicted = [predicted_seconds(config, profile, run.shape, forwards) for run, forwards in pairs]
     return profile, list(zip(runs, predicted, strict=True))
+
+
+def engine_row_cost(engine: Any) -> float | None:
+    """The scheduler's own seconds per row of a decode step (scheduler/stats.py's HostTimeLine)
+    over everything the engine has run; None before it has seen two batch sizes. Never below 0: a
+    slope that noise took below it means no cost per row the runs could show."""
+    per_row = engine.get_stats()["decode_host_time"]["per_row_s"]
+    return None if per_row is None else max(0.0, float(per_row))
 
 
 def engine_cascades(engine: Any) -> bool:

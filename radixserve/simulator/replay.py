@@ -27,6 +27,7 @@ from radixserve.forward.batch import ForwardBatch
 from radixserve.models.config import ModelConfig
 from radixserve.protocol.messages import GenerateRequest
 from radixserve.scheduler.scheduler import Scheduler
+from radixserve.scheduler.stats import IDLE_GAP_S, HostTimeLine
 from radixserve.simulator.cost_model import ModelShape, forward_seconds, wake_seconds
 from radixserve.simulator.executor import ForwardRecord, forward_shape
 from radixserve.simulator.hardware import HardwareProfile
@@ -149,7 +150,7 @@ class ForwardGroup:
 
 
 # A forward after the device idled at least this long is grouped apart: it may pay a wake cost.
-AFTER_IDLE_S = 0.01
+AFTER_IDLE_S = IDLE_GAP_S
 # Decode steps are grouped by batch size: from each of these up to the next.
 _DECODE_BATCHES = (1, 2, 5, 9, 17)
 _DECODE_LABELS = ("1", "2-4", "5-8", "9-16", "17+")
@@ -219,11 +220,11 @@ class HostTime:
 
 
 def decode_host_time(records: Sequence[ForwardRecord]) -> HostTime | None:
-    """HostTime by least squares over `records`' decode steps that followed another forward
-    without an idle spell; None without two batch sizes to draw the line through."""
-    steps = [r for r in records if r.mode == "DECODE" and r.idle_s < AFTER_IDLE_S]
-    rows = [float(len(r.shape.q_lens)) for r in steps]
-    if len(set(rows)) < 2:
-        return None
-    slope, intercept = statistics.linear_regression(rows, [r.idle_s for r in steps])
-    return HostTime(intercept, slope, len(steps))
+    """HostTime over `records`' decode steps that followed another forward without an idle spell
+    (the line the scheduler draws of its own: HostTimeLine); None without two batch sizes."""
+    line = HostTimeLine()
+    for r in records:
+        if r.mode == "DECODE" and r.idle_s < AFTER_IDLE_S:
+            line.add(len(r.shape.q_lens), r.idle_s)
+    fitted = line.line()
+    return None if fitted is None else HostTime(*fitted, line.steps)

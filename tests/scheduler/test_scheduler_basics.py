@@ -145,3 +145,32 @@ def test_the_event_loop_stamps_requests_an_idle_scheduler_took_at_once() -> None
     received_c, idle_c = first["c"]
     assert received_c is not None and received_c > first["a"][0] and not idle_c
     scheduler.check_kv_invariant()
+
+
+def test_the_scheduler_times_itself_before_each_plain_decode_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the scheduler tells its HostTimeLine (get_stats' decode_host_time): each decode
+    step's rows, and None for a prefill, in the order the executor ran them."""
+    executor = FakeExecutor(vocab_size=VOCAB)
+    scheduler = make_scheduler(executor)
+    told: list[int | None] = []
+    line = scheduler.stats.decode_host_time
+    original = line.forward_started
+
+    def forward_started(now: float, decode_rows: int | None) -> None:
+        told.append(decode_rows)
+        original(now, decode_rows)
+
+    monkeypatch.setattr(line, "forward_started", forward_started)
+    results = Results()
+    for rid, length in (("a", 3), ("b", 6), ("c", 9)):
+        submit(scheduler, results, rid, [1, 2, 3, 4], length)
+    run_until_idle(scheduler, results)
+    assert told == [None if b.is_prefill else len(b.extend_lens) for b in executor.batches]
+    assert told[0] is None and len(set(told[1:])) == 3  # three batch sizes as requests finish
+    stats = scheduler.handle(ControlRequest("s", "get_stats"))[-1]
+    assert isinstance(stats, ControlResult)
+    host = stats.payload["decode_host_time"]
+    # Back to back, the fake's steps come well within IDLE_GAP_S of each other; a step after a
+    # pause of the test process (a garbage collection) would be left out, so not all are required.
+    assert 0 < host["steps"] <= len(executor.decodes)
+    scheduler.check_kv_invariant()

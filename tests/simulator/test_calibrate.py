@@ -30,16 +30,17 @@ from tests.simulator.test_cost_model import LLAMA_8B
 
 
 def _fit_to(
-    truth: HardwareProfile, model: dict[str, Any] = LLAMA_8B
+    truth: HardwareProfile, model: dict[str, Any] = LLAMA_8B, row_overhead_s: float | None = None
 ) -> tuple[HardwareProfile, list[float], list[float]]:
-    """The profile fitted to the calibration runs' times as `truth` predicts them for `model`;
-    those times, and the fitted profile's predictions of them."""
+    """The profile fitted to the calibration runs' times as `truth` predicts them for `model`
+    (its row cost held at `row_overhead_s` if given); those times, and the fitted profile's
+    predictions of them."""
     config = ModelConfig.from_hf_dict(model)
     recorded = [recorded_forwards(config, shape, i, 200_000) for i, shape in enumerate(CALIBRATION_RUNS)]
     pairs = list(zip(CALIBRATION_RUNS, recorded, strict=True))
     times = [predicted_seconds(config, truth, shape, forwards) for shape, forwards in pairs]
     runs = [Run(shape, time) for shape, time in zip(CALIBRATION_RUNS, times, strict=True)]
-    fitted = fit(config, runs, recorded, _measured(truth), cascade=truth.cascade_attention)
+    fitted = fit(config, runs, recorded, _measured(truth), truth.cascade_attention, row_overhead_s)
     predicted = [predicted_seconds(config, fitted, shape, forwards) for shape, forwards in pairs]
     return fitted, times, predicted
 
@@ -213,21 +214,25 @@ def test_measured_pointwise_costs_carry_a_fit_to_a_wider_model() -> None:
     assert forward_seconds(wide, unknown, prefill) > 1.08 * measured
 
 
+# An 8B model's device fast enough that a decode step's fixed costs (per step and per row) show.
+HOST_BOUND = HardwareProfile(
+    "truth",
+    2e14,
+    1.6e12,
+    6e10,
+    0.4,
+    1.0,
+    2e-3,
+    attention_efficiency=0.2,
+    decode_overhead_s=20e-3,
+    row_overhead_s=200e-6,
+)
+
+
 def test_the_fit_recovers_a_host_bound_profile() -> None:
     """The same model on a device fast enough that a decode step's fixed costs (per step and per
     row) show: told apart from a prefill forward's."""
-    truth = HardwareProfile(
-        "truth",
-        2e14,
-        1.6e12,
-        6e10,
-        0.4,
-        1.0,
-        2e-3,
-        attention_efficiency=0.2,
-        decode_overhead_s=20e-3,
-        row_overhead_s=200e-6,
-    )
+    truth = HOST_BOUND
     fitted, times, predicted = _fit_to(truth)
     assert predicted == pytest.approx(times, rel=0.02)
     # A decode step reads the same weights at every batch size, so the runs show only the sum of
@@ -243,6 +248,24 @@ def test_the_fit_recovers_a_host_bound_profile() -> None:
     assert fitted.forward_overhead_s < 5e-3, fitted
 
 
+def test_a_row_cost_the_engine_measured_is_held_and_the_rest_fitted_around_it() -> None:
+    """calibrate holds the cost per row at what the engine's scheduler measured of itself. Held at
+    the truth's, the fit keeps it to the nanosecond and recovers the rest; held at a wrong value,
+    it stays there, and a decode step's linears (and how they combine with memory) take up the
+    difference: one model's runs cannot tell the two apart, which is why the engine measures the
+    row cost instead."""
+    truth = HOST_BOUND
+    held, times, predicted = _fit_to(truth, row_overhead_s=200e-6)
+    assert held.row_overhead_s == 200e-6
+    assert predicted == pytest.approx(times, rel=0.02)
+    assert held.decode_overhead_s == pytest.approx(20e-3, rel=0.05), held
+    wrong, times, predicted = _fit_to(truth, row_overhead_s=0.0)
+    assert wrong.row_overhead_s == 0.0
+    assert predicted == pytest.approx(times, rel=0.02)
+    assert wrong.decode_flops_efficiency is not None and held.decode_flops_efficiency is not None
+    assert wrong.decode_flops_efficiency < held.decode_flops_efficiency
+
+
 def test_calibrate_a_real_engine(tiny_model_dir: Callable[[str], Path], tmp_path: Path) -> None:
     engine = Engine(str(tiny_model_dir("llama")), dtype="float32", max_total_tokens=4096, log_level="warning")
     try:
@@ -252,6 +275,7 @@ def test_calibrate_a_real_engine(tiny_model_dir: Callable[[str], Path], tmp_path
         engine.generate(input_ids=[[5, 6, 7]] * 3, sampling_params={"max_new_tokens": 4})
         timer.time_pass()
         profile, rows = calibrate_engine(engine, name="this-cpu", runs=timer.runs())
+        host = engine.get_stats()["decode_host_time"]
         engine.check_kv_invariant()
     finally:
         engine.shutdown()
@@ -259,6 +283,9 @@ def test_calibrate_a_real_engine(tiny_model_dir: Callable[[str], Path], tmp_path
     assert profile.peak_flops > 0 and profile.memory_bandwidth > 0 and profile.memory_bytes > 0
     assert [width for width, _ in profile.linear_rates] == list(LINEAR_WIDTHS)
     assert all(run.seconds > 0 and predicted > 0 for run, predicted in rows)
+    # The cost per row held at the scheduler's own, as its line over every decode step measured it.
+    assert host["steps"] > 0 and host["per_row_s"] is not None
+    assert profile.row_overhead_s == pytest.approx(max(0.0, host["per_row_s"]), abs=1e-9)
     # What `calibrate` prints of it: every fitted figure, the cascade's where the engine has one.
     line = _describe(profile)
     assert "over a cached prefix x" in line and "a decode step's x" in line

@@ -21,6 +21,7 @@ import dataclasses
 import itertools
 import math
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -163,6 +164,31 @@ _FIXED_BOUNDS = (0.0, 0.25)
 MEMORY_COMPUTE_NORMS: tuple[float | None, ...] = (None, 3.0, 2.0, 1.5, 1.0)
 
 
+# The norms a measured overlap picks from: finer than the fit's, as measuring costs no fit.
+OVERLAP_NORMS: tuple[float | None, ...] = (*(round(1 + 0.1 * k, 1) for k in range(31)), None)
+
+
+def overlap_norm(
+    overlap: Sequence[tuple[int, float]], norms: Sequence[float | None] = OVERLAP_NORMS
+) -> float | None:
+    """The one of `norms` that best draws a stack of linears' time by rows (HardwareProfile.
+    decode_overlap) from its parts. For each norm, the weights' reading and the compute per row
+    that give the fewest rows' and the most rows' times exactly under it; then its squared log
+    error over the rows between; the least wins."""
+    (one, single), *between, (most, longest) = overlap
+
+    def error(p: float | None) -> float:
+        if p is None:  # the larger of the two: one row is all reading, the most rows all compute
+            per_row, memory = longest / most, single
+        else:  # t(rows) = ((rows * per_row)^p + memory^p)^(1/p) at both ends
+            per_row = max((longest**p - single**p) / (most**p - one**p), 0.0) ** (1 / p)
+            memory = max(single**p - (one * per_row) ** p, 0.0) ** (1 / p)
+        profile = HardwareProfile("overlap", 1.0, 1.0, 0.0, memory_compute_norm=p)
+        return sum(math.log(profile.roofline(rows * per_row, memory, True) / t) ** 2 for rows, t in between)
+
+    return min(norms, key=error)
+
+
 # The causal mask's granularities (HardwareProfile.attention_block) the fit tries: exact (a
 # GPU kernel's tiles are small next to most prompts), and blocks of 128 and 512 keys (torch's CPU
 # flash kernel).
@@ -180,7 +206,8 @@ def fit(
     """The profile with the least squared log error of each run's predicted against measured
     seconds; records: per run, its forwards (recorded_forwards); cascade: whether the engine's
     attention reads a shared prefix once per batch. Each of ATTENTION_BLOCKS is fitted in turn,
-    each with each of MEMORY_COMPUTE_NORMS, and the best kept. A run after an idle spell is left
+    each with the norm `peaks.decode_overlap` shows (overlap_norm) or, where calibrate did not
+    measure it, with each of MEMORY_COMPUTE_NORMS; the best is kept. A run after an idle spell is left
     out of that fit: it sets idle_wake_s.
 
     `row_overhead_s`: the host's cost per sampled row as the engine measured it (its scheduler's
@@ -193,15 +220,18 @@ def fit(
     efficiencies are fitted as shares of the rate at this model's width); the weights' bandwidth,
     which is not fitted: a decode step reads the same weights at every batch size, so the runs
     show only the sum of their reading and the step's fixed cost (docs/simulator.md), and the
-    measured rate splits it; and the pointwise ops' costs, which the runs of one model cannot
-    tell from its linears' efficiency."""
+    measured rate splits it; the pointwise ops' costs, which the runs of one model cannot tell
+    from its linears' efficiency; and how a decode step's compute and memory combine."""
     linear_peak = peaks.linear_peak(config.hidden_size)
+    # Measured where calibrate timed the overlap: one model's runs tell the norms apart poorly,
+    # and the one they pick misprices a wider model's decode steps (docs/simulator.md).
+    norms = (overlap_norm(peaks.decode_overlap),) if peaks.decode_overlap else MEMORY_COMPUTE_NORMS
     back_to_back = [i for i, run in enumerate(runs) if not run.shape.idle_s]
     measured = np.log(np.array([runs[i].seconds for i in back_to_back]))
     best: tuple[float, int, float | None, np.ndarray] | None = None
     for block in ATTENTION_BLOCKS:
         forwards = [forward_costs(config, records[i], block) for i in back_to_back]
-        for norm in MEMORY_COMPUTE_NORMS:
+        for norm in norms:
             data = _Forwards.of(forwards, peaks, linear_peak, cascade, norm)
             p, error = _fit_parameters(data, measured, row_overhead_s)
             if best is None or error < best[0]:

@@ -128,7 +128,7 @@ def calibrate_engine(
 def measure_engine_peaks(engine: Any, name: str) -> Any:
     """What calibrate measures of this machine for the engine's linears and kernels (the fit's
     input, HardwareProfile.measured): peak FLOP/s, bandwidth, memory, rates by width, pointwise
-    costs."""
+    costs, and a stack of linears' time by rows (how compute and memory combine)."""
     import os
 
     import torch
@@ -138,6 +138,7 @@ def measure_engine_peaks(engine: Any, name: str) -> Any:
     from radixserve.simulator.peaks import (
         engine_kernels,
         engine_linears,
+        measure_decode_overlap,
         measure_linear_rates,
         measure_peaks,
         measure_pointwise,
@@ -158,6 +159,7 @@ def measure_engine_peaks(engine: Any, name: str) -> Any:
         memory,
         linear_rates=measure_linear_rates(device, dtype=dtype, packing=packing),
         pointwise=measure_pointwise(device, dtype=dtype, kernels=engine_kernels(engine.args, device)),
+        decode_overlap=measure_decode_overlap(device, dtype=dtype, packing=packing),
     )
 
 
@@ -253,7 +255,8 @@ def _describe(profile: HardwareProfile) -> str:
         f"over a cached prefix x {context:.3f}, "
         f"a decode step's x {decode_attention:.3f}{cascade}), "
         f"{profile.memory_bandwidth / 1e9:,.1f} GB/s x {profile.bandwidth_efficiency:.2f} "
-        f"(a decode step's with compute: {'the larger' if norm is None else f'their {norm:g}-norm'}), "
+        f"(a decode step's with compute: {'the larger' if norm is None else f'their {norm:g}-norm'}"
+        f"{', as a stack of linears showed' if profile.decode_overlap else ''}), "
         f"pointwise ns per value: norm {pointwise.norm_s * 1e9:.2f}, rotary {pointwise.rotary_s * 1e9:.2f}, "
         f"activation {pointwise.activation_s * 1e9:.2f}, "
         f"{profile.forward_overhead_s * 1e3:.2f} ms per prefill forward, "

@@ -98,10 +98,16 @@ class HardwareProfile:
     # the larger of the two, the roofline (a GPU streams weights while its matmul units work);
     # 1: their sum (nothing overlaps); between, a partial overlap, as on a CPU whose few cores both
     # stream a decode step's weights and compute its rows (the step grows with its rows from the
-    # first, slowly at first). `calibrate` keeps the one of MEMORY_COMPUTE_NORMS that fits best. A
-    # prefill or extend takes the larger whatever the norm: its many rows per weight read hide
-    # the reads, as its parts timed in place show (simulator/components.py, docs/simulator.md).
+    # first, slowly at first). `calibrate` picks it from decode_overlap where it measured that,
+    # else keeps the one of MEMORY_COMPUTE_NORMS that fits best. A prefill or extend takes the
+    # larger whatever the norm: its many rows per weight read hide the reads, as its parts timed
+    # in place show (simulator/components.py, docs/simulator.md).
     memory_compute_norm: float | None = None
+    # (rows, seconds) pairs: a stack of the engine's linears larger than any cache, timed for each
+    # number of rows (`calibrate` measures it: peaks.measure_decode_overlap). How its time grows
+    # from one row's (the weights' reading) as the rows' compute joins shows how the two combine
+    # on this device, apart from the calibration model's other costs. Empty: not measured.
+    decode_overlap: tuple[tuple[int, float], ...] = ()
 
     def roofline(self, compute: float, memory: float, decode: bool) -> float:
         """A forward's time before its fixed costs: a decode step's by memory_compute_norm, any
@@ -123,6 +129,7 @@ class HardwareProfile:
             self.memory_bytes,
             linear_rates=self.linear_rates,
             pointwise=self.pointwise,
+            decode_overlap=self.decode_overlap,
         )
 
     def linear_peak(self, width: int) -> float:
@@ -146,8 +153,9 @@ class HardwareProfile:
     def from_dict(cls, fields: dict[str, Any]) -> HardwareProfile:
         """A profile from its JSON (save's), the rates' pairs made tuples again."""
         rates = tuple((int(width), float(rate)) for width, rate in fields.get("linear_rates", ()))
+        overlap = tuple((int(rows), float(seconds)) for rows, seconds in fields.get("decode_overlap", ()))
         pointwise = PointwiseCosts(**fields.get("pointwise", {}))
-        return cls(**{**fields, "linear_rates": rates, "pointwise": pointwise})
+        return cls(**{**fields, "linear_rates": rates, "pointwise": pointwise, "decode_overlap": overlap})
 
     @classmethod
     def load(cls, path: Path) -> HardwareProfile:

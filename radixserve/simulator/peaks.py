@@ -57,6 +57,61 @@ def measure_peaks(
 # cache holds, so that each row reads it from memory.
 STREAMED_WEIGHT = (8192, 16384)
 
+# The stack measure_decode_overlap times: (hidden size, intermediate size, layers), each layer's
+# attention projections and MLP as four linears, 256 MiB in bf16 (more than any cache). A wide
+# model's shapes: a narrow one's small matrices add per-call costs beside the overlap it measures.
+OVERLAP_STACK = (2048, 8192, 2)
+# The rows it is timed with: one (the weights' reading alone), through rows whose compute matches
+# that reading, to rows whose compute dominates.
+OVERLAP_ROWS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def measure_decode_overlap(
+    device: torch.device | None = None,
+    seconds: float = 4.0,
+    dtype: torch.dtype = torch.bfloat16,
+    packing: WeightPacking | None = None,
+) -> tuple[tuple[int, float], ...]:
+    """(rows, seconds) for OVERLAP_ROWS through OVERLAP_STACK on the engine's linears
+    (HardwareProfile.decode_overlap): the median time of each, `seconds` spent in all."""
+    device = device or torch.device("cpu")
+    hidden, intermediate, layers = OVERLAP_STACK
+    shapes = [(3 * hidden, hidden), (hidden, hidden), (2 * intermediate, hidden), (hidden, intermediate)]
+    stack = [
+        _engine_linear(torch.randn(out, into, dtype=dtype, device=device) / into**0.5, packing)
+        for _ in range(layers)
+        for out, into in shapes
+    ]
+
+    def forward(x: torch.Tensor, wide: torch.Tensor) -> None:
+        for i in range(0, len(stack), len(shapes)):
+            qkv, o, gate_up, down = stack[i : i + len(shapes)]
+            qkv(x)
+            o(x)
+            gate_up(x)
+            down(wide)
+
+    calls = [
+        functools.partial(
+            forward,
+            torch.randn(rows, hidden, dtype=dtype, device=device),
+            torch.randn(rows, intermediate, dtype=dtype, device=device),
+        )
+        for rows in OVERLAP_ROWS
+    ]
+    # Every row count in turn, round after round, each the median of its rounds: a slow spell of
+    # the host then slows one round of all of them, not every sample of one (as calibration
+    # passes are taken: calibration_passes.py).
+    for call in calls:  # untimed: first calls pay one-off setup
+        _seconds(call, device)
+    times: list[list[float]] = [[] for _ in calls]
+    start = time.perf_counter()
+    while not times[0] or time.perf_counter() - start < seconds:
+        for call, samples in zip(calls, times, strict=True):
+            samples.append(_seconds(call, device))
+    return tuple((rows, statistics.median(t)) for rows, t in zip(OVERLAP_ROWS, times, strict=True))
+
+
 # The hidden sizes measure_linear_rates times: SmolLM2-135M's is 576, Llama-3.2-1B's 2048, an
 # 8B's 4096.
 LINEAR_WIDTHS = (512, 1024, 2048, 4096)
@@ -149,6 +204,15 @@ def engine_kernels(args: ServerArgs, device: torch.device) -> CpuKernels | None:
     """The native CPU kernels an engine of `args` runs on `device` (None: torch's ops), as the model
     runner picks them."""
     return select_cpu_kernels(args.cpu_kernels, device, args.cpu_isa)
+
+
+def _seconds(work: Callable[[], object], device: torch.device) -> float:
+    """One call of `work`, timed to its end on the device."""
+    began = time.perf_counter()
+    work()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - began
 
 
 def _rate(work: Any, units: float, seconds: float, device: torch.device) -> float:

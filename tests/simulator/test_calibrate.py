@@ -12,7 +12,13 @@ import pytest
 
 from radixserve.models.config import ModelConfig
 from radixserve.runtime.engine import Engine
-from radixserve.simulator.calibrate import fit, predicted_seconds, recorded_forwards
+from radixserve.simulator.calibrate import (
+    MEMORY_COMPUTE_NORMS,
+    fit,
+    overlap_norm,
+    predicted_seconds,
+    recorded_forwards,
+)
 from radixserve.simulator.calibration_passes import (
     CALIBRATION_RUNS,
     WAKE_IDLE_S,
@@ -25,7 +31,7 @@ from radixserve.simulator.cli import _describe, calibrate_engine
 from radixserve.simulator.cost_model import ForwardShape, ModelShape, SharedPrefix, forward_seconds
 from radixserve.simulator.hardware import HardwareProfile, PointwiseCosts, load_profile
 from radixserve.simulator.model_configs import BUILTIN_MODEL_CONFIGS
-from radixserve.simulator.peaks import LINEAR_WIDTHS
+from radixserve.simulator.peaks import LINEAR_WIDTHS, OVERLAP_ROWS
 from tests.simulator.test_cost_model import LLAMA_8B
 
 
@@ -246,6 +252,30 @@ def test_the_fit_recovers_a_host_bound_profile() -> None:
         )
     assert fitted.row_overhead_s == pytest.approx(200e-6, rel=0.2), fitted
     assert fitted.forward_overhead_s < 5e-3, fitted
+
+
+def _overlap(
+    norm: float | None, memory: float = 9e-3, per_row: float = 1.5e-3
+) -> tuple[tuple[int, float], ...]:
+    """A stack of linears' times by rows (HardwareProfile.decode_overlap) on a device whose
+    compute and memory combine by `norm`."""
+    device = HardwareProfile("device", 1.0, 1.0, 0.0, memory_compute_norm=norm)
+    return tuple((rows, device.roofline(rows * per_row, memory, True)) for rows in OVERLAP_ROWS)
+
+
+@pytest.mark.parametrize("norm", [None, 1.0, 1.5, 1.7, 2.0, 3.0])
+def test_the_norm_a_stack_of_linears_shows(norm: float | None) -> None:
+    assert overlap_norm(_overlap(norm)) == norm
+
+
+def test_a_measured_overlap_sets_the_fits_norm() -> None:
+    """Measured, the norm is not fitted: one model's runs tell the norms apart poorly (a 576-wide
+    model's fits picked the sum, which priced a 2048-wide model's decode steps up to 27% slow)."""
+    truth = dataclasses.replace(HOST_BOUND, memory_compute_norm=1.7, decode_overlap=_overlap(1.7))
+    fitted, times, predicted = _fit_to(truth)
+    assert 1.7 not in MEMORY_COMPUTE_NORMS and fitted.memory_compute_norm == 1.7
+    assert predicted == pytest.approx(times, rel=0.02)
+    assert fitted.decode_overlap == truth.decode_overlap
 
 
 def test_a_row_cost_the_engine_measured_is_held_and_the_rest_fitted_around_it() -> None:

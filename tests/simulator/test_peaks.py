@@ -12,8 +12,10 @@ from radixserve.config.server_args import ServerArgs
 from radixserve.executor.model_runner import ModelRunner
 from radixserve.executor.runner_config import RunnerConfig
 from radixserve.simulator.peaks import (
+    OVERLAP_ROWS,
     engine_kernels,
     engine_linears,
+    measure_decode_overlap,
     measure_linear_rates,
     measure_peaks,
     measure_pointwise,
@@ -42,6 +44,10 @@ def test_the_peak_is_the_matmul_the_engine_runs(tiny_model_dir: Callable[[str], 
     assert flops > 0 and bandwidth > 0
     rates = measure_linear_rates(device, seconds=0.05, dtype=dtype_used, packing=packing, widths=(64, 128))
     assert [width for width, _ in rates] == [64, 128] and all(rate > 0 for _, rate in rates)
+    # The stack of linears by rows, on the same kernel: 64 rows' compute is 64 times one row's.
+    overlap = measure_decode_overlap(device, seconds=0.05, dtype=dtype_used, packing=packing)
+    assert [rows for rows, _ in overlap] == list(OVERLAP_ROWS)
+    assert all(seconds > 0 for _, seconds in overlap) and overlap[-1][1] > overlap[0][1]
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])

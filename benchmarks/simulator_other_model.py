@@ -37,7 +37,7 @@ from radixserve.simulator.calibrate import predicted_seconds, recorded_forwards
 from radixserve.simulator.calibration_passes import CalibrationShape, CalibrationTimer
 from radixserve.simulator.cli import scheduler_args
 from radixserve.simulator.hardware import HardwareProfile
-from radixserve.simulator.peaks import engine_linears, measure_peaks
+from radixserve.simulator.peaks import engine_linears, measure_decode_overlap, weights_bandwidth
 
 # Prefill-bound and decode-bound runs, short enough for a 1B model on two cores (about 25 s a pass).
 # The first and third differ by 15 decode steps of one request.
@@ -127,7 +127,7 @@ def _weights_rate(engine: Engine) -> float:
     """The rate the engine's linear streams weights now, measured as calibrate measures it."""
     device = pick_device(engine.args.device)
     dtype, packing = engine_linears(engine.args, device)
-    return measure_peaks(device, dtype=dtype, packing=packing)[1]
+    return weights_bandwidth(measure_decode_overlap(device, dtype=dtype, packing=packing), dtype)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ import dataclasses
 import itertools
 import math
 import statistics
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +39,7 @@ from radixserve.simulator.cost_model import (
 )
 from radixserve.simulator.executor import SIM_VOCAB, ForwardRecord
 from radixserve.simulator.hardware import HardwareProfile
+from radixserve.simulator.peaks import fit_overlap
 from radixserve.simulator.simulate import simulate
 from radixserve.simulator.trace import TraceRequest
 
@@ -164,31 +164,6 @@ _FIXED_BOUNDS = (0.0, 0.25)
 MEMORY_COMPUTE_NORMS: tuple[float | None, ...] = (None, 3.0, 2.0, 1.5, 1.0)
 
 
-# The norms a measured overlap picks from: finer than the fit's, as measuring costs no fit.
-OVERLAP_NORMS: tuple[float | None, ...] = (*(round(1 + 0.1 * k, 1) for k in range(31)), None)
-
-
-def overlap_norm(
-    overlap: Sequence[tuple[int, float]], norms: Sequence[float | None] = OVERLAP_NORMS
-) -> float | None:
-    """The one of `norms` that best draws a stack of linears' time by rows (HardwareProfile.
-    decode_overlap) from its parts. For each norm, the weights' reading and the compute per row
-    that give the fewest rows' and the most rows' times exactly under it; then its squared log
-    error over the rows between; the least wins."""
-    (one, single), *between, (most, longest) = overlap
-
-    def error(p: float | None) -> float:
-        if p is None:  # the larger of the two: one row is all reading, the most rows all compute
-            per_row, memory = longest / most, single
-        else:  # t(rows) = ((rows * per_row)^p + memory^p)^(1/p) at both ends
-            per_row = max((longest**p - single**p) / (most**p - one**p), 0.0) ** (1 / p)
-            memory = max(single**p - (one * per_row) ** p, 0.0) ** (1 / p)
-        profile = HardwareProfile("overlap", 1.0, 1.0, 0.0, memory_compute_norm=p)
-        return sum(math.log(profile.roofline(rows * per_row, memory, True) / t) ** 2 for rows, t in between)
-
-    return min(norms, key=error)
-
-
 # The causal mask's granularities (HardwareProfile.attention_block) the fit tries: exact (a
 # GPU kernel's tiles are small next to most prompts), and blocks of 128 and 512 keys (torch's CPU
 # flash kernel).
@@ -206,7 +181,7 @@ def fit(
     """The profile with the least squared log error of each run's predicted against measured
     seconds; records: per run, its forwards (recorded_forwards); cascade: whether the engine's
     attention reads a shared prefix once per batch. Each of ATTENTION_BLOCKS is fitted in turn,
-    each with the norm `peaks.decode_overlap` shows (overlap_norm) or, where calibrate did not
+    each with the norm `peaks.decode_overlap` shows (peaks.fit_overlap) or, where calibrate did not
     measure it, with each of MEMORY_COMPUTE_NORMS; the best is kept. A run after an idle spell is left
     out of that fit: it sets idle_wake_s.
 
@@ -225,7 +200,7 @@ def fit(
     linear_peak = peaks.linear_peak(config.hidden_size)
     # Measured where calibrate timed the overlap: one model's runs tell the norms apart poorly,
     # and the one they pick misprices a wider model's decode steps (docs/simulator.md).
-    norms = (overlap_norm(peaks.decode_overlap),) if peaks.decode_overlap else MEMORY_COMPUTE_NORMS
+    norms = (fit_overlap(peaks.decode_overlap).norm,) if peaks.decode_overlap else MEMORY_COMPUTE_NORMS
     back_to_back = [i for i, run in enumerate(runs) if not run.shape.idle_s]
     measured = np.log(np.array([runs[i].seconds for i in back_to_back]))
     best: tuple[float, int, float | None, np.ndarray] | None = None

@@ -127,8 +127,9 @@ def calibrate_engine(
 
 def measure_engine_peaks(engine: Any, name: str) -> Any:
     """What calibrate measures of this machine for the engine's linears and kernels (the fit's
-    input, HardwareProfile.measured): peak FLOP/s, bandwidth, memory, rates by width, pointwise
-    costs, and a stack of linears' time by rows (how compute and memory combine)."""
+    input, HardwareProfile.measured): peak FLOP/s, memory, rates by width, pointwise costs, and
+    a stack of linears' time by rows (the weights' bandwidth, and how compute and memory
+    combine)."""
     import os
 
     import torch
@@ -139,14 +140,16 @@ def measure_engine_peaks(engine: Any, name: str) -> Any:
         engine_kernels,
         engine_linears,
         measure_decode_overlap,
+        measure_flops,
         measure_linear_rates,
-        measure_peaks,
         measure_pointwise,
+        weights_bandwidth,
     )
 
     device = pick_device(engine.args.device)
     dtype, packing = engine_linears(engine.args, device)
-    flops, bandwidth = measure_peaks(device, dtype=dtype, packing=packing)
+    flops = measure_flops(device, dtype=dtype, packing=packing)
+    overlap = measure_decode_overlap(device, dtype=dtype, packing=packing)
     memory = float(
         torch.cuda.get_device_properties(device).total_memory
         if device.type == "cuda"
@@ -155,11 +158,11 @@ def measure_engine_peaks(engine: Any, name: str) -> Any:
     return HardwareProfile(
         name,
         flops,
-        bandwidth,
+        weights_bandwidth(overlap, dtype),
         memory,
         linear_rates=measure_linear_rates(device, dtype=dtype, packing=packing),
         pointwise=measure_pointwise(device, dtype=dtype, kernels=engine_kernels(engine.args, device)),
-        decode_overlap=measure_decode_overlap(device, dtype=dtype, packing=packing),
+        decode_overlap=overlap,
     )
 
 

@@ -53,7 +53,8 @@ class HardwareProfile:
     cascade_attention: bool = False
     # Per row that samples: the host's work for each request that gets a next token (sampling
     # inputs, appending and checking the token, its output), which a decode step pays per request
-    # and a prefill per request, not per prompt token.
+    # and a prefill per request, not per prompt token. `calibrate` holds it at what the engine's
+    # scheduler measured of its own time per decode row (scheduler/stats.py's HostTimeLine).
     row_overhead_s: float = 0.0
     # A decode step's linears' share of peak FLOP/s, where it differs from a prefill's (None: the
     # same). On a CPU a prefill's activations spill out of the caches and a decode step's rows do

@@ -7,9 +7,11 @@ the engine's pointwise ops (norms, rotary embedding, activation)."""
 from __future__ import annotations
 
 import functools
+import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,45 +23,29 @@ from radixserve.layers.activation import silu_and_mul
 from radixserve.layers.norm import RMSNorm
 from radixserve.layers.packed_weights import WeightPacking, cpu_packing_supported
 from radixserve.layers.rotary import RotaryEmbedding
-from radixserve.simulator.hardware import PointwiseCosts
+from radixserve.simulator.hardware import HardwareProfile, PointwiseCosts
 
 
-def measure_peaks(
+def measure_flops(
     device: torch.device | None = None,
     seconds: float = 1.0,
     dtype: torch.dtype = torch.bfloat16,
     packing: WeightPacking | None = None,
-) -> tuple[float, float]:
-    """(matmul FLOP/s, weight bytes/s) of the engine's linears on `device` (default: this machine's
-    CPU threads): with `packing` (a CPU's bf16 weights packed for its kernel: engine_linears) that
-    kernel's, else torch's in `dtype`.
-
-    - FLOP/s: a square product, large enough to fill the device.
-    - Bytes/s: one row through a weight larger than any cache, the weight's bytes over its time:
-      how fast the engine's linear streams weights when a decode step reads them all for a few
-      rows. A decode step's time is that plus its fixed cost, and the two are the same at every
-      batch size, so runs of one model cannot tell them apart (docs/simulator.md): the fit takes
-      this rate as the weights' and fits only the rest."""
+) -> float:
+    """The matmul FLOP/s of the engine's linears on `device` (default: this machine's CPU
+    threads), a square product large enough to fill it: with `packing` (a CPU's bf16 weights
+    packed for its kernel: engine_linears) that kernel's, else torch's in `dtype`."""
     device = device or torch.device("cpu")
     n = 8192 if device.type == "cuda" else 1024
     square = _engine_linear(torch.randn(n, n, dtype=dtype, device=device), packing)
     a = torch.randn(n, n, dtype=dtype, device=device)
-    flops = _rate(lambda: square(a), 2 * n**3, seconds, device)
-    rows, cols = STREAMED_WEIGHT
-    weight = torch.randn(cols, rows, dtype=dtype, device=device) / rows**0.5
-    streamed = _engine_linear(weight, packing)
-    row = torch.randn(1, rows, dtype=dtype, device=device)
-    bandwidth = _rate(lambda: streamed(row), weight.nbytes, seconds, device)
-    return flops, bandwidth
+    return _rate(lambda: square(a), 2 * n**3, seconds, device)
 
-
-# The streamed weight's (in features, out features): 256 MiB in bf16, more than any CPU's or GPU's
-# cache holds, so that each row reads it from memory.
-STREAMED_WEIGHT = (8192, 16384)
 
 # The stack measure_decode_overlap times: (hidden size, intermediate size, layers), each layer's
-# attention projections and MLP as four linears, 256 MiB in bf16 (more than any cache). A wide
-# model's shapes: a narrow one's small matrices add per-call costs beside the overlap it measures.
+# attention projections and MLP as four linears, 256 MiB in bf16, more than any CPU's or GPU's
+# cache holds, so that each row reads it from memory. A wide model's shapes: a narrow one's small
+# matrices add per-call costs beside the overlap it measures.
 OVERLAP_STACK = (2048, 8192, 2)
 # The rows it is timed with: one (the weights' reading alone), through rows whose compute matches
 # that reading, to rows whose compute dominates.
@@ -110,6 +96,63 @@ def measure_decode_overlap(
         for call, samples in zip(calls, times, strict=True):
             samples.append(_seconds(call, device))
     return tuple((rows, statistics.median(t)) for rows, t in zip(OVERLAP_ROWS, times, strict=True))
+
+
+def overlap_stack_bytes(dtype: torch.dtype) -> int:
+    """The bytes of OVERLAP_STACK's weights in `dtype`."""
+    hidden, intermediate, layers = OVERLAP_STACK
+    values = layers * (4 * hidden * hidden + 3 * hidden * intermediate)
+    return values * torch.finfo(dtype).bits // 8
+
+
+# The norms a measured overlap picks from (HardwareProfile.memory_compute_norm): 1 (the sum) to 4
+# in steps of 0.1, and None (the larger of the two).
+OVERLAP_NORMS: tuple[float | None, ...] = (*(round(1 + 0.1 * k, 1) for k in range(31)), None)
+
+
+@dataclass(frozen=True)
+class OverlapFit:
+    """How a stack of linears' time by rows (measure_decode_overlap) splits: the norm its compute
+    and memory combine by, the weights' reading and the compute per row."""
+
+    norm: float | None
+    memory_s: float
+    per_row_s: float
+
+
+def fit_overlap(
+    overlap: Sequence[tuple[int, float]], norms: Sequence[float | None] = OVERLAP_NORMS
+) -> OverlapFit:
+    """The one of `norms` that best draws the stack's time by rows. For each norm, the weights'
+    reading and the compute per row that give the fewest rows' and the most rows' times exactly
+    under it; then its squared log error over the rows between; the least wins."""
+    (one, single), *between, (most, longest) = overlap
+
+    def parts(p: float | None) -> OverlapFit:
+        if p is None:  # the larger of the two: one row is all reading, the most rows all compute
+            return OverlapFit(p, single, longest / most)
+        # t(rows) = ((rows * per_row)^p + memory^p)^(1/p) at both ends.
+        per_row = max((longest**p - single**p) / (most**p - one**p), 0.0) ** (1 / p)
+        return OverlapFit(p, max(single**p - (one * per_row) ** p, 0.0) ** (1 / p), per_row)
+
+    def error(fitted: OverlapFit) -> float:
+        device = HardwareProfile("overlap", 1.0, 1.0, 0.0, memory_compute_norm=fitted.norm)
+        return sum(
+            math.log(device.roofline(rows * fitted.per_row_s, fitted.memory_s, True) / t) ** 2
+            for rows, t in between
+        )
+
+    return min((parts(p) for p in norms), key=error)
+
+
+def weights_bandwidth(overlap: Sequence[tuple[int, float]], dtype: torch.dtype) -> float:
+    """The rate the engine's linears stream weights (HardwareProfile.memory_bandwidth): the
+    stack's bytes over its reading, as fit_overlap splits one row's time. A decode step's time is
+    that reading plus its fixed cost, the same at every batch size, so runs of one model cannot
+    tell them apart (docs/simulator.md): the fit takes this rate as the weights' and fits only the
+    rest. Taken in the same rounds as the rows that set the norm, so that the host's drift between
+    two measurements cannot set the two apart."""
+    return overlap_stack_bytes(dtype) / fit_overlap(overlap).memory_s
 
 
 # The hidden sizes measure_linear_rates times: SmolLM2-135M's is 576, Llama-3.2-1B's 2048, an

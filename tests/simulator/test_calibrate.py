@@ -9,16 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from radixserve.models.config import ModelConfig
 from radixserve.runtime.engine import Engine
-from radixserve.simulator.calibrate import (
-    MEMORY_COMPUTE_NORMS,
-    fit,
-    overlap_norm,
-    predicted_seconds,
-    recorded_forwards,
-)
+from radixserve.simulator.calibrate import MEMORY_COMPUTE_NORMS, fit, predicted_seconds, recorded_forwards
 from radixserve.simulator.calibration_passes import (
     CALIBRATION_RUNS,
     WAKE_IDLE_S,
@@ -31,7 +26,13 @@ from radixserve.simulator.cli import _describe, calibrate_engine
 from radixserve.simulator.cost_model import ForwardShape, ModelShape, SharedPrefix, forward_seconds
 from radixserve.simulator.hardware import HardwareProfile, PointwiseCosts, load_profile
 from radixserve.simulator.model_configs import BUILTIN_MODEL_CONFIGS
-from radixserve.simulator.peaks import LINEAR_WIDTHS, OVERLAP_ROWS
+from radixserve.simulator.peaks import (
+    LINEAR_WIDTHS,
+    OVERLAP_ROWS,
+    fit_overlap,
+    overlap_stack_bytes,
+    weights_bandwidth,
+)
 from tests.simulator.test_cost_model import LLAMA_8B
 
 
@@ -264,8 +265,15 @@ def _overlap(
 
 
 @pytest.mark.parametrize("norm", [None, 1.0, 1.5, 1.7, 2.0, 3.0])
-def test_the_norm_a_stack_of_linears_shows(norm: float | None) -> None:
-    assert overlap_norm(_overlap(norm)) == norm
+def test_a_stack_of_linears_shows_the_norm_and_the_weights_reading(norm: float | None) -> None:
+    """peaks.fit_overlap splits the stack's times into the norm, the weights' reading and the
+    compute per row; the reading gives the profile's bandwidth."""
+    fitted = fit_overlap(_overlap(norm))
+    assert fitted.norm == norm
+    assert fitted.memory_s == pytest.approx(9e-3) and fitted.per_row_s == pytest.approx(1.5e-3)
+    bandwidth = weights_bandwidth(_overlap(norm), torch.bfloat16)
+    assert bandwidth == pytest.approx(overlap_stack_bytes(torch.bfloat16) / 9e-3)
+    assert overlap_stack_bytes(torch.bfloat16) == 256 * 2**20
 
 
 def test_a_measured_overlap_sets_the_fits_norm() -> None:

@@ -3,8 +3,11 @@ measured runs (benchmarks/simulator_validation.py then measures its error on wor
 did not use).
 
 1. Peaks, measured here on the matmul the engine's linears run (simulator/peaks.py): its FLOP/s,
-   overall and by model width, and the rate it streams weights (taken as the weights' bandwidth,
-   not fitted); and what a value costs in the engine's norms, rotary embedding and activation.
+   overall and by model width; a stack of its linears by rows, which gives the rate it streams
+   weights (taken as the weights' bandwidth, not fitted) and how a decode step's compute and
+   memory combine (its norm, not fitted either); and what a value costs in the engine's norms,
+   rotary embedding and activation. Beside them, the engine's scheduler's own time per decode
+   row (the row cost, held).
 2. Calibration runs (simulator/calibration_passes.py): prefill-heavy, decode-heavy and
    long-context batches (some over prefixes cached beforehand) through a real Engine, timed, and
    one of them again after the engine idled.
@@ -12,7 +15,8 @@ did not use).
    so each run's forwards are recorded once (the zero-cost executor) and the profile's
    efficiencies and overheads are searched (a grid, a pattern search, then Levenberg-Marquardt)
    for the least squared log error of sum(forward times) against the measured times, for each
-   way compute and memory may combine and each causal-mask block.
+   causal-mask block (and each way compute and memory may combine, where the stack was not
+   measured: a profile saved before it was).
 """
 
 from __future__ import annotations
@@ -158,7 +162,8 @@ _FIXED_BOUNDS = (0.0, 0.25)
 
 
 # How compute and memory times combine (HardwareProfile.memory_compute_norm), as the fit tries
-# them: the roofline's larger of the two, partial overlaps, and their sum. On the 2-core Zen 3 one
+# them where no stack of linears was measured (peaks.fit_overlap sets it otherwise): the
+# roofline's larger of the two, partial overlaps, and their sum. On the 2-core Zen 3 one
 # row through a 576-wide model's linears took 8.2 ms, 16 rows 27 ms, at 1.4 ms of compute per row:
 # between the larger (22 ms) and the sum (31 ms), near the 1.5-norm's 26 ms.
 MEMORY_COMPUTE_NORMS: tuple[float | None, ...] = (None, 3.0, 2.0, 1.5, 1.0)

@@ -32,7 +32,7 @@ from radixserve.models.config import ModelConfig
 from radixserve.models.loader import load_model_config, resolve_model_source
 from radixserve.simulator.calibrate import fit, predicted_seconds, recorded_forwards
 from radixserve.simulator.calibration_passes import CalibrationShape, Run, timed_runs
-from radixserve.simulator.cli import _describe, scheduler_args
+from radixserve.simulator.cli import _describe, held_row_cost, scheduler_args
 from radixserve.simulator.executor import ForwardRecord
 from radixserve.simulator.hardware import HardwareProfile
 from radixserve.simulator.replay import ForwardGroup, compare_forwards, decode_host_time
@@ -112,11 +112,10 @@ def _other_model(saved: dict[str, Any], profile: HardwareProfile, args: argparse
 
 def _row_cost(saved: dict[str, Any], given: str | None) -> float | None:
     """The row cost to hold: `given` ('fit': none), else what the validation's engine measured of
-    its scheduler (cli.engine_row_cost), if it was saved."""
+    its scheduler (cli.held_row_cost), if it was saved."""
     if given is not None:
         return None if given == "fit" else float(given)
-    per_row = saved.get("decode_host_time", {}).get("per_row_s")
-    return None if per_row is None else max(0.0, float(per_row))
+    return held_row_cost(saved.get("decode_host_time", {}))
 
 
 def _print_forwards(title: str, groups: list[ForwardGroup]) -> None:

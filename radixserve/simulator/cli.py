@@ -188,9 +188,15 @@ def fit_engine(engine: Any, peaks: Any, runs: list[Any]) -> tuple[Any, list[tupl
 
 def engine_row_cost(engine: Any) -> float | None:
     """The scheduler's own seconds per row of a decode step (scheduler/stats.py's HostTimeLine)
-    over everything the engine has run; None before it has seen two batch sizes. Never below 0: a
-    slope that noise took below it means no cost per row the runs could show."""
-    per_row = engine.get_stats()["decode_host_time"]["per_row_s"]
+    over everything the engine has run: held_row_cost of its get_stats' decode_host_time."""
+    return held_row_cost(engine.get_stats()["decode_host_time"])
+
+
+def held_row_cost(decode_host_time: dict[str, Any]) -> float | None:
+    """The row cost calibrate holds, from a HostTimeLine's describe(): None before the line saw two
+    batch sizes. Never below 0: a slope that noise took below it means no cost per row the runs
+    could show."""
+    per_row = decode_host_time.get("per_row_s")
     return None if per_row is None else max(0.0, float(per_row))
 
 

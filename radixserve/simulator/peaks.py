@@ -138,7 +138,7 @@ def fit_overlap(
     def error(fitted: OverlapFit) -> float:
         device = HardwareProfile("overlap", 1.0, 1.0, 0.0, memory_compute_norm=fitted.norm)
         return sum(
-            math.log(device.roofline(rows * fitted.per_row_s, fitted.memory_s, True) / t) ** 2
+            math.log(device.roofline(rows * fitted.per_row_s, fitted.memory_s, decode=True) / t) ** 2
             for rows, t in between
         )
 

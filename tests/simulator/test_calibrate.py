@@ -261,7 +261,7 @@ def _overlap(
     """A stack of linears' times by rows (HardwareProfile.decode_overlap) on a device whose
     compute and memory combine by `norm`."""
     device = HardwareProfile("device", 1.0, 1.0, 0.0, memory_compute_norm=norm)
-    return tuple((rows, device.roofline(rows * per_row, memory, True)) for rows in OVERLAP_ROWS)
+    return tuple((rows, device.roofline(rows * per_row, memory, decode=True)) for rows in OVERLAP_ROWS)
 
 
 @pytest.mark.parametrize("norm", [None, 1.0, 1.5, 1.7, 2.0, 3.0])

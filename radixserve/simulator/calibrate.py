@@ -25,6 +25,7 @@ import dataclasses
 import itertools
 import math
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,7 +89,7 @@ class _Forwards:
     a cascade) over prefixes the batch shares, with those prefixes' keys."""
 
     linear: np.ndarray
-    pointwise: np.ndarray  # seconds, at the measured costs (not fitted)
+    measured: np.ndarray  # seconds at measured costs (not fitted): pointwise ops, a prompt's attention
     attention: np.ndarray
     context: np.ndarray  # over a cached context, less the part over shared prefixes
     shared: np.ndarray  # over prefixes the batch shares (a cascade's; 0 without one)
@@ -114,7 +115,7 @@ class _Forwards:
         shared = np.array([w.shared_context_flops * cascade for w in every]) / peak_flops
         return cls(
             np.array([w.linear_flops for w in every]) / linear_peak,
-            np.array([pointwise_seconds(w, peaks.pointwise) for w in every]),
+            np.array([pointwise_seconds(w, peaks.pointwise) + w.causal_attention_s for w in every]),
             np.array([w.attention_flops for w in every]) / peak_flops,
             np.array([w.context_attention_flops for w in every]) / peak_flops - shared,
             shared,
@@ -141,7 +142,7 @@ class _Forwards:
         flops, attention, decode_flops, context, decode_attention, shared, *fixed = p
         prefill_fixed, decode_fixed, row, key = fixed
         linear = self.linear / np.where(self.decode, decode_flops, flops)
-        compute = linear + self.pointwise + self.attention / attention + self.shared / shared
+        compute = linear + self.measured + self.attention / attention + self.shared / shared
         compute += self.context / np.where(self.decode, decode_attention, context)
         compute += self.shared_keys * key
         per_forward = self.roofline(compute)
@@ -156,6 +157,7 @@ _PARAMETERS = (
     "prefill_fixed", "decode_fixed", "row", "shared_key",
 )  # fmt: skip
 _EFFICIENCIES = 6
+_ATTENTION = _PARAMETERS.index("attention")
 _ROW = _PARAMETERS.index("row")
 _EFFICIENCY_BOUNDS = (0.002, 4.0)
 _FIXED_BOUNDS = (0.0, 0.25)
@@ -169,9 +171,9 @@ _FIXED_BOUNDS = (0.0, 0.25)
 MEMORY_COMPUTE_NORMS: tuple[float | None, ...] = (None, 3.0, 2.0, 1.5, 1.0)
 
 
-# The causal mask's granularities (HardwareProfile.attention_block) the fit tries: exact (a
-# GPU kernel's tiles are small next to most prompts), and blocks of 128 and 512 keys (torch's CPU
-# flash kernel).
+# The causal mask's granularities (HardwareProfile.attention_block) the fit tries where calibrate
+# did not measure a prompt's attention: exact (a GPU kernel's tiles are small next to most
+# prompts), and blocks of 128 and 512 keys (torch's CPU flash kernel).
 ATTENTION_BLOCKS = (1, 128, 512)
 
 
@@ -208,9 +210,13 @@ def fit(
     norms = (fit_overlap(peaks.decode_overlap).norm,) if peaks.decode_overlap else MEMORY_COMPUTE_NORMS
     back_to_back = [i for i, run in enumerate(runs) if not run.shape.idle_s]
     measured = np.log(np.array([runs[i].seconds for i in back_to_back]))
+    # Where a prompt's attention was measured, it prices the new tokens among themselves: no block
+    # to pick, and no efficiency of theirs to fit.
+    prompt = peaks.prompt_attention_s if peaks.prompt_attention else None
+    blocks = ATTENTION_BLOCKS if prompt is None else (1,)
     best: tuple[float, int, float | None, np.ndarray] | None = None
-    for block in ATTENTION_BLOCKS:
-        forwards = [forward_costs(config, records[i], block) for i in back_to_back]
+    for block in blocks:
+        forwards = [forward_costs(config, records[i], block, prompt) for i in back_to_back]
         for norm in norms:
             data = _Forwards.of(forwards, peaks, linear_peak, cascade, norm)
             p, error = _fit_parameters(data, measured, row_overhead_s)
@@ -231,7 +237,7 @@ def fit(
         forward_overhead_s=prefill_fixed,
         token_overhead_s=0.0,  # per row instead
         note="fitted by radixserve calibrate",
-        attention_efficiency=attention,
+        attention_efficiency=attention if prompt is None else None,
         decode_overhead_s=decode_fixed,
         cascade_attention=cascade,
         row_overhead_s=row,
@@ -300,6 +306,7 @@ def _fit_parameters(
         return float((residuals(p) ** 2).mean())
 
     free = np.ones(len(_PARAMETERS), dtype=bool)
+    free[_ATTENTION] = data.attention.any()  # none where a prompt's attention was measured
     rows = ROW_OVERHEAD_S
     if row_overhead_s is not None:
         free[_ROW], rows = False, np.array([row_overhead_s])
@@ -325,7 +332,7 @@ def _coarse_grid(data: _Forwards, measured: np.ndarray, row_costs: np.ndarray) -
     best: tuple[float, np.ndarray] | None = None
     for ef, ea in itertools.product(FLOPS_EFFICIENCY, ATTENTION_EFFICIENCY):
         attention = data.attention + data.context + data.shared
-        per_forward = data.roofline(data.linear / ef + data.pointwise + attention / ea)
+        per_forward = data.roofline(data.linear / ef + data.measured + attention / ea)
         roof = np.bincount(data.owner, weights=per_forward, minlength=data.runs)
         predicted = roof[:, None, None, None] + fixed
         error = ((np.log(predicted) - measured[:, None, None, None]) ** 2).mean(axis=0)
@@ -409,7 +416,11 @@ def _levenberg_marquardt(
 
 
 def forward_costs(
-    config: ModelConfig, records: list[ForwardRecord], attention_block: int = 1
+    config: ModelConfig,
+    records: list[ForwardRecord],
+    attention_block: int = 1,
+    prompt_attention: Callable[[int], float] | None = None,
 ) -> list[ForwardWork]:
+    """Each record's work (cost_model.forward_work, with the same block and prompt attention)."""
     shape = ModelShape.of(config)
-    return [forward_work(shape, r.shape, attention_block) for r in records]
+    return [forward_work(shape, r.shape, attention_block, prompt_attention) for r in records]

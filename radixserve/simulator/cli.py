@@ -127,9 +127,9 @@ def calibrate_engine(
 
 def measure_engine_peaks(engine: Any, name: str) -> Any:
     """What calibrate measures of this machine for the engine's linears and kernels (the fit's
-    input, HardwareProfile.measured): peak FLOP/s, memory, rates by width, pointwise costs, and
-    a stack of linears' time by rows (the weights' bandwidth, and how compute and memory
-    combine)."""
+    input, HardwareProfile.measured): peak FLOP/s, memory, rates by width, pointwise costs, a
+    stack of linears' time by rows (the weights' bandwidth, and how compute and memory combine),
+    and a prompt's attention by its length."""
     import os
 
     import torch
@@ -137,12 +137,14 @@ def measure_engine_peaks(engine: Any, name: str) -> Any:
     from radixserve.executor.model_runner import pick_device
     from radixserve.simulator.hardware import HardwareProfile
     from radixserve.simulator.peaks import (
+        engine_attention,
         engine_kernels,
         engine_linears,
         measure_decode_overlap,
         measure_flops,
         measure_linear_rates,
         measure_pointwise,
+        measure_prompt_attention,
         weights_bandwidth,
     )
 
@@ -163,6 +165,7 @@ def measure_engine_peaks(engine: Any, name: str) -> Any:
         linear_rates=measure_linear_rates(device, dtype=dtype, packing=packing),
         pointwise=measure_pointwise(device, dtype=dtype, kernels=engine_kernels(engine.args, device)),
         decode_overlap=overlap,
+        prompt_attention=measure_prompt_attention(engine_attention(engine.args, device)),
     )
 
 
@@ -257,10 +260,14 @@ def _describe(profile: HardwareProfile) -> str:
         rates = ", ".join(f"{width}: {rate / 1e9:,.0f}" for width, rate in profile.linear_rates)
         linears = f"linears by hidden size {rates} GFLOP/s"
     pointwise, norm = profile.pointwise, profile.memory_compute_norm
+    causal = f"attention x {attention:.3f} (causal in blocks of {profile.attention_block})"
+    if profile.prompt_attention:
+        prompt = profile.prompt_attention
+        causal = f"a prompt's attention as measured at {prompt[0][0]}-{prompt[-1][0]} tokens"
     return (
         f"{linears} x {profile.flops_efficiency:.2f} "
         f"(decode steps x {profile.flops_efficiency if decode_flops is None else decode_flops:.2f}, "
-        f"attention x {attention:.3f} (causal in blocks of {profile.attention_block}), "
+        f"{causal}, "
         f"over a cached prefix x {context:.3f}, "
         f"a decode step's x {decode_attention:.3f}{cascade}), "
         f"{profile.memory_bandwidth / 1e9:,.1f} GB/s x {profile.bandwidth_efficiency:.2f} "

@@ -29,7 +29,7 @@ from radixserve.simulator.cost_model import (
     ModelShape,
     compute_terms,
     forward_seconds,
-    forward_work,
+    profile_work,
     wake_seconds,
 )
 from radixserve.simulator.executor import ForwardRecord
@@ -143,7 +143,7 @@ def compare_parts(
         if record.shape.decode:
             continue
         step = measured_step_seconds(record)
-        terms = compute_terms(forward_work(model, record.shape, profile.attention_block), profile)
+        terms = compute_terms(profile_work(model, record.shape, profile), profile)
         whole = forward_seconds(model, profile, record.shape) + wake_seconds(profile, record.idle_s)
         for part in PARTS:
             measured[part] += parts.parts[part]

@@ -5,6 +5,7 @@ they overlap only in part a norm between that and their sum, plus its fixed cost
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from radixserve.models.config import ModelConfig
@@ -115,6 +116,9 @@ class ForwardWork:
     norm_values: float = 0.0
     rotary_values: float = 0.0
     activation_values: float = 0.0
+    # Seconds of the new tokens' attention among themselves where a profile measured it
+    # (HardwareProfile.prompt_attention), in place of attention_flops (then 0).
+    causal_attention_s: float = 0.0
 
     @property
     def flops(self) -> float:
@@ -129,19 +133,34 @@ def causal_pairs(q_len: int, block: int = 1) -> int:
     return block * block * full * (full + 1) // 2 + rest * q_len
 
 
-def forward_work(shape: ModelShape, fwd: ForwardShape, attention_block: int = 1) -> ForwardWork:
-    """attention_block: as HardwareProfile.attention_block."""
+def forward_work(
+    shape: ModelShape,
+    fwd: ForwardShape,
+    attention_block: int = 1,
+    prompt_attention: Callable[[int], float] | None = None,
+) -> ForwardWork:
+    """attention_block: as HardwareProfile.attention_block. prompt_attention: seconds per layer,
+    query head and unit of head dim of a prompt's attention by its length (HardwareProfile.
+    prompt_attention_s), which then prices each request's new tokens among themselves; a decode
+    step's new token is then priced with its context, in the same kernel call."""
     tokens = sum(fwd.q_lens)
     linear = 2.0 * tokens * shape.layers * shape.layer_params
     linear += 2.0 * fwd.sampled_rows * shape.hidden * shape.vocab  # the LM head
     # Attention: QK^T and PV, each 2 FLOPs per (query, key, head dim); a new token sees the prefix
     # and the new tokens up to itself (or to its block's end).
     per_pair = 4.0 * shape.layers * shape.heads * shape.head_dim
+    causal_s = 0.0
     if fwd.decode:  # one new token per request (sums without a per-request Python loop)
         rows, cached = len(fwd.q_lens), sum(fwd.prefix_lens)
         causal, over_context, context = per_pair * rows, per_pair * cached, rows + cached
+        if prompt_attention is not None:
+            causal, over_context = 0.0, over_context + per_pair * rows
     else:
-        causal = per_pair * sum(causal_pairs(q, attention_block) for q in fwd.q_lens)
+        if prompt_attention is None:
+            causal = per_pair * sum(causal_pairs(q, attention_block) for q in fwd.q_lens)
+        else:
+            causal, per_unit = 0.0, shape.layers * shape.heads * shape.head_dim
+            causal_s = per_unit * sum(prompt_attention(q) for q in fwd.q_lens)
         over_context = per_pair * sum(q * p for q, p in zip(fwd.q_lens, fwd.prefix_lens, strict=True))
         context = sum(q + p for q, p in zip(fwd.q_lens, fwd.prefix_lens, strict=True))
     moved = shape.weight_bytes + (context + tokens) * shape.kv_bytes_per_token
@@ -164,7 +183,14 @@ def forward_work(shape: ModelShape, fwd: ForwardShape, attention_block: int = 1)
         norm_values=token_layers * 2 * shape.hidden,  # before attention and before the MLP
         rotary_values=token_layers * (shape.heads + shape.kv_heads) * shape.head_dim,
         activation_values=token_layers * shape.intermediate,
+        causal_attention_s=causal_s,
     )
+
+
+def profile_work(shape: ModelShape, fwd: ForwardShape, profile: HardwareProfile) -> ForwardWork:
+    """forward_work as `profile` prices it: its causal block, or its measured prompt attention."""
+    prompt = profile.prompt_attention_s if profile.prompt_attention else None
+    return forward_work(shape, fwd, profile.attention_block, prompt)
 
 
 def pointwise_terms(work: ForwardWork, costs: PointwiseCosts) -> tuple[float, float, float]:
@@ -205,7 +231,7 @@ def compute_terms(work: ForwardWork, profile: HardwareProfile) -> ComputeTerms:
     linear_efficiency = profile.flops_efficiency
     if work.decode and profile.decode_flops_efficiency is not None:
         linear_efficiency = profile.decode_flops_efficiency
-    attention = work.attention_flops / (profile.peak_flops * attention_efficiency)
+    attention = work.attention_flops / (profile.peak_flops * attention_efficiency) + work.causal_attention_s
     shared = work.shared_context_flops if profile.cascade_attention else 0.0
     attention += (work.context_attention_flops - shared) / (profile.peak_flops * context_efficiency)
     attention += shared / (profile.peak_flops * shared_efficiency)
@@ -227,7 +253,7 @@ def work_seconds(work: ForwardWork, profile: HardwareProfile) -> float:
 
 
 def forward_seconds(shape: ModelShape, profile: HardwareProfile, fwd: ForwardShape) -> float:
-    return work_seconds(forward_work(shape, fwd, profile.attention_block), profile)
+    return work_seconds(profile_work(shape, fwd, profile), profile)
 
 
 def wake_share(profile: HardwareProfile, idle_s: float) -> float:

@@ -109,6 +109,13 @@ class HardwareProfile:
     # from one row's (the weights' reading) as the rows' compute joins shows how the two combine
     # on this device, apart from the calibration model's other costs. Empty: not measured.
     decode_overlap: tuple[tuple[int, float], ...] = ()
+    # (new tokens, seconds) pairs: the engine's attention over a prompt of that many tokens with
+    # no cached prefix, per layer and per query head and unit of head dim (`calibrate` measures it:
+    # peaks.measure_prompt_attention). Where present it prices every request's new tokens among
+    # themselves in place of attention_efficiency and attention_block: on a CPU a short prompt's
+    # attention is mostly its call's own cost, which no share of peak FLOP/s draws, and the FLOPs
+    # a kernel computes of a causal mask depend on its tiling (docs/simulator.md). Empty: FLOPs.
+    prompt_attention: tuple[tuple[int, float], ...] = ()
 
     def roofline(self, compute: float, memory: float, decode: bool) -> float:
         """A forward's time before its fixed costs: a decode step's by memory_compute_norm, any
@@ -131,6 +138,7 @@ class HardwareProfile:
             linear_rates=self.linear_rates,
             pointwise=self.pointwise,
             decode_overlap=self.decode_overlap,
+            prompt_attention=self.prompt_attention,
         )
 
     def linear_peak(self, width: int) -> float:
@@ -147,16 +155,33 @@ class HardwareProfile:
                 return slow + share * (fast - slow)
         return rates[-1][1]
 
+    def prompt_attention_s(self, new_tokens: int) -> float:
+        """prompt_attention's seconds per layer, query head and unit of head dim for a prompt of
+        `new_tokens`: interpolated in the logs of both between the measured lengths, the shortest's
+        below them (its call's own cost) and growing with the square of the length beyond the
+        longest (its pairs)."""
+        table = self.prompt_attention
+        if new_tokens <= table[0][0]:
+            return table[0][1]
+        for (short, fast), (long, slow) in itertools.pairwise(table):
+            if new_tokens <= long:
+                share = math.log(new_tokens / short) / math.log(long / short)
+                return float(fast * (slow / fast) ** share)
+        longest, seconds = table[-1]
+        return seconds * (new_tokens / longest) ** 2
+
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=2) + "\n")
 
     @classmethod
     def from_dict(cls, fields: dict[str, Any]) -> HardwareProfile:
-        """A profile from its JSON (save's), the rates' pairs made tuples again."""
-        rates = tuple((int(width), float(rate)) for width, rate in fields.get("linear_rates", ()))
-        overlap = tuple((int(rows), float(seconds)) for rows, seconds in fields.get("decode_overlap", ()))
+        """A profile from its JSON (save's), its pairs (rates, overlap, attention) made tuples again."""
+        pairs = {
+            name: tuple((int(size), float(value)) for size, value in fields.get(name, ()))
+            for name in ("linear_rates", "decode_overlap", "prompt_attention")
+        }
         pointwise = PointwiseCosts(**fields.get("pointwise", {}))
-        return cls(**{**fields, "linear_rates": rates, "pointwise": pointwise, "decode_overlap": overlap})
+        return cls(**{**fields, **pairs, "pointwise": pointwise})
 
     @classmethod
     def load(cls, path: Path) -> HardwareProfile:

@@ -16,8 +16,11 @@ from typing import Any
 
 import torch
 
+from radixserve.attention.base import AttentionBackend, AttentionSpec, LayerInputs
+from radixserve.attention.registry import choose_attention_backend
 from radixserve.config.server_args import ServerArgs
 from radixserve.executor.model_runner import pick_dtype
+from radixserve.forward.batch import ExtendSegment, ForwardMode
 from radixserve.kernels.cpu_ops import CpuKernels, select_cpu_kernels
 from radixserve.layers.activation import silu_and_mul
 from radixserve.layers.norm import RMSNorm
@@ -214,6 +217,68 @@ def measure_pointwise(
         rotary_s=1 / _rate(lambda: rotation.rotate_(qk), qk.numel(), each, device),
         activation_s=1 / _rate(lambda: silu_and_mul(gate_up, kernels), gate_up.numel() / 2, each, device),
     )
+
+
+# The layer measure_prompt_attention times: a 1B model's query and K/V heads (its seconds are
+# per query head and unit of head dim, which other layers' take in proportion), and the prompt
+# lengths: one token, short prompts whose call's own cost dominates, and long ones whose pairs do.
+ATTENTION_LAYER = {"heads": 16, "kv_heads": 4, "head_dim": 64}
+PROMPT_LENGTHS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048)
+
+
+def measure_prompt_attention(
+    backend: AttentionBackend, seconds: float = 3.0, lengths: Sequence[int] = PROMPT_LENGTHS
+) -> tuple[tuple[int, float], ...]:
+    """(new tokens, seconds) of `backend`'s attention over a prompt of each of `lengths` with no
+    cached prefix, its K/V in a pool of its own, per query head and unit of head dim
+    (HardwareProfile.prompt_attention): the median of each, every length in turn round after
+    round, `seconds` spent in all. `backend`: engine_attention's, the one the engine runs."""
+    spec = backend.spec
+    device, dtype, scale = spec.device, spec.dtype, spec.head_dim**-0.5
+    units = spec.num_heads * spec.head_dim
+    calls = []
+    for tokens in lengths:
+        q, k, v = (
+            torch.randn(tokens, heads, spec.head_dim, dtype=dtype, device=device)
+            for heads in (spec.num_heads, spec.num_kv_heads, spec.num_kv_heads)
+        )
+        slots = torch.arange(tokens, device=device)
+        segment = ExtendSegment(0, tokens, 0, slots[:0], context_slots=slots)
+        metadata = backend.plan_extend(ForwardMode.EXTEND, [segment])
+        inputs = LayerInputs(0, q, k, v, k, v, scale)  # the new tokens' K/V are the whole pool
+        calls.append(functools.partial(backend.extend, inputs, metadata))
+    # Every length in turn, round after round, as the overlap is timed; within a round, a few calls
+    # of one length after an untimed one, as the model's layers call it one after another: a call
+    # right after a much longer one pays for the caches and buffers that one left behind, which
+    # back-to-back layers of one forward do not.
+    times: list[list[float]] = [[] for _ in calls]
+    start = time.perf_counter()
+    while not times[0] or time.perf_counter() - start < seconds:
+        for call, samples in zip(calls, times, strict=True):
+            _seconds(call, device)
+            samples.extend(_seconds(call, device) for _ in range(_LAYERS_IN_TURN))
+    return tuple((tokens, statistics.median(t) / units) for tokens, t in zip(lengths, times, strict=True))
+
+
+_LAYERS_IN_TURN = 3
+
+
+def engine_attention(args: ServerArgs, device: torch.device) -> AttentionBackend:
+    """The attention backend an engine of `args` runs on `device` (the model runner's choice,
+    made again in this process) for ATTENTION_LAYER's heads."""
+    layer = ATTENTION_LAYER
+    spec = AttentionSpec(
+        num_layers=1,
+        num_heads=layer["heads"],
+        num_kv_heads=layer["kv_heads"],
+        head_dim=layer["head_dim"],
+        dtype=pick_dtype(args.dtype, device),
+        device=device,
+        kernels=engine_kernels(args, device),
+        decode_staging_tokens=0,
+        batch_invariant=args.enable_deterministic_inference,
+    )
+    return choose_attention_backend(args.attention_backend, spec).backend(spec)
 
 
 def _through(x: torch.Tensor, *linears: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:

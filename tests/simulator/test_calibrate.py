@@ -142,6 +142,43 @@ def test_the_fit_recovers_this_cpus_attention() -> None:
         assert getattr(fitted, field) == pytest.approx(getattr(truth, field), rel=0.1), field
 
 
+def test_a_measured_prompt_attention_is_held_and_the_rest_fitted_around_it() -> None:
+    """Where calibrate measured a prompt's attention by its length, it prices the new tokens among
+    themselves: the fit has no block to pick nor an efficiency of theirs to fit (it leaves
+    attention_efficiency unset), and recovers the other attention efficiencies around it."""
+    table = ((1, 7e-8), (16, 1.3e-7), (64, 4e-7), (256, 2.6e-6), (1024, 2.8e-5), (2048, 9e-5))
+    truth = HardwareProfile(
+        "truth",
+        4.2e11,
+        2.3e11,
+        2.5e10,
+        0.65,
+        1.0,
+        10e-3,
+        decode_overhead_s=8.3e-3,
+        cascade_attention=True,
+        row_overhead_s=85e-6,
+        decode_flops_efficiency=0.93,
+        context_attention_efficiency=0.15,
+        decode_attention_efficiency=0.10,
+        shared_prefix_attention_efficiency=0.28,
+        shared_prefix_key_s=250e-9,
+        prompt_attention=table,
+    )
+    fitted, times, predicted = _fit_to(truth, BUILTIN_MODEL_CONFIGS["smollm2-135m"])
+    assert predicted == pytest.approx(times, rel=0.02)
+    assert fitted.prompt_attention == table
+    assert fitted.attention_efficiency is None and fitted.attention_block == 1
+    for field in (
+        "flops_efficiency",
+        "context_attention_efficiency",
+        "decode_attention_efficiency",
+        "shared_prefix_attention_efficiency",
+        "shared_prefix_key_s",
+    ):
+        assert getattr(fitted, field) == pytest.approx(getattr(truth, field), rel=0.1), field
+
+
 def test_the_fit_tells_a_device_whose_memory_reads_overlap_its_compute_in_part() -> None:
     """On a 2-core CPU the cores that stream a decode step's weights also compute its rows, so the
     step grows with its rows from the first, slowly at first: memory and compute overlap in part.

@@ -13,8 +13,10 @@ from radixserve.simulator.cost_model import (
     ModelShape,
     SharedPrefix,
     causal_pairs,
+    compute_terms,
     forward_seconds,
     forward_work,
+    profile_work,
 )
 from radixserve.simulator.hardware import BUILTIN_PROFILES, HardwareProfile, PointwiseCosts, load_profile
 from radixserve.simulator.model_configs import BUILTIN_MODEL_CONFIGS
@@ -204,3 +206,37 @@ def test_causal_attention_by_blocks() -> None:
         forward_work(s, extend, 512).context_attention_flops
         == forward_work(s, extend).context_attention_flops
     )
+
+
+def test_a_measured_prompt_attention_prices_each_requests_new_tokens(tmp_path: object) -> None:
+    """A profile that measured a prompt's attention by its length prices each request's new tokens
+    among themselves from it (per layer, query head and unit of head dim), interpolated in the
+    logs between lengths, the shortest's below them and growing with the square beyond the
+    longest; the cached context stays FLOPs at its efficiency, and a decode step's new token is
+    priced with its context (the same kernel call). A profile keeps it through its JSON."""
+    from pathlib import Path
+
+    table = ((1, 2e-8), (64, 1e-7), (256, 8e-7))
+    base = HardwareProfile("cpu", 1e12, 1e15, 2e10, 1.0, 1.0, 0.0, context_attention_efficiency=0.5)
+    measured = dataclasses.replace(base, prompt_attention=table)
+    assert [measured.prompt_attention_s(n) for n in (1, 64, 256)] == [2e-8, 1e-7, 8e-7]
+    assert measured.prompt_attention_s(0) == 2e-8  # held below the shortest
+    assert measured.prompt_attention_s(128) == pytest.approx((1e-7 * 8e-7) ** 0.5)  # halfway in the logs
+    assert measured.prompt_attention_s(1024) == pytest.approx(8e-7 * 16)  # the square beyond
+    s = shape()  # Llama-8B: 32 layers, 32 query heads of 128
+    units = 32 * 32 * 128
+    extend = ForwardShape([64, 128], [0, 512], 2)
+    work = profile_work(s, extend, measured)
+    assert work.attention_flops == 0.0
+    assert work.causal_attention_s == pytest.approx(units * (1e-7 + measured.prompt_attention_s(128)))
+    flops_work = forward_work(s, extend)
+    assert work.context_attention_flops == flops_work.context_attention_flops
+    saved = compute_terms(flops_work, base).attention - flops_work.attention_flops / 1e12
+    assert compute_terms(work, measured).attention == pytest.approx(saved + work.causal_attention_s)
+    step = ForwardShape([1] * 4, [300] * 4, 4, decode=True)
+    decode_work = profile_work(s, step, measured)
+    assert decode_work.attention_flops == 0.0 and decode_work.causal_attention_s == 0.0
+    assert decode_work.context_attention_flops == 4.0 * 32 * 32 * 128 * 4 * 301
+    path = Path(str(tmp_path)) / "cpu.json"
+    measured.save(path)
+    assert load_profile(str(path)) == measured

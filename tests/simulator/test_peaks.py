@@ -13,12 +13,14 @@ from radixserve.executor.model_runner import ModelRunner
 from radixserve.executor.runner_config import RunnerConfig
 from radixserve.simulator.peaks import (
     OVERLAP_ROWS,
+    engine_attention,
     engine_kernels,
     engine_linears,
     measure_decode_overlap,
     measure_flops,
     measure_linear_rates,
     measure_pointwise,
+    measure_prompt_attention,
     weights_bandwidth,
 )
 
@@ -65,3 +67,29 @@ def test_pointwise_costs_are_timed_on_the_engines_kernels(dtype: str) -> None:
     assert costs.norm_s > 0 and costs.rotary_s > 0 and costs.activation_s > 0
     # None of the three fell back to torch's ops (a declined native op is counted).
     assert dict(kernels.fallbacks) == declined
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch_native"])
+def test_a_prompts_attention_is_timed_on_the_engines_backend(
+    tiny_model_dir: Callable[[str], Path], backend: str
+) -> None:
+    """A prompt's attention is timed on the backend the model runner picks for the same flags (the
+    native one on a CPU by default, torch's when asked for), for each length asked, per query head
+    and unit of head dim."""
+    model = str(tiny_model_dir("llama"))
+    args = ServerArgs(model_path=model, dtype="bfloat16", max_total_tokens=256, attention_backend=backend)
+    runner = ModelRunner(RunnerConfig.from_server_args(args))
+    try:
+        chosen = runner.describe()["attention_backend"]
+    finally:
+        runner.close()
+    attention = engine_attention(args, torch.device("cpu"))
+    assert attention.name == chosen
+    kernels = attention.spec.kernels
+    declined = None if kernels is None else dict(kernels.fallbacks)
+    table = measure_prompt_attention(attention, seconds=0.05, lengths=(1, 16, 512))
+    assert [tokens for tokens, _ in table] == [1, 16, 512]
+    # 512 tokens attend 262,144 pairs where one token attends one.
+    assert all(seconds > 0 for _, seconds in table) and table[-1][1] > table[0][1]
+    if kernels is not None:
+        assert dict(kernels.fallbacks) == declined

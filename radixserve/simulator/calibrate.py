@@ -16,7 +16,9 @@ did not use).
    efficiencies and overheads are searched (a grid, a pattern search, then Levenberg-Marquardt)
    for the least squared log error of sum(forward times) against the measured times, for each
    causal-mask block (and each way compute and memory may combine, where the stack was not
-   measured: a profile saved before it was).
+   measured: a profile saved before it was). Where calibrate timed a prompt's attention by its
+   length (the engine's own backend: peaks.measure_prompt_attention), that prices each request's
+   new tokens among themselves, and the fit neither picks a block nor fits their efficiency.
 """
 
 from __future__ import annotations
@@ -203,7 +205,9 @@ def fit(
     which is not fitted: a decode step reads the same weights at every batch size, so the runs
     show only the sum of their reading and the step's fixed cost (docs/simulator.md), and the
     measured rate splits it; the pointwise ops' costs, which the runs of one model cannot tell
-    from its linears' efficiency; and how a decode step's compute and memory combine."""
+    from its linears' efficiency; how a decode step's compute and memory combine; and a prompt's
+    attention by its length, where measured (its calls' own cost, which the runs would otherwise
+    leave to the linears' efficiency and the fixed costs: docs/simulator.md)."""
     linear_peak = peaks.linear_peak(config.hidden_size)
     # Measured where calibrate timed the overlap: one model's runs tell the norms apart poorly,
     # and the one they pick misprices a wider model's decode steps (docs/simulator.md).

@@ -219,10 +219,11 @@ def measure_pointwise(
     )
 
 
-# The layer measure_prompt_attention times: a 1B model's query and K/V heads (its seconds are
-# per query head and unit of head dim, which other layers' take in proportion), and the prompt
-# lengths: one token, short prompts whose call's own cost dominates, and long ones whose pairs do.
-ATTENTION_LAYER = {"heads": 16, "kv_heads": 4, "head_dim": 64}
+# The layer measure_prompt_attention times: POINTWISE_LAYER's query and K/V heads (its seconds
+# are per query head and unit of head dim, which other layers' take in proportion), and the
+# prompt lengths: one token, short prompts whose call's own cost dominates, and long ones whose
+# pairs do.
+ATTENTION_LAYER = {name: POINTWISE_LAYER[name] for name in ("heads", "kv_heads", "head_dim")}
 PROMPT_LENGTHS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048)
 
 

@@ -101,31 +101,36 @@ def test_the_fit_recovers_a_cpu_like_profile() -> None:
         )
 
 
+# A profile like the one fitted on a 2-core Zen 4 for the default model: its decode steps compute
+# for longer than they read, so every attention efficiency shows in the calibration runs' times.
+ZEN4_LIKE = HardwareProfile(
+    "truth",
+    4.2e11,
+    2.3e11,
+    2.5e10,
+    0.65,
+    1.0,
+    10e-3,
+    attention_efficiency=0.34,
+    decode_overhead_s=8.3e-3,
+    cascade_attention=True,
+    row_overhead_s=85e-6,
+    decode_flops_efficiency=0.93,
+    context_attention_efficiency=0.15,
+    decode_attention_efficiency=0.10,
+    shared_prefix_attention_efficiency=0.28,
+    shared_prefix_key_s=250e-9,
+    attention_block=512,
+    idle_wake_s=12e-3,
+)
+
+
 def test_the_fit_recovers_this_cpus_attention() -> None:
     """The default model on a profile like the one fitted on a 2-core Zen 4: decode steps compute
     for longer than they read, so every attention efficiency shows (a prompt's, an extend's over a
     cached prefix, a decode step's, a cascade's over a shared prefix and its cost per key), and so
     does the size of the blocks a prompt's causal attention skips keys by."""
-    truth = HardwareProfile(
-        "truth",
-        4.2e11,
-        2.3e11,
-        2.5e10,
-        0.65,
-        1.0,
-        10e-3,
-        attention_efficiency=0.34,
-        decode_overhead_s=8.3e-3,
-        cascade_attention=True,
-        row_overhead_s=85e-6,
-        decode_flops_efficiency=0.93,
-        context_attention_efficiency=0.15,
-        decode_attention_efficiency=0.10,
-        shared_prefix_attention_efficiency=0.28,
-        shared_prefix_key_s=250e-9,
-        attention_block=512,
-        idle_wake_s=12e-3,
-    )
+    truth = ZEN4_LIKE
     fitted, times, predicted = _fit_to(truth, BUILTIN_MODEL_CONFIGS["smollm2-135m"])
     assert predicted == pytest.approx(times, rel=0.02)
     assert fitted.attention_block == 512  # the causal mask's blocks, as torch's CPU kernel's
@@ -147,24 +152,8 @@ def test_a_measured_prompt_attention_is_held_and_the_rest_fitted_around_it() -> 
     themselves: the fit has no block to pick nor an efficiency of theirs to fit (it leaves
     attention_efficiency unset), and recovers the other attention efficiencies around it."""
     table = ((1, 7e-8), (16, 1.3e-7), (64, 4e-7), (256, 2.6e-6), (1024, 2.8e-5), (2048, 9e-5))
-    truth = HardwareProfile(
-        "truth",
-        4.2e11,
-        2.3e11,
-        2.5e10,
-        0.65,
-        1.0,
-        10e-3,
-        decode_overhead_s=8.3e-3,
-        cascade_attention=True,
-        row_overhead_s=85e-6,
-        decode_flops_efficiency=0.93,
-        context_attention_efficiency=0.15,
-        decode_attention_efficiency=0.10,
-        shared_prefix_attention_efficiency=0.28,
-        shared_prefix_key_s=250e-9,
-        prompt_attention=table,
-    )
+    measured = {"attention_efficiency": None, "attention_block": 1, "prompt_attention": table}
+    truth = dataclasses.replace(ZEN4_LIKE, **measured)
     fitted, times, predicted = _fit_to(truth, BUILTIN_MODEL_CONFIGS["smollm2-135m"])
     assert predicted == pytest.approx(times, rel=0.02)
     assert fitted.prompt_attention == table

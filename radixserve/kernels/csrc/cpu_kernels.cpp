@@ -126,8 +126,8 @@ __attribute__((optimize("fp-contract=off"))) void rms_norm(const T *x, int64_t x
         T *dst = out + r * size;
         // mean = sum / size, + eps, then rsqrt as 1 / sqrt: torch's div_, add_ and rsqrt, in fp32.
         const float inv = 1.0f / sqrtf(torch_sum_of_squares(row, size) / static_cast<float>(size) + eps);
-        for (int64_t i = 0; i < size; i += 16) {
-            const v16f normed = as_dtype16(load_n(row + i, size - i) * inv, dst);
+        for (int64_t i = 0; i < size; i += kLanes) {
+            const vec normed = as_dtype(load_n(row + i, size - i) * inv, dst);
             store_n(dst + i, load_n(weight + i, size - i) * normed, size - i);
         }
     }
@@ -144,9 +144,9 @@ __attribute__((optimize("fp-contract=off"))) void silu_and_mul(const T *x, int64
         const T *gate = x + r * x_stride;
         const T *up = gate + size;
         T *dst = out + r * size;
-        for (int64_t i = 0; i < size; i += 16) {
-            const v16f g = load_n(gate + i, size - i);
-            const v16f silu = as_dtype16(g / (1.0f + exp16(v16f{} - g)), dst);
+        for (int64_t i = 0; i < size; i += kLanes) {
+            const vec g = load_n(gate + i, size - i);
+            const vec silu = as_dtype(g / (1.0f + exp_lanes(vec{} - g)), dst);
             store_n(dst + i, silu * load_n(up + i, size - i), size - i);
         }
     }
@@ -165,15 +165,15 @@ __attribute__((optimize("fp-contract=off"))) void rotary(T *x, int64_t x_stride,
     for (int64_t r = 0; r < rows; r++) {
         const float *cos_row = cos_table + positions[r] * half;
         const float *sin_row = sin_table + positions[r] * half;
-        for (int64_t i = 0; i < half; i += 16) {
+        for (int64_t i = 0; i < half; i += kLanes) {
             const int64_t n = half - i;
-            const v16f c = as_dtype16(load_n(cos_row + i, n), x), s = as_dtype16(load_n(sin_row + i, n), x);
-            const v16f minus_s = v16f{} - s;
+            const vec c = as_dtype(load_n(cos_row + i, n), x), s = as_dtype(load_n(sin_row + i, n), x);
+            const vec minus_s = vec{} - s;
             for (int64_t h = 0; h < heads; h++) {
                 T *head = x + r * x_stride + h * dim;
-                const v16f x1 = load_n(head + i, n), x2 = load_n(head + half + i, n);
-                const v16f first = as_dtype16(x1 * c, x) + as_dtype16(x2 * minus_s, x);
-                const v16f second = as_dtype16(x2 * c, x) + as_dtype16(x1 * s, x);
+                const vec x1 = load_n(head + i, n), x2 = load_n(head + half + i, n);
+                const vec first = as_dtype(x1 * c, x) + as_dtype(x2 * minus_s, x);
+                const vec second = as_dtype(x2 * c, x) + as_dtype(x1 * s, x);
                 store_n(head + i, first, n);
                 store_n(head + half + i, second, n);
             }
@@ -203,8 +203,8 @@ void merge_by_lse(const T *out_a, Strides3 sa, const float *lse_a, Strides3 la, 
                 const float wa = expf(x - top), wb = expf(y - top), total = wa + wb;
                 const T *a = out_a + sa.at(i, j, k), *b = out_b + sb.at(i, j, k);
                 T *dst = out + ((i * na + j) * nb + k) * dim;
-                for (int64_t d = 0; d < dim; d += 16) {
-                    const v16f merged = (load_n(a + d, dim - d) * wa + load_n(b + d, dim - d) * wb) / total;
+                for (int64_t d = 0; d < dim; d += kLanes) {
+                    const vec merged = (load_n(a + d, dim - d) * wa + load_n(b + d, dim - d) * wb) / total;
                     store_n(dst + d, merged, dim - d);
                 }
             }

@@ -32,32 +32,16 @@ using namespace radixserve_vec;
 constexpr int64_t kRows = 12;      // query rows per task
 constexpr int64_t kValueRows = 6;  // query rows per P V micro-tile
 
-// The score and P V loops run on the CPU's native vector width (GCC handles 64-byte vectors on
-// AVX2 poorly: a broadcast became 16 scalar stores). Each output lane is its own in-order sum, so
-// the width changes no bit.
+// The score and P V loops run on the CPU's native vector width (vec16.h's vec): each output lane
+// is its own in-order sum, so the width changes no bit.
 #if defined(__AVX512F__)
-typedef v16f vec;
-constexpr int64_t kLanes = 16;
 // Query rows per score micro-tile (16 keys) and output columns per P V micro-tile: enough
 // independent accumulators to keep both FMA pipes busy, few enough to stay in the 32 registers.
 constexpr int64_t kScoreRows = 12;
 constexpr int64_t kTileCols = 48;
-inline vec broadcast(float x) {
-    __m512 out = _mm512_set1_ps(x);
-    return reinterpret_cast<vec &>(out);
-}
-inline vec load_vec(const uint16_t *p) { return load16(p); }
-inline vec load_vec(const float *p) { return load16(p); }
-inline void store_vec(float *p, vec x) { store16(p, x); }
 #else
-typedef v8f vec;
-constexpr int64_t kLanes = 8;
 constexpr int64_t kScoreRows = 6;  // the same with 16 registers
 constexpr int64_t kTileCols = 16;
-inline vec broadcast(float x) { return vec{x, x, x, x, x, x, x, x}; }
-inline vec load_vec(const uint16_t *p) { return load8(p); }
-inline vec load_vec(const float *p) { return load8(p); }
-inline void store_vec(float *p, vec x) { memcpy(p, &x, sizeof(x)); }
 #endif
 static_assert(kRows % kScoreRows == 0 && kRows % kValueRows == 0, "micro-tiles must tile a task's rows");
 

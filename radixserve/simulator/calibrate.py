@@ -18,7 +18,9 @@ did not use).
    causal-mask block (and each way compute and memory may combine, where the stack was not
    measured: a profile saved before it was). Where calibrate timed a prompt's attention by its
    length (the engine's own backend: peaks.measure_prompt_attention), that prices each request's
-   new tokens among themselves, and the fit neither picks a block nor fits their efficiency.
+   new tokens among themselves, and the fit neither picks a block nor fits their efficiency. Where
+   it timed an extend over a cached prefix by its pairs (peaks.measure_extend_attention), that
+   prices such an extend's whole attention, and the fit leaves the context's efficiency unset.
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ class _Forwards:
     a cascade) over prefixes the batch shares, with those prefixes' keys."""
 
     linear: np.ndarray
-    measured: np.ndarray  # seconds at measured costs (not fitted): pointwise ops, a prompt's attention
+    measured: np.ndarray  # seconds at measured costs (not fitted): pointwise ops, measured attention
     attention: np.ndarray
     context: np.ndarray  # over a cached context, less the part over shared prefixes
     shared: np.ndarray  # over prefixes the batch shares (a cascade's; 0 without one)
@@ -160,6 +162,7 @@ _PARAMETERS = (
 )  # fmt: skip
 _EFFICIENCIES = 6
 _ATTENTION = _PARAMETERS.index("attention")
+_CONTEXT = _PARAMETERS.index("context")
 _ROW = _PARAMETERS.index("row")
 _EFFICIENCY_BOUNDS = (0.002, 4.0)
 _FIXED_BOUNDS = (0.0, 0.25)
@@ -206,8 +209,9 @@ def fit(
     show only the sum of their reading and the step's fixed cost (docs/simulator.md), and the
     measured rate splits it; the pointwise ops' costs, which the runs of one model cannot tell
     from its linears' efficiency; how a decode step's compute and memory combine; and a prompt's
-    attention by its length, where measured (its calls' own cost, which the runs would otherwise
-    leave to the linears' efficiency and the fixed costs: docs/simulator.md)."""
+    attention by its length and an extend's by its pairs, where measured (their calls' own cost,
+    which the runs would otherwise leave to the linears' efficiency and the fixed costs; and an
+    extend's masked call computes its causal half in full: docs/simulator.md)."""
     linear_peak = peaks.linear_peak(config.hidden_size)
     # Measured where calibrate timed the overlap: one model's runs tell the norms apart poorly,
     # and the one they pick misprices a wider model's decode steps (docs/simulator.md).
@@ -215,12 +219,14 @@ def fit(
     back_to_back = [i for i, run in enumerate(runs) if not run.shape.idle_s]
     measured = np.log(np.array([runs[i].seconds for i in back_to_back]))
     # Where a prompt's attention was measured, it prices the new tokens among themselves: no block
-    # to pick, and no efficiency of theirs to fit.
+    # to pick, and no efficiency of theirs to fit. Where an extend's was, it prices every extend
+    # over a cached prefix that no cascade attends: no efficiency over a cached context to fit.
     prompt = peaks.prompt_attention_s if peaks.prompt_attention else None
+    extend = peaks.extend_attention_s if peaks.extend_attention else None
     blocks = ATTENTION_BLOCKS if prompt is None else (1,)
     best: tuple[float, int, float | None, np.ndarray] | None = None
     for block in blocks:
-        forwards = [forward_costs(config, records[i], block, prompt) for i in back_to_back]
+        forwards = [forward_costs(config, records[i], block, prompt, extend, cascade) for i in back_to_back]
         for norm in norms:
             data = _Forwards.of(forwards, peaks, linear_peak, cascade, norm)
             p, error = _fit_parameters(data, measured, row_overhead_s)
@@ -246,7 +252,7 @@ def fit(
         cascade_attention=cascade,
         row_overhead_s=row,
         decode_flops_efficiency=decode_flops,
-        context_attention_efficiency=context,
+        context_attention_efficiency=context if extend is None else None,
         decode_attention_efficiency=decode_attention,
         # Without a cascade no forward showed it: left to default to the context's.
         shared_prefix_attention_efficiency=shared if cascade else None,
@@ -311,6 +317,7 @@ def _fit_parameters(
 
     free = np.ones(len(_PARAMETERS), dtype=bool)
     free[_ATTENTION] = data.attention.any()  # none where a prompt's attention was measured
+    free[_CONTEXT] = data.context.any()  # none where an extend's was
     rows = ROW_OVERHEAD_S
     if row_overhead_s is not None:
         free[_ROW], rows = False, np.array([row_overhead_s])
@@ -424,7 +431,12 @@ def forward_costs(
     records: list[ForwardRecord],
     attention_block: int = 1,
     prompt_attention: Callable[[int], float] | None = None,
+    extend_attention: Callable[[int], float] | None = None,
+    cascade: bool = False,
 ) -> list[ForwardWork]:
-    """Each record's work (cost_model.forward_work, with the same block and prompt attention)."""
+    """Each record's work (cost_model.forward_work, with the same arguments)."""
     shape = ModelShape.of(config)
-    return [forward_work(shape, r.shape, attention_block, prompt_attention) for r in records]
+    return [
+        forward_work(shape, r.shape, attention_block, prompt_attention, extend_attention, cascade)
+        for r in records
+    ]

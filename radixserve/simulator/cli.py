@@ -129,18 +129,20 @@ def measure_engine_peaks(engine: Any, name: str) -> Any:
     """What calibrate measures of this machine for the engine's linears and kernels (the fit's
     input, HardwareProfile.measured): peak FLOP/s, memory, rates by width, pointwise costs, a
     stack of linears' time by rows (the weights' bandwidth, and how compute and memory combine),
-    and a prompt's attention by its length."""
+    and a prompt's attention by its length and an extend's over a cached prefix by its pairs."""
     import os
 
     import torch
 
     from radixserve.executor.model_runner import pick_device
+    from radixserve.models.loader import load_model_config
     from radixserve.simulator.hardware import HardwareProfile
     from radixserve.simulator.peaks import (
         engine_attention,
         engine_kernels,
         engine_linears,
         measure_decode_overlap,
+        measure_extend_attention,
         measure_flops,
         measure_linear_rates,
         measure_pointwise,
@@ -150,6 +152,11 @@ def measure_engine_peaks(engine: Any, name: str) -> Any:
 
     device = pick_device(engine.args.device)
     dtype, packing = engine_linears(engine.args, device)
+    # The calibration model's own layer: a call's cost does not scale with its heads (docs/simulator.md).
+    config = load_model_config(engine.source)
+    heads = (config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+    layer = dict(zip(("heads", "kv_heads", "head_dim"), heads, strict=True))
+    attention = engine_attention(engine.args, device, layer)
     flops = measure_flops(device, dtype=dtype, packing=packing)
     overlap = measure_decode_overlap(device, dtype=dtype, packing=packing)
     memory = float(
@@ -165,7 +172,8 @@ def measure_engine_peaks(engine: Any, name: str) -> Any:
         linear_rates=measure_linear_rates(device, dtype=dtype, packing=packing),
         pointwise=measure_pointwise(device, dtype=dtype, kernels=engine_kernels(engine.args, device)),
         decode_overlap=overlap,
-        prompt_attention=measure_prompt_attention(engine_attention(engine.args, device)),
+        prompt_attention=measure_prompt_attention(attention),
+        extend_attention=measure_extend_attention(attention),
     )
 
 
@@ -264,11 +272,15 @@ def _describe(profile: HardwareProfile) -> str:
     if profile.prompt_attention:
         prompt = profile.prompt_attention
         causal = f"a prompt's attention as measured at {prompt[0][0]}-{prompt[-1][0]} tokens"
+    extend = f"over a cached prefix x {context:.3f}"
+    if profile.extend_attention:
+        pairs = profile.extend_attention
+        extend = f"an extend's over a cached prefix as measured at {pairs[0][0]:,}-{pairs[-1][0]:,} pairs"
     return (
         f"{linears} x {profile.flops_efficiency:.2f} "
         f"(decode steps x {profile.flops_efficiency if decode_flops is None else decode_flops:.2f}, "
         f"{causal}, "
-        f"over a cached prefix x {context:.3f}, "
+        f"{extend}, "
         f"a decode step's x {decode_attention:.3f}{cascade}), "
         f"{profile.memory_bandwidth / 1e9:,.1f} GB/s x {profile.bandwidth_efficiency:.2f} "
         f"(a decode step's with compute: {'the larger' if norm is None else f'their {norm:g}-norm'}"

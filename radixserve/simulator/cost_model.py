@@ -72,6 +72,9 @@ class ForwardShape:
     sampled_rows: int
     decode: bool = False
     shared_prefixes: tuple[SharedPrefix, ...] = ()
+    # The requests (indices into q_lens) whose cached prefix is one of shared_prefixes: a cascade
+    # attends theirs apart from the masked call each other request's extend runs.
+    cascade_requests: tuple[int, ...] = ()
 
     @property
     def shared_kv_reads(self) -> int:
@@ -116,8 +119,9 @@ class ForwardWork:
     norm_values: float = 0.0
     rotary_values: float = 0.0
     activation_values: float = 0.0
-    # Seconds of the new tokens' attention among themselves where a profile measured it
-    # (HardwareProfile.prompt_attention), in place of attention_flops (then 0).
+    # Seconds of attention at a profile's measured costs: the new tokens' among themselves
+    # (HardwareProfile.prompt_attention), in place of attention_flops (then 0), and an extend's
+    # whole over a cached prefix no cascade attends (HardwareProfile.extend_attention).
     causal_attention_s: float = 0.0
 
     @property
@@ -138,17 +142,23 @@ def forward_work(
     fwd: ForwardShape,
     attention_block: int = 1,
     prompt_attention: Callable[[int], float] | None = None,
+    extend_attention: Callable[[int], float] | None = None,
+    cascade: bool = False,
 ) -> ForwardWork:
     """attention_block: as HardwareProfile.attention_block. prompt_attention: seconds per layer,
     query head and unit of head dim of a prompt's attention by its length (HardwareProfile.
     prompt_attention_s), which then prices each request's new tokens among themselves; a decode
-    step's new token is then priced with its context, in the same kernel call."""
+    step's new token is then priced with its context, in the same kernel call. extend_attention:
+    the same of an extend over a cached prefix by the pairs its call reads (HardwareProfile.
+    extend_attention_s), which then prices the whole attention of each request that extends a
+    cached prefix, bar those a cascade attends (`cascade`: whether the attention has one)."""
     tokens = sum(fwd.q_lens)
     linear = 2.0 * tokens * shape.layers * shape.layer_params
     linear += 2.0 * fwd.sampled_rows * shape.hidden * shape.vocab  # the LM head
     # Attention: QK^T and PV, each 2 FLOPs per (query, key, head dim); a new token sees the prefix
     # and the new tokens up to itself (or to its block's end).
     per_pair = 4.0 * shape.layers * shape.heads * shape.head_dim
+    per_unit = shape.layers * shape.heads * shape.head_dim
     causal_s = 0.0
     if fwd.decode:  # one new token per request (sums without a per-request Python loop)
         rows, cached = len(fwd.q_lens), sum(fwd.prefix_lens)
@@ -156,12 +166,19 @@ def forward_work(
         if prompt_attention is not None:
             causal, over_context = 0.0, over_context + per_pair * rows
     else:
+        segments = list(zip(fwd.q_lens, fwd.prefix_lens, strict=True))
+        if extend_attention is not None:
+            cascaded = set(fwd.cascade_requests) if cascade else set()
+            alone = [i for i, (_, p) in enumerate(segments) if p and i not in cascaded]
+            causal_s = per_unit * sum(extend_attention(q * (p + q)) for q, p in (segments[i] for i in alone))
+            for i in reversed(alone):  # priced whole: neither their causal part nor their context
+                del segments[i]
         if prompt_attention is None:
-            causal = per_pair * sum(causal_pairs(q, attention_block) for q in fwd.q_lens)
+            causal = per_pair * sum(causal_pairs(q, attention_block) for q, _ in segments)
         else:
-            causal, per_unit = 0.0, shape.layers * shape.heads * shape.head_dim
-            causal_s = per_unit * sum(prompt_attention(q) for q in fwd.q_lens)
-        over_context = per_pair * sum(q * p for q, p in zip(fwd.q_lens, fwd.prefix_lens, strict=True))
+            causal = 0.0
+            causal_s += per_unit * sum(prompt_attention(q) for q, _ in segments)
+        over_context = per_pair * sum(q * p for q, p in segments)
         context = sum(q + p for q, p in zip(fwd.q_lens, fwd.prefix_lens, strict=True))
     moved = shape.weight_bytes + (context + tokens) * shape.kv_bytes_per_token
     shared = float(fwd.shared_kv_reads * shape.kv_bytes_per_token)
@@ -188,9 +205,11 @@ def forward_work(
 
 
 def profile_work(shape: ModelShape, fwd: ForwardShape, profile: HardwareProfile) -> ForwardWork:
-    """forward_work as `profile` prices it: its causal block, or its measured prompt attention."""
+    """forward_work as `profile` prices it: its causal block, or its measured prompt and extend
+    attention."""
     prompt = profile.prompt_attention_s if profile.prompt_attention else None
-    return forward_work(shape, fwd, profile.attention_block, prompt)
+    extend = profile.extend_attention_s if profile.extend_attention else None
+    return forward_work(shape, fwd, profile.attention_block, prompt, extend, profile.cascade_attention)
 
 
 def pointwise_terms(work: ForwardWork, costs: PointwiseCosts) -> tuple[float, float, float]:

@@ -61,6 +61,7 @@ class ForwardRecord:
         """A record from its JSON (dataclasses.asdict's), as a validation saves a replay's."""
         shape = dict(fields["shape"])
         shape["shared_prefixes"] = tuple(SharedPrefix(**p) for p in shape.get("shared_prefixes", ()))
+        shape["cascade_requests"] = tuple(shape.get("cascade_requests", ()))
         return cls(**{**fields, "shape": ForwardShape(**shape)})
 
 
@@ -215,4 +216,5 @@ def forward_shape(batch: ForwardBatch, count_shared_reads: bool) -> ForwardShape
         SharedPrefix(segments[g[0]].prefix_len, len(g), sum(segments[i].q_len for i in g)) for g in groups
     )
     q_lens, prefix_lens = [s.q_len for s in segments], [s.prefix_len for s in segments]
-    return ForwardShape(q_lens, prefix_lens, sampled, False, shared)
+    cascaded = tuple(sorted(i for g in groups for i in g))
+    return ForwardShape(q_lens, prefix_lens, sampled, False, shared, cascaded)

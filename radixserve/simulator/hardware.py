@@ -116,6 +116,13 @@ class HardwareProfile:
     # attention is mostly its call's own cost, which no share of peak FLOP/s draws, and the FLOPs
     # a kernel computes of a causal mask depend on its tiling (docs/simulator.md). Empty: FLOPs.
     prompt_attention: tuple[tuple[int, float], ...] = ()
+    # (pairs, seconds) pairs: the engine's attention for one request's new tokens over a cached
+    # prefix no other request of its batch shares, by the (query, key) pairs its call reads (new
+    # tokens x (prefix + new tokens)), per layer, query head and unit of head dim (`calibrate`
+    # measures it: peaks.measure_extend_attention). Where present it prices such an extend's whole
+    # attention in place of prompt_attention and context_attention_efficiency: on a CPU the engine
+    # runs it as one masked call over all its keys, its causal half computed in full. Empty: FLOPs.
+    extend_attention: tuple[tuple[int, float], ...] = ()
 
     def roofline(self, compute: float, memory: float, decode: bool) -> float:
         """A forward's time before its fixed costs: a decode step's by memory_compute_norm, any
@@ -139,6 +146,7 @@ class HardwareProfile:
             pointwise=self.pointwise,
             decode_overlap=self.decode_overlap,
             prompt_attention=self.prompt_attention,
+            extend_attention=self.extend_attention,
         )
 
     def linear_peak(self, width: int) -> float:
@@ -157,18 +165,13 @@ class HardwareProfile:
 
     def prompt_attention_s(self, new_tokens: int) -> float:
         """prompt_attention's seconds per layer, query head and unit of head dim for a prompt of
-        `new_tokens`: interpolated in the logs of both between the measured lengths, the shortest's
-        below them (its call's own cost) and growing with the square of the length beyond the
-        longest (its pairs)."""
-        table = self.prompt_attention
-        if new_tokens <= table[0][0]:
-            return table[0][1]
-        for (short, fast), (long, slow) in itertools.pairwise(table):
-            if new_tokens <= long:
-                share = math.log(new_tokens / short) / math.log(long / short)
-                return float(fast * (slow / fast) ** share)
-        longest, seconds = table[-1]
-        return seconds * (new_tokens / longest) ** 2
+        `new_tokens`; beyond the longest it grows with the square of the length (its pairs)."""
+        return _interpolated(self.prompt_attention, new_tokens, beyond_power=2)
+
+    def extend_attention_s(self, pairs: int) -> float:
+        """extend_attention's seconds per layer, query head and unit of head dim for an extend
+        that reads `pairs` (query, key) pairs; beyond the largest in proportion to them."""
+        return _interpolated(self.extend_attention, pairs, beyond_power=1)
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=2) + "\n")
@@ -178,7 +181,7 @@ class HardwareProfile:
         """A profile from its JSON (save's), its pairs (rates, overlap, attention) made tuples again."""
         pairs = {
             name: tuple((int(size), float(value)) for size, value in fields.get(name, ()))
-            for name in ("linear_rates", "decode_overlap", "prompt_attention")
+            for name in ("linear_rates", "decode_overlap", "prompt_attention", "extend_attention")
         }
         pointwise = PointwiseCosts(**fields.get("pointwise", {}))
         return cls(**{**fields, **pairs, "pointwise": pointwise})
@@ -186,6 +189,20 @@ class HardwareProfile:
     @classmethod
     def load(cls, path: Path) -> HardwareProfile:
         return cls.from_dict(json.loads(path.read_text()))
+
+
+def _interpolated(table: tuple[tuple[int, float], ...], x: int, beyond_power: float) -> float:
+    """A measured (size, seconds) table at `x`: interpolated in the logs of both between its sizes,
+    the smallest's value below them (a call's own cost, which no smaller size lowers), and the
+    largest's times (x / largest) ** beyond_power above them."""
+    if x <= table[0][0]:
+        return table[0][1]
+    for (small, fast), (large, slow) in itertools.pairwise(table):
+        if x <= large:
+            share = math.log(x / small) / math.log(large / small)
+            return float(fast * (slow / fast) ** share)
+    largest, seconds = table[-1]
+    return float(seconds * (x / largest) ** beyond_power)
 
 
 _GB = 1e9

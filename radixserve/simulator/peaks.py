@@ -219,10 +219,10 @@ def measure_pointwise(
     )
 
 
-# The layer measure_prompt_attention times: POINTWISE_LAYER's query and K/V heads (its seconds
-# are per query head and unit of head dim, which other layers' take in proportion), and the
-# prompt lengths: one token, short prompts whose call's own cost dominates, and long ones whose
-# pairs do.
+# The layer measure_prompt_attention and measure_extend_attention time by default: POINTWISE_LAYER's
+# query and K/V heads (their seconds are per query head and unit of head dim, which other layers'
+# take in proportion; calibrate times the calibration model's own layer instead), and the prompt
+# lengths: one token, short prompts whose call's own cost dominates, and long ones whose pairs do.
 ATTENTION_LAYER = {name: POINTWISE_LAYER[name] for name in ("heads", "kv_heads", "head_dim")}
 PROMPT_LENGTHS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048)
 
@@ -231,43 +231,76 @@ def measure_prompt_attention(
     backend: AttentionBackend, seconds: float = 3.0, lengths: Sequence[int] = PROMPT_LENGTHS
 ) -> tuple[tuple[int, float], ...]:
     """(new tokens, seconds) of `backend`'s attention over a prompt of each of `lengths` with no
-    cached prefix, its K/V in a pool of its own, per query head and unit of head dim
-    (HardwareProfile.prompt_attention): the median of each, every length in turn round after
-    round, `seconds` spent in all. `backend`: engine_attention's, the one the engine runs."""
+    cached prefix, per query head and unit of head dim (HardwareProfile.prompt_attention): the
+    median of each (_median_calls), `seconds` spent in all. `backend`: engine_attention's, the one
+    the engine runs."""
+    calls = [_extend_call(backend, tokens, 0) for tokens in lengths]
+    return tuple(zip(lengths, _median_calls(calls, seconds, backend.spec), strict=True))
+
+
+# The extends measure_extend_attention times, (new tokens, cached prefix): a follow-up turn's few
+# tokens over a conversation, up to a long prompt's chunk over a long prefix. Their (query, key)
+# pairs run from about a thousand to 1.3 million.
+EXTEND_SHAPES = ((4, 256), (16, 512), (64, 512), (64, 2048), (256, 1024), (512, 2048))
+
+
+def measure_extend_attention(
+    backend: AttentionBackend, seconds: float = 3.0, shapes: Sequence[tuple[int, int]] = EXTEND_SHAPES
+) -> tuple[tuple[int, float], ...]:
+    """(pairs, seconds) of `backend`'s attention for one request's new tokens over a cached prefix
+    of its own (no other request shares it: no cascade), for each (new tokens, prefix) of `shapes`:
+    pairs = new tokens x (prefix + new tokens), every key the call reads for every query, and
+    seconds per query head and unit of head dim (HardwareProfile.extend_attention), the median of
+    each (_median_calls), `seconds` spent in all. On a CPU the engine runs such an extend as one
+    masked call over all its keys, so its time follows those pairs, its causal half included."""
+    calls = [_extend_call(backend, tokens, prefix) for tokens, prefix in shapes]
+    pairs = [tokens * (prefix + tokens) for tokens, prefix in shapes]
+    return tuple(sorted(zip(pairs, _median_calls(calls, seconds, backend.spec), strict=True)))
+
+
+def _extend_call(backend: AttentionBackend, tokens: int, prefix: int) -> Callable[[], object]:
+    """One layer's extend on `backend`: `tokens` new tokens over a cached prefix of `prefix`
+    tokens, in a pool of the two alone (the new tokens' K/V already written, as the model's layers
+    write them before attending)."""
     spec = backend.spec
-    device, dtype, scale = spec.device, spec.dtype, spec.head_dim**-0.5
+    device, dtype = spec.device, spec.dtype
+    q = torch.randn(tokens, spec.num_heads, spec.head_dim, dtype=dtype, device=device)
+    k, v = (
+        torch.randn(prefix + tokens, spec.num_kv_heads, spec.head_dim, dtype=dtype, device=device)
+        for _ in range(2)
+    )
+    slots = torch.arange(prefix + tokens, device=device)
+    segment = ExtendSegment(0, tokens, prefix, slots[:prefix], context_slots=slots)
+    metadata = backend.plan_extend(ForwardMode.EXTEND, [segment])
+    inputs = LayerInputs(0, q, k[prefix:], v[prefix:], k, v, spec.head_dim**-0.5)
+    return functools.partial(backend.extend, inputs, metadata)
+
+
+def _median_calls(calls: Sequence[Callable[[], object]], seconds: float, spec: AttentionSpec) -> list[float]:
+    """Each call's median time per query head and unit of head dim of `spec`: every call in turn,
+    round after round, as the overlap is timed; within a round, a few calls of one after an
+    untimed one, as the model's layers call it one after another (a call right after a much longer
+    one pays for the caches and buffers that one left behind, which back-to-back layers of one
+    forward do not)."""
     units = spec.num_heads * spec.head_dim
-    calls = []
-    for tokens in lengths:
-        q, k, v = (
-            torch.randn(tokens, heads, spec.head_dim, dtype=dtype, device=device)
-            for heads in (spec.num_heads, spec.num_kv_heads, spec.num_kv_heads)
-        )
-        slots = torch.arange(tokens, device=device)
-        segment = ExtendSegment(0, tokens, 0, slots[:0], context_slots=slots)
-        metadata = backend.plan_extend(ForwardMode.EXTEND, [segment])
-        inputs = LayerInputs(0, q, k, v, k, v, scale)  # the new tokens' K/V are the whole pool
-        calls.append(functools.partial(backend.extend, inputs, metadata))
-    # Every length in turn, round after round, as the overlap is timed; within a round, a few calls
-    # of one length after an untimed one, as the model's layers call it one after another: a call
-    # right after a much longer one pays for the caches and buffers that one left behind, which
-    # back-to-back layers of one forward do not.
     times: list[list[float]] = [[] for _ in calls]
     start = time.perf_counter()
     while not times[0] or time.perf_counter() - start < seconds:
         for call, samples in zip(calls, times, strict=True):
-            _seconds(call, device)
-            samples.extend(_seconds(call, device) for _ in range(_LAYERS_IN_TURN))
-    return tuple((tokens, statistics.median(t) / units) for tokens, t in zip(lengths, times, strict=True))
+            _seconds(call, spec.device)
+            samples.extend(_seconds(call, spec.device) for _ in range(_LAYERS_IN_TURN))
+    return [statistics.median(t) / units for t in times]
 
 
 _LAYERS_IN_TURN = 3
 
 
-def engine_attention(args: ServerArgs, device: torch.device) -> AttentionBackend:
+def engine_attention(
+    args: ServerArgs, device: torch.device, layer: dict[str, int] | None = None
+) -> AttentionBackend:
     """The attention backend an engine of `args` runs on `device` (the model runner's choice,
-    made again in this process) for ATTENTION_LAYER's heads."""
-    layer = ATTENTION_LAYER
+    made again in this process) for a layer of `layer`'s heads (ATTENTION_LAYER's by default)."""
+    layer = layer or ATTENTION_LAYER
     spec = AttentionSpec(
         num_layers=1,
         num_heads=layer["heads"],

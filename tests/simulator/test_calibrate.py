@@ -168,6 +168,33 @@ def test_a_measured_prompt_attention_is_held_and_the_rest_fitted_around_it() -> 
         assert getattr(fitted, field) == pytest.approx(getattr(truth, field), rel=0.1), field
 
 
+def test_a_measured_extend_attention_is_held_and_the_rest_fitted_around_it() -> None:
+    """Where calibrate also measured an extend's attention over a cached prefix by its pairs, that
+    prices every extend no cascade attends: the fit has no efficiency over a cached context to fit
+    (it leaves context_attention_efficiency unset), and recovers the others around it."""
+    prompt = ((1, 7e-8), (16, 1.3e-7), (64, 4e-7), (256, 2.6e-6), (1024, 2.8e-5), (2048, 9e-5))
+    extend = ((1_040, 1.2e-7), (8_448, 4e-7), (36_864, 1.4e-6), (1_310_720, 4.5e-5))
+    measured = {
+        "attention_efficiency": None,
+        "attention_block": 1,
+        "prompt_attention": prompt,
+        "context_attention_efficiency": None,
+        "extend_attention": extend,
+    }
+    truth = dataclasses.replace(ZEN4_LIKE, **measured)
+    fitted, times, predicted = _fit_to(truth, BUILTIN_MODEL_CONFIGS["smollm2-135m"])
+    assert predicted == pytest.approx(times, rel=0.02)
+    assert fitted.extend_attention == extend
+    assert fitted.context_attention_efficiency is None
+    for field in (
+        "flops_efficiency",
+        "decode_attention_efficiency",
+        "shared_prefix_attention_efficiency",
+        "shared_prefix_key_s",
+    ):
+        assert getattr(fitted, field) == pytest.approx(getattr(truth, field), rel=0.1), field
+
+
 def test_the_fit_tells_a_device_whose_memory_reads_overlap_its_compute_in_part() -> None:
     """On a 2-core CPU the cores that stream a decode step's weights also compute its rows, so the
     step grows with its rows from the first, slowly at first: memory and compute overlap in part.
@@ -352,7 +379,8 @@ def test_calibrate_a_real_engine(tiny_model_dir: Callable[[str], Path], tmp_path
     assert profile.row_overhead_s == pytest.approx(max(0.0, host["per_row_s"]), abs=1e-9)
     # What `calibrate` prints of it: every fitted figure, the cascade's where the engine has one.
     line = _describe(profile)
-    assert "over a cached prefix x" in line and "a decode step's x" in line
+    assert "an extend's over a cached prefix as measured at 1,040-" in line and "a decode step's x" in line
+    assert profile.extend_attention and profile.context_attention_efficiency is None
     assert line.startswith("linears by hidden size 512: ")
     assert f"more for a forward after {WAKE_IDLE_S:g} s idle" in line
     assert profile.idle_wake_s >= 0 and profile.idle_wake_after_s == WAKE_IDLE_S

@@ -240,3 +240,52 @@ def test_a_measured_prompt_attention_prices_each_requests_new_tokens(tmp_path: o
     path = Path(str(tmp_path)) / "cpu.json"
     measured.save(path)
     assert load_profile(str(path)) == measured
+
+
+def test_a_measured_extend_attention_prices_an_extend_over_its_own_prefix_whole(tmp_path: object) -> None:
+    """A profile that measured an extend's attention over a cached prefix by the (query, key) pairs
+    its call reads prices each request that extends a prefix no cascade attends from it: its new
+    tokens x (prefix + new tokens) pairs, per layer, query head and unit of head dim, in place of
+    its causal part and its FLOPs over the context. Interpolated in the logs between measured
+    pairs, the smallest's value below them, in proportion beyond the largest. A request a cascade
+    attends keeps its causal part and its shared context as before; without a cascade every
+    extend over a prefix is priced so. A profile keeps the table through its JSON."""
+    from pathlib import Path
+
+    prompt = ((1, 2e-8), (64, 1e-7), (256, 8e-7))
+    table = ((1_000, 1e-7), (100_000, 1e-5))
+    base = HardwareProfile("cpu", 1e12, 1e15, 2e10, 1.0, 1.0, 0.0, context_attention_efficiency=0.5)
+    measured = dataclasses.replace(base, prompt_attention=prompt, extend_attention=table)
+    assert measured.extend_attention_s(10) == 1e-7  # held below the smallest
+    assert measured.extend_attention_s(10_000) == pytest.approx(1e-6)  # halfway in the logs
+    assert measured.extend_attention_s(200_000) == pytest.approx(2e-5)  # in proportion beyond
+    s = shape()  # Llama-8B: 32 layers, 32 query heads of 128
+    units = 32 * 32 * 128
+    # A prompt, one extend over a prefix of its own, and two over a prefix they share.
+    batch = ForwardShape(
+        [64, 16, 8, 8],
+        [0, 96, 512, 512],
+        4,
+        shared_prefixes=(SharedPrefix(512, 2, 16),),
+        cascade_requests=(2, 3),
+    )
+    alone = measured.extend_attention_s(16 * 112)
+    cascading = dataclasses.replace(measured, cascade_attention=True)
+    work = profile_work(s, batch, cascading)
+    assert work.attention_flops == 0.0
+    own = measured.prompt_attention_s(64) + 2 * measured.prompt_attention_s(8)
+    assert work.causal_attention_s == pytest.approx(units * (alone + own))
+    assert work.context_attention_flops == work.shared_context_flops == 4.0 * units * 16 * 512
+    # Without a cascade the two sharing a prefix extend over it alone too.
+    work = profile_work(s, batch, measured)
+    each = measured.extend_attention_s(8 * 520)
+    expected = measured.prompt_attention_s(64) + alone + 2 * each
+    assert work.causal_attention_s == pytest.approx(units * expected)
+    assert work.context_attention_flops == 0.0
+    # A prompt with no cached prefix is the prompt table's alone.
+    assert profile_work(s, ForwardShape([64], [0], 1), measured).causal_attention_s == pytest.approx(
+        units * measured.prompt_attention_s(64)
+    )
+    path = Path(str(tmp_path)) / "cpu.json"
+    measured.save(path)
+    assert load_profile(str(path)) == measured

@@ -17,6 +17,7 @@ from radixserve.simulator.peaks import (
     engine_kernels,
     engine_linears,
     measure_decode_overlap,
+    measure_extend_attention,
     measure_flops,
     measure_linear_rates,
     measure_pointwise,
@@ -70,12 +71,12 @@ def test_pointwise_costs_are_timed_on_the_engines_kernels(dtype: str) -> None:
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch_native"])
-def test_a_prompts_attention_is_timed_on_the_engines_backend(
+def test_a_prompts_and_an_extends_attention_are_timed_on_the_engines_backend(
     tiny_model_dir: Callable[[str], Path], backend: str
 ) -> None:
-    """A prompt's attention is timed on the backend the model runner picks for the same flags (the
-    native one on a CPU by default, torch's when asked for), for each length asked, per query head
-    and unit of head dim."""
+    """A prompt's attention, and an extend's over a cached prefix, are timed on the backend the
+    model runner picks for the same flags (the native one on a CPU by default, torch's when asked
+    for): for each length (or shape) asked, per query head and unit of head dim."""
     model = str(tiny_model_dir("llama"))
     args = ServerArgs(model_path=model, dtype="bfloat16", max_total_tokens=256, attention_backend=backend)
     runner = ModelRunner(RunnerConfig.from_server_args(args))
@@ -91,5 +92,9 @@ def test_a_prompts_attention_is_timed_on_the_engines_backend(
     assert [tokens for tokens, _ in table] == [1, 16, 512]
     # 512 tokens attend 262,144 pairs where one token attends one.
     assert all(seconds > 0 for _, seconds in table) and table[-1][1] > table[0][1]
+    extends = measure_extend_attention(attention, seconds=0.05, shapes=((64, 512), (4, 16)))
+    # By the pairs each reads, fewest first: 4 x 20 and 64 x 576.
+    assert [pairs for pairs, _ in extends] == [80, 36_864]
+    assert all(seconds > 0 for _, seconds in extends) and extends[-1][1] > extends[0][1]
     if kernels is not None:
         assert dict(kernels.fallbacks) == declined

@@ -142,10 +142,12 @@ def test_a_cascade_backend_reads_a_shared_prefix_once_per_batch() -> None:
     assert all(r.shape.shared_prefix_tokens >= 2048 for r in decode_steps)
     later = [r for r in once.records if not r.shape.decode and min(r.shape.prefix_lens) >= 2048]
     assert later and all(r.shape.shared_pairs == 2048 * sum(r.shape.q_lens) for r in later)
+    # Which requests the cascade attends: every one of those prefills.
+    assert all(r.shape.cascade_requests == tuple(range(len(r.shape.q_lens))) for r in later)
     # A profile without a cascade does not look for shared prefixes (host time saved); the batches
     # are the same either way.
     assert all(r.shape.shared_kv_reads == 0 for r in plain.records)
-    strip = [dataclasses.replace(r.shape, shared_prefixes=()) for r in once.records]
+    strip = [dataclasses.replace(r.shape, shared_prefixes=(), cascade_requests=()) for r in once.records]
     assert [r.shape for r in plain.records] == strip
     assert once.makespan_s < plain.makespan_s
     # Requests that share nothing save nothing.

@@ -157,8 +157,8 @@ def forward_work(
     linear += 2.0 * fwd.sampled_rows * shape.hidden * shape.vocab  # the LM head
     # Attention: QK^T and PV, each 2 FLOPs per (query, key, head dim); a new token sees the prefix
     # and the new tokens up to itself (or to its block's end).
-    per_pair = 4.0 * shape.layers * shape.heads * shape.head_dim
     per_unit = shape.layers * shape.heads * shape.head_dim
+    per_pair = 4.0 * per_unit
     causal_s = 0.0
     if fwd.decode:  # one new token per request (sums without a per-request Python loop)
         rows, cached = len(fwd.q_lens), sum(fwd.prefix_lens)

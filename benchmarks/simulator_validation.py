@@ -11,16 +11,13 @@ built-in profile as published (its default efficiencies, no calibration).
 
 The calibration passes are interleaved with the measurements they predict: each round times one
 calibration pass, then W1, W2 and W3 (each run repeated until about ROUND_S is spent on it, as a
-calibration pass repeats its short runs), and with --serving a serving run; then a last pass. This
-host's speed drifts by more than the 9% target over the minutes a validation takes, and a
+calibration pass repeats its short runs), and with --serving a serving run; then a last pass.
+This host's speed drifts by more than the 9% target over the minutes a validation takes, and a
 calibration timed all at the start would fit the machine of those minutes only. Each pass's total
 time against the median pass's is printed, which shows the drift. Beside the profile fitted on all
-passes ("calibrated", with the median of the weights' rates measured right before each pass), each
-round is also predicted by a profile fitted on the passes just before and after it ("its round's
-passes"), with the weights' rate measured right before those passes: its error is the cost model's
-with the drift between rounds left out (the host's memory drifts apart from its compute, and
-calibrate measures the rate once). Each serving run's trace is replayed in this process right after
-it, in its round.
+passes ("calibrated"), each round is also predicted by a profile fitted on the passes just before
+and after it ("its round's passes"): its error is the cost model's with the drift between rounds
+left out. Each serving run's trace is replayed in this process right after it, in its round.
 
 Throughput: each workload's total tokens over its wall time (median of all its runs, cold cache),
 against the simulated makespan of each run's arrivals as the server recorded them (median).
@@ -35,7 +32,6 @@ import argparse
 import dataclasses
 import functools
 import json
-import math
 import os
 import resource
 import statistics
@@ -57,7 +53,6 @@ from radixserve.runtime.engine import Engine
 from radixserve.simulator.calibration_passes import CalibrationTimer, neighbour_passes, samples_for
 from radixserve.simulator.cli import engine_cascades, fit_engine, measure_engine_peaks, scheduler_args
 from radixserve.simulator.hardware import HardwareProfile, load_profile
-from radixserve.simulator.peaks import engine_linears, measure_decode_overlap, weights_bandwidth
 from radixserve.simulator.replay import compare_forwards, decode_host_time, replay
 from radixserve.simulator.simulate import SimResult, simulate
 from radixserve.simulator.trace import TraceRequest, load_trace_lines
@@ -93,36 +88,18 @@ def main() -> None:
         timer = CalibrationTimer.start(engine)
         workloads = {name: _Measured(make_workload(name)) for name in ("W1", "W2", "W3")}
         servings: list[_Serving] = []
-        # The weights' rate right before each timed pass (calibrate's measurement, a few seconds).
-        dtype, packing = engine_linears(engine.args, device)
-        pass_bandwidths: list[float] = []
-
-        def time_pass() -> None:
-            overlap = measure_decode_overlap(device, dtype=dtype, packing=packing)
-            pass_bandwidths.append(weights_bandwidth(overlap, dtype))
-            timer.time_pass()
-
         for round_ in range(args.repeats):
-            time_pass()
+            timer.time_pass()
             for entry in workloads.values():
                 _measure_round(engine, entry, trace_path, round_)
             if args.serving:
                 servings.append(_serving_run(model, args, round_, cascade=engine_cascades(engine)))
         if args.serving:
-            time_pass()  # after the last serving run as before the first
+            timer.time_pass()  # after the last serving run as before the first
         totals = [sum(p) for p in timer.passes]
         middle = statistics.median(totals)
         print("calibration passes against the median one:", ", ".join(f"{t / middle:.3f}" for t in totals))
-        print(
-            "the weights' rate before each pass:",
-            ", ".join(f"{b / 1e9:.1f}" for b in pass_bandwidths),
-            "GB/s",
-        )
-        # The weights' rate as the passes' times are taken: their median (calibrate's own, measured
-        # once after the passes here, can read a rate the host held for a minute only).
         peaks = measure_engine_peaks(engine, name=f"calibrated-{device.type}")
-        print(f"the weights' rate after the passes: {peaks.memory_bandwidth / 1e9:.1f} GB/s")
-        peaks = dataclasses.replace(peaks, memory_bandwidth=statistics.median(pass_bandwidths))
         calibrated, calibration = fit_engine(engine, peaks, timer.runs())
         print("| calibration run | measured s | predicted s |\n|---|---|---|")
         for run, predicted in calibration:
@@ -130,12 +107,10 @@ def main() -> None:
         print(calibrated)
         # Each round's own profile, fitted on the passes timed just before and after it: its
         # errors are the cost model's with the host's drift between the rounds left out.
-        by_round = []
-        for k in range(args.repeats):
-            near = neighbour_passes(k, len(timer.passes))
-            rate = math.exp(statistics.fmean(math.log(pass_bandwidths[j]) for j in near))
-            round_peaks = dataclasses.replace(peaks, memory_bandwidth=rate)
-            by_round.append(fit_engine(engine, round_peaks, timer.runs(near))[0])
+        by_round = [
+            fit_engine(engine, peaks, timer.runs(neighbour_passes(k, len(timer.passes))))[0]
+            for k in range(args.repeats)
+        ]
         # Per profile, the one each round is predicted with.
         profiles = [("calibrated", [calibrated] * args.repeats)]
         if calibrated.forward_noise:
@@ -184,7 +159,6 @@ def main() -> None:
     record = {
         "profile": dataclasses.asdict(calibrated),
         "round_profiles": [dataclasses.asdict(p) for p in by_round],
-        "pass_bandwidths": pass_bandwidths,
         "calibration": [
             {
                 **dataclasses.asdict(run.shape),

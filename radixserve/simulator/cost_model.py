@@ -119,6 +119,11 @@ class ForwardWork:
     norm_values: float = 0.0
     rotary_values: float = 0.0
     activation_values: float = 0.0
+    # Calls of each pointwise op (PointwiseCosts' *_call_s): per layer of a forward run layer by
+    # layer, none in a decode step (one native call for every layer on a CPU).
+    norm_calls: int = 0
+    rotary_calls: int = 0
+    activation_calls: int = 0
     # Seconds of attention at a profile's measured costs: the new tokens' among themselves
     # (HardwareProfile.prompt_attention), in place of attention_flops (then 0), and an extend's
     # whole over a cached prefix no cascade attends (HardwareProfile.extend_attention).
@@ -201,6 +206,11 @@ def forward_work(
         rotary_values=token_layers * (shape.heads + shape.kv_heads) * shape.head_dim,
         activation_values=token_layers * shape.intermediate,
         causal_attention_s=causal_s,
+        # Two norms a layer, and the final one where a row samples; one rotary call a layer for
+        # its query and key heads together, one activation.
+        norm_calls=0 if fwd.decode else 2 * shape.layers + int(fwd.sampled_rows > 0),
+        rotary_calls=0 if fwd.decode else shape.layers,
+        activation_calls=0 if fwd.decode else shape.layers,
     )
 
 
@@ -213,11 +223,12 @@ def profile_work(shape: ModelShape, fwd: ForwardShape, profile: HardwareProfile)
 
 
 def pointwise_terms(work: ForwardWork, costs: PointwiseCosts) -> tuple[float, float, float]:
-    """What a forward's norms, rotary embedding and activation take at `costs`' measured rates."""
+    """What a forward's norms, rotary embedding and activation take at `costs`' measured rates and
+    costs per call."""
     return (
-        work.norm_values * costs.norm_s,
-        work.rotary_values * costs.rotary_s,
-        work.activation_values * costs.activation_s,
+        work.norm_values * costs.norm_s + work.norm_calls * costs.norm_call_s,
+        work.rotary_values * costs.rotary_s + work.rotary_calls * costs.rotary_call_s,
+        work.activation_values * costs.activation_s + work.activation_calls * costs.activation_call_s,
     )
 
 

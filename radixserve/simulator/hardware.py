@@ -20,11 +20,19 @@ class PointwiseCosts:
     (per value normed), the rotary embedding (per query and key value rotated) and SiLU-and-multiply
     (per value out). It costs a narrow model a larger share of its time than a wide one (on a
     2-core Zen 3, a fifth of a 576-wide layer's linears, a twentieth of a 2048-wide one's), so a
-    profile fitted on one model must know it apart from the linears to predict another."""
+    profile fitted on one model must know it apart from the linears to predict another.
+
+    Each op's call also costs seconds of its own whatever its size (Python, the dispatcher, the
+    worker threads' start and join): the *_call_s fields, which a prefill or extend pays per layer
+    and a short extend mostly pays. A decode step on the CPU runs every layer in one native call
+    (models/fused_decode.py), so its steps do not pay them per op."""
 
     norm_s: float = 0.0
     rotary_s: float = 0.0
     activation_s: float = 0.0
+    norm_call_s: float = 0.0
+    rotary_call_s: float = 0.0
+    activation_call_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -197,10 +197,12 @@ def measure_pointwise(
     dtype: torch.dtype = torch.bfloat16,
     kernels: CpuKernels | None = None,
 ) -> PointwiseCosts:
-    """Seconds per value of a layer's pointwise ops (HardwareProfile.pointwise) on the engine's own
-    layers: RMSNorm, the rotary embedding and SiLU-and-multiply, on `kernels` (the native CPU
-    kernels the model runner picks: engine_kernels) where they run, for a prompt's tokens through
-    POINTWISE_LAYER; `seconds` spent in all."""
+    """Seconds per value and per call of a layer's pointwise ops (HardwareProfile.pointwise) on the
+    engine's own layers: RMSNorm, the rotary embedding and SiLU-and-multiply, on `kernels` (the
+    native CPU kernels the model runner picks: engine_kernels) where they run, through
+    POINTWISE_LAYER; `seconds` spent in all. Each op is timed on one token and on a prompt's: the
+    line through the two gives its cost per value (the slope) and per call (what is left of one
+    token's time)."""
     device = device or torch.device("cpu")
     tokens = 2048 if device.type == "cuda" else 256
     layer = POINTWISE_LAYER
@@ -208,15 +210,29 @@ def measure_pointwise(
     norm = RMSNorm(hidden, 1e-5, kernels).to(device=device, dtype=dtype)  # as the model holds it
     x = torch.randn(tokens, hidden, dtype=dtype, device=device)
     rope = RotaryEmbedding(layer["head_dim"], tokens, 10000.0, None).to(device)
-    rotation = rope.lookup(torch.arange(tokens, device=device), dtype, kernels)
+    rotations = [rope.lookup(torch.arange(n, device=device), dtype, kernels) for n in (1, tokens)]
     qk = torch.randn(tokens, heads, layer["head_dim"], dtype=dtype, device=device)
     gate_up = torch.randn(tokens, 2 * layer["intermediate"], dtype=dtype, device=device)
     each = seconds / 3
-    return PointwiseCosts(
-        norm_s=1 / _rate(lambda: norm(x), x.numel(), each, device),
-        rotary_s=1 / _rate(lambda: rotation.rotate_(qk), qk.numel(), each, device),
-        activation_s=1 / _rate(lambda: silu_and_mul(gate_up, kernels), gate_up.numel() / 2, each, device),
+    norm_s, norm_call_s = _per_value_and_call(lambda n: norm(x[:n]), hidden, tokens, each, device)
+    rotary_s, rotary_call_s = _per_value_and_call(
+        lambda n: rotations[n > 1].rotate_(qk[:n]), heads * layer["head_dim"], tokens, each, device
     )
+    activation_s, activation_call_s = _per_value_and_call(
+        lambda n: silu_and_mul(gate_up[:n], kernels), layer["intermediate"], tokens, each, device
+    )
+    return PointwiseCosts(norm_s, rotary_s, activation_s, norm_call_s, rotary_call_s, activation_call_s)
+
+
+def _per_value_and_call(
+    op: Callable[[int], object], values_per_token: int, tokens: int, seconds: float, device: torch.device
+) -> tuple[float, float]:
+    """(seconds per value, seconds per call) of `op` on n tokens, from its median time on one token
+    and on `tokens` (_rate), `seconds` spent on the two."""
+    one = 1 / _rate(lambda: op(1), 1.0, seconds / 2, device)
+    many = 1 / _rate(lambda: op(tokens), 1.0, seconds / 2, device)
+    per_value = max(many - one, 0.0) / ((tokens - 1) * values_per_token)
+    return per_value, max(one - values_per_token * per_value, 0.0)
 
 
 # The layer measure_prompt_attention and measure_extend_attention time by default: POINTWISE_LAYER's

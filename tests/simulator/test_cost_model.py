@@ -163,6 +163,30 @@ def test_pointwise_ops_cost_their_values_at_the_measured_rates(tmp_path: object)
     assert load_profile(str(path)) == priced
 
 
+def test_pointwise_calls_cost_per_layer_in_a_prefill_and_nothing_in_a_decode_step(tmp_path: object) -> None:
+    """Each op's cost per call is paid per layer by a forward run layer by layer (two norms, one
+    rotary call, one activation, and the final norm where a row samples), whatever its tokens; a
+    decode step runs its layers in one native call and pays none. A profile keeps them."""
+    from pathlib import Path
+
+    s = shape()  # 32 layers
+    values = PointwiseCosts(norm_s=1e-9, rotary_s=2e-9, activation_s=4e-9)
+    calls = dataclasses.replace(values, norm_call_s=10e-6, rotary_call_s=20e-6, activation_call_s=40e-6)
+    bare = HardwareProfile("cpu", 1e12, 1e15, 2e10, 1.0, 1.0, 0.0)
+    by_values, by_calls = (dataclasses.replace(bare, pointwise=costs) for costs in (values, calls))
+    for fwd, norms in ((ForwardShape([100, 28], [0, 0], 2), 65), (ForwardShape([64], [512], 0), 64)):
+        work = forward_work(s, fwd)
+        assert (work.norm_calls, work.rotary_calls, work.activation_calls) == (norms, 32, 32)
+        extra = norms * 10e-6 + 32 * 20e-6 + 32 * 40e-6
+        assert forward_seconds(s, by_calls, fwd) == pytest.approx(forward_seconds(s, by_values, fwd) + extra)
+    step = ForwardShape([1] * 8, [512] * 8, 8, decode=True)
+    assert forward_work(s, step).norm_calls == 0
+    assert forward_seconds(s, by_calls, step) == forward_seconds(s, by_values, step)
+    path = Path(str(tmp_path)) / "cpu.json"
+    by_calls.save(path)
+    assert load_profile(str(path)) == by_calls
+
+
 def test_memory_and_compute_combine_by_the_profiles_norm() -> None:
     """A roofline takes the larger of a forward's compute and memory times; a device whose reads
     overlap a decode step's compute in part, their p-norm (memory_compute_norm; 1: their sum)."""

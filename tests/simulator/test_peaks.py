@@ -11,6 +11,7 @@ import torch
 from radixserve.config.server_args import ServerArgs
 from radixserve.executor.model_runner import ModelRunner
 from radixserve.executor.runner_config import RunnerConfig
+from radixserve.simulator import peaks
 from radixserve.simulator.peaks import (
     OVERLAP_ROWS,
     engine_attention,
@@ -66,8 +67,26 @@ def test_pointwise_costs_are_timed_on_the_engines_kernels(dtype: str) -> None:
     declined = dict(kernels.fallbacks)
     costs = measure_pointwise(device, seconds=0.03, dtype=dtype_used, kernels=kernels)
     assert costs.norm_s > 0 and costs.rotary_s > 0 and costs.activation_s > 0
+    assert min(costs.norm_call_s, costs.rotary_call_s, costs.activation_call_s) >= 0
     # None of the three fell back to torch's ops (a declined native op is counted).
     assert dict(kernels.fallbacks) == declined
+
+
+def test_a_pointwise_ops_cost_per_value_and_per_call_come_from_one_token_and_a_prompt(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The line through an op's time on one token and on a prompt's tokens: its slope is the cost
+    per value, what it leaves of one token's time the cost per call. Times are given, not taken."""
+    seen: list[int] = []
+
+    def given_rate(work: Callable[[], object], units: float, seconds: float, device: torch.device) -> float:
+        work()
+        return units / (7e-6 + seen[-1] * 100 * 2e-9)  # 7 us a call, 2 ns a value, 100 values a token
+
+    monkeypatch.setattr(peaks, "_rate", given_rate)
+    per_value, per_call = peaks._per_value_and_call(seen.append, 100, 256, 1.0, torch.device("cpu"))
+    assert seen == [1, 256]
+    assert per_value == pytest.approx(2e-9) and per_call == pytest.approx(7e-6)
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch_native"])

@@ -141,6 +141,7 @@ def measure_engine_peaks(engine: Any, name: str) -> Any:
         engine_attention,
         engine_kernels,
         engine_linears,
+        linear_widths,
         measure_decode_overlap,
         measure_extend_attention,
         measure_flops,
@@ -169,7 +170,9 @@ def measure_engine_peaks(engine: Any, name: str) -> Any:
         flops,
         weights_bandwidth(overlap, dtype),
         memory,
-        linear_rates=measure_linear_rates(device, dtype=dtype, packing=packing),
+        # The calibration model's own width beside the usual ones: the rate is not smooth in the
+        # width (docs/simulator.md), and the fitted efficiencies are shares of the rate there.
+        linear_rates=measure_linear_rates(device, dtype=dtype, packing=packing, widths=linear_widths(config)),
         pointwise=measure_pointwise(device, dtype=dtype, kernels=engine_kernels(engine.args, device)),
         decode_overlap=overlap,
         prompt_attention=measure_prompt_attention(attention),

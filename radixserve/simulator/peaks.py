@@ -26,6 +26,7 @@ from radixserve.layers.activation import silu_and_mul
 from radixserve.layers.norm import RMSNorm
 from radixserve.layers.packed_weights import WeightPacking, cpu_packing_supported
 from radixserve.layers.rotary import RotaryEmbedding
+from radixserve.models.config import ModelConfig
 from radixserve.simulator.hardware import HardwareProfile, PointwiseCosts
 
 
@@ -161,6 +162,13 @@ def weights_bandwidth(overlap: Sequence[tuple[int, float]], dtype: torch.dtype) 
 # The hidden sizes measure_linear_rates times: SmolLM2-135M's is 576, Llama-3.2-1B's 2048, an
 # 8B's 4096.
 LINEAR_WIDTHS = (512, 1024, 2048, 4096)
+
+
+def linear_widths(config: ModelConfig) -> tuple[int, ...]:
+    """The widths calibrate times for a calibration model of `config`: LINEAR_WIDTHS and its own.
+    A rate read between two measured widths can be far from the rate there (on a 2-core Zen 4 the
+    576-wide pair ran at 341 GFLOP/s between 422 at 512 and 348 at 1,024)."""
+    return tuple(sorted({*LINEAR_WIDTHS, config.hidden_size}))
 
 
 def measure_linear_rates(

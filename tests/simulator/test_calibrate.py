@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from radixserve.models.config import ModelConfig
+from radixserve.models.loader import load_model_config, resolve_model_source
 from radixserve.runtime.engine import Engine
 from radixserve.simulator.calibrate import MEMORY_COMPUTE_NORMS, fit, predicted_seconds, recorded_forwards
 from radixserve.simulator.calibration_passes import (
@@ -372,7 +373,9 @@ def test_calibrate_a_real_engine(tiny_model_dir: Callable[[str], Path], tmp_path
         engine.shutdown()
     assert len(rows) == len(CALIBRATION_RUNS)
     assert profile.peak_flops > 0 and profile.memory_bandwidth > 0 and profile.memory_bytes > 0
-    assert [width for width, _ in profile.linear_rates] == list(LINEAR_WIDTHS)
+    # The usual widths and the calibration model's own (whose rate the efficiencies are shares of).
+    width = load_model_config(resolve_model_source(str(tiny_model_dir("llama")))).hidden_size
+    assert [w for w, _ in profile.linear_rates] == sorted({*LINEAR_WIDTHS, width})
     assert all(run.seconds > 0 and predicted > 0 for run, predicted in rows)
     # The cost per row held at the scheduler's own, as its line over every decode step measured it.
     assert host["steps"] > 0 and host["per_row_s"] is not None
@@ -381,7 +384,7 @@ def test_calibrate_a_real_engine(tiny_model_dir: Callable[[str], Path], tmp_path
     line = _describe(profile)
     assert "an extend's over a cached prefix as measured at 1,040-" in line and "a decode step's x" in line
     assert profile.extend_attention and profile.context_attention_efficiency is None
-    assert line.startswith("linears by hidden size 512: ")
+    assert line.startswith(f"linears by hidden size {min(width, 512)}: ")
     assert f"more for a forward after {WAKE_IDLE_S:g} s idle" in line
     assert profile.idle_wake_s >= 0 and profile.idle_wake_after_s == WAKE_IDLE_S
     assert ("per key and layer" in line) == profile.cascade_attention

@@ -53,7 +53,8 @@ def _check(
 
 
 # Row counts around the 4-row register tiles; column counts around the 16-column blocks and the
-# 4-block tiles (5 blocks: one tile and one single block); K from one input pair up to down_proj's.
+# 4-block tiles (2, 3 and 5 blocks: the blocks left after whole tiles run in one narrower tile; 960
+# x 576: chunks of whole tiles, 2 blocks left per thread); K from one input pair up to down_proj's.
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 17, 33])
 @pytest.mark.parametrize(
     ("out_features", "in_features"), [(16, 2), (48, 30), (80, 64), (960, 576), (32, 1538)]

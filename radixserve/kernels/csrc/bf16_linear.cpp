@@ -80,7 +80,8 @@ inline v16f to_v16f(Acc a) {
 #endif
 
 // Blocks per register tile for a tile of R rows: enough independent sums to hide the FMA latency
-// at one row, no more than the registers hold at four.
+// at one row, no more than the registers hold at four. kWidestTile: the most of any R.
+constexpr int64_t kWidestTile = 4;
 template <int R>
 constexpr int tile_blocks() {
 #if RADIXSERVE_LINEAR_ISA >= 2
@@ -253,7 +254,9 @@ void tile_asm(const Call &c, int64_t row, int64_t block, bool prefetch) {
 #undef RADIXSERVE_TILE
 #endif
 
-// Rows [row, row + R) over blocks [first, last): whole tiles, then single blocks.
+// Rows [row, row + R) over blocks [first, last): whole tiles, then the blocks left in one narrower
+// tile. Why not single blocks: a tile of one block has R sums, too few to hide the multiply-add's
+// latency, and ran a chunk's last blocks at a fraction of the rate of the rest.
 template <int R>
 void row_tile(const Call &c, int64_t row, int64_t first, int64_t last, bool prefetch) {
 #if RADIXSERVE_LINEAR_ISA == 1
@@ -265,7 +268,14 @@ void row_tile(const Call &c, int64_t row, int64_t first, int64_t last, bool pref
     constexpr int B = tile_blocks<R>();
     int64_t block = first;
     for (; block + B <= last; block += B) tile<R, B>(c, row, block, prefetch);
-    for (; block < last; block++) tile<R, 1>(c, row, block, prefetch);
+    const int64_t left = last - block;  // fewer than B
+    if constexpr (B > 3) {
+        if (left == 3) return tile<R, 3>(c, row, block, prefetch);
+    }
+    if constexpr (B > 2) {
+        if (left == 2) return tile<R, 2>(c, row, block, prefetch);
+    }
+    if (left == 1) tile<R, 1>(c, row, block, prefetch);
 }
 
 void linear(const Call &c) {
@@ -287,8 +297,10 @@ void linear(const Call &c) {
         const int64_t share = (blocks + threads - 1) / threads;
         const int64_t begin = std::min(blocks, thread * share), end = std::min(blocks, begin + share);
         // Chunks of blocks whose weights stay in L2 while every row tile passes over them: read from
-        // memory once (by the first row tile, which prefetches), from L2 after.
-        const int64_t most = std::max<int64_t>(1, kChunkBytes / block_bytes);
+        // memory once (by the first row tile, which prefetches), from L2 after. A whole number of the
+        // widest tiles where more than one fits, so that only a thread's last chunk has blocks left.
+        int64_t most = std::max<int64_t>(1, kChunkBytes / block_bytes);
+        if (most > kWidestTile) most -= most % kWidestTile;
         for (int64_t chunk = begin; chunk < end; chunk += most) {
             const int64_t chunk_end = std::min(end, chunk + most);
             // Rows split evenly into the fewest tiles of at most kMaxRows (8 rows: 4 + 4, not 6 + 2,

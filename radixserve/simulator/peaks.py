@@ -166,8 +166,9 @@ LINEAR_WIDTHS = (512, 1024, 2048, 4096)
 
 def linear_widths(config: ModelConfig) -> tuple[int, ...]:
     """The widths calibrate times for a calibration model of `config`: LINEAR_WIDTHS and its own.
-    A rate read between two measured widths can be far from the rate there (on a 2-core Zen 4 the
-    576-wide pair ran at 341 GFLOP/s between 422 at 512 and 348 at 1,024)."""
+    A rate read between two measured widths can be far from the rate there: on a 2-core Zen 4 the
+    576-wide pair ran at 341 GFLOP/s, between 422 at 512 and 348 at 1,024, until a kernel fix
+    (docs/simulator.md), and the fitted efficiencies are shares of the rate at this width."""
     return tuple(sorted({*LINEAR_WIDTHS, config.hidden_size}))
 
 
@@ -218,13 +219,13 @@ def measure_pointwise(
     norm = RMSNorm(hidden, 1e-5, kernels).to(device=device, dtype=dtype)  # as the model holds it
     x = torch.randn(tokens, hidden, dtype=dtype, device=device)
     rope = RotaryEmbedding(layer["head_dim"], tokens, 10000.0, None).to(device)
-    rotations = [rope.lookup(torch.arange(n, device=device), dtype, kernels) for n in (1, tokens)]
+    rotations = {n: rope.lookup(torch.arange(n, device=device), dtype, kernels) for n in (1, tokens)}
     qk = torch.randn(tokens, heads, layer["head_dim"], dtype=dtype, device=device)
     gate_up = torch.randn(tokens, 2 * layer["intermediate"], dtype=dtype, device=device)
     each = seconds / 3
     norm_s, norm_call_s = _per_value_and_call(lambda n: norm(x[:n]), hidden, tokens, each, device)
     rotary_s, rotary_call_s = _per_value_and_call(
-        lambda n: rotations[n > 1].rotate_(qk[:n]), heads * layer["head_dim"], tokens, each, device
+        lambda n: rotations[n].rotate_(qk[:n]), heads * layer["head_dim"], tokens, each, device
     )
     activation_s, activation_call_s = _per_value_and_call(
         lambda n: silu_and_mul(gate_up[:n], kernels), layer["intermediate"], tokens, each, device

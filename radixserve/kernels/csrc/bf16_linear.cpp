@@ -82,6 +82,15 @@ inline v16f to_v16f(Acc a) {
 // Blocks per register tile for a tile of R rows: enough independent sums to hide the FMA latency
 // at one row, no more than the registers hold at four. kWidestTile: the most of any R.
 constexpr int64_t kWidestTile = 4;
+// The fewest blocks a chunk holds. On AVX-512 every row count's tile spans 4 blocks, and a chunk of
+// fewer (a K of 4,096 or more fills 256 KB with 1-2 blocks) left it 4-8 sums, too few to hide
+// vdpbf16ps's latency: reading a whole tile's blocks past L2, from L3 for the later row tiles, ran
+// such linears faster. The AVX2 tile of 3-6 rows is one block wide, and its chunks stay in L2.
+#if RADIXSERVE_LINEAR_ISA >= 2
+constexpr int64_t kMinChunkBlocks = kWidestTile;
+#else
+constexpr int64_t kMinChunkBlocks = 1;
+#endif
 template <int R>
 constexpr int tile_blocks() {
 #if RADIXSERVE_LINEAR_ISA >= 2
@@ -298,8 +307,9 @@ void linear(const Call &c) {
         const int64_t begin = std::min(blocks, thread * share), end = std::min(blocks, begin + share);
         // Chunks of blocks whose weights stay in L2 while every row tile passes over them: read from
         // memory once (by the first row tile, which prefetches), from L2 after. A whole number of the
-        // widest tiles where more than one fits, so that only a thread's last chunk has blocks left.
-        int64_t most = std::max<int64_t>(1, kChunkBytes / block_bytes);
+        // widest tiles where more than one fits, so that only a thread's last chunk has blocks left;
+        // on AVX-512 at least one such tile, even past L2 (a long K's blocks: see kMinChunkBlocks).
+        int64_t most = std::max<int64_t>(kMinChunkBlocks, kChunkBytes / block_bytes);
         if (most > kWidestTile) most -= most % kWidestTile;
         for (int64_t chunk = begin; chunk < end; chunk += most) {
             const int64_t chunk_end = std::min(end, chunk + most);

@@ -190,6 +190,7 @@ def forward_work(
     shared_pairs = per_pair * fwd.shared_pairs
     keys = float(shape.layers * fwd.shared_prefix_tokens)
     token_layers = float(tokens * shape.layers)
+    layer_calls = 0 if fwd.decode else shape.layers  # a decode step: one native call for all layers
     return ForwardWork(
         linear_flops=linear,
         attention_flops=causal,
@@ -208,9 +209,9 @@ def forward_work(
         causal_attention_s=causal_s,
         # Two norms a layer, and the final one where a row samples; one rotary call a layer for
         # its query and key heads together, one activation.
-        norm_calls=0 if fwd.decode else 2 * shape.layers + int(fwd.sampled_rows > 0),
-        rotary_calls=0 if fwd.decode else shape.layers,
-        activation_calls=0 if fwd.decode else shape.layers,
+        norm_calls=2 * layer_calls + int(layer_calls > 0 and fwd.sampled_rows > 0),
+        rotary_calls=layer_calls,
+        activation_calls=layer_calls,
     )
 
 

@@ -80,8 +80,18 @@ inline v16f to_v16f(Acc a) {
 #endif
 
 // Blocks per register tile for a tile of R rows: enough independent sums to hide the FMA latency
-// at one row, no more than the registers hold at four. kWidestTile: the most of any R.
-constexpr int64_t kWidestTile = 4;
+// at one row, no more than the registers hold at four.
+template <int R>
+constexpr int tile_blocks() {
+#if RADIXSERVE_LINEAR_ISA >= 2
+    return 4;  // up to 16 zmm sums
+#else
+    return R == 1 ? 4 : (R == 2 ? 2 : 1);  // up to 4 x 2 ymm sums
+#endif
+}
+
+// The most blocks of any row count's tile (one row's).
+constexpr int64_t kWidestTile = tile_blocks<1>();
 // The fewest blocks a chunk holds. On AVX-512 every row count's tile spans 4 blocks, and a chunk of
 // fewer (a K of 4,096 or more fills 256 KB with 1-2 blocks) left it 4-8 sums, too few to hide
 // vdpbf16ps's latency: reading a whole tile's blocks past L2, from L3 for the later row tiles, ran
@@ -91,14 +101,6 @@ constexpr int64_t kMinChunkBlocks = kWidestTile;
 #else
 constexpr int64_t kMinChunkBlocks = 1;
 #endif
-template <int R>
-constexpr int tile_blocks() {
-#if RADIXSERVE_LINEAR_ISA >= 2
-    return 4;  // up to 16 zmm sums
-#else
-    return R == 1 ? 4 : (R == 2 ? 2 : 1);  // up to 4 x 2 ymm sums
-#endif
-}
 
 struct Call {
     const uint16_t *x;  // bf16 rows (the vdpbf16ps build reads them as they are)

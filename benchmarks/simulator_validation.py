@@ -51,7 +51,13 @@ from radixserve.executor.model_runner import pick_device
 from radixserve.models.loader import load_model_config
 from radixserve.runtime.engine import Engine
 from radixserve.simulator.calibration_passes import CalibrationTimer, neighbour_passes, samples_for
-from radixserve.simulator.cli import engine_cascades, fit_engine, measure_engine_peaks, scheduler_args
+from radixserve.simulator.cli import (
+    engine_cascades,
+    fit_engine,
+    measure_engine_peaks,
+    median_engine_peaks,
+    scheduler_args,
+)
 from radixserve.simulator.hardware import HardwareProfile, load_profile
 from radixserve.simulator.replay import compare_forwards, decode_host_time, replay
 from radixserve.simulator.simulate import SimResult, simulate
@@ -88,18 +94,33 @@ def main() -> None:
         timer = CalibrationTimer.start(engine)
         workloads = {name: _Measured(make_workload(name)) for name in ("W1", "W2", "W3")}
         servings: list[_Serving] = []
-        for round_ in range(args.repeats):
+        # The peaks, measured after each pass as calibrate measures them: the host drifts within
+        # minutes, and the profile takes each figure's median over the passes' span.
+        peak_samples: list[HardwareProfile] = []
+
+        def time_pass() -> None:
             timer.time_pass()
+            peak_samples.append(measure_engine_peaks(engine, name=f"calibrated-{device.type}"))
+
+        for round_ in range(args.repeats):
+            time_pass()
             for entry in workloads.values():
                 _measure_round(engine, entry, trace_path, round_)
             if args.serving:
                 servings.append(_serving_run(model, args, round_, cascade=engine_cascades(engine)))
         if args.serving:
-            timer.time_pass()  # after the last serving run as before the first
+            time_pass()  # after the last serving run as before the first
         totals = [sum(p) for p in timer.passes]
         middle = statistics.median(totals)
         print("calibration passes against the median one:", ", ".join(f"{t / middle:.3f}" for t in totals))
-        peaks = measure_engine_peaks(engine, name=f"calibrated-{device.type}")
+        width = load_model_config(engine.source).hidden_size
+        for k, sample in enumerate(peak_samples):
+            rate = dict(sample.linear_rates)[width]
+            print(
+                f"peaks after pass {k + 1}: the weights at {sample.memory_bandwidth / 1e9:.1f} GB/s, the "
+                f"linears at {rate / 1e9:.0f} GFLOP/s at {width} wide"
+            )
+        peaks = median_engine_peaks(engine, peak_samples)
         calibrated, calibration = fit_engine(engine, peaks, timer.runs())
         print("| calibration run | measured s | predicted s |\n|---|---|---|")
         for run, predicted in calibration:
@@ -107,10 +128,11 @@ def main() -> None:
         print(calibrated)
         # Each round's own profile, fitted on the passes timed just before and after it: its
         # errors are the cost model's with the host's drift between the rounds left out.
-        by_round = [
-            fit_engine(engine, peaks, timer.runs(neighbour_passes(k, len(timer.passes))))[0]
-            for k in range(args.repeats)
-        ]
+        by_round = []
+        for k in range(args.repeats):
+            passes = neighbour_passes(k, len(timer.passes))
+            round_peaks = median_engine_peaks(engine, [peak_samples[p] for p in passes])
+            by_round.append(fit_engine(engine, round_peaks, timer.runs(passes))[0])
         # Per profile, the one each round is predicted with.
         profiles = [("calibrated", [calibrated] * args.repeats)]
         if calibrated.forward_noise:
@@ -171,6 +193,8 @@ def main() -> None:
         ],
         # Every sample of every calibration run, per pass (the figures above are their medians).
         "pass_samples": timer.pass_samples,
+        # What each measurement of the peaks after a pass read (the profile holds their medians).
+        "peak_samples": [dataclasses.asdict(p) for p in peak_samples],
         "decode_host_time": host_time,
         "workloads": [dataclasses.asdict(row) for row in rows],
         "replays": replays,

@@ -246,13 +246,5 @@ def neighbour_passes(round_: int, passes: int) -> list[int]:
     return [k for k in (round_, round_ + 1) if k < passes]
 
 
-def measure_runs(engine: Any, repeats: int = 3, sleep: Callable[[float], None] = time.sleep) -> list[Run]:
-    """Each calibration run's time: the median of `repeats` timed passes after an untimed one."""
-    timer = CalibrationTimer.start(engine, sleep)
-    for _ in range(repeats):
-        timer.time_pass()
-    return timer.runs()
-
-
 def _params(output_len: int) -> dict[str, Any]:
     return {"temperature": 0.0, "max_new_tokens": output_len, "ignore_eos": True}

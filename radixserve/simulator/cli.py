@@ -113,16 +113,28 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def calibrate_engine(
-    engine: Any, name: str = "cpu", runs: list[Any] | None = None
-) -> tuple[Any, list[tuple[Any, float]]]:
+def calibrate_engine(engine: Any, name: str = "cpu", passes: int = 3) -> tuple[Any, list[tuple[Any, float]]]:
     """A profile fitted to this engine's model on this machine, and each calibration run with its
-    predicted seconds. `runs`: the calibration runs as already timed (calibration_passes.CalibrationTimer);
-    by default they are timed now."""
-    from radixserve.simulator.calibration_passes import measure_runs
+    predicted seconds: `passes` timed passes of the calibration runs, the peaks measured after each
+    (their medians: peaks.median_measurements)."""
+    from radixserve.simulator.calibration_passes import CalibrationTimer
 
-    peaks = measure_engine_peaks(engine, name)
-    return fit_engine(engine, peaks, measure_runs(engine) if runs is None else runs)
+    timer = CalibrationTimer.start(engine)
+    samples = []
+    for _ in range(passes):
+        timer.time_pass()
+        samples.append(measure_engine_peaks(engine, name))
+    return fit_engine(engine, median_engine_peaks(engine, samples), timer.runs())
+
+
+def median_engine_peaks(engine: Any, samples: list[Any]) -> Any:
+    """measure_engine_peaks' `samples`, taken between the calibration passes, as one: each figure's
+    median (peaks.median_measurements), at the dtype of the engine's linears."""
+    from radixserve.executor.model_runner import pick_device
+    from radixserve.simulator.peaks import engine_linears, median_measurements
+
+    dtype, _ = engine_linears(engine.args, pick_device(engine.args.device))
+    return median_measurements(samples, dtype)
 
 
 def measure_engine_peaks(engine: Any, name: str) -> Any:

@@ -11,7 +11,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -157,6 +157,45 @@ def weights_bandwidth(overlap: Sequence[tuple[int, float]], dtype: torch.dtype) 
     rest. Taken in the same rounds as the rows that set the norm, so that the host's drift between
     two measurements cannot set the two apart."""
     return overlap_stack_bytes(dtype) / fit_overlap(overlap).memory_s
+
+
+def median_measurements(samples: Sequence[HardwareProfile], dtype: torch.dtype) -> HardwareProfile:
+    """What calibrate measured of this device, taken several times between its timed passes (`dtype`:
+    the engine's linears'): each figure and each entry of each table the median of its samples, the
+    weights' bandwidth that of the median stack (weights_bandwidth). The host's speed drifts within
+    minutes, by more than the 9% target (docs/simulator.md): measured once, the peaks were one
+    moment's while the passes' medians spanned the whole calibration, and the fitted efficiencies
+    took up the difference."""
+    if not samples:
+        raise ValueError("no measurement of the peaks to take the median of")
+    first = samples[0]
+    overlap = _median_table([s.decode_overlap for s in samples])
+    bandwidth = statistics.median(s.memory_bandwidth for s in samples)
+    if overlap:
+        bandwidth = weights_bandwidth(overlap, dtype)
+    pointwise = {
+        field.name: statistics.median(getattr(s.pointwise, field.name) for s in samples)
+        for field in fields(PointwiseCosts)
+    }
+    return HardwareProfile(
+        first.name,
+        statistics.median(s.peak_flops for s in samples),
+        bandwidth,
+        first.memory_bytes,
+        linear_rates=_median_table([s.linear_rates for s in samples]),
+        pointwise=PointwiseCosts(**pointwise),
+        decode_overlap=overlap,
+        prompt_attention=_median_table([s.prompt_attention for s in samples]),
+        extend_attention=_median_table([s.extend_attention for s in samples]),
+    )
+
+
+def _median_table(tables: Sequence[tuple[tuple[int, float], ...]]) -> tuple[tuple[int, float], ...]:
+    """The median of each entry of tables measured at the same sizes."""
+    sizes = [size for size, _ in tables[0]]
+    if any([size for size, _ in table] != sizes for table in tables):
+        raise ValueError("the measurements' tables are not of the same sizes")
+    return tuple((size, statistics.median(table[i][1] for table in tables)) for i, size in enumerate(sizes))
 
 
 # The hidden sizes measure_linear_rates times: SmolLM2-135M's is 576, Llama-3.2-1B's 2048, an

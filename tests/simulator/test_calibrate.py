@@ -14,6 +14,7 @@ import torch
 from radixserve.models.config import ModelConfig
 from radixserve.models.loader import load_model_config, resolve_model_source
 from radixserve.runtime.engine import Engine
+from radixserve.simulator import cli
 from radixserve.simulator.calibrate import MEMORY_COMPUTE_NORMS, fit, predicted_seconds, recorded_forwards
 from radixserve.simulator.calibration_passes import (
     CALIBRATION_RUNS,
@@ -358,19 +359,40 @@ def test_a_row_cost_the_engine_measured_is_held_and_the_rest_fitted_around_it() 
     assert wrong.decode_flops_efficiency < held.decode_flops_efficiency
 
 
-def test_calibrate_a_real_engine(tiny_model_dir: Callable[[str], Path], tmp_path: Path) -> None:
+def test_calibrate_a_real_engine(
+    tiny_model_dir: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """calibrate times its passes and measures the peaks after each, and fits their medians: the
+    first measurement is real, the next two stand in for a slow and a fast spell of the host
+    (every time half and twice as long), so the median is the real one."""
+    order: list[str] = []
+    real_pass, real_peaks = CalibrationTimer.time_pass, cli.measure_engine_peaks
+    measured: list[HardwareProfile] = []
+
+    def time_pass(timer: CalibrationTimer) -> list[float]:
+        order.append("pass")
+        return real_pass(timer)
+
+    def measure_peaks(engine: Any, name: str) -> HardwareProfile:
+        order.append("peaks")
+        if not measured:
+            measured.append(real_peaks(engine, name))
+            return measured[0]
+        return _scaled_times(measured[0], 2.0 if len(order) == 4 else 0.5)
+
+    monkeypatch.setattr(CalibrationTimer, "time_pass", time_pass)
+    monkeypatch.setattr(cli, "measure_engine_peaks", measure_peaks)
     engine = Engine(str(tiny_model_dir("llama")), dtype="float32", max_total_tokens=4096, log_level="warning")
     try:
-        # Two timed passes with other work between them, as simulator_validation.py times them.
-        timer = CalibrationTimer.start(engine)
-        timer.time_pass()
-        engine.generate(input_ids=[[5, 6, 7]] * 3, sampling_params={"max_new_tokens": 4})
-        timer.time_pass()
-        profile, rows = calibrate_engine(engine, name="this-cpu", runs=timer.runs())
+        profile, rows = calibrate_engine(engine, name="this-cpu", passes=3)
         host = engine.get_stats()["decode_host_time"]
         engine.check_kv_invariant()
     finally:
         engine.shutdown()
+    assert order == ["pass", "peaks"] * 3
+    (real,) = measured
+    assert (profile.peak_flops, profile.memory_bandwidth) == (real.peak_flops, real.memory_bandwidth)
+    assert profile.linear_rates == real.linear_rates and profile.decode_overlap == real.decode_overlap
     assert len(rows) == len(CALIBRATION_RUNS)
     assert profile.peak_flops > 0 and profile.memory_bandwidth > 0 and profile.memory_bytes > 0
     # The usual widths and the calibration model's own (whose rate the efficiencies are shares of).
@@ -391,6 +413,24 @@ def test_calibrate_a_real_engine(tiny_model_dir: Callable[[str], Path], tmp_path
     path = tmp_path / "cpu.json"
     profile.save(path)
     assert load_profile(str(path)) == profile
+
+
+def _scaled_times(peaks: HardwareProfile, scale: float) -> HardwareProfile:
+    """A measurement of the peaks on a host `scale` times as slow: every rate over it, every time
+    times it."""
+
+    def times(table: tuple[tuple[int, float], ...]) -> tuple[tuple[int, float], ...]:
+        return tuple((size, seconds * scale) for size, seconds in table)
+
+    return dataclasses.replace(
+        peaks,
+        peak_flops=peaks.peak_flops / scale,
+        memory_bandwidth=peaks.memory_bandwidth / scale,
+        linear_rates=tuple((width, rate / scale) for width, rate in peaks.linear_rates),
+        decode_overlap=times(peaks.decode_overlap),
+        prompt_attention=times(peaks.prompt_attention),
+        extend_attention=times(peaks.extend_attention),
+    )
 
 
 def test_a_cached_prefix_run_times_only_its_batch() -> None:

@@ -16,7 +16,6 @@ from radixserve.simulator.calibration_passes import (
     WAKE_IDLE_S,
     CalibrationShape,
     CalibrationTimer,
-    measure_runs,
     neighbour_passes,
     timed_runs,
 )
@@ -48,7 +47,10 @@ def test_the_timer_takes_each_runs_median_over_the_timed_passes() -> None:
     # An untimed first pass (all 100 s), then passes of 1, 3 and 2 s per run.
     engine = _ScriptedEngine([100.0] * shapes + [1.0] * shapes + [3.0] * shapes + [2.0] * shapes)
     slept: list[float] = []
-    runs = measure_runs(engine, repeats=3, sleep=slept.append)
+    timer = CalibrationTimer.start(engine, sleep=slept.append)
+    for _ in range(3):
+        timer.time_pass()
+    runs = timer.runs()
     assert [run.shape for run in runs] == list(CALIBRATION_RUNS)
     # The run after an idle spell idles before its batch, in every pass.
     assert slept == [WAKE_IDLE_S] * 4

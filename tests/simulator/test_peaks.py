@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from radixserve.config.server_args import ServerArgs
 from radixserve.executor.model_runner import ModelRunner
 from radixserve.executor.runner_config import RunnerConfig
 from radixserve.simulator import peaks
+from radixserve.simulator.hardware import HardwareProfile, PointwiseCosts
 from radixserve.simulator.peaks import (
     OVERLAP_ROWS,
     engine_attention,
@@ -23,6 +25,7 @@ from radixserve.simulator.peaks import (
     measure_linear_rates,
     measure_pointwise,
     measure_prompt_attention,
+    median_measurements,
     weights_bandwidth,
 )
 
@@ -117,3 +120,44 @@ def test_a_prompts_and_an_extends_attention_are_timed_on_the_engines_backend(
     assert all(seconds > 0 for _, seconds in extends) and extends[-1][1] > extends[0][1]
     if kernels is not None:
         assert dict(kernels.fallbacks) == declined
+
+
+def _sample(scale: float, flops: float) -> HardwareProfile:
+    """One measurement of the peaks, its times `scale` times a reference's."""
+    overlap = tuple((rows, scale * (0.01 + 0.002 * rows)) for rows in OVERLAP_ROWS)
+    return HardwareProfile(
+        "cpu",
+        flops,
+        peaks.overlap_stack_bytes(torch.bfloat16) / (0.01 * scale),
+        8e9,
+        linear_rates=((512, 100e9 / scale), (2048, 120e9 / scale)),
+        pointwise=PointwiseCosts(norm_s=scale * 1e-9, activation_call_s=scale * 1e-5),
+        decode_overlap=overlap,
+        prompt_attention=((1, scale * 1e-7), (64, scale * 4e-7)),
+        extend_attention=((1040, scale * 6e-7),),
+    )
+
+
+def test_peaks_measured_between_the_passes_are_taken_at_their_medians() -> None:
+    """calibrate measures the peaks after each timed pass; the profile holds each figure's median,
+    entry by entry, and the weights' bandwidth read off the median stack, so that one slow or fast
+    moment of the host does not set the rates every efficiency is a share of."""
+    samples = [_sample(1.0, 150e9), _sample(1.5, 120e9), _sample(0.9, 170e9)]
+    median = median_measurements(samples, torch.bfloat16)
+    middle = _sample(1.0, 150e9)
+    assert median.peak_flops == 150e9 and median.memory_bytes == 8e9
+    assert median.linear_rates == middle.linear_rates
+    assert median.decode_overlap == middle.decode_overlap
+    assert median.prompt_attention == middle.prompt_attention
+    assert median.extend_attention == middle.extend_attention
+    assert median.pointwise == middle.pointwise
+    assert median.memory_bandwidth == weights_bandwidth(middle.decode_overlap, torch.bfloat16)
+    # Entry by entry: a table's median need not be any one sample's.
+    mixed = dataclasses.replace(samples[2], linear_rates=((512, 90e9), (2048, 200e9)))
+    rates = median_measurements([samples[0], samples[1], mixed], torch.bfloat16).linear_rates
+    assert rates == ((512, 90e9), (2048, 120e9))
+    with pytest.raises(ValueError, match="not of the same sizes"):
+        narrower = dataclasses.replace(mixed, linear_rates=((576, 1e11),))
+        median_measurements([samples[0], narrower], torch.bfloat16)
+    with pytest.raises(ValueError, match="no measurement"):
+        median_measurements([], torch.bfloat16)

@@ -10,10 +10,10 @@ What calibrate measured (peaks, bandwidth, the linears' rates, the pointwise cos
 the saved profile; what the fit fills in is fitted again. A validation saved since session 30 keeps
 its replays' forwards too, and each is set against the new fit (the fit never saw them). With
 --passes, the fit takes those calibration passes only: a replay's neighbours, say, apart from the
-host's drift over the rest. The cost per row is held where the validation's engine measured its
-scheduler's own (saved since session 32; fitted for older saves); --row-cost fits it, or holds it
-at the seconds given. The models are the validation's and the other-model run's random-weight
-models in WORK.
+host's drift over the rest (and, saved since session 36, the peaks measured after those passes).
+The cost per row is held where the validation's engine measured its scheduler's own (saved since
+session 32; fitted for older saves); --row-cost fits it, or holds it at the seconds given. The
+models are the validation's and the other-model run's random-weight models in WORK.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from radixserve.bench.model import ensure_random_llama_1b, ensure_random_smollm2
 from radixserve.config.server_args import ServerArgs
 from radixserve.models.config import ModelConfig
@@ -35,6 +37,7 @@ from radixserve.simulator.calibration_passes import CalibrationShape, Run, timed
 from radixserve.simulator.cli import _describe, held_row_cost, scheduler_args
 from radixserve.simulator.executor import ForwardRecord
 from radixserve.simulator.hardware import HardwareProfile
+from radixserve.simulator.peaks import median_measurements
 from radixserve.simulator.replay import ForwardGroup, compare_forwards, decode_host_time
 
 
@@ -62,9 +65,13 @@ def main() -> None:
     saved_profile = HardwareProfile.from_dict(fields)
     config, sched = _model(ensure_random_smollm2(args.work, "bfloat16"), args.max_total_tokens)
     shapes = [CalibrationShape.from_row(row) for row in saved["calibration"]]
+    measured = saved_profile.measured()
     if args.passes:
         passes = [int(k) for k in args.passes.split(",")]
         runs = timed_runs(shapes, saved["pass_samples"], passes)
+        if "peak_samples" in saved:  # the peaks measured after each of those passes (since session 36)
+            samples = [HardwareProfile.from_dict(saved["peak_samples"][k]) for k in passes]
+            measured = median_measurements(samples, torch.bfloat16)
     else:
         pairs = zip(shapes, saved["calibration"], strict=True)
         runs = [Run(shape, r["measured_s"], r["log_squares"], r["log_df"]) for shape, r in pairs]
@@ -74,7 +81,7 @@ def main() -> None:
     ]
     row_cost = _row_cost(saved, args.row_cost)
     print("cost per row:", "fitted" if row_cost is None else f"held at {row_cost * 1e6:.1f} us")
-    profile = fit(config, runs, recorded, saved_profile.measured(), saved_profile.cascade_attention, row_cost)
+    profile = fit(config, runs, recorded, measured, saved_profile.cascade_attention, row_cost)
     print("| calibration run | measured s | predicted s | error |\n|---|---|---|---|")
     logs = []
     for run, forwards in zip(runs, recorded, strict=True):

@@ -10,14 +10,16 @@ with --model llama-1b random weights in Llama-3.2-1B's shape, on one Engine with
 built-in profile as published (its default efficiencies, no calibration).
 
 The calibration passes are interleaved with the measurements they predict: each round times one
-calibration pass, then W1, W2 and W3 (each run repeated until about ROUND_S is spent on it, as a
-calibration pass repeats its short runs), and with --serving a serving run; then a last pass.
-This host's speed drifts by more than the 9% target over the minutes a validation takes, and a
+calibration pass and a measurement of the peaks, then W1, W2 and W3 (each run repeated until about
+ROUND_S is spent on it, as a calibration pass repeats its short runs), and with --serving a serving
+run; then a last pass. The profile takes the peaks' medians over the passes' span, as calibrate
+does. This host's speed drifts by more than the 9% target over the minutes a validation takes, and a
 calibration timed all at the start would fit the machine of those minutes only. Each pass's total
 time against the median pass's is printed, which shows the drift. Beside the profile fitted on all
 passes ("calibrated"), each round is also predicted by a profile fitted on the passes just before
-and after it ("its round's passes"): its error is the cost model's with the drift between rounds
-left out. Each serving run's trace is replayed in this process right after it, in its round.
+and after it and the peaks measured after those ("its round's passes"): its error is the cost
+model's with the drift between rounds left out. Each serving run's trace is replayed in this
+process right after it, in its round.
 
 Throughput: each workload's total tokens over its wall time (median of all its runs, cold cache),
 against the simulated makespan of each run's arrivals as the server recorded them (median).

@@ -115,7 +115,8 @@ def main() -> None:
         totals = [sum(p) for p in timer.passes]
         middle = statistics.median(totals)
         print("calibration passes against the median one:", ", ".join(f"{t / middle:.3f}" for t in totals))
-        width = load_model_config(engine.source).hidden_size
+        config = load_model_config(engine.source)
+        width = config.hidden_size
         for k, sample in enumerate(peak_samples):
             rate = dict(sample.linear_rates)[width]
             print(
@@ -144,7 +145,6 @@ def main() -> None:
         profiles.append((ROUND_PROFILE, by_round))
         if args.hardware:
             profiles.append((args.hardware, [load_profile(args.hardware)] * args.repeats))
-        config = load_model_config(engine.source)
         sched = scheduler_args(engine.args)
         # What the fits held the cost per row at (the scheduler's own time, cli.engine_row_cost).
         host_time = engine.get_stats()["decode_host_time"]

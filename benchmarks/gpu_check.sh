@@ -5,8 +5,8 @@
 #   2. `radixserve bench multiturn` on the GPU: the radix cache alone against L2 (the host pool);
 #      with OLD_TREE set (a directory holding another commit's radixserve/), L2 of that commit too,
 #      for an A/B of a change to L2 in the same run.
-#   3. benchmarks/simulator_validation.py: calibrate on the GPU, predict W1/W2/W3, and compare the
-#      built-in H200 profile as published.
+#   3. benchmarks/simulator_validation.py: calibrate on the GPU, predict W1/W2/W3 and a `bench serving`
+#      run, and compare the GPU's built-in profile (H100 or H200) as published.
 #   4. benchmarks/gpu_step_profile.py: single-stream decode steps timed and profiled;
 #   5. the same for bench multiturn's workload, the radix cache alone against L2 (where L2's cost
 #      beside a GPU shows: copies, pinned allocations, synchronisations).
@@ -53,10 +53,14 @@ fi
 
 if want validation; then
 echo "== 3. simulator validation on the GPU"
-# 300 s: since session 26 a pass samples each short calibration run up to 5 times and idles 1 s
-# before the wake-cost run, and a round repeats the short workloads (not yet run on a GPU).
-timeout "${VALIDATION_TIMEOUT:-300}" $PY benchmarks/simulator_validation.py --device cuda --model llama-1b \
-    --hardware H200 --repeats 2 --work "$WORK" 2>&1 | tee "$OUT/simulator_validation.log"
+# W1-W3 and a `bench serving` run each round, as on a CPU (--serving: a server and the client
+# beside the offline engine, then the server's trace replayed in process). The JSON, the serving
+# traces and the server's log come back as one archive, for refits offline.
+# The built-in profile of the GPU lent (H100 or H200), as published, beside the calibrated one.
+HW=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -o -m1 'H100\|H200\|A100\|L4' || echo H200)
+timeout "${VALIDATION_TIMEOUT:-420}" $PY benchmarks/simulator_validation.py --device cuda --model llama-1b \
+    --hardware "$HW" --repeats 2 --serving --work "$WORK" 2>&1 | tee "$OUT/simulator_validation.log"
+(cd "$WORK" && tar czf "$OUT/validation-work.tgz" simulator-validation.json serving-trace-*.jsonl serving-server.log serving.json 2>/dev/null)
 fi
 
 if want profile; then

@@ -12,8 +12,10 @@ its replays' forwards too, and each is set against the new fit (the fit never sa
 --passes, the fit takes those calibration passes only: a replay's neighbours, say, apart from the
 host's drift over the rest (and, saved since session 36, the peaks measured after those passes).
 The cost per row is held where the validation's engine measured its scheduler's own (saved since
-session 32; fitted for older saves); --row-cost fits it, or holds it at the seconds given. The
-models are the validation's and the other-model run's random-weight models in WORK.
+session 32; fitted for older saves); --row-cost fits it, or holds it at the seconds given. A
+validation saved since session 37 keeps every workload run's arrivals too, and the new fit
+predicts W1-W3 again from them. The models are the validation's (its --model) and the other-model
+run's random-weight models in WORK.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from simulator_validation import load_workloads, print_rows, workload_rows
 
 from radixserve.bench.model import ensure_random_llama_1b, ensure_random_smollm2
 from radixserve.config.server_args import ServerArgs
@@ -63,7 +66,10 @@ def main() -> None:
         if k in {f.name for f in dataclasses.fields(HardwareProfile)}
     }
     saved_profile = HardwareProfile.from_dict(fields)
-    config, sched = _model(ensure_random_smollm2(args.work, "bfloat16"), args.max_total_tokens)
+    # The validation's model (saved since session 37; the SmolLM2 shape before).
+    model = ensure_random_llama_1b(args.work) if saved.get("model") == "llama-1b" else None
+    model = model or ensure_random_smollm2(args.work, "bfloat16")
+    config, sched = _model(model, args.max_total_tokens)
     shapes = [CalibrationShape.from_row(row) for row in saved["calibration"]]
     measured = saved_profile.measured()
     if args.passes:
@@ -98,6 +104,11 @@ def main() -> None:
             _print_forwards(f"serving run {i}'s replay", compare_forwards(records, config, profile))
             if (host := decode_host_time(records)) is not None:
                 print(host.describe(profile))
+    if "workload_runs" in saved:  # saved since session 37
+        workloads = load_workloads(saved["workload_runs"])
+        rounds = 1 + max(k for entry in workloads.values() for _, k in entry.timed_runs + entry.ttft_runs)
+        refit = [("refit", [profile] * rounds)]
+        print_rows(workload_rows(workloads, refit, config, args.max_total_tokens, sched))
     if args.other_model:
         _other_model(json.loads(args.other_model.read_text()), profile, args)
 

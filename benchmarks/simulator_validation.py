@@ -23,9 +23,10 @@ process right after it, in its round.
 
 Throughput: each workload's total tokens over its wall time (median of all its runs, cold cache),
 against the simulated makespan of each run's arrivals as the server recorded them (median).
-TTFT: the same prompts with one output token each, so that each request's latency is its time to
-first token (the offline Engine reports no TTFT otherwise): the measured p50 against the
-simulated p50.
+TTFT: the same prompts with one output token each, each request's time from its arrival to the
+scheduler's first output (the trace's stamps; the engine's own, which adds the hop through the
+detokenizer, is printed beside it): the measured p50 against the simulated p50. The engine idles
+a few tenths of a second before each TTFT run, and its simulation starts as idle as long.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ from radixserve.simulator.cli import (
 from radixserve.simulator.hardware import HardwareProfile, load_profile
 from radixserve.simulator.replay import compare_forwards, decode_host_time, replay
 from radixserve.simulator.simulate import SimResult, simulate
-from radixserve.simulator.trace import TraceRequest, load_trace_lines
+from radixserve.simulator.trace import TraceRequest, load_trace_lines, pack_traces, unpack_traces
 
 
 def main() -> None:
@@ -91,10 +92,10 @@ def main() -> None:
         "max_total_tokens": args.max_total_tokens,
         "record_trace": str(trace_path),
     }
-    rows: list[_Row] = []
+    rows: list[Row] = []
     with Engine(str(model), **flags, log_level="warning") as engine:
         timer = CalibrationTimer.start(engine)
-        workloads = {name: _Measured(make_workload(name)) for name in ("W1", "W2", "W3")}
+        workloads = {name: Measured(make_workload(name)) for name in ("W1", "W2", "W3")}
         servings: list[_Serving] = []
         # The peaks, measured after each pass as calibrate measures them: the host drifts within
         # minutes, and the profile takes each figure's median over the passes' span.
@@ -149,38 +150,22 @@ def main() -> None:
         # What the fits held the cost per row at (the scheduler's own time, cli.engine_row_cost).
         host_time = engine.get_stats()["decode_host_time"]
         print(f"the engine's scheduler between decode steps: {host_time}")
-    limit = args.max_total_tokens
     for name, entry in workloads.items():
-        total = entry.workload.in_tokens + entry.workload.out_tokens
-        tok_s_runs = [total / seconds for seconds in entry.seconds]
-        tok_s, ttft = statistics.median(tok_s_runs), statistics.median(entry.ttfts)
-        for label, per_round in profiles:
-            sims = functools.partial(_simulations, config, limit=limit, sched=sched)
-            timed = [sim for run, k in entry.timed_runs for sim in sims(per_round[k], run)]
-            firsts = [sim for run, k in entry.ttft_runs for sim in sims(per_round[k], run)]
-            makespan = statistics.median(sim.makespan_s for sim in timed)
-            sim_ttft = statistics.median(statistics.median(sim.ttft_values_ms) for sim in firsts)
-            rows.append(_Row(name, label, tok_s, total / makespan, ttft, sim_ttft, tok_s_runs, entry.ttfts))
+        print(
+            f"{name} TTFT p50: the scheduler's {statistics.median(entry.ttfts):.1f} ms, "
+            f"the engine's {statistics.median(entry.engine_ttfts):.1f} ms"
+        )
+    limit = args.max_total_tokens
+    rows += workload_rows(workloads, profiles, config, limit, sched)
     replays: list[dict[str, Any]] = []
     if servings:
         rows += _serving_rows(servings, profiles, config, sched, limit)
         replays = _replays(servings, config, calibrated, by_round, limit, sched)
-    # Each measured figure's runs, as their least and greatest against their median: an error
-    # inside that range is within the measurement's own noise.
-    columns = "workload | profile | measured tok/s | runs | predicted | error | measured TTFT p50 ms | runs"
-    print(f"| {columns} | predicted | error |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for row in rows:
-        print(
-            f"| {row.workload} | {row.profile} | {row.measured_tok_s:,.0f} | {_spread(row.tok_s_runs)} "
-            f"| {row.predicted_tok_s:,.0f} | {row.predicted_tok_s / row.measured_tok_s - 1:+.1%} "
-            f"| {row.ttft_ms:,.1f} | {_spread(row.ttft_ms_runs)} | {row.sim_ttft_ms:,.1f} "
-            f"| {row.sim_ttft_ms / row.ttft_ms - 1:+.1%} |",
-            flush=True,
-        )
+    print_rows(rows)
     # Everything above as JSON, so that a later fit or cost model can be tried on these very
     # measurements without running them again.
     record = {
+        "model": args.model,
         "profile": dataclasses.asdict(calibrated),
         "round_profiles": [dataclasses.asdict(p) for p in by_round],
         "calibration": [
@@ -199,6 +184,8 @@ def main() -> None:
         "peak_samples": [dataclasses.asdict(p) for p in peak_samples],
         "decode_host_time": host_time,
         "workloads": [dataclasses.asdict(row) for row in rows],
+        # Every workload run's arrivals and measurement, so that a refit predicts them again.
+        "workload_runs": save_workloads(workloads),
         "replays": replays,
     }
     results = args.work / "simulator-validation.json"
@@ -207,7 +194,7 @@ def main() -> None:
 
 
 @dataclass(frozen=True)
-class _Row:
+class Row:
     """A workload's measured and predicted figures (medians), and the measured runs themselves."""
 
     workload: str
@@ -224,6 +211,46 @@ def _spread(runs: list[float]) -> str:
     """The runs' least and greatest against their median, as percentages."""
     middle = statistics.median(runs)
     return f"{min(runs) / middle - 1:+.0%}..{max(runs) / middle - 1:+.0%}"
+
+
+def print_rows(rows: list[Row]) -> None:
+    # Each measured figure's runs, as their least and greatest against their median: an error
+    # inside that range is within the measurement's own noise.
+    columns = "workload | profile | measured tok/s | runs | predicted | error | measured TTFT p50 ms | runs"
+    print(f"| {columns} | predicted | error |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        print(
+            f"| {row.workload} | {row.profile} | {row.measured_tok_s:,.0f} | {_spread(row.tok_s_runs)} "
+            f"| {row.predicted_tok_s:,.0f} | {row.predicted_tok_s / row.measured_tok_s - 1:+.1%} "
+            f"| {row.ttft_ms:,.1f} | {_spread(row.ttft_ms_runs)} | {row.sim_ttft_ms:,.1f} "
+            f"| {row.sim_ttft_ms / row.ttft_ms - 1:+.1%} |",
+            flush=True,
+        )
+
+
+def workload_rows(
+    workloads: dict[str, Measured],
+    profiles: list[tuple[str, list[HardwareProfile]]],
+    config: Any,
+    max_total_tokens: int,
+    sched: dict[str, Any],
+) -> list[Row]:
+    """Per workload and profile, the measured figures (medians over the runs) against the
+    simulations of each run's recorded arrivals. `profiles`: per label, each round's profile."""
+    rows = []
+    sims = functools.partial(_simulations, config, limit=max_total_tokens, sched=sched)
+    for name, entry in workloads.items():
+        total = entry.workload.in_tokens + entry.workload.out_tokens
+        tok_s_runs = [total / seconds for seconds in entry.seconds]
+        tok_s, ttft = statistics.median(tok_s_runs), statistics.median(entry.ttfts)
+        for label, per_round in profiles:
+            timed = [sim for run, k in entry.timed_runs for sim in sims(per_round[k], run)]
+            firsts = [sim for run, k in entry.ttft_runs for sim in sims(per_round[k], run)]
+            makespan = statistics.median(sim.makespan_s for sim in timed)
+            sim_ttft = statistics.median(statistics.median(sim.ttft_values_ms) for sim in firsts)
+            rows.append(Row(name, label, tok_s, total / makespan, ttft, sim_ttft, tok_s_runs, entry.ttfts))
+    return rows
 
 
 # Poisson arrivals of prompts in groups that share a system prompt, streamed over HTTP: a load
@@ -247,9 +274,12 @@ ROUND_PROFILE = "its round's passes"
 
 
 @dataclass
-class _Measured:
+class Measured:
     """A workload's measurements over the rounds: each throughput run's seconds and its requests'
-    arrivals as the server recorded them, and each TTFT run's p50 and arrivals."""
+    arrivals as the server recorded them, and each TTFT run's p50 and arrivals. A TTFT run's p50 is
+    the scheduler's (arrival to first output, from the trace), which is what the simulator predicts;
+    the engine's (engine_ttfts) adds the hop through the detokenizer and, where the overlap
+    schedule runs (on CUDA), the launch of the next forward, during which the outputs are sent."""
 
     workload: Workload
     seconds: list[float] = field(default_factory=list)
@@ -257,12 +287,15 @@ class _Measured:
     timed_runs: list[tuple[list[TraceRequest], int]] = field(default_factory=list)
     ttfts: list[float] = field(default_factory=list)
     ttft_runs: list[tuple[list[TraceRequest], int]] = field(default_factory=list)
+    engine_ttfts: list[float] = field(default_factory=list)
     # Runs per round, set by the first round (0 until then).
     per_round: int = 0
     ttft_per_round: int = 0
+    # When the engine last returned a run of this workload (perf_counter seconds).
+    last_return: float = 0.0
 
 
-def _measure_round(engine: Any, entry: _Measured, trace_path: Path, round_: int) -> None:
+def _measure_round(engine: Any, entry: Measured, trace_path: Path, round_: int) -> None:
     """Throughput runs and TTFT runs of the workload, each on a cold cache.
 
     Each run's arrivals are replayed as the server recorded them (--record-trace): a batch handed
@@ -282,29 +315,63 @@ def _measure_round(engine: Any, entry: _Measured, trace_path: Path, round_: int)
         _time_ttft(engine, entry, trace_path, round_)
 
 
-def _time_throughput(engine: Any, entry: _Measured, trace_path: Path, round_: int) -> None:
+def _time_throughput(engine: Any, entry: Measured, trace_path: Path, round_: int) -> None:
     count = len(entry.workload.prompts)
     seen = _settled_lines(trace_path)
     (run,) = time_engine_runs(engine, entry.workload, 1)  # its warm-up, then the run
+    entry.last_return = time.perf_counter()
     entry.seconds.append(run.seconds)
     # The warm-up's requests come first in the trace, then the run's.
-    entry.timed_runs.append((_since_first(trace_path, seen + count, count), round_))
+    entry.timed_runs.append((_since_first(_recorded(trace_path, seen + count, count)), round_))
 
 
-def _time_ttft(engine: Any, entry: _Measured, trace_path: Path, round_: int) -> float:
+def _time_ttft(engine: Any, entry: Measured, trace_path: Path, round_: int) -> float:
     """The same prompts, one output token each, so that each request's latency is its TTFT. Returns
-    the run's wall time."""
+    the run's wall time.
+
+    The engine idles before it while the trace settles (a few tenths of a second), and the next
+    forward pays its share of the wake cost (HardwareProfile.idle_wake_s): on an H100, 1.4 ms of a
+    10 ms TTFT. Its simulation starts as idle: the first arrival at that idle's length."""
     count = len(entry.workload.prompts)
     engine.flush_cache()
     seen = _settled_lines(trace_path)
     first = {"temperature": 0.0, "max_new_tokens": 1, "ignore_eos": True}
     start = time.perf_counter()
+    idle_s = start - entry.last_return
     results = engine.generate(input_ids=entry.workload.prompts, sampling_params=first)
-    seconds = time.perf_counter() - start
+    entry.last_return = time.perf_counter()
+    seconds = entry.last_return - start
     assert isinstance(results, list)
-    entry.ttfts.append(statistics.median(r["meta_info"]["e2e_latency"] for r in results) * 1000)
-    entry.ttft_runs.append((_since_first(trace_path, seen, count), round_))
+    entry.engine_ttfts.append(statistics.median(r["meta_info"]["e2e_latency"] for r in results) * 1000)
+    lines = _recorded(trace_path, seen, count)
+    entry.ttfts.append(scheduler_ttft_ms(lines))
+    entry.ttft_runs.append((_since_first(lines, idle_s), round_))
     return seconds
+
+
+def save_workloads(workloads: dict[str, Measured]) -> dict[str, Any]:
+    """Every run's measurement and recorded arrivals, per workload (load_workloads reads it)."""
+    out = {}
+    for name, entry in workloads.items():
+        runs = entry.timed_runs + entry.ttft_runs
+        out[name] = {
+            "seconds": entry.seconds,
+            "ttft_ms": entry.ttfts,
+            "engine_ttft_ms": entry.engine_ttfts,
+            "rounds": [k for _, k in runs],
+            "arrivals": pack_traces([trace for trace, _ in runs]),
+        }
+    return out
+
+
+def load_workloads(saved: dict[str, Any]) -> dict[str, Measured]:
+    workloads = {}
+    for name, runs in saved.items():
+        traces = list(zip(unpack_traces(runs["arrivals"]), runs["rounds"], strict=True))
+        timed = len(runs["seconds"])
+        first_runs = runs["ttft_ms"], traces[timed:], runs["engine_ttft_ms"]
+        workloads[name] = Measured(make_workload(name), runs["seconds"], traces[:timed], *first_runs)
+    return workloads
 
 
 @dataclass(frozen=True)
@@ -319,10 +386,15 @@ class _Serving:
 
     @property
     def scheduler_ttft_ms(self) -> float:
-        """The scheduler's own TTFT p50, from the engine's arrival stamp to the scheduler's first
-        output: what the simulator predicts. The engine's adds the hops through the detokenizer."""
-        rows = [json.loads(line) for line in self.lines]
-        return statistics.median((r["first_output_s"] - r["arrival_s"]) * 1000 for r in rows)
+        return scheduler_ttft_ms(self.lines)
+
+
+def scheduler_ttft_ms(lines: list[str]) -> float:
+    """The scheduler's own TTFT p50 over recorded trace lines, from the engine's arrival stamp to
+    the scheduler's first output: what the simulator predicts. The engine's adds the hops through
+    the detokenizer."""
+    rows = [json.loads(line) for line in lines]
+    return statistics.median((r["first_output_s"] - r["arrival_s"]) * 1000 for r in rows)
 
 
 def _serving_run(model: Path, args: argparse.Namespace, index: int, cascade: bool) -> _Serving:
@@ -396,7 +468,7 @@ def _serving_rows(
     config: Any,
     sched: Any,
     max_total_tokens: int,
-) -> list[_Row]:
+) -> list[Row]:
     """Each profile's simulation of the very requests each serving run's server recorded, at their
     recorded arrival times. Measured: the client's output tok/s, and the scheduler's TTFT p50 (from
     the trace), which is what the simulator predicts. Each figure is the median over the runs.
@@ -425,7 +497,7 @@ def _serving_rows(
         predicted = statistics.median(sim.output_tokens / sim.makespan_s for sim in sims)
         ttft = statistics.median(statistics.median(sim.ttft_values_ms) for sim in sims)
         ttft_ms = statistics.median(measured_ttfts)
-        rows.append(_Row("serving", label, measured, predicted, ttft_ms, ttft, throughputs, measured_ttfts))
+        rows.append(Row("serving", label, measured, predicted, ttft_ms, ttft, throughputs, measured_ttfts))
         # A diagnostic beside the targets: whether the server's decode steps ran at the offline
         # calibration's speed while HTTP, streaming and the client shared its cores.
         itls = ", ".join(f"{sim.itl_ms['p50']:.1f}" for sim in sims)
@@ -523,17 +595,22 @@ def _settled_lines(trace_path: Path) -> int:
     return count
 
 
-def _since_first(trace_path: Path, seen: int, count: int) -> list[TraceRequest]:
-    """The `count` requests recorded after the first `seen` lines, their arrivals from the first
-    one's. The server's writer thread appends them after the requests return: wait for them."""
+def _recorded(trace_path: Path, seen: int, count: int) -> list[str]:
+    """The `count` lines recorded after the first `seen`. The server's writer thread appends them
+    after the requests return: wait for them."""
     deadline = time.monotonic() + 30.0
     while True:
         lines = trace_path.read_text().splitlines()[seen:]
         if len(lines) >= count or time.monotonic() > deadline:
-            break
+            return lines[:count]
         time.sleep(0.05)
-    rows = load_trace_lines(lines[:count])
-    start = min(r.arrival_s for r in rows)
+
+
+def _since_first(lines: list[str], idle_s: float = 0.0) -> list[TraceRequest]:
+    """Recorded requests, their arrivals from the first one's, which is at `idle_s`: how long the
+    engine had idled before it (a simulation's device idles from its clock's 0)."""
+    rows = load_trace_lines(lines)
+    start = min(r.arrival_s for r in rows) - idle_s
     return [
         TraceRequest(
             r.arrival_s - start,

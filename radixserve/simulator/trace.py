@@ -9,8 +9,10 @@ import bisect
 import json
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -51,6 +53,28 @@ def ready_times(trace: list[TraceRequest]) -> list[float]:
                 ready = math.nextafter(idle[missed], math.inf)
         out.append(ready)
     return out
+
+
+def pack_traces(traces: Sequence[list[TraceRequest]]) -> dict[str, Any]:
+    """Traces as JSON, each distinct prompt written once: the runs of one workload repeat the same
+    prompts, and a validation keeps dozens of its runs (unpack_traces reads them back)."""
+    prompts: dict[tuple[int, ...], int] = {}
+
+    def row(r: TraceRequest) -> list[Any]:
+        index = prompts.setdefault(tuple(r.input_ids), len(prompts))
+        return [index, r.arrival_s, r.output_len, r.received_s, r.received_busy_s]
+
+    runs = [[row(r) for r in trace] for trace in traces]
+    return {"prompts": [list(p) for p in prompts], "traces": runs}
+
+
+def unpack_traces(packed: dict[str, Any]) -> list[list[TraceRequest]]:
+    prompts = packed["prompts"]
+    return [
+        [TraceRequest(arrival, list(prompts[index]), output_len, received, busy)
+         for index, arrival, output_len, received, busy in trace]
+        for trace in packed["traces"]
+    ]  # fmt: skip
 
 
 @dataclass(frozen=True)

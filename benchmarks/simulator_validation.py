@@ -330,8 +330,9 @@ def _time_ttft(engine: Any, entry: Measured, trace_path: Path, round_: int) -> f
     the run's wall time.
 
     The engine idles before it while the trace settles (a few tenths of a second), and the next
-    forward pays its share of the wake cost (HardwareProfile.idle_wake_s): on an H100, 1.4 ms of a
-    10 ms TTFT. Its simulation starts as idle: the first arrival at that idle's length."""
+    forward pays its share of the wake cost (HardwareProfile.idle_wake_s), which on a GPU is a
+    large part of a short prompt's TTFT. Its simulation starts as idle: the first arrival at that
+    idle's length."""
     count = len(entry.workload.prompts)
     engine.flush_cache()
     seen = _settled_lines(trace_path)

@@ -67,8 +67,8 @@ def main() -> None:
     }
     saved_profile = HardwareProfile.from_dict(fields)
     # The validation's model (saved since session 37; the SmolLM2 shape before).
-    model = ensure_random_llama_1b(args.work) if saved.get("model") == "llama-1b" else None
-    model = model or ensure_random_smollm2(args.work, "bfloat16")
+    llama = saved.get("model") == "llama-1b"
+    model = ensure_random_llama_1b(args.work) if llama else ensure_random_smollm2(args.work, "bfloat16")
     config, sched = _model(model, args.max_total_tokens)
     shapes = [CalibrationShape.from_row(row) for row in saved["calibration"]]
     measured = saved_profile.measured()

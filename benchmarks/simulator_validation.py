@@ -370,8 +370,14 @@ def load_workloads(saved: dict[str, Any]) -> dict[str, Measured]:
     for name, runs in saved.items():
         traces = list(zip(unpack_traces(runs["arrivals"]), runs["rounds"], strict=True))
         timed = len(runs["seconds"])
-        first_runs = runs["ttft_ms"], traces[timed:], runs["engine_ttft_ms"]
-        workloads[name] = Measured(make_workload(name), runs["seconds"], traces[:timed], *first_runs)
+        workloads[name] = Measured(
+            make_workload(name),
+            seconds=runs["seconds"],
+            timed_runs=traces[:timed],
+            ttfts=runs["ttft_ms"],
+            ttft_runs=traces[timed:],
+            engine_ttfts=runs["engine_ttft_ms"],
+        )
     return workloads
 
 
@@ -384,10 +390,6 @@ class _Serving:
     lines: list[str]
     snapshot: dict[str, Any]
     replayed: SimResult
-
-    @property
-    def scheduler_ttft_ms(self) -> float:
-        return scheduler_ttft_ms(self.lines)
 
 
 def scheduler_ttft_ms(lines: list[str]) -> float:
@@ -478,7 +480,7 @@ def _serving_rows(
     for serving in servings:
         report, snapshot = serving.report, serving.snapshot
         engine_ttft = statistics.median(r["ttft_ms"] for r in snapshot["recent"] if r["ttft_ms"] is not None)
-        measured_ttfts.append(serving.scheduler_ttft_ms)
+        measured_ttfts.append(scheduler_ttft_ms(serving.lines))
         # The client's TTFT is not comparable here: the random model's tokenizer knows 1,000 of its
         # 49,152 ids, so most tokens print nothing and the stream holds back its text.
         print(
@@ -535,7 +537,7 @@ def _replays(
         replayed = serving.replayed
         trace = load_trace_lines(serving.lines)
         sims = _simulations(config, calibrated, trace, limit, sched)
-        server = serving.scheduler_ttft_ms
+        server = scheduler_ttft_ms(serving.lines)
         ttft = statistics.median(replayed.ttft_values_ms)
         sim_ttft = statistics.median(statistics.median(sim.ttft_values_ms) for sim in sims)
         itl, sim_itl = replayed.itl_ms["p50"], statistics.median(sim.itl_ms["p50"] for sim in sims)

@@ -40,9 +40,11 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from radixserve.protocol.ipc import exit_after_clean_stop
     from radixserve.server.serve import serve
 
-    return serve(ServerArgs.from_cli_args(args))
+    # serve() returns once the engine and its children have stopped and their files are closed.
+    exit_after_clean_stop(serve(ServerArgs.from_cli_args(args)))
 
 
 def build_parser() -> argparse.ArgumentParser:

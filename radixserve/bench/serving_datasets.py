@@ -56,9 +56,9 @@ def load_tokenizer(path: str) -> Tokenizer:
 
         gguf_tokenizer: Tokenizer = load_model_tokenizer(ModelSource("gguf", Path(path)))
         return gguf_tokenizer
-    from transformers import AutoTokenizer
+    from radixserve.models.tokenizer import load_tokenizer_dir
 
-    tokenizer: Tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    tokenizer: Tokenizer = load_tokenizer_dir(path)
     return tokenizer
 
 

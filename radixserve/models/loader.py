@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
-import torch
 from tqdm import tqdm
 
 from radixserve.models.config import (
@@ -31,6 +30,7 @@ from radixserve.models.config import (
 )
 
 if TYPE_CHECKING:
+    import torch
     from gguf import GGUFReader, ReaderField
 
 __all__ = [
@@ -584,6 +584,9 @@ def _unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _iter_gguf(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    # torch only here: the HTTP process resolves models and reads configs through this module
+    # and never imports torch (tests/server/test_startup_imports.py).
+    import torch
     from gguf.quants import dequantize
 
     reader = _gguf_reader(path)

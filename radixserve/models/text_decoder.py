@@ -1,7 +1,7 @@
 """Decoding ids to text without transformers, for processes that need nothing else of a tokenizer.
 
-Kept apart from tokenizer.py, whose loading imports torch and transformers: this module imports
-neither unless it has to fall back to them.
+Kept apart from tokenizer.py, whose loading imports transformers: this module imports it only
+when it has to fall back to it.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def load_decoder(tokenizer_dir: str) -> Any:
     decoder = fast_decoder(tokenizer_dir)
     if decoder is not None:
         return decoder
-    from transformers import AutoTokenizer
+    from radixserve.models.tokenizer import load_tokenizer_dir
 
     logger.info("decoding through transformers' tokenizer (it cleans up spaces, or has no tokenizer.json)")
-    return AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    return load_tokenizer_dir(tokenizer_dir)

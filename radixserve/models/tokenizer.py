@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from radixserve.models.config import ModelLoadError
 from radixserve.models.loader import ModelSource, gguf_metadata
@@ -19,23 +20,49 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("radixserve")
 
+# The class names a saved fast tokenizer's config gives (transformers 5 and 4): such a directory
+# needs nothing of the model's config to load.
+_FAST_TOKENIZER_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
+
+
+def load_tokenizer_dir(path: str | Path) -> PreTrainedTokenizerBase:
+    """A tokenizer directory, from local files only, loaded as AutoTokenizer loads it. One whose
+    config names the fast tokenizer class itself is loaded through that class: AutoTokenizer's
+    lookup imports transformers' model registry and torch with it, seconds of every start in a
+    process (the HTTP server's) that otherwise never needs torch."""
+    config = Path(path) / "tokenizer_config.json"
+    try:
+        named = json.loads(config.read_text(encoding="utf-8")).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        named = None  # AutoTokenizer reports what is missing or wrong
+    if named in _FAST_TOKENIZER_CLASSES:
+        from transformers import PreTrainedTokenizerFast
+
+        loader: Any = PreTrainedTokenizerFast
+    else:
+        from transformers import AutoTokenizer
+
+        loader = AutoTokenizer
+    tokenizer: PreTrainedTokenizerBase = loader.from_pretrained(str(path), local_files_only=True)
+    return tokenizer
+
 
 def load_tokenizer(src: ModelSource) -> PreTrainedTokenizerBase:
     """Load the checkpoint's tokenizer from local files only, chat template included. A GGUF's is
     converted once and kept (tokenizer_cache_dir): the conversion reads the whole vocabulary
     from the file's metadata and takes seconds at every start, the saved copy a fraction of one."""
-    from transformers import AutoTokenizer
-
     try:
         if src.kind == "hf_dir":
-            return AutoTokenizer.from_pretrained(str(src.path), local_files_only=True)
+            return load_tokenizer_dir(src.path)
         saved = _saved_tokenizer_dir(src.path)
         if (saved / "tokenizer_config.json").exists():
             try:
-                return AutoTokenizer.from_pretrained(str(saved), local_files_only=True)
+                return load_tokenizer_dir(saved)
             except (OSError, ValueError) as exc:
                 logger.warning("replacing the unusable saved tokenizer at %s (%s)", saved, exc)
                 shutil.rmtree(saved, ignore_errors=True)
+        from transformers import AutoTokenizer
+
         tokenizer = AutoTokenizer.from_pretrained(
             str(src.path.parent), gguf_file=src.path.name, local_files_only=True
         )

@@ -23,7 +23,7 @@ from typing import Any
 
 from radixserve.config.log import configure_logging
 from radixserve.models.text_decoder import load_decoder
-from radixserve.protocol.ipc import ChildArgs, child_channels, parse_child_args
+from radixserve.protocol.ipc import ChildArgs, child_channels, exit_after_clean_stop, parse_child_args
 from radixserve.protocol.messages import (
     ControlResult,
     DetokenizeParams,
@@ -212,6 +212,7 @@ def main() -> None:
     )
     configure_logging(child.ns.log_level, prefix=" detokenizer")
     run_detokenizer_process(child)
+    exit_after_clean_stop()
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from radixserve.config.log import configure_logging
 from radixserve.config.server_args import ServerArgs
-from radixserve.protocol.ipc import ChildArgs, child_channels, parse_child_args
+from radixserve.protocol.ipc import ChildArgs, child_channels, exit_after_clean_stop, parse_child_args
 from radixserve.protocol.messages import (
     OutputBatch,
     ReqOutput,
@@ -210,6 +210,7 @@ def main() -> None:
         ),
     )
     run_scheduler_process(json.loads(child.ns.server_args_json), child)
+    exit_after_clean_stop()
 
 
 if __name__ == "__main__":

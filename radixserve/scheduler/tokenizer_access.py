@@ -26,9 +26,9 @@ class SchedulerTokenizer:
     def full(self) -> Any:
         """The transformers tokenizer (for grammars)."""
         if isinstance(self._tokenizer, str):
-            from transformers import AutoTokenizer
+            from radixserve.models.tokenizer import load_tokenizer_dir
 
-            self._tokenizer = AutoTokenizer.from_pretrained(self._tokenizer, local_files_only=True)
+            self._tokenizer = load_tokenizer_dir(self._tokenizer)
         elif self._tokenizer is None:
             from radixserve.models.loader import resolve_model_source
             from radixserve.models.tokenizer import load_tokenizer

@@ -10,7 +10,7 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from radixserve.models.loader import ModelSource, load_model_config
-from radixserve.models.tokenizer import load_tokenizer, tokenizer_cache_dir
+from radixserve.models.tokenizer import load_tokenizer, load_tokenizer_dir, tokenizer_cache_dir
 
 # Reference ids from transformers' GGUF tokenizer for SmolLM2 (identical to the HF repo's).
 SMOLLM2_FRANCE_IDS = [504, 3575, 282, 4649, 314]
@@ -94,13 +94,20 @@ def _convert_by_fixture(monkeypatch: pytest.MonkeyPatch, converted: Any) -> list
     import transformers
 
     calls: list[str] = []
-    real = transformers.AutoTokenizer.from_pretrained
+    real_auto = transformers.AutoTokenizer.from_pretrained
+    real_fast = transformers.PreTrainedTokenizerFast.from_pretrained
 
     def routed(path: str, **kwargs: Any) -> Any:
         calls.append("gguf" if "gguf_file" in kwargs else "saved")
-        return converted if "gguf_file" in kwargs else real(path, **kwargs)
+        return converted if "gguf_file" in kwargs else real_auto(path, **kwargs)
+
+    def saved(path: str, **kwargs: Any) -> Any:
+        calls.append("saved")
+        return real_fast(path, **kwargs)
 
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", routed)
+    # The saved copy names the fast class, so load_tokenizer_dir loads it through that class.
+    monkeypatch.setattr(transformers.PreTrainedTokenizerFast, "from_pretrained", saved)
     return calls
 
 
@@ -144,3 +151,44 @@ def test_an_unusable_tokenizer_cache_only_costs_the_conversion(
     assert calls == ["saved", "gguf"]
     assert load_tokenizer(gguf_src)("The capital of France is").input_ids == SMOLLM2_FRANCE_IDS
     assert calls == ["saved", "gguf", "saved"]
+
+
+def _same_tokenizer(ours: Any, auto: Any) -> None:
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
+    text = "def f(x):\n    return x + 1 <|endoftext|> The capital of France is"
+    assert type(ours) is type(auto)
+    assert ours.get_vocab() == auto.get_vocab()
+    assert ours.all_special_tokens == auto.all_special_tokens
+    assert (ours.eos_token_id, ours.bos_token_id, ours.pad_token_id) == (
+        auto.eos_token_id, auto.bos_token_id, auto.pad_token_id,
+    )  # fmt: skip
+    assert ours(text).input_ids == auto(text).input_ids
+    assert ours.decode(auto(text).input_ids, skip_special_tokens=True) == auto.decode(
+        auto(text).input_ids, skip_special_tokens=True
+    )
+    assert ours.chat_template == auto.chat_template
+    if auto.chat_template:
+        rendered = ours.apply_chat_template(chat, tokenize=False)
+        assert rendered == auto.apply_chat_template(chat, tokenize=False)
+
+
+def test_a_saved_fast_tokenizer_loads_as_autotokenizer_loads_it(
+    gguf_tokenizer: Any, tiny_model_dir: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """load_tokenizer_dir loads a directory that names the fast class through that class (no
+    AutoTokenizer, whose lookup imports torch): the same tokenizer, for the SmolLM2 GGUF's saved
+    conversion and for a checkpoint's own files."""
+    from transformers import AutoTokenizer
+
+    gguf_tokenizer.save_pretrained(tmp_path / "smollm2")
+    for path in (tmp_path / "smollm2", tiny_model_dir("llama")):
+        auto = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        _same_tokenizer(load_tokenizer_dir(path), auto)
+
+
+def test_a_tokenizer_of_another_class_still_loads_through_autotokenizer(minilm_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    ours = load_tokenizer_dir(minilm_path)
+    assert type(ours).__name__.startswith("Bert")
+    _same_tokenizer(ours, AutoTokenizer.from_pretrained(str(minilm_path), local_files_only=True))

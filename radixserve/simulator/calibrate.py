@@ -90,7 +90,12 @@ class _Forwards:
     streams weights: peaks.py, taken as it is, not fitted), whether it is a decode step, its
     sampling rows, and the run it belongs to. Attention in the
     parts the cost model splits it into: among the new tokens, over the cached context, and (with
-    a cascade) over prefixes the batch shares, with those prefixes' keys."""
+    a cascade) over prefixes the batch shares, with those prefixes' keys.
+
+    A forward's compute is linear in the parameters' reciprocal efficiencies (and the cost per
+    shared key), and its fixed costs in the fixed parameters: `compute_terms` and `fixed_terms`
+    hold the coefficients, so that one product prices a batch of parameter vectors at once (the
+    fit's searches try several at every step)."""
 
     linear: np.ndarray
     measured: np.ndarray  # seconds at measured costs (not fitted): pointwise ops, measured attention
@@ -104,6 +109,15 @@ class _Forwards:
     owner: np.ndarray
     runs: int
     norm: float | None  # HardwareProfile.memory_compute_norm
+    # [forwards, 8]: the seconds at 100% of a prefill's linears, a decode step's linears, the
+    # measured costs, the new tokens' attention, the shared prefixes', a prefill's context's, a
+    # decode step's context's, and the shared keys (see _compute_coefficients).
+    compute_terms: np.ndarray
+    # [forwards, 3]: whether a prefill, whether a decode step, and the sampled rows (their costs:
+    # _PARAMETERS' prefill_fixed, decode_fixed and row).
+    fixed_terms: np.ndarray
+    # [runs, forwards]: which run each forward belongs to.
+    membership: np.ndarray
 
     @classmethod
     def of(
@@ -117,41 +131,65 @@ class _Forwards:
         every = [w for run in forwards for w in run]
         peak_flops, bandwidth = peaks.peak_flops, peaks.memory_bandwidth
         shared = np.array([w.shared_context_flops * cascade for w in every]) / peak_flops
+        linear = np.array([w.linear_flops for w in every]) / linear_peak
+        measured = np.array([pointwise_seconds(w, peaks.pointwise) + w.causal_attention_s for w in every])
+        attention = np.array([w.attention_flops for w in every]) / peak_flops
+        context = np.array([w.context_attention_flops for w in every]) / peak_flops - shared
+        shared_keys = np.array([w.shared_prefix_keys * cascade for w in every])
+        decode = np.array([w.decode for w in every], dtype=bool)
+        rows = np.array([w.rows for w in every], dtype=float)
+        owner = np.repeat(np.arange(len(forwards)), [len(run) for run in forwards])
+        prefill = ~decode
         return cls(
-            np.array([w.linear_flops for w in every]) / linear_peak,
-            np.array([pointwise_seconds(w, peaks.pointwise) + w.causal_attention_s for w in every]),
-            np.array([w.attention_flops for w in every]) / peak_flops,
-            np.array([w.context_attention_flops for w in every]) / peak_flops - shared,
+            linear,
+            measured,
+            attention,
+            context,
             shared,
-            np.array([w.shared_prefix_keys * cascade for w in every]),
+            shared_keys,
             np.array([w.bytes - w.shared_bytes * cascade for w in every]) / bandwidth,
-            np.array([w.decode for w in every], dtype=bool),
-            np.array([w.rows for w in every], dtype=float),
-            np.repeat(np.arange(len(forwards)), [len(run) for run in forwards]),
+            decode,
+            rows,
+            owner,
             len(forwards),
             norm,
+            np.stack(
+                [linear * prefill, linear * decode, measured, attention, shared]
+                + [context * prefill, context * decode, shared_keys],
+                axis=1,
+            ),
+            np.stack([prefill, decode, rows], axis=1).astype(float),
+            (owner[None, :] == np.arange(len(forwards))[:, None]).astype(float),
         )
 
     def roofline(self, compute: np.ndarray) -> np.ndarray:
-        """Each forward's time before its fixed costs, for its `compute` seconds: HardwareProfile.
-        roofline over arrays (the fit evaluates it thousands of times)."""
-        larger: np.ndarray = np.maximum(compute, self.moved)
+        """Each forward's time before its fixed costs, for its `compute` seconds ([forwards] or
+        [forwards, candidates]): HardwareProfile.roofline over arrays (the fit evaluates it
+        thousands of times)."""
+        moved = self.moved if compute.ndim == 1 else self.moved[:, None]
+        larger: np.ndarray = np.maximum(compute, moved)
         if self.norm is None:
             return larger
-        normed = (compute**self.norm + self.moved**self.norm) ** (1 / self.norm)
-        return np.where(self.decode, normed, larger)
+        normed = (compute**self.norm + moved**self.norm) ** (1 / self.norm)
+        return np.where(self.decode if compute.ndim == 1 else self.decode[:, None], normed, larger)
 
     def run_seconds(self, p: np.ndarray) -> np.ndarray:
-        """Each run's predicted seconds for the parameters `p` (as in _PARAMETERS)."""
-        flops, attention, decode_flops, context, decode_attention, shared, *fixed = p
-        prefill_fixed, decode_fixed, row, key = fixed
-        linear = self.linear / np.where(self.decode, decode_flops, flops)
-        compute = linear + self.measured + self.attention / attention + self.shared / shared
-        compute += self.context / np.where(self.decode, decode_attention, context)
-        compute += self.shared_keys * key
-        per_forward = self.roofline(compute)
-        per_forward += np.where(self.decode, decode_fixed, prefill_fixed) + self.rows * row
-        return np.bincount(self.owner, weights=per_forward, minlength=self.runs)
+        """Each run's predicted seconds for the parameters `p` (as in _PARAMETERS): [runs] for one
+        vector, [runs, candidates] for a stack of them ([candidates, parameters])."""
+        stack = np.atleast_2d(p)
+        compute = self.compute_terms @ _compute_coefficients(stack)
+        fixed = self.fixed_terms @ stack[:, _EFFICIENCIES : _EFFICIENCIES + 3].T
+        per_forward = self.roofline(compute) + fixed
+        seconds: np.ndarray = self.membership @ per_forward
+        return seconds[:, 0] if p.ndim == 1 else seconds
+
+
+def _compute_coefficients(p: np.ndarray) -> np.ndarray:
+    """[8, candidates]: what multiplies each of _Forwards.compute_terms' columns, for a stack of
+    parameter vectors ([candidates, parameters])."""
+    flops, attention, decode_flops, context, decode_attention, shared = p[:, :_EFFICIENCIES].T
+    inverse = [1 / flops, 1 / decode_flops, np.ones(len(p)), 1 / attention, 1 / shared]
+    return np.stack([*inverse, 1 / context, 1 / decode_attention, p[:, -1]])
 
 
 # The fitted parameters, in order: efficiencies (searched by ratios) then fixed costs in seconds
@@ -310,10 +348,13 @@ def _fit_parameters(
     in such valleys short of the best fit. The row cost stays at `row_overhead_s` if given."""
 
     def residuals(p: np.ndarray) -> np.ndarray:
-        return np.asarray(np.log(data.run_seconds(p)) - measured)
+        """[runs] for one parameter vector, [runs, candidates] for a stack of them."""
+        seconds = data.run_seconds(p)
+        return np.asarray(np.log(seconds) - (measured if p.ndim == 1 else measured[:, None]))
 
-    def error(p: np.ndarray) -> float:
-        return float((residuals(p) ** 2).mean())
+    def error(p: np.ndarray) -> np.ndarray:
+        """The mean squared residual: a 0-d array for one vector, one per candidate for a stack."""
+        return np.asarray((residuals(p) ** 2).mean(axis=0))
 
     free = np.ones(len(_PARAMETERS), dtype=bool)
     free[_ATTENTION] = data.attention.any()  # none where a prompt's attention was measured
@@ -322,7 +363,7 @@ def _fit_parameters(
     if row_overhead_s is not None:
         free[_ROW], rows = False, np.array([row_overhead_s])
     p = _levenberg_marquardt(residuals, _polish(error, _coarse_grid(data, measured, rows), free), free)
-    return p, error(p)
+    return p, float(error(p))
 
 
 def _coarse_grid(data: _Forwards, measured: np.ndarray, row_costs: np.ndarray) -> np.ndarray:
@@ -360,20 +401,24 @@ def _polish(error: Any, start: np.ndarray, free: np.ndarray, rounds: int = 200) 
     """A pattern search from `start`: each `free` parameter in turn moves up or down by its step
     while that lowers the error; when none does, the steps halve. Efficiencies move by ratios,
     fixed costs by steps of seconds; both stay within their bounds."""
-    p, best = start.copy(), error(start)
+    p, best = start.copy(), float(error(start))
     ratio = np.full(_EFFICIENCIES, 0.16)  # log-steps, about the coarse grid's
     step = np.maximum(start[_EFFICIENCIES:] * 0.4, [200e-6, 200e-6, 20e-6, 50e-9])
+    signs = np.array([1.0, -1.0])
     for _ in range(rounds):
         moved = False
         for i in np.flatnonzero(free):
-            for sign in (1.0, -1.0):
-                q = p.copy()
-                if i < _EFFICIENCIES:
-                    q[i] = np.clip(p[i] * np.exp(sign * ratio[i]), *_EFFICIENCY_BOUNDS)
-                else:
-                    q[i] = np.clip(p[i] + sign * step[i - _EFFICIENCIES], *_FIXED_BOUNDS)
-                if (e := error(q)) < best:
-                    p, best, moved = q, e, True
+            # Up and down from the same point, priced together; up is taken where both lower it.
+            q = np.repeat(p[None, :], 2, axis=0)
+            if i < _EFFICIENCIES:
+                q[:, i] = np.clip(p[i] * np.exp(signs * ratio[i]), *_EFFICIENCY_BOUNDS)
+            else:
+                q[:, i] = np.clip(p[i] + signs * step[i - _EFFICIENCIES], *_FIXED_BOUNDS)
+            errors = error(q)
+            for candidate, e in zip(q, errors, strict=True):
+                if e < best:
+                    p, best, moved = candidate, float(e), True
+                    break
         if not moved:
             ratio, step = ratio / 2, step / 2
             if ratio[0] < 1e-3:  # ratios within 0.1%
@@ -394,7 +439,9 @@ def _levenberg_marquardt(
     when a step does not lower the error, and clipped to the bounds."""
 
     def params(x: np.ndarray) -> np.ndarray:
-        return np.concatenate([np.exp(x[:_EFFICIENCIES]), x[_EFFICIENCIES:] * _FIXED_SCALES])
+        """The parameters at coordinates `x` (one vector, or a stack of them)."""
+        efficiencies, fixed = np.exp(x[..., :_EFFICIENCIES]), x[..., _EFFICIENCIES:] * _FIXED_SCALES
+        return np.concatenate([efficiencies, fixed], axis=-1)
 
     efficiencies = np.log(_EFFICIENCY_BOUNDS)
     lo = np.concatenate([np.full(_EFFICIENCIES, efficiencies[0]), _FIXED_BOUNDS[0] / _FIXED_SCALES])
@@ -404,11 +451,11 @@ def _levenberg_marquardt(
     cost, damping = float(r @ r), 1e-3
     for _ in range(iterations):
         jacobian = np.zeros((len(r), len(x)))  # a held parameter's column stays 0: it never moves
-        for i in np.flatnonzero(free):
-            h = 1e-6 * max(1.0, abs(x[i]))
-            nudged = x.copy()
-            nudged[i] += h
-            jacobian[:, i] = (residuals(params(nudged)) - r) / h
+        moving = np.flatnonzero(free)
+        h = 1e-6 * np.maximum(1.0, np.abs(x[moving]))
+        nudged = np.repeat(x[None, :], len(moving), axis=0)  # one free parameter nudged per row
+        nudged[np.arange(len(moving)), moving] += h
+        jacobian[:, moving] = (residuals(params(nudged)) - r[:, None]) / h
         normal, gradient = jacobian.T @ jacobian, jacobian.T @ r
         while damping < 1e10:
             damped = normal + damping * np.diag(np.diag(normal) + 1e-12) + np.diag(~free)

@@ -26,6 +26,7 @@ from radixserve.simulator.calibration_passes import (
 )
 from radixserve.simulator.cli import _describe, calibrate_engine
 from radixserve.simulator.cost_model import ForwardShape, ModelShape, SharedPrefix, forward_seconds
+from radixserve.simulator.executor import ForwardRecord
 from radixserve.simulator.hardware import HardwareProfile, PointwiseCosts, load_profile
 from radixserve.simulator.model_configs import BUILTIN_MODEL_CONFIGS
 from radixserve.simulator.peaks import (
@@ -37,6 +38,18 @@ from radixserve.simulator.peaks import (
 )
 from tests.simulator.test_cost_model import LLAMA_8B
 
+_RECORDS: dict[str, list[list[ForwardRecord]]] = {}
+
+
+def _calibration_records(config: ModelConfig) -> list[list[ForwardRecord]]:
+    """Every calibration run's forwards for a model, recorded once per module: the scheduler's
+    batching does not depend on the profile a test fits, and each recording builds its pools."""
+    key = repr(config)
+    if key not in _RECORDS:
+        shapes = enumerate(CALIBRATION_RUNS)
+        _RECORDS[key] = [recorded_forwards(config, shape, i, 200_000) for i, shape in shapes]
+    return _RECORDS[key]
+
 
 def _fit_to(
     truth: HardwareProfile, model: dict[str, Any] = LLAMA_8B, row_overhead_s: float | None = None
@@ -45,7 +58,7 @@ def _fit_to(
     (its row cost held at `row_overhead_s` if given); those times, and the fitted profile's
     predictions of them."""
     config = ModelConfig.from_hf_dict(model)
-    recorded = [recorded_forwards(config, shape, i, 200_000) for i, shape in enumerate(CALIBRATION_RUNS)]
+    recorded = _calibration_records(config)
     pairs = list(zip(CALIBRATION_RUNS, recorded, strict=True))
     times = [predicted_seconds(config, truth, shape, forwards) for shape, forwards in pairs]
     runs = [Run(shape, time) for shape, time in zip(CALIBRATION_RUNS, times, strict=True)]
@@ -240,7 +253,7 @@ def test_a_profile_fitted_on_one_model_predicts_a_wider_ones_linears() -> None:
         "truth", 1.5e11, 3e10, 2.5e10, 0.8, 1.0, 10e-3, attention_efficiency=0.5, linear_rates=rates
     )
     small = ModelConfig.from_hf_dict(BUILTIN_MODEL_CONFIGS["smollm2-135m"])
-    recorded = [recorded_forwards(small, shape, i, 200_000) for i, shape in enumerate(CALIBRATION_RUNS)]
+    recorded = _calibration_records(small)
     pairs = list(zip(CALIBRATION_RUNS, recorded, strict=True))
     runs = [Run(shape, predicted_seconds(small, truth, shape, forwards)) for shape, forwards in pairs]
     with_rates = fit(small, runs, recorded, _measured(truth))
@@ -262,7 +275,7 @@ def test_measured_pointwise_costs_carry_a_fit_to_a_wider_model() -> None:
         "truth", 1.5e11, 3e10, 2.5e10, 0.95, 1.0, 10e-3, attention_efficiency=0.5, pointwise=pointwise
     )
     small = ModelConfig.from_hf_dict(BUILTIN_MODEL_CONFIGS["smollm2-135m"])
-    recorded = [recorded_forwards(small, shape, i, 200_000) for i, shape in enumerate(CALIBRATION_RUNS)]
+    recorded = _calibration_records(small)
     pairs = list(zip(CALIBRATION_RUNS, recorded, strict=True))
     runs = [Run(shape, predicted_seconds(small, truth, shape, forwards)) for shape, forwards in pairs]
     known = fit(small, runs, recorded, _measured(truth))
@@ -363,15 +376,22 @@ def test_calibrate_a_real_engine(
     tiny_model_dir: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """calibrate times its passes and measures the peaks after each, and fits their medians: the
-    first measurement is real, the next two stand in for a slow and a fast spell of the host
-    (every time half and twice as long), so the median is the real one."""
+    first pass and measurement are real, the next two stand in for a slow and a fast spell of the
+    host (every time twice and half as long), so the medians are the real ones."""
     order: list[str] = []
     real_pass, real_peaks = CalibrationTimer.time_pass, cli.measure_engine_peaks
     measured: list[HardwareProfile] = []
+    real_times: list[float] = []
 
     def time_pass(timer: CalibrationTimer) -> list[float]:
         order.append("pass")
-        return real_pass(timer)
+        if not timer.passes:
+            real_times.extend(real_pass(timer))
+            return real_times
+        scale = 2.0 if len(order) == 3 else 0.5
+        timer.pass_samples.append([[t * scale for t in samples] for samples in timer.pass_samples[0]])
+        timer.passes.append([t * scale for t in timer.passes[0]])
+        return timer.passes[-1]
 
     def measure_peaks(engine: Any, name: str) -> HardwareProfile:
         order.append("peaks")
@@ -390,6 +410,7 @@ def test_calibrate_a_real_engine(
     finally:
         engine.shutdown()
     assert order == ["pass", "peaks"] * 3
+    assert [run.seconds for run, _ in rows] == real_times  # each run's median over the passes
     (real,) = measured
     assert (profile.peak_flops, profile.memory_bandwidth) == (real.peak_flops, real.memory_bandwidth)
     assert profile.linear_rates == real.linear_rates and profile.decode_overlap == real.decode_overlap

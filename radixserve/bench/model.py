@@ -95,7 +95,7 @@ def train_tokenizer(
         show_progress=False,
     )
     tok.train_from_iterator(_stdlib_corpus(corpus_bytes), trainer=trainer)
-    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+    return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<|endoftext|>",
         eos_token="<|endoftext|>",
@@ -131,7 +131,7 @@ def ensure_random_smollm2(out_dir: Path, dtype: str = "bfloat16") -> Path:
     assert tokenizer.convert_tokens_to_ids("<|endoftext|>") == 0
     config = LlamaConfig(**SMOLLM2_135M_CONFIG)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()  # type: ignore[no-untyped-call]
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     # fp32 first: the bf16 variant is a cast of the very same weights.
     for variant in ("float32", "bfloat16"):
         _save_model(model.to(getattr(torch, variant)), tokenizer, dirs[variant], "HuggingFaceTB/SmolLM2-135M")
@@ -152,7 +152,7 @@ def ensure_random_llama_1b(out_dir: Path, build_device: str = "cpu") -> Path:
     tokenizer = train_tokenizer()
     torch.manual_seed(0)
     with torch.device(build_device):
-        model = AutoModelForCausalLM.from_config(LlamaConfig(**LLAMA_1B_CONFIG), dtype=torch.bfloat16)  # type: ignore[no-untyped-call]
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**LLAMA_1B_CONFIG), dtype=torch.bfloat16)
     _save_model(model.eval(), tokenizer, final, "meta-llama/Llama-3.2-1B (vocabulary: SmolLM2's)")
     return final
 

@@ -256,7 +256,7 @@ class TransformersSystem:
 
         self.hf_dir, self.cfg = hf_dir, cfg
         model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=getattr(torch, dtype))
-        self.model = model.eval()  # type: ignore[no-untyped-call]
+        self.model = model.eval()
         self.attn = getattr(self.model.config, "_attn_implementation", None)
 
     def warmup(self, wl: Workload) -> None:

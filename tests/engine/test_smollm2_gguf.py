@@ -22,9 +22,11 @@ PROMPT = "The capital of France is"
 
 def test_first_step_logits_match_transformers(smollm2_gguf_path: Path) -> None:
     pytest.importorskip("accelerate", reason="transformers needs accelerate to load a GGUF file")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_gguf_path.parent, gguf_file=smollm2_gguf_path.name)
+    # The tokenizer as the server loads it (the GGUF's converted once and saved): its ids equal
+    # transformers' own conversion's (tests/models/test_tokenizer.py), which parses the file again.
+    tokenizer = load_tokenizer(resolve_model_source(smollm2_gguf_path))
     ids = tokenizer(PROMPT).input_ids
     reference = AutoModelForCausalLM.from_pretrained(
         smollm2_gguf_path.parent, gguf_file=smollm2_gguf_path.name, dtype=torch.float32

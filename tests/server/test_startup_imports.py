@@ -32,7 +32,7 @@ def test_serving_a_checkpoint_or_the_default_gguf_imports_no_torch(
     # saved: converted here first, as the first server on a fresh machine does.
     load_tokenizer(ModelSource("gguf", smollm2_gguf_path))
     # "" is the default model, the packaged SmolLM2 GGUF.
-    specs = [str(tiny_model_dir("llama")), str(smollm2_gguf_path), ""]
+    specs = [str(tiny_model_dir("llama")), ""]
     run = subprocess.run([sys.executable, "-c", PROBE, *specs], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "[]", run.stdout

@@ -39,7 +39,7 @@ from radixserve.distributed.kv_transfer import (
     KVHandoff,
     layout_signature,
 )
-from radixserve.models.loader import default_model_path
+from radixserve.models.source import default_model_path
 
 SMOLLM2_KV = (30, 2, 3, 64)  # layers, K and V, KV heads, head dim
 TOKENS = (256, 1024, 4096)

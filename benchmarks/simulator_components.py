@@ -23,7 +23,7 @@ from radixserve.bench.model import ensure_random_llama_1b, ensure_random_smollm2
 from radixserve.config.server_args import ServerArgs
 from radixserve.executor.model_runner import ModelRunner
 from radixserve.executor.runner_config import RunnerConfig
-from radixserve.models.loader import load_model_config, resolve_model_source
+from radixserve.models.source import load_model_config, resolve_model_source
 from radixserve.simulator.components import ForwardParts, compare_parts, time_parts
 from radixserve.simulator.executor import ForwardRecord
 from radixserve.simulator.hardware import HardwareProfile

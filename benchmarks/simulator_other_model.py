@@ -31,7 +31,7 @@ from pathlib import Path
 
 from radixserve.bench.model import ensure_random_llama_1b, ensure_random_smollm2
 from radixserve.executor.model_runner import pick_device
-from radixserve.models.loader import load_model_config
+from radixserve.models.source import load_model_config
 from radixserve.runtime.engine import Engine
 from radixserve.simulator.calibrate import predicted_seconds, recorded_forwards
 from radixserve.simulator.calibration_passes import CalibrationShape, CalibrationTimer

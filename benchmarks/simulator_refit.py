@@ -34,7 +34,7 @@ from simulator_validation import load_workloads, print_rows, workload_rows
 from radixserve.bench.model import ensure_random_llama_1b, ensure_random_smollm2
 from radixserve.config.server_args import ServerArgs
 from radixserve.models.config import ModelConfig
-from radixserve.models.loader import load_model_config, resolve_model_source
+from radixserve.models.source import load_model_config, resolve_model_source
 from radixserve.simulator.calibrate import fit, predicted_seconds, recorded_forwards
 from radixserve.simulator.calibration_passes import CalibrationShape, Run, timed_runs
 from radixserve.simulator.cli import _describe, held_row_cost, scheduler_args

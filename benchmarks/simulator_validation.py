@@ -51,7 +51,7 @@ from radixserve.bench.model import ensure_random_llama_1b, ensure_random_smollm2
 from radixserve.bench.workloads import Workload, make_workload, time_engine_runs
 from radixserve.config.server_args import ServerArgs
 from radixserve.executor.model_runner import pick_device
-from radixserve.models.loader import load_model_config
+from radixserve.models.source import load_model_config
 from radixserve.runtime.engine import Engine
 from radixserve.simulator.calibration_passes import CalibrationTimer, neighbour_passes, samples_for
 from radixserve.simulator.cli import (

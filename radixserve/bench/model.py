@@ -184,12 +184,8 @@ def ensure_truncated_smollm2(out_dir: Path, layers: int) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    from radixserve.models.loader import (
-        default_model_path,
-        iter_weights,
-        load_model_config,
-        resolve_model_source,
-    )
+    from radixserve.models.loader import iter_weights
+    from radixserve.models.source import default_model_path, load_model_config, resolve_model_source
     from radixserve.models.tokenizer import load_tokenizer
 
     final = out_dir / f"smollm2-135m-instruct-first{layers}"

@@ -72,7 +72,7 @@ class ModelTarget:
 
 
 def resolve_target(cfg: BenchConfig, dtype: str) -> ModelTarget:
-    from radixserve.models.loader import load_model_config, resolve_model_source
+    from radixserve.models.source import load_model_config, resolve_model_source
 
     if cfg.model_path is None:
         path = ensure_random_smollm2(cfg.work_dir, dtype)

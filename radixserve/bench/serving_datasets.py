@@ -51,7 +51,7 @@ def load_tokenizer(path: str) -> Tokenizer:
     """A transformers tokenizer from a local directory, or a GGUF file's (as the server loads it);
     never downloads."""
     if path.endswith(".gguf"):
-        from radixserve.models.loader import ModelSource
+        from radixserve.models.source import ModelSource
         from radixserve.models.tokenizer import load_tokenizer as load_model_tokenizer
 
         gguf_tokenizer: Tokenizer = load_model_tokenizer(ModelSource("gguf", Path(path)))

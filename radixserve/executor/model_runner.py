@@ -48,10 +48,11 @@ from radixserve.layers.sampler import SamplingBatch, sample
 from radixserve.models.bert import Encoder
 from radixserve.models.config import ModelConfig, ModelLoadError
 from radixserve.models.llama import CausalLM
-from radixserve.models.loader import ModelSource, iter_weights, load_model_config, resolve_model_source
+from radixserve.models.loader import iter_weights
 from radixserve.models.lora_adapter import LoraAdapter, LoraAdapterError, read_adapter_config
 from radixserve.models.pooling import PoolingConfig, finish_embeddings, pool_segments, read_pooling_config
 from radixserve.models.registry import build_model
+from radixserve.models.source import ModelSource, load_model_config, resolve_model_source
 from radixserve.models.vision import VisionTower
 from radixserve.models.weight_updates import WeightStash, read_weight, repack, update_weights
 

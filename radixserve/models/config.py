@@ -1,6 +1,6 @@
 """Architecture-neutral model configuration parsed from HF ``config.json`` dicts.
 
-The GGUF metadata path lives in :mod:`radixserve.models.loader`; both produce the same
+The GGUF metadata path lives in :mod:`radixserve.models.source`; both produce the same
 :class:`ModelConfig` so the model code never needs to know where weights came from.
 """
 

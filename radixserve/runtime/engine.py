@@ -22,7 +22,7 @@ from typing import Any
 from radixserve.config.log import configure_logging
 from radixserve.config.lora_args import lora_refs
 from radixserve.config.server_args import ServerArgs
-from radixserve.models.loader import ModelSource, load_model_config, resolve_model_source, short_model_id
+from radixserve.models.source import ModelSource, load_model_config, resolve_model_source, short_model_id
 from radixserve.models.tokenizer import load_tokenizer
 from radixserve.protocol.messages import (
     AbortRequest,

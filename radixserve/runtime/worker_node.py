@@ -16,7 +16,7 @@ from typing import Any
 import zmq
 
 from radixserve.config.server_args import ServerArgs
-from radixserve.models.loader import resolve_model_source
+from radixserve.models.source import resolve_model_source
 from radixserve.models.tokenizer import load_tokenizer
 from radixserve.protocol.ipc import PARENT_CHECK_MS, Channel, IpcDir
 from radixserve.protocol.messages import SchedulerFailed

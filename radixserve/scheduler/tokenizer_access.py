@@ -30,7 +30,7 @@ class SchedulerTokenizer:
 
             self._tokenizer = load_tokenizer_dir(self._tokenizer)
         elif self._tokenizer is None:
-            from radixserve.models.loader import resolve_model_source
+            from radixserve.models.source import resolve_model_source
             from radixserve.models.tokenizer import load_tokenizer
 
             self._tokenizer = load_tokenizer(

@@ -147,7 +147,7 @@ def measure_engine_peaks(engine: Any, name: str) -> Any:
     import torch
 
     from radixserve.executor.model_runner import pick_device
-    from radixserve.models.loader import load_model_config
+    from radixserve.models.source import load_model_config
     from radixserve.simulator.hardware import HardwareProfile
     from radixserve.simulator.peaks import (
         engine_attention,
@@ -196,7 +196,7 @@ def fit_engine(engine: Any, peaks: Any, runs: list[Any]) -> tuple[Any, list[tupl
     """calibrate.fit on this engine's model and attention, from measured `peaks` and timed `runs`,
     with the cost per row held at what the engine's scheduler measured of its own time; with each
     run's predicted seconds."""
-    from radixserve.models.loader import load_model_config
+    from radixserve.models.source import load_model_config
     from radixserve.simulator.calibrate import fit, predicted_seconds, recorded_forwards
     from radixserve.simulator.calibration_passes import calibration_runs
 

@@ -12,7 +12,7 @@ import torch
 
 import radixserve
 from radixserve.config.server_args import ServerArgs
-from radixserve.models.loader import resolve_model_source
+from radixserve.models.source import resolve_model_source
 from radixserve.models.tokenizer import load_tokenizer
 from radixserve.protocol.messages import GenerateRequest
 from radixserve.scheduler.process import build_scheduler

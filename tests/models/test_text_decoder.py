@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from radixserve.models.loader import resolve_model_source
+from radixserve.models.source import resolve_model_source
 from radixserve.models.text_decoder import TokenizersDecoder, fast_decoder, load_decoder
 from radixserve.models.tokenizer import load_tokenizer
 

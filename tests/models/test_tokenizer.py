@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from radixserve.models.loader import ModelSource, load_model_config
+from radixserve.models.source import ModelSource, load_model_config
 from radixserve.models.tokenizer import load_tokenizer, load_tokenizer_dir, tokenizer_cache_dir
 
 # Reference ids from transformers' GGUF tokenizer for SmolLM2 (identical to the HF repo's).

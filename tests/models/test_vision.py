@@ -24,12 +24,8 @@ from radixserve.models.config import (
     UnsupportedModelError,
     VisionConfig,
 )
-from radixserve.models.loader import (
-    expected_weight_names,
-    iter_weights,
-    load_model_config,
-    resolve_model_source,
-)
+from radixserve.models.loader import expected_weight_names, iter_weights
+from radixserve.models.source import load_model_config, resolve_model_source
 from radixserve.models.vision import _ACTIVATIONS, VisionTower
 from tests.vlm_fixture import IMAGE_TOKEN, sample_images
 

@@ -9,13 +9,13 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from radixserve.models.loader import ModelSource
+from radixserve.models.source import ModelSource
 from radixserve.models.tokenizer import load_tokenizer
 
 PROBE = """
 import sys
 import radixserve.cli, radixserve.server.serve, radixserve.server.http
-from radixserve.models.loader import load_model_config, resolve_model_source
+from radixserve.models.source import load_model_config, resolve_model_source
 from radixserve.models.tokenizer import load_tokenizer
 for spec in sys.argv[1:]:
     source = resolve_model_source(spec or None)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from radixserve.models.config import ModelConfig
-from radixserve.models.loader import load_model_config, resolve_model_source
+from radixserve.models.source import load_model_config, resolve_model_source
 from radixserve.runtime.engine import Engine
 from radixserve.simulator import cli
 from radixserve.simulator.calibrate import MEMORY_COMPUTE_NORMS, fit, predicted_seconds, recorded_forwards

@@ -13,7 +13,7 @@ import pytest
 from radixserve.config.server_args import ServerArgs
 from radixserve.executor.model_runner import ModelRunner
 from radixserve.executor.runner_config import RunnerConfig
-from radixserve.models.loader import load_model_config, resolve_model_source
+from radixserve.models.source import load_model_config, resolve_model_source
 from radixserve.simulator.components import PARTS, PartTimer, compare_parts, time_parts
 from radixserve.simulator.cost_model import ModelShape, forward_seconds
 from radixserve.simulator.hardware import BUILTIN_PROFILES, HardwareProfile, PointwiseCosts

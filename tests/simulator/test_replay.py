@@ -14,7 +14,7 @@ import pytest
 
 from radixserve.config.server_args import ServerArgs
 from radixserve.models.config import ModelConfig
-from radixserve.models.loader import load_model_config, resolve_model_source
+from radixserve.models.source import load_model_config, resolve_model_source
 from radixserve.simulator.cost_model import ForwardShape, ModelShape, forward_seconds
 from radixserve.simulator.executor import ForwardRecord
 from radixserve.simulator.hardware import BUILTIN_PROFILES

@@ -102,7 +102,6 @@ class _Forwards:
     attention: np.ndarray
     context: np.ndarray  # over a cached context, less the part over shared prefixes
     shared: np.ndarray  # over prefixes the batch shares (a cascade's; 0 without one)
-    shared_keys: np.ndarray  # K/V tokens (per layer) the cascade's calls read (0 without one)
     moved: np.ndarray
     decode: np.ndarray
     rows: np.ndarray
@@ -111,7 +110,8 @@ class _Forwards:
     norm: float | None  # HardwareProfile.memory_compute_norm
     # [forwards, 8]: the seconds at 100% of a prefill's linears, a decode step's linears, the
     # measured costs, the new tokens' attention, the shared prefixes', a prefill's context's, a
-    # decode step's context's, and the shared keys (see _compute_coefficients).
+    # decode step's context's, and the K/V tokens (per layer) a cascade's calls read (0 without
+    # one; see _compute_coefficients).
     compute_terms: np.ndarray
     # [forwards, 3]: whether a prefill, whether a decode step, and the sampled rows (their costs:
     # _PARAMETERS' prefill_fixed, decode_fixed and row).
@@ -146,7 +146,6 @@ class _Forwards:
             attention,
             context,
             shared,
-            shared_keys,
             np.array([w.bytes - w.shared_bytes * cascade for w in every]) / bandwidth,
             decode,
             rows,
@@ -382,8 +381,8 @@ def _coarse_grid(data: _Forwards, measured: np.ndarray, row_costs: np.ndarray) -
         + rows[:, None, None, None] * row_costs[None, None, None, :]
     )
     best: tuple[float, np.ndarray] | None = None
+    attention = data.attention + data.context + data.shared
     for ef, ea in itertools.product(FLOPS_EFFICIENCY, ATTENTION_EFFICIENCY):
-        attention = data.attention + data.context + data.shared
         per_forward = data.roofline(data.linear / ef + data.measured + attention / ea)
         roof = np.bincount(data.owner, weights=per_forward, minlength=data.runs)
         predicted = roof[:, None, None, None] + fixed

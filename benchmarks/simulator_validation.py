@@ -12,14 +12,15 @@ built-in profile as published (its default efficiencies, no calibration).
 The calibration passes are interleaved with the measurements they predict: each round times one
 calibration pass and a measurement of the peaks, then W1, W2 and W3 (each run repeated until about
 ROUND_S is spent on it, as a calibration pass repeats its short runs), and with --serving a serving
-run; then a last pass. The profile takes the peaks' medians over the passes' span, as calibrate
-does. This host's speed drifts by more than the 9% target over the minutes a validation takes, and a
-calibration timed all at the start would fit the machine of those minutes only. Each pass's total
-time against the median pass's is printed, which shows the drift. Beside the profile fitted on all
-passes ("calibrated"), each round is also predicted by a profile fitted on the passes just before
-and after it and the peaks measured after those ("its round's passes"): its error is the cost
-model's with the drift between rounds left out. Each serving run's trace is replayed in this
-process right after it, in its round.
+run; then a last pass. Within a round each run's repeats are spread over it (W3's between W1's and
+W2's runs and the serving run), so that they meet different spells of the host's speed. The profile
+takes the peaks' medians over the passes' span, as calibrate does. This host's speed drifts by more
+than the 9% target over the minutes a validation takes, and a calibration timed all at the start
+would fit the machine of those minutes only. Each pass's total time against the median pass's is
+printed, which shows the drift. Beside the profile fitted on all passes ("calibrated"), each round
+is also predicted by a profile fitted on the passes just before and after it and the peaks measured
+after those ("its round's passes"): its error is the cost model's with the drift between rounds left
+out. Each serving run's trace is replayed in this process right after it, in its round.
 
 Throughput: each workload's total tokens over its wall time (median of all its runs, cold cache),
 against the simulated makespan of each run's arrivals as the server recorded them (median).
@@ -41,6 +42,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,7 +55,12 @@ from radixserve.config.server_args import ServerArgs
 from radixserve.executor.model_runner import pick_device
 from radixserve.models.source import load_model_config
 from radixserve.runtime.engine import Engine
-from radixserve.simulator.calibration_passes import CalibrationTimer, neighbour_passes, samples_for
+from radixserve.simulator.calibration_passes import (
+    CalibrationTimer,
+    neighbour_passes,
+    samples_for,
+    spread_order,
+)
 from radixserve.simulator.cli import (
     engine_cascades,
     fit_engine,
@@ -101,16 +108,20 @@ def main() -> None:
         # minutes, and the profile takes each figure's median over the passes' span.
         peak_samples: list[HardwareProfile] = []
 
+        idle = _EngineIdle()
+
         def time_pass() -> None:
             timer.time_pass()
+            idle.returned()
             peak_samples.append(measure_engine_peaks(engine, name=f"calibrated-{device.type}"))
 
         for round_ in range(args.repeats):
             time_pass()
-            for entry in workloads.values():
-                _measure_round(engine, entry, trace_path, round_)
+            serving = None
             if args.serving:
-                servings.append(_serving_run(model, args, round_, cascade=engine_cascades(engine)))
+                cascade = engine_cascades(engine)
+                serving = functools.partial(_serve_into, servings, model, args, round_, cascade)
+            _measure_round(engine, list(workloads.values()), trace_path, round_, idle, serving)
         if args.serving:
             time_pass()  # after the last serving run as before the first
         totals = [sum(p) for p in timer.passes]
@@ -291,41 +302,66 @@ class Measured:
     # Runs per round, set by the first round (0 until then).
     per_round: int = 0
     ttft_per_round: int = 0
-    # When the engine last returned a run of this workload (perf_counter seconds).
+
+
+@dataclass
+class _EngineIdle:
+    """When the offline engine last returned work (perf_counter seconds): a TTFT run's simulation
+    starts as idle as the engine was since then."""
+
     last_return: float = 0.0
 
+    def returned(self) -> None:
+        self.last_return = time.perf_counter()
 
-def _measure_round(engine: Any, entry: Measured, trace_path: Path, round_: int) -> None:
-    """Throughput runs and TTFT runs of the workload, each on a cold cache.
+
+def _measure_round(
+    engine: Any,
+    entries: list[Measured],
+    trace_path: Path,
+    round_: int,
+    idle: _EngineIdle,
+    serving: Callable[[], None] | None,
+) -> None:
+    """Throughput runs and TTFT runs of each workload, each on a cold cache, and the serving run
+    (if any), each run's repeats spread over the round (calibration_passes.spread_order). The
+    first round times each workload's runs once first, and how long they took sets how many a
+    round takes.
 
     Each run's arrivals are replayed as the server recorded them (--record-trace): a batch handed
     to the engine at once reaches the scheduler over a few milliseconds, and its first step sees
     those the idle scheduler took at once (their received_s). On W2 that decides how many requests
     compute the shared prefix: simulating arrivals all at 0 predicted 30% less throughput, and the
     first request alone 38% less TTFT."""
-    first_round = entry.per_round == 0
-    _time_throughput(engine, entry, trace_path, round_)
-    ttft_seconds = _time_ttft(engine, entry, trace_path, round_)
-    if first_round:
-        entry.per_round = samples_for(entry.seconds[0], ROUND_S)
-        entry.ttft_per_round = samples_for(ttft_seconds, ROUND_S)
-    for _ in range(entry.per_round - 1):
-        _time_throughput(engine, entry, trace_path, round_)
-    for _ in range(entry.ttft_per_round - 1):
-        _time_ttft(engine, entry, trace_path, round_)
+    runs: list[tuple[Callable[[], object], int]] = []
+    for entry in entries:
+        done = 0
+        if entry.per_round == 0:
+            _time_throughput(engine, entry, trace_path, round_, idle)
+            ttft_seconds = _time_ttft(engine, entry, trace_path, round_, idle)
+            entry.per_round = samples_for(entry.seconds[0], ROUND_S)
+            entry.ttft_per_round = samples_for(ttft_seconds, ROUND_S)
+            done = 1
+        args = (engine, entry, trace_path, round_, idle)
+        runs.append((functools.partial(_time_throughput, *args), entry.per_round - done))
+        runs.append((functools.partial(_time_ttft, *args), entry.ttft_per_round - done))
+    if serving is not None:
+        runs.append((serving, 1))
+    for k, _ in spread_order([count for _, count in runs]):
+        runs[k][0]()
 
 
-def _time_throughput(engine: Any, entry: Measured, trace_path: Path, round_: int) -> None:
+def _time_throughput(engine: Any, entry: Measured, trace_path: Path, round_: int, idle: _EngineIdle) -> None:
     count = len(entry.workload.prompts)
     seen = _settled_lines(trace_path)
     (run,) = time_engine_runs(engine, entry.workload, 1)  # its warm-up, then the run
-    entry.last_return = time.perf_counter()
+    idle.returned()
     entry.seconds.append(run.seconds)
     # The warm-up's requests come first in the trace, then the run's.
     entry.timed_runs.append((_since_first(_recorded(trace_path, seen + count, count)), round_))
 
 
-def _time_ttft(engine: Any, entry: Measured, trace_path: Path, round_: int) -> float:
+def _time_ttft(engine: Any, entry: Measured, trace_path: Path, round_: int, idle: _EngineIdle) -> float:
     """The same prompts, one output token each, so that each request's latency is its TTFT. Returns
     the run's wall time.
 
@@ -338,10 +374,10 @@ def _time_ttft(engine: Any, entry: Measured, trace_path: Path, round_: int) -> f
     seen = _settled_lines(trace_path)
     first = {"temperature": 0.0, "max_new_tokens": 1, "ignore_eos": True}
     start = time.perf_counter()
-    idle_s = start - entry.last_return
+    idle_s = start - idle.last_return
     results = engine.generate(input_ids=entry.workload.prompts, sampling_params=first)
-    entry.last_return = time.perf_counter()
-    seconds = entry.last_return - start
+    idle.returned()
+    seconds = idle.last_return - start
     assert isinstance(results, list)
     entry.engine_ttfts.append(statistics.median(r["meta_info"]["e2e_latency"] for r in results) * 1000)
     lines = _recorded(trace_path, seen, count)
@@ -439,6 +475,12 @@ def _serving_run(model: Path, args: argparse.Namespace, index: int, cascade: boo
         snapshot = httpx.get(url + "/dashboard/snapshot", timeout=30).json()
     lines = trace_path.read_text().splitlines()
     return _Serving(json.loads(out.read_text()), lines, snapshot, _replay(lines, model, args, cascade))
+
+
+def _serve_into(
+    servings: list[_Serving], model: Path, args: argparse.Namespace, index: int, cascade: bool
+) -> None:
+    servings.append(_serving_run(model, args, index, cascade))
 
 
 def _cpu_seconds(root: int) -> dict[str, float]:

@@ -246,5 +246,16 @@ def neighbour_passes(round_: int, passes: int) -> list[int]:
     return [k for k in (round_, round_ + 1) if k < passes]
 
 
+def spread_order(counts: Sequence[int]) -> list[tuple[int, int]]:
+    """The order in which to time several runs' repeats within one round, as (run, repeat) pairs:
+    run k's `counts[k]` repeats at even steps across the round rather than one after another, so
+    that they meet different spells of a host whose speed jumps for seconds at a time (its matmul
+    rate moved between 77 and 168 GFLOP/s in five minutes on the Zen 3, docs/simulator.md). Each
+    repeat takes the middle of its share of the round; where two fall together, the run listed
+    first goes first."""
+    slots = [((i + 0.5) / count, run, i) for run, count in enumerate(counts) for i in range(count)]
+    return [(run, i) for _, run, i in sorted(slots)]
+
+
 def _params(output_len: int) -> dict[str, Any]:
     return {"temperature": 0.0, "max_new_tokens": output_len, "ignore_eos": True}

@@ -1,6 +1,7 @@
 """The calibration runs' timed passes (simulator/calibration_passes.py): each shape's median over
 the passes and the spread of its samples within each, how many samples a pass takes of a short
-run, a round's neighbouring passes, and a saved run's shape read back."""
+run, a round's neighbouring passes, the order of a round's repeats, and a saved run's shape read
+back."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from radixserve.simulator.calibration_passes import (
     CalibrationShape,
     CalibrationTimer,
     neighbour_passes,
+    spread_order,
     timed_runs,
 )
 
@@ -108,3 +110,15 @@ def test_the_timer_samples_a_short_run_several_times_per_pass() -> None:
     shapes_of_one = [r.shape for r in runs if r.shape.requests == r.shape.output_len == 1]
     assert len([shape for shape in shapes_of_one if not shape.idle_s]) == 5
     assert forward_noise([dataclasses.replace(r, log_squares=0.0, log_df=0) for r in runs]) == 0.0
+
+
+def test_a_rounds_repeats_spread_over_it() -> None:
+    """Each run's repeats take even steps across the round: one repeat goes in the middle, three
+    at a sixth, a half and five sixths; where repeats fall together the first run goes first."""
+    order = spread_order([1, 3, 2])
+    assert order == [(1, 0), (2, 0), (0, 0), (1, 1), (2, 1), (1, 2)]
+    assert sorted(order) == [(0, 0), (1, 0), (1, 1), (1, 2), (2, 0), (2, 1)]  # each once
+    # With five of one run and one of another, the single one lands in the middle of the five.
+    assert spread_order([5, 1]) == [(0, 0), (0, 1), (0, 2), (1, 0), (0, 3), (0, 4)]
+    assert spread_order([0, 2]) == [(1, 0), (1, 1)]
+    assert spread_order([]) == []

@@ -71,6 +71,7 @@ from radixserve.simulator.cli import (
 from radixserve.simulator.hardware import HardwareProfile, load_profile
 from radixserve.simulator.replay import compare_forwards, decode_host_time, replay
 from radixserve.simulator.simulate import SimResult, simulate
+from radixserve.simulator.steadiness import HostSteadiness
 from radixserve.simulator.trace import TraceRequest, load_trace_lines, pack_traces, unpack_traces
 
 
@@ -124,17 +125,18 @@ def main() -> None:
             _measure_round(engine, list(workloads.values()), trace_path, round_, idle, serving)
         if args.serving:
             time_pass()  # after the last serving run as before the first
-        totals = [sum(p) for p in timer.passes]
-        middle = statistics.median(totals)
-        print("calibration passes against the median one:", ", ".join(f"{t / middle:.3f}" for t in totals))
         config = load_model_config(engine.source)
         width = config.hidden_size
+        steadiness = HostSteadiness.of(timer.passes, peak_samples, width)
+        ratios = ", ".join(f"{ratio:.3f}" for ratio in steadiness.pass_ratios)
+        print(f"calibration passes against the median one: {ratios}")
         for k, sample in enumerate(peak_samples):
             rate = dict(sample.linear_rates)[width]
             print(
                 f"peaks after pass {k + 1}: the weights at {sample.memory_bandwidth / 1e9:.1f} GB/s, the "
                 f"linears at {rate / 1e9:.0f} GFLOP/s at {width} wide"
             )
+        print(steadiness.describe())
         peaks = median_engine_peaks(engine, peak_samples)
         calibrated, calibration = fit_engine(engine, peaks, timer.runs())
         print("| calibration run | measured s | predicted s |\n|---|---|---|")
@@ -193,6 +195,7 @@ def main() -> None:
         "pass_samples": timer.pass_samples,
         # What each measurement of the peaks after a pass read (the profile holds their medians).
         "peak_samples": [dataclasses.asdict(p) for p in peak_samples],
+        "steadiness": dataclasses.asdict(steadiness),
         "decode_host_time": host_time,
         "workloads": [dataclasses.asdict(row) for row in rows],
         # Every workload run's arrivals and measurement, so that a refit predicts them again.

@@ -27,6 +27,7 @@ from radixserve.bench.plots import (
 )
 from radixserve.bench.serving_datasets import DATASET_NAMES
 from radixserve.bench.workloads import parse_workload_names
+from radixserve.config.arg_types import positive_float, positive_int
 from radixserve.config.server_args import CPU_ISA_CHOICES, CPU_KERNEL_CHOICES, SCHEDULE_POLICIES
 
 _BENCH_DTYPES = ("bfloat16", "float32")
@@ -57,20 +58,6 @@ def _scale(spec: str) -> float:
     value = float(spec)
     if not 0.0 < value <= 1.0:
         raise argparse.ArgumentTypeError(f"--scale must be in (0, 1], got {spec}")
-    return value
-
-
-def _positive_int(spec: str) -> int:
-    value = int(spec)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {spec}")
-    return value
-
-
-def _positive_float(spec: str) -> float:
-    value = float(spec)  # accepts "inf"
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {spec}")
     return value
 
 
@@ -150,8 +137,8 @@ def _add_offline_parser(bench_sub: Any) -> argparse.ArgumentParser:
         default=["bfloat16", "float32"],
         help="comma list of bfloat16,float32 (default both)",
     )
-    bench.add_argument("--repeats", type=_positive_int, default=3, help="timed runs per result; median")
-    bench.add_argument("--hf-batch", type=_positive_int, default=32, help="transformers static batch size")
+    bench.add_argument("--repeats", type=positive_int, default=3, help="timed runs per result; median")
+    bench.add_argument("--hf-batch", type=positive_int, default=32, help="transformers static batch size")
     bench.add_argument("--no-baseline", action="store_true", help="skip the transformers baseline")
     bench.add_argument("--work-dir", default="bench-work", help="where the random model is written")
     bench.add_argument("--out", default=None, help="write the full report as JSON here")
@@ -170,7 +157,7 @@ def _add_offline_parser(bench_sub: Any) -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--max-total-tokens",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="KV pool size (default: fits the workload)",
     )
@@ -279,20 +266,20 @@ def _add_serving_parser(bench_sub: Any) -> argparse.ArgumentParser:
     conn.add_argument("--model", default=None, help="model name to send (default: first of GET /v1/models)")
     conn.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY`")
     conn.add_argument(
-        "--request-timeout", type=_positive_float, default=None, help="seconds per request (default none)"
+        "--request-timeout", type=positive_float, default=None, help="seconds per request (default none)"
     )
 
     data = serving.add_argument_group("dataset")
     data.add_argument("--dataset", choices=DATASET_NAMES, default="random", help="(default random)")
     data.add_argument(
         "--num-prompts",
-        type=_positive_int,
+        type=positive_int,
         default=1000,
         help="requests for random and sharegpt (default 1000)",
     )
     data.add_argument("--seed", type=int, default=1, help="dataset and arrival-time seed (default 1)")
-    data.add_argument("--random-input-len", type=_positive_int, default=1024, help="(default 1024)")
-    data.add_argument("--random-output-len", type=_positive_int, default=128, help="(default 128)")
+    data.add_argument("--random-input-len", type=positive_int, default=1024, help="(default 1024)")
+    data.add_argument("--random-output-len", type=positive_int, default=128, help="(default 128)")
     data.add_argument(
         "--random-range-ratio",
         type=_ratio,
@@ -301,20 +288,20 @@ def _add_serving_parser(bench_sub: Any) -> argparse.ArgumentParser:
     )
     data.add_argument(
         "--random-vocab-size",
-        type=_positive_int,
+        type=positive_int,
         default=10000,
         help="token ids drawn from [100, N) for random and generated-shared-prefix (default 10000)",
     )
-    data.add_argument("--gsp-num-groups", type=_positive_int, default=64, help="(default 64)")
-    data.add_argument("--gsp-prompts-per-group", type=_positive_int, default=16, help="(default 16)")
+    data.add_argument("--gsp-num-groups", type=positive_int, default=64, help="(default 64)")
+    data.add_argument("--gsp-prompts-per-group", type=positive_int, default=16, help="(default 16)")
     data.add_argument(
         "--gsp-system-prompt-len",
-        type=_positive_int,
+        type=positive_int,
         default=2048,
         help="shared prefix tokens (default 2048)",
     )
-    data.add_argument("--gsp-question-len", type=_positive_int, default=128, help="(default 128)")
-    data.add_argument("--gsp-output-len", type=_positive_int, default=256, help="(default 256)")
+    data.add_argument("--gsp-question-len", type=positive_int, default=128, help="(default 128)")
+    data.add_argument("--gsp-output-len", type=positive_int, default=256, help="(default 256)")
     data.add_argument("--dataset-path", default=None, help="ShareGPT JSON file (for --dataset sharegpt)")
     data.add_argument(
         "--tokenizer",
@@ -322,17 +309,17 @@ def _add_serving_parser(bench_sub: Any) -> argparse.ArgumentParser:
         help="a local tokenizer dir or GGUF file: exact ShareGPT lengths; text prompts for chat",
     )
     data.add_argument(
-        "--sharegpt-output-len", type=_positive_int, default=None, help="fixed output length for ShareGPT"
+        "--sharegpt-output-len", type=positive_int, default=None, help="fixed output length for ShareGPT"
     )
 
     load = serving.add_argument_group("load and sampling")
     load.add_argument(
         "--request-rate",
-        type=_positive_float,
+        type=positive_float,
         default=math.inf,
         help="Poisson arrivals, requests/s (default inf: all at once)",
     )
-    load.add_argument("--max-concurrency", type=_positive_int, default=None, help="requests in flight cap")
+    load.add_argument("--max-concurrency", type=positive_int, default=None, help="requests in flight cap")
     load.add_argument("--temperature", type=float, default=0.0, help="(default 0: greedy)")
     load.add_argument(
         "--ignore-eos",
@@ -404,35 +391,33 @@ def _add_soak_parser(bench_sub: Any) -> argparse.ArgumentParser:
     soak.add_argument("--port", type=int, default=None, help="instead of --base-url (default 30000)")
     soak.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY`")
     soak.add_argument("--model", default=None, help="model name to send (default: first of GET /v1/models)")
-    soak.add_argument("--num-requests", type=_positive_int, default=10_000, help="(default 10000)")
-    soak.add_argument(
-        "--concurrency", type=_positive_int, default=16, help="scenarios in flight (default 16)"
-    )
+    soak.add_argument("--num-requests", type=positive_int, default=10_000, help="(default 10000)")
+    soak.add_argument("--concurrency", type=positive_int, default=16, help="scenarios in flight (default 16)")
     soak.add_argument("--seed", type=int, default=1, help="seed of the request mix (default 1)")
     soak.add_argument(
         "--max-tokens",
-        type=_positive_int,
+        type=positive_int,
         default=128,
         help="the largest output asked for (>= 8; default 128); tiny ones are 1-4 tokens",
     )
     soak.add_argument(
         "--server-pid",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="server process id: RSS of it and its descendants at start, 1/3, 1/2 and end",
     )
     soak.add_argument(
-        "--request-timeout", type=_positive_float, default=120.0, help="seconds per request (default 120)"
+        "--request-timeout", type=positive_float, default=120.0, help="seconds per request (default 120)"
     )
     soak.add_argument(
         "--idle-timeout",
-        type=_positive_float,
+        type=positive_float,
         default=120.0,
         help="seconds to wait for the server to go idle after the run (default 120)",
     )
     soak.add_argument(
         "--max-duration",
-        type=_positive_float,
+        type=positive_float,
         default=None,
         help="stop starting requests after this many seconds (default: none)",
     )
@@ -498,7 +483,7 @@ def _add_speculative_parser(bench_sub: Any) -> argparse.ArgumentParser:
         ),
     )
     bench.add_argument("--dtype", default="bfloat16", choices=_BENCH_DTYPES)
-    bench.add_argument("--repeats", type=_positive_int, default=3, help="timed runs per result; median")
+    bench.add_argument("--repeats", type=positive_int, default=3, help="timed runs per result; median")
     bench.add_argument("--work-dir", default="bench-work", help="where the random model is written")
     bench.add_argument("--cpu-isa", default="auto", choices=CPU_ISA_CHOICES, help="as for the server")
     drafts = bench.add_mutually_exclusive_group()
@@ -507,13 +492,13 @@ def _add_speculative_parser(bench_sub: Any) -> argparse.ArgumentParser:
     )
     drafts.add_argument(
         "--draft-early-exit",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         metavar="N",
         help="also measure STANDALONE, drafting with the packaged model's first N layers",
     )
     bench.add_argument(
-        "--speculative-num-steps", type=_positive_int, default=4, help="STANDALONE's drafts per step"
+        "--speculative-num-steps", type=positive_int, default=4, help="STANDALONE's drafts per step"
     )
     bench.add_argument("--out", default=None, help="write the report as JSON here")
     add_plot_flag(bench, "--out")
@@ -551,17 +536,17 @@ def _add_multiturn_parser(bench_sub: Any) -> argparse.ArgumentParser:
             "the storage tier, with it, and with a restarted engine on its directory."
         ),
     )
-    bench.add_argument("--conversations", type=_positive_int, default=64)
-    bench.add_argument("--turns", type=_positive_int, default=6)
-    bench.add_argument("--user-tokens", type=_positive_int, default=64, help="tokens of each new message")
-    bench.add_argument("--reply-tokens", type=_positive_int, default=32, help="tokens of each reply")
+    bench.add_argument("--conversations", type=positive_int, default=64)
+    bench.add_argument("--turns", type=positive_int, default=6)
+    bench.add_argument("--user-tokens", type=positive_int, default=64, help="tokens of each new message")
+    bench.add_argument("--reply-tokens", type=positive_int, default=32, help="tokens of each reply")
     bench.add_argument(
         "--context-tokens", type=int, default=0,
         help="tokens of each conversation's own context (a document, instructions) before its first message",
     )  # fmt: skip
-    bench.add_argument("--concurrency", type=_positive_int, default=4, help="requests in flight")
+    bench.add_argument("--concurrency", type=positive_int, default=4, help="requests in flight")
     bench.add_argument(
-        "--pool-conversations", type=_positive_int, default=8, help="the KV pool holds about this many whole"
+        "--pool-conversations", type=positive_int, default=8, help="the KV pool holds about this many whole"
     )
     bench.add_argument("--dtype", default="bfloat16", choices=_BENCH_DTYPES)
     bench.add_argument("--cpu-isa", default="auto", choices=CPU_ISA_CHOICES, help="as for the server")

@@ -7,10 +7,12 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from radixserve.config.arg_types import positive_int
 from radixserve.config.server_args import ServerArgs
 
 if TYPE_CHECKING:
     from radixserve.simulator.hardware import HardwareProfile
+    from radixserve.simulator.steadiness import HostSteadiness
 
 
 def _pair(text: str) -> tuple[int, int]:
@@ -72,6 +74,13 @@ def add_simulate_parser(sub: Any) -> None:
     cal.add_argument("--dtype", default="auto")
     cal.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (as for serve)")
     cal.add_argument("--max-total-tokens", type=int, default=None)
+    cal.add_argument(
+        "--passes",
+        type=positive_int,
+        default=3,
+        help="timed passes of the calibration runs, each followed by a measurement of the peaks; the "
+        "profile takes their medians (more on a machine whose speed moves)",
+    )
     cal.add_argument("--out", type=Path, default=Path("cpu-profile.json"))
     cal.set_defaults(func=_calibrate)
 
@@ -113,18 +122,26 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def calibrate_engine(engine: Any, name: str = "cpu", passes: int = 3) -> tuple[Any, list[tuple[Any, float]]]:
-    """A profile fitted to this engine's model on this machine, and each calibration run with its
-    predicted seconds: `passes` timed passes of the calibration runs, the peaks measured after each
-    (their medians: peaks.median_measurements)."""
+def calibrate_engine(
+    engine: Any, name: str = "cpu", passes: int = 3
+) -> tuple[Any, list[tuple[Any, float]], HostSteadiness]:
+    """A profile fitted to this engine's model on this machine, each calibration run with its
+    predicted seconds, and how steady the machine was meanwhile: `passes` timed passes of the
+    calibration runs, the peaks measured after each (their medians: peaks.median_measurements)."""
+    from radixserve.models.source import load_model_config
     from radixserve.simulator.calibration_passes import CalibrationTimer
+    from radixserve.simulator.steadiness import HostSteadiness
 
+    if passes < 1:
+        raise ValueError(f"calibrate needs at least one timed pass, got {passes}")
     timer = CalibrationTimer.start(engine)
     samples = []
     for _ in range(passes):
         timer.time_pass()
         samples.append(measure_engine_peaks(engine, name))
-    return fit_engine(engine, median_engine_peaks(engine, samples), timer.runs())
+    profile, rows = fit_engine(engine, median_engine_peaks(engine, samples), timer.runs())
+    width = load_model_config(engine.source).hidden_size
+    return profile, rows, HostSteadiness.of(timer.passes, samples, width)
 
 
 def median_engine_peaks(engine: Any, samples: list[Any]) -> Any:
@@ -253,13 +270,14 @@ def _calibrate(args: argparse.Namespace) -> int:
     if args.max_total_tokens is not None:
         flags["max_total_tokens"] = args.max_total_tokens
     with Engine(args.model_path, **flags) as engine:
-        profile, rows = calibrate_engine(engine)
+        profile, rows, steadiness = calibrate_engine(engine, passes=args.passes)
     profile.save(args.out)
     print("| requests x prompt + output | measured s | predicted s | error |\n|---|---|---|---|")
     for run, predicted in rows:
         error = (predicted - run.seconds) / run.seconds
         print(f"| {run.shape.label} | {run.seconds:.3f} | {predicted:.3f} | {error:+.1%} |")
     print(_describe(profile))
+    print(steadiness.describe())
     print(f"wrote {args.out}")
     return 0
 

@@ -404,13 +404,17 @@ def test_calibrate_a_real_engine(
     monkeypatch.setattr(cli, "measure_engine_peaks", measure_peaks)
     engine = Engine(str(tiny_model_dir("llama")), dtype="float32", max_total_tokens=4096, log_level="warning")
     try:
-        profile, rows = calibrate_engine(engine, name="this-cpu", passes=3)
+        profile, rows, steadiness = calibrate_engine(engine, name="this-cpu", passes=3)
         host = engine.get_stats()["decode_host_time"]
         engine.check_kv_invariant()
     finally:
         engine.shutdown()
     assert order == ["pass", "peaks"] * 3
     assert [run.seconds for run, _ in rows] == real_times  # each run's median over the passes
+    # The slow and the fast spell moved the passes and the peaks four times over: calibrate says so.
+    assert steadiness.pass_ratios == pytest.approx((1.0, 2.0, 0.5))
+    assert steadiness.spread == pytest.approx(3.0) and not steadiness.steady
+    assert "warning: this machine's speed moved by up to 300%" in steadiness.describe()
     (real,) = measured
     assert (profile.peak_flops, profile.memory_bandwidth) == (real.peak_flops, real.memory_bandwidth)
     assert profile.linear_rates == real.linear_rates and profile.decode_overlap == real.decode_overlap

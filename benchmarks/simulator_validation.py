@@ -130,11 +130,11 @@ def main() -> None:
         steadiness = HostSteadiness.of(timer.passes, peak_samples, width)
         ratios = ", ".join(f"{ratio:.3f}" for ratio in steadiness.pass_ratios)
         print(f"calibration passes against the median one: {ratios}")
-        for k, sample in enumerate(peak_samples):
-            rate = dict(sample.linear_rates)[width]
+        read = zip(steadiness.weights_rates, steadiness.linear_rates, strict=True)
+        for k, (weights, linears) in enumerate(read):
             print(
-                f"peaks after pass {k + 1}: the weights at {sample.memory_bandwidth / 1e9:.1f} GB/s, the "
-                f"linears at {rate / 1e9:.0f} GFLOP/s at {width} wide"
+                f"peaks after pass {k + 1}: the weights at {weights / 1e9:.1f} GB/s, the "
+                f"linears at {linears / 1e9:.0f} GFLOP/s at {width} wide"
             )
         print(steadiness.describe())
         peaks = median_engine_peaks(engine, peak_samples)

@@ -1,0 +1,30 @@
+"""RunnerConfig restates part of ServerArgs; its defaults must not drift from the server's."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from radixserve.config.server_args import ServerArgs
+from radixserve.executor.runner_config import RunnerConfig
+
+
+def test_every_field_is_a_server_arg_with_the_same_default() -> None:
+    server_defaults = ServerArgs()
+    for field in dataclasses.fields(RunnerConfig):
+        assert getattr(RunnerConfig(), field.name) == getattr(server_defaults, field.name), field.name
+
+
+def test_from_server_args_carries_each_setting() -> None:
+    args = ServerArgs(
+        dtype="float32",
+        max_total_tokens=512,
+        page_size=4,
+        cpu_isa="avx2",
+        enable_lora=True,
+        max_lora_rank=8,
+        lora_target_modules=["q_proj"],
+    )
+    config = RunnerConfig.from_server_args(args)
+    assert (config.dtype, config.max_total_tokens, config.page_size) == ("float32", 512, 4)
+    assert (config.cpu_isa, config.enable_lora, config.max_lora_rank) == ("avx2", True, 8)
+    assert config.lora_target_modules == ["q_proj"]

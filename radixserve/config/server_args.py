@@ -28,6 +28,10 @@ from radixserve.config.speculative_args import add_speculative_args, validate_sp
 SchedulePolicyName = Literal["fcfs", "lpm", "dfs-weight", "lof", "random"]
 SCHEDULE_POLICIES: tuple[str, ...] = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16")
+# --quantization: unset keeps a checkpoint's own format (a GGUF's blocks stay quantized where a
+# native kernel takes them); "none" loads every weight dense in --dtype (a GGUF dequantized); the
+# others quantize a safetensors checkpoint's linear weights at load into that GGUF format.
+QUANTIZATION_CHOICES: tuple[str, ...] = ("none", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
 GRAMMAR_BACKENDS: tuple[str, ...] = ("xgrammar", "none")
 CPU_KERNEL_CHOICES: tuple[str, ...] = ("auto", "native", "torch")
 # --cpu-isa: what the native kernels are built for (kernels/native.py); auto: RADIXSERVE_CPU_ISA's
@@ -59,6 +63,7 @@ class ServerArgs:
     model_path: str | None = None
     tokenizer_path: str | None = None
     dtype: str = "auto"
+    quantization: str | None = None
     device: str = "auto"
     context_length: int | None = None
     random_seed: int = 0
@@ -194,6 +199,9 @@ class ServerArgs:
             choices = ", ".join(SCHEDULE_POLICIES)
             policy = self.schedule_policy
             raise InvalidArgumentError(f"--schedule-policy must be one of {choices}, got {policy!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_CHOICES:
+            choices = ", ".join(QUANTIZATION_CHOICES)
+            raise InvalidArgumentError(f"--quantization must be one of {choices}, got {self.quantization!r}")
         if self.cpu_kernels not in CPU_KERNEL_CHOICES:
             choices = ", ".join(CPU_KERNEL_CHOICES)
             raise InvalidArgumentError(f"--cpu-kernels must be one of {choices}, got {self.cpu_kernels!r}")
@@ -342,6 +350,14 @@ class ServerArgs:
             default="auto",
             choices=DTYPES,
             help="auto: bfloat16 where the device has a fast path, else float32",
+        )
+        model.add_argument(
+            "--quantization",
+            default=None,
+            choices=QUANTIZATION_CHOICES,
+            help="unset: the checkpoint's own weights (a GGUF's Q4/Q5/Q6/Q8 blocks stay quantized, on "
+            "native kernels); none: every weight dense in --dtype (a GGUF dequantized); q8_0, q4_0, q4_1, "
+            "q5_0, q5_1: quantize a safetensors checkpoint's linear weights into that GGUF format at load",
         )
         model.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
         model.add_argument("--context-length", type=int, default=None)

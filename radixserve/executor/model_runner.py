@@ -42,13 +42,15 @@ from radixserve.layers.linear import (
     ParallelLMHead,
     split_kv_heads,
     use_native_fp32_linears,
+    use_quantized_weights,
 )
 from radixserve.layers.packed_weights import PackedWeight, WeightPacking, cpu_packing_supported
+from radixserve.layers.quantized import WeightTensor
 from radixserve.layers.sampler import SamplingBatch, sample
 from radixserve.models.bert import Encoder
 from radixserve.models.config import ModelConfig, ModelLoadError
 from radixserve.models.llama import CausalLM
-from radixserve.models.loader import iter_weights
+from radixserve.models.loader import iter_weights, quantize_linears
 from radixserve.models.lora_adapter import LoraAdapter, LoraAdapterError, read_adapter_config
 from radixserve.models.pooling import PoolingConfig, finish_embeddings, pool_segments, read_pooling_config
 from radixserve.models.registry import build_model
@@ -111,11 +113,11 @@ def _lora_info(adapter: LoraAdapter) -> LoraAdapterInfo:
 
 
 def _diverting(
-    weights: Iterator[tuple[str, torch.Tensor]], prefix: str, into: list[tuple[str, torch.Tensor]]
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """weights without those named prefix*, which go to `into` (without the prefix)."""
+    weights: Iterator[tuple[str, WeightTensor]], prefix: str, into: list[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[str, WeightTensor]]:
+    """weights without those named prefix* (never quantized), which go to `into` (without the prefix)."""
     for name, tensor in weights:
-        if name.startswith(prefix):
+        if name.startswith(prefix) and isinstance(tensor, torch.Tensor):
             into.append((name.removeprefix(prefix), tensor))
         else:
             yield name, tensor
@@ -145,6 +147,14 @@ class ModelRunner:
         self.num_local_layers = len(stage_layers(self.config.num_hidden_layers, parallel))
         self.local_kv_heads = split_kv_heads(self.config.num_key_value_heads, 1, parallel).local
         self.kernels = self._select_kernels()
+        # Whether weights load quantized (a GGUF's blocks, or --quantization on safetensors), and
+        # the resident bytes of those by format once loaded.
+        self.quantized_weights = self._keeps_quantized()
+        self.quantized_bytes: dict[str, int] = {}
+        if self.quantized_weights and config.dtype == "auto":
+            # The quantized kernel reads the same bytes whatever the activations' dtype, and fp32
+            # activations keep its result that of the dequantized weights (docs/architecture.md).
+            self.dtype = torch.float32
         # bf16 linear weights on a CPU are held packed for a matmul kernel (layers/packed_weights.py).
         packed = cpu_packing_supported(self.dtype, self.device, self.kernels)
         self.packing = WeightPacking(self.kernels) if packed else None
@@ -245,7 +255,7 @@ class ModelRunner:
         fused = None
         if isinstance(self.model, CausalLM) and isinstance(self.attention, CpuNativeBackend):
             # The fused loop runs whole layers natively: it has no place for LoRA deltas.
-            if self.dtype == torch.bfloat16 and self.lora is None:
+            if (self.dtype == torch.bfloat16 or self.quantized_weights) and self.lora is None:
                 fused = self.model.fused_decode_plan()
             self.attention.fused_decode = fused is not None
             self.attention.fused_shared_prefix = fused is not None and fused.shared_prefix
@@ -315,6 +325,36 @@ class ModelRunner:
                 raise InvalidArgumentError(str(error)) from error  # the message names --cpu-isa
             raise InvalidArgumentError(f"--cpu-kernels native: {error}") from error
 
+    def _keeps_quantized(self) -> bool:
+        """Decided once: quantized weights need the native kernel (csrc/quant_linear.cpp) on a CPU."""
+        method = self.runner_config.quantization
+        gguf = self.source.kind != "hf_dir"
+        kernel = self.kernels.quant if self.kernels is not None and self.device.type == "cpu" else None
+        if method == "none" or self.config.is_encoder:
+            return False
+        if method is not None:
+            if gguf:
+                raise InvalidArgumentError(
+                    f"--quantization {method} quantizes a safetensors checkpoint; {self.source.path} is a "
+                    "GGUF, already quantized (serve it as it is, or --quantization none to dequantize it)"
+                )
+            if kernel is None:
+                raise InvalidArgumentError(
+                    f"--quantization {method} needs the native quantized kernel, which this build lacks "
+                    f"({self._quant_kernel_missing()})"
+                )
+            return True
+        if gguf and kernel is None:
+            logger.info("GGUF weights are dequantized to %s: %s", self.dtype, self._quant_kernel_missing())
+        return gguf and kernel is not None
+
+    def _quant_kernel_missing(self) -> str:
+        if self.device.type != "cpu":
+            return f"quantized kernels are CPU kernels, the device is {self.device}"
+        if self.kernels is None:
+            return "the native CPU kernels are off (--cpu-kernels torch, or they did not build)"
+        return f"the native kernels were built for {self.kernels.isa}, and it needs AVX2 + FMA + F16C"
+
     def _staging_tokens(self) -> int:
         """Decode staging's budget for a backend that gathers K/V: --decode-staging-tokens, else
         by default on a CPU the KV cache up to CPU_DEFAULT_STAGING_TOKENS. On CUDA the gather it
@@ -348,8 +388,25 @@ class ModelRunner:
         # A vision-language checkpoint's vision tower and projector ("vision.*", models/loader.py)
         # load apart, once the text model has streamed its tensors.
         vision: list[tuple[str, torch.Tensor]] = []
-        model.load_weights(_diverting(iter_weights(self.source, self.config), "vision.", vision))
+        if isinstance(model, Encoder):
+            model.load_weights(iter_weights(self.source, self.config))
+        else:
+            weights = iter_weights(self.source, self.config, keep_quantized=self.quantized_weights)
+            method = self.runner_config.quantization
+            if self.quantized_weights and method is not None:
+                weights = quantize_linears(weights, method)
+            model.load_weights(_diverting(weights, "vision.", vision))
         self.vision = self._load_vision(vision)
+        if self.quantized_weights:
+            assert self.kernels is not None and self.kernels.quant is not None
+            self.quantized_bytes = use_quantized_weights(model, self.kernels.quant)
+            logger.info(
+                "quantized weights (%s kernel): %s",
+                self.kernels.quant.isa,
+                ", ".join(
+                    f"{name} {size / 2**20:.1f} MiB" for name, size in sorted(self.quantized_bytes.items())
+                ),
+            )
         if self.packing is not None:
             repack(model.modules(), self.packing)
         if self.native_fp32_linears:

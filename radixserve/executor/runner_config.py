@@ -16,6 +16,7 @@ from radixserve.config.server_args import ServerArgs
 class RunnerConfig:
     model_path: str | None = None
     dtype: str = "auto"
+    quantization: str | None = None
     device: str = "auto"
     context_length: int | None = None
     random_seed: int = 0

@@ -28,6 +28,7 @@ from radixserve.kernels.native import (
     load_isa,
     load_library,
 )
+from radixserve.kernels.quant_ops import QuantKernels
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,14 @@ class CpuKernels:
         self._logged: set[tuple[str, str]] = set()
         self._functions: dict[tuple[str, torch.dtype], Callable[..., Any]] = {
             (name, dtype): getattr(library, f"{name}_{suffix}")
-            for name in ("rms_norm", "silu_and_mul", "rotary", "merge_by_lse", "decode_attention")
+            for name in (
+                "rms_norm",
+                "silu_and_mul",
+                "rotary",
+                "merge_by_lse",
+                "decode_attention",
+                "fused_decode",
+            )
             for dtype, suffix in DTYPE_SUFFIXES.items()
         }
         self._decode_supported = library.decode_attention_supported
@@ -91,8 +99,10 @@ class CpuKernels:
         self._fp32_linear = library.fp32_linear
         self._amx_prefix_attention = library.amx_prefix_attention_bf16
         self._vector_prefix_attention = library.prefix_attention_bf16
-        self._fused_decode = library.fused_decode_bf16
         self._argmax_rows = library.argmax_rows_f32
+        # GGUF block-quantized weights (csrc/quant_linear.cpp); None where the build has no kernel.
+        quant = QuantKernels(library)
+        self.quant: QuantKernels | None = quant if quant.available else None
         # Whether this build has the AMX matmul and the OS grants this process AMX tiles.
         self.has_amx_linear = bool(library.amx_linear_available())
         # What the kernels run on (RADIXSERVE_CPU_ISA may force less than the CPU has).
@@ -464,13 +474,15 @@ class CpuKernels:
         req_rows: torch.Tensor,
         seq_lens: torch.Tensor,
         shared_prefix: torch.Tensor | None,
+        quantized: bool = False,
     ) -> None:
-        """Every decoder layer of a decode step, updating hidden ([B, hidden] bf16, contiguous) in
-        place. layers: [L, 9] int64 addresses (models/fused_decode.py); positions, out_slots,
-        req_rows, seq_lens: per request; cos/sin tables: [positions, head_dim / 2] fp32; request b's
-        context is at req_to_token[req_rows[b], :seq_lens[b]]; shared_prefix: the KV slots every
-        request's context starts with (cascade, on prefix_attention_kernel's kernel), or None. The
-        linears must be packed by pack_linear of these kernels."""
+        """Every decoder layer of a decode step, updating hidden ([B, hidden] bf16 or fp32,
+        contiguous) in place. layers: [L, 9] int64 addresses (models/fused_decode.py); positions,
+        out_slots, req_rows, seq_lens: per request; cos/sin tables: [positions, head_dim / 2] fp32;
+        request b's context is at req_to_token[req_rows[b], :seq_lens[b]]; shared_prefix: the KV
+        slots every request's context starts with (cascade, on prefix_attention_kernel's kernel;
+        bf16 only), or None. The linears are packed by pack_linear of these kernels (bf16), or,
+        when quantized, described by QuantKernels.parts_layout."""
         prefix = None if shared_prefix is None else shared_prefix.to(torch.int64).contiguous()
         rows = req_rows.to(torch.int64).contiguous()
         lens = seq_lens.to(torch.int64).contiguous()
@@ -481,13 +493,24 @@ class CpuKernels:
             raise ValueError("req_to_token must be int64 with contiguous rows")
         batch, size = hidden.shape
         prefix_kernel = self.prefix_attention_kernel(heads, kv_heads, head_dim)
-        if self.linear_kernel is None or (prefix is not None and prefix_kernel is None):
+        run = self._function("fused_decode", hidden)
+        if quantized:
+            linear_kind, mode = 2, 0 if self.quant is None else self.quant.mode
+            usable = self.quant is not None
+        else:
+            linear_kind, mode = 0 if self.has_amx_linear else 1, 0
+            usable = self.linear_kernel is not None and hidden.dtype == torch.bfloat16
+        if (
+            run is None
+            or not usable
+            or (prefix is not None and (prefix_kernel is None or hidden.dtype != torch.bfloat16))
+        ):
             raise ValueError(
-                "the fused decode loop needs a native linear kernel, and a prefix attention kernel "
-                "for this head shape when a shared prefix is given"
+                "the fused decode loop needs a native linear kernel for its weights (bf16 packed, or "
+                "quantized), and a bf16 prefix attention kernel for this head shape for a shared prefix"
             )
-        status = self._fused_decode(
-            0 if self.has_amx_linear else 1, 0 if prefix_kernel == "amx" else 1, layers.data_ptr(),
+        status = run(
+            linear_kind, mode, 0 if prefix_kernel == "amx" else 1, layers.data_ptr(),
             layers.shape[0], hidden.data_ptr(), batch,
             size, intermediate, heads, kv_heads, head_dim, eps, scale, cos_table.data_ptr(),
             sin_table.data_ptr(), positions.data_ptr(),

@@ -42,7 +42,7 @@ SOURCES = sorted(SOURCE_DIR.glob("*.cpp"))
 HEADERS = sorted(SOURCE_DIR.glob("*.h"))
 # The target's flags come from the ISA (below). -Wno-psabi: without AVX-512 GCC notes that 64-byte
 # vectors passed by value change the ABI, which no inlined helper of one library cares about.
-FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-Wno-psabi"]
+FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-std=c++20", "-shared", "-fPIC", "-Wno-psabi"]
 BUILD_TIMEOUT_S = 300
 ISA_ENV = "RADIXSERVE_CPU_ISA"
 
@@ -86,6 +86,13 @@ SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
         ctypes.c_int,
         [_P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _F, _I, _P, _I, _I, _P],
     ),
+    # linear_kind, quant_mode, prefix_kind, layers, num_layers, hidden, batch, hidden_size, intermediate,
+    # heads, kv_heads, head_dim, eps, scale, cos, sin, positions, out_slots, req_to_token, table_stride,
+    # req_rows, seq_lens, prefix_length, prefix_slots
+    "fused_decode": (
+        ctypes.c_int,
+        [_I, _I, _I, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _F, _P, _P, _P, _P, _P, _I, _P, _P, _I, _P],
+    ),
 }
 DTYPE_SUFFIXES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 # Kernels with one dtype only: name -> (restype, argtypes).
@@ -113,13 +120,15 @@ PLAIN_SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
         ctypes.c_int,
         [_P, _I, _P, _P, _I, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _I],
     ),
-    # linear_kind, prefix_kind, layers, num_layers, hidden, batch, hidden_size, intermediate, heads, kv_heads,
-    # head_dim, eps, scale, cos, sin, positions, out_slots, req_to_token, table_stride, req_rows,
-    # seq_lens, prefix_length, prefix_slots
-    "fused_decode_bf16": (
+    # GGUF block-quantized weights (csrc/quant_linear.cpp): which variant the build has; the matmul
+    # (parts layout, mode, x, x_stride, bf16, m, k, out, out_stride, bias, residual, residual_stride);
+    # reading rows back (type, weight, row_bytes, rows, count, k, out)
+    "quant_linear_isa": (ctypes.c_int, []),
+    "quant_linear_parts": (
         ctypes.c_int,
-        [_I, _I, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _F, _P, _P, _P, _P, _P, _I, _P, _P, _I, _P],
+        [_P, ctypes.c_int, _P, _I, ctypes.c_int, _I, _I, _P, _I, _P, _P, _I],
     ),
+    "quant_dequantize_rows": (ctypes.c_int, [ctypes.c_int, _P, _I, _P, _I, _I, _P]),
 }
 
 

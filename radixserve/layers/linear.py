@@ -17,9 +17,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve.distributed.parallel import SINGLE, ParallelContext, all_reduce, gather_last_dim
+from radixserve.layers.quantized import (
+    QuantizedEmbedding,
+    QuantizedTensor,
+    QuantizedWeight,
+    WeightTensor,
+    stack_rows,
+)
 
 if TYPE_CHECKING:
     from radixserve.kernels.cpu_ops import CpuKernels
+    from radixserve.kernels.quant_ops import QuantKernels
     from radixserve.layers.lora import LoraSlots
     from radixserve.layers.packed_weights import PackedWeight, WeightPacking
 
@@ -44,6 +52,31 @@ def use_native_fp32_linears(model: nn.Module, kernels: CpuKernels) -> int:
     for layer in layers:
         layer.fp32_kernels = kernels
     return len(layers)
+
+
+def use_quantized_weights(model: nn.Module, kernels: QuantKernels) -> dict[str, int]:
+    """Gives the layers that loaded GGUF-quantized weights their native kernel (an LM head tied to
+    a quantized embedding shares its table); returns the resident bytes of quantized weights by
+    format. Called once the weights are loaded."""
+    modules = list(model.modules())
+    tables = {
+        id(m.weight): m.quant_table
+        for m in modules
+        if isinstance(m, VocabParallelEmbedding) and m.quant_table is not None
+    }
+    for module in modules:
+        if isinstance(module, ParallelLMHead) and module.quant_table is None:
+            module.quant_table = tables.get(id(module.weight))
+    parts = {
+        id(part): part
+        for module in modules
+        if isinstance(module, (ParallelLinear, VocabParallelEmbedding))
+        for part in module.use_quantized(kernels)
+    }
+    resident: dict[str, int] = {}
+    for part in parts.values():  # a tied head's table once
+        resident[part.format.name] = resident.get(part.format.name, 0) + part.nbytes
+    return resident
 
 
 class ShardingError(ValueError):
@@ -102,35 +135,72 @@ class WeightTarget:
     param: str
     shard: int
 
-    def load(self, tensor: torch.Tensor) -> None:
+    def load(self, tensor: WeightTensor) -> None:
         self.module.load(self.param, tensor, self.shard)  # type: ignore[operator]
 
 
 class ParallelLinear(nn.Module):
     """Shared matmul of the linear layers, with an optional packed weight for bf16 on a CPU
-    (layers/packed_weights.py); fp32 gains nothing from packing, so it is not packed."""
+    (layers/packed_weights.py; fp32 gains nothing from packing, so it is not packed), or GGUF
+    blocks kept quantized (layers/quantized.py)."""
 
     weight: nn.Parameter
     bias: nn.Parameter | None
-    packed: PackedWeight | None = None
+    packed: PackedWeight | QuantizedWeight | None = None
+    # GGUF-quantized shards as loaded, by shard index (use_quantized turns them into `packed`).
+    quant_parts: dict[int, QuantizedTensor]
     # Set by use_native_fp32_linears for an fp32 model on a CPU.
     fp32_kernels: CpuKernels | None = None
     # --enable-lora: the adapter slots whose deltas each request's rows take (layers/lora.py).
     lora: LoraSlots | None = None
 
     def pack_for_cpu(self, packing: WeightPacking) -> None:
+        if isinstance(self.packed, QuantizedWeight):
+            return  # quantized weights are already in their kernel's layout
         self.packed = packing.pack(self.weight.data)
         # The packed copy replaces the plain one; keep memory at one copy of the weights.
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
     def dense_weight(self) -> torch.Tensor:
-        return self.weight.data if self.packed is None else self.packed.to_dense()
+        return self.weight.data if self.packed is None else self.packed.to_dense().to(self.weight.dtype)
 
     def unpack(self) -> None:
         """Back to a plain weight, which loading and reading need; pack_for_cpu() packs again."""
         if self.packed is not None:
             self.weight = nn.Parameter(self.dense_weight(), requires_grad=False)
             self.packed = None
+
+    def _shard_count(self) -> int:
+        return 1
+
+    def _keep_quantized(self, shard: int, part: QuantizedTensor | None) -> None:
+        """Records a quantized shard (None: the shard was loaded as a plain tensor)."""
+        if not hasattr(self, "quant_parts"):
+            self.quant_parts = {}
+        if part is None:
+            self.quant_parts.pop(shard, None)
+        else:
+            self.quant_parts[shard] = part
+
+    def use_quantized(self, kernels: QuantKernels) -> list[QuantizedTensor]:
+        """The quantized shards become the layer's weight, for the native kernel; a layer whose
+        other shards loaded as plain tensors holds them all dequantized instead. Returns the parts
+        kept quantized."""
+        parts = getattr(self, "quant_parts", {})
+        if not parts:
+            return []
+        self.quant_parts = {}
+        if len(parts) < self._shard_count():
+            for shard, part in parts.items():
+                self._write_dense(shard, part.dequantize())
+            return []
+        stacked = stack_rows([parts[shard] for shard in sorted(parts)])
+        self.packed = QuantizedWeight(stacked, kernels)
+        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
+        return stacked
+
+    def _write_dense(self, shard: int, tensor: torch.Tensor) -> None:
+        raise NotImplementedError
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed is not None:
@@ -163,15 +233,30 @@ class ColumnParallelLinear(ParallelLinear):
         self.weight = nn.Parameter(torch.empty(out, input_size), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
 
-    def load(self, name: str, tensor: torch.Tensor, shard: int = 0) -> None:
+    def load(self, name: str, tensor: WeightTensor, shard: int = 0) -> None:
         target = self.weight if name == "weight" else self.bias
         if target is None:
             raise ValueError(f"this layer has no {name}")
         spec = self.shards[shard]
         if tensor.shape[0] != spec.full:
             raise ValueError(f"{name} shard {shard}: expected {spec.full} rows, got {tensor.shape[0]}")
+        if isinstance(tensor, QuantizedTensor):
+            if name != "weight" or tensor.cols != self.input_size:
+                raise ValueError(
+                    f"{name} shard {shard}: expected [{spec.full}, {self.input_size}], got {tensor.shape}"
+                )
+            self._keep_quantized(shard, tensor.narrow_rows(spec.start, spec.local))
+            return
+        if name == "weight":
+            self._keep_quantized(shard, None)
         piece = tensor.narrow(0, spec.start, spec.local)
         copy_checked(target.data.narrow(0, self.offsets[shard], spec.local), piece, f"{name} shard {shard}")
+
+    def _shard_count(self) -> int:
+        return len(self.shards)
+
+    def _write_dense(self, shard: int, tensor: torch.Tensor) -> None:
+        self.weight.data.narrow(0, self.offsets[shard], self.local_sizes[shard]).copy_(tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x, self.bias)
@@ -190,17 +275,27 @@ class RowParallelLinear(ParallelLinear):
         self.weight = nn.Parameter(torch.empty(output_size, self.local_input), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
 
-    def load(self, name: str, tensor: torch.Tensor, shard: int = 0) -> None:
+    def load(self, name: str, tensor: WeightTensor, shard: int = 0) -> None:
         if name == "bias":
-            assert self.bias is not None
+            assert self.bias is not None and isinstance(tensor, torch.Tensor)
             copy_checked(self.bias.data, tensor, "bias")
             return
-        if tensor.dim() != 2 or tensor.shape[1] != self.local_input * self.ctx.tp_size:
+        if len(tensor.shape) != 2 or tensor.shape[1] != self.local_input * self.ctx.tp_size:
             raise ValueError(
                 f"weight: expected {self.local_input * self.ctx.tp_size} columns, got {tuple(tensor.shape)}"
             )
+        if isinstance(tensor, QuantizedTensor):
+            if tensor.rows != self.weight.shape[0]:
+                raise ValueError(f"weight: expected {self.weight.shape[0]} rows, got {tensor.rows}")
+            # A shard along whole blocks only (QuantizationError says so otherwise).
+            self._keep_quantized(0, tensor.narrow_cols(self.ctx.tp_rank * self.local_input, self.local_input))
+            return
+        self._keep_quantized(0, None)
         piece = tensor.narrow(1, self.ctx.tp_rank * self.local_input, self.local_input)
         copy_checked(self.weight.data, piece, "weight")
+
+    def _write_dense(self, shard: int, tensor: torch.Tensor) -> None:
+        self.weight.data.copy_(tensor)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x W^T (+ bias) (+ residual).
@@ -234,31 +329,64 @@ class VocabParallelEmbedding(nn.Module):
         self.start = ctx.tp_rank * self.vocab_per_rank
         self.end = min(vocab_size, self.start + self.vocab_per_rank)
         self.weight = nn.Parameter(torch.empty(self.end - self.start, hidden_size), requires_grad=False)
+        # A GGUF-quantized table as loaded, and its lookups once use_quantized has run.
+        self.quant_table: QuantizedTensor | None = None
+        self.quantized: QuantizedEmbedding | None = None
 
-    def load(self, name: str, tensor: torch.Tensor, shard: int = 0) -> None:
+    def load(self, name: str, tensor: WeightTensor, shard: int = 0) -> None:
+        if isinstance(tensor, QuantizedTensor):
+            if tensor.shape != (self.vocab_size, self.weight.shape[1]):
+                raise ValueError(
+                    f"embedding: expected {(self.vocab_size, self.weight.shape[1])}, got {tensor.shape}"
+                )
+            self.quant_table = tensor.narrow_rows(self.start, self.end - self.start)
+            return
+        self.quant_table = self.quantized = None
         copy_checked(self.weight.data, tensor[self.start : self.end], "embedding")
+
+    def use_quantized(self, kernels: QuantKernels) -> list[QuantizedTensor]:
+        if self.quant_table is None:
+            return []
+        self.quantized = QuantizedEmbedding(self.quant_table, kernels)
+        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
+        return [self.quant_table]
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return self.quantized.lookup(ids, self.weight.dtype)
+        return F.embedding(ids, self.weight)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.ctx.tp_size == 1:
-            return F.embedding(ids, self.weight)
+            return self._lookup(ids)
         owned = (ids >= self.start) & (ids < self.end)
         local = torch.where(owned, ids - self.start, torch.zeros_like(ids))
-        out = F.embedding(local, self.weight) * owned.unsqueeze(-1)
+        out = self._lookup(local) * owned.unsqueeze(-1)
         return all_reduce(out, self.ctx)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
     """Output projection sharing the vocab split of the embedding (and its weight when tied)."""
 
-    packed: PackedWeight | None = None
+    packed: PackedWeight | QuantizedWeight | None = None
     fp32_kernels: CpuKernels | None = None
 
     def pack_for_cpu(self, packing: WeightPacking) -> None:
+        if isinstance(self.packed, QuantizedWeight):
+            return
         # A separate packed copy: with tied embeddings the plain weight still serves the lookups.
         self.packed = packing.pack(self.weight.data)
 
     def unpack(self) -> None:
-        self.packed = None
+        if not isinstance(self.packed, QuantizedWeight):
+            self.packed = None
+
+    def use_quantized(self, kernels: QuantKernels) -> list[QuantizedTensor]:
+        """The head multiplies with its quantized table (its own, or a tied embedding's)."""
+        if self.quant_table is None:
+            return []
+        self.packed = QuantizedWeight([self.quant_table], kernels)
+        return super().use_quantized(kernels)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:

@@ -23,6 +23,8 @@ from radixserve.attention.base import AttentionCall
 from radixserve.attention.cpu_native import CpuDecodeMetadata
 from radixserve.kernels.cpu_ops import CpuKernels
 from radixserve.layers.linear import ParallelLinear
+from radixserve.layers.packed_weights import PackedWeight
+from radixserve.layers.quantized import QuantizedWeight
 from radixserve.layers.rotary import Rope
 
 
@@ -53,13 +55,25 @@ class FusedDecodePlan:
     # the head shape); else such steps run per layer.
     shared_prefix: bool = False
 
+    @property
+    def quantized(self) -> bool:
+        """Whether the linears hold GGUF-quantized weights (else bf16 packed ones)."""
+        return isinstance(self.layers[0].linears[0].packed, QuantizedWeight)
+
     def ready(self) -> bool:
-        """Every linear is packed for the native linear kernel (checked when the plan is made)."""
-        return all(
-            linear.packed is not None and linear.packed.kernels is not None
-            for layer in self.layers
-            for linear in layer.linears
+        """Every linear is packed for the native bf16 linear kernel, or every one is quantized
+        (checked when the plan is made)."""
+        linears = [linear.packed for layer in self.layers for linear in layer.linears]
+        return all(isinstance(w, PackedWeight) and w.kernels is not None for w in linears) or all(
+            isinstance(w, QuantizedWeight) for w in linears
         )
+
+    def _address(self, linear: ParallelLinear) -> int:
+        weight = linear.packed
+        if isinstance(weight, QuantizedWeight):
+            return int(weight.layout.data_ptr())
+        assert weight is not None
+        return int(weight.data.data_ptr())
 
     def pointers(self, attention: AttentionCall) -> torch.Tensor:
         """[layers, 9] int64 addresses: input norm, qkv, qkv bias (0: none), o, post-attention
@@ -68,7 +82,7 @@ class FusedDecodePlan:
         pool = attention.kv_pool
         rows = []
         for index, layer in enumerate(self.layers):
-            qkv, o, gate_up, down = (linear.packed.data.data_ptr() for linear in layer.linears)  # type: ignore[union-attr]
+            qkv, o, gate_up, down = (self._address(linear) for linear in layer.linears)
             bias = 0 if layer.qkv_bias is None else layer.qkv_bias.data_ptr()
             k_pool, v_pool = pool.k_buffers[index].data_ptr(), pool.v_buffers[index].data_ptr()
             norms = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
@@ -108,5 +122,6 @@ class FusedDecodePlan:
             req_rows=layout.req_pool_indices,
             seq_lens=layout.seq_lens,
             shared_prefix=metadata.shared_prefix,
+            quantized=self.quantized,
         )
         return hidden

@@ -37,6 +37,7 @@ from radixserve.layers.linear import (
     split_kv_heads,
 )
 from radixserve.layers.norm import RMSNorm
+from radixserve.layers.quantized import QuantizedWeight, WeightTensor
 from radixserve.layers.rotary import Rope, RotaryEmbedding
 from radixserve.models.config import ModelConfig
 from radixserve.models.fused_decode import FusedDecodePlan, FusedLayer
@@ -270,13 +271,16 @@ class CausalLM(nn.Module):
         o_proj/down_proj, or a linear the native kernel declined. Steps whose requests share a
         prefix run in it where a native prefix attention kernel exists for the head shape."""
         kernels, config = self.kernels, self.config
-        if kernels is None or kernels.linear_kernel is None or config.qk_norm:
-            return None
         layers = cast("list[DecoderLayer]", list(self.layers.values()))
         first = layers[0]
         attention = first.self_attn
+        dtype = first.input_layernorm.weight.dtype
+        quantized = isinstance(attention.qkv_proj.packed, QuantizedWeight)
+        linear_kernel = quantized or (kernels is not None and kernels.linear_kernel is not None)
+        if kernels is None or not linear_kernel or config.qk_norm:
+            return None
         if attention.o_proj.ctx.tp_size != 1 or not kernels.handles_decode_attention(
-            attention.num_heads, attention.num_kv_heads, config.head_dim, torch.bfloat16
+            attention.num_heads, attention.num_kv_heads, config.head_dim, dtype
         ):
             return None
         if any(layer.self_attn.o_proj.bias is not None or layer.mlp.down_proj.bias is not None
@@ -304,9 +308,9 @@ class CausalLM(nn.Module):
             intermediate=first.mlp.down_proj.local_input,
             eps=first.input_layernorm.eps,
             scale=attention.scale,
-            shared_prefix=kernels.prefix_attention_kernel(
-                attention.num_heads, attention.num_kv_heads, config.head_dim
-            )
+            # The prefix attention kernels are bf16 only.
+            shared_prefix=dtype == torch.bfloat16
+            and kernels.prefix_attention_kernel(attention.num_heads, attention.num_kv_heads, config.head_dim)
             is not None,
         )
         return plan if plan.ready() else None
@@ -340,7 +344,7 @@ class CausalLM(nn.Module):
             raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
         return WeightTarget(module_path, module, param, shard)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, WeightTensor]]) -> None:
         seen: set[str] = set()
         for name, tensor in weights:
             target = self.resolve(name)

@@ -8,20 +8,29 @@ to deal with.
 
 from __future__ import annotations
 
+import logging
 import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
+from radixserve.layers.quantized import KEPT_FORMATS, QuantizedTensor, WeightTensor
 from radixserve.models.config import ModelConfig, ModelLoadError, UnsupportedModelError
 from radixserve.models.source import ModelSource, gguf_architecture, gguf_reader, read_json
 
-__all__ = ["expected_weight_names", "iter_weights"]
+__all__ = ["expected_weight_names", "iter_weights", "quantize_linears"]
+
+logger = logging.getLogger(__name__)
+
+# Plain GGUF tensor types: loaded as they are (to fp32), never "kept quantized".
+_GGUF_PLAIN_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
+# The linear layers' weights, which --quantization quantizes in a safetensors checkpoint.
+_LINEAR_WEIGHT = re.compile(r"\.(q|k|v|o|gate|up|down)_proj\.weight$")
 
 # GGUF per-block tensor stem -> HF module path under model.layers.{i}.
 _GGUF_BLOCK_TO_HF: dict[str, str] = {
@@ -148,10 +157,22 @@ def _progress(total: int, desc: str) -> tqdm:
     return tqdm(total=total, desc=desc, unit="tensor", file=sys.stderr, disable=None, leave=False)
 
 
-def iter_weights(src: ModelSource, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+@overload
+def iter_weights(
+    src: ModelSource, config: ModelConfig, keep_quantized: Literal[False] = False
+) -> Iterator[tuple[str, torch.Tensor]]: ...
+@overload
+def iter_weights(
+    src: ModelSource, config: ModelConfig, keep_quantized: bool
+) -> Iterator[tuple[str, WeightTensor]]: ...
+def iter_weights(
+    src: ModelSource, config: ModelConfig, keep_quantized: bool = False
+) -> Iterator[tuple[str, WeightTensor]]:
     """Yield ``(hf_name, cpu_tensor)`` for every parameter the model needs.
 
-    Safetensors weights keep their stored dtype; GGUF weights are dequantized to float32.
+    Safetensors weights keep their stored dtype. GGUF weights are dequantized to float32, except
+    with ``keep_quantized`` the matrices in a format with a native kernel (layers/quantized.py),
+    which come as QuantizedTensor in the file's own blocks.
     Names are validated up front so a mismatched checkpoint fails before any copying. For a
     vision-language model (``config.vision``), the image encoder's tensors come too, named
     ``vision.tower.<CLIP vision model name>`` and ``vision.projector.<name>``; only the text
@@ -159,7 +180,30 @@ def iter_weights(src: ModelSource, config: ModelConfig) -> Iterator[tuple[str, t
     """
     if src.kind == "hf_dir":
         return _iter_safetensors(src.path, config)
-    return _iter_gguf(src.path, config)
+    return _iter_gguf(src.path, config, keep_quantized)
+
+
+def quantize_linears(
+    weights: Iterator[tuple[str, WeightTensor]], format_name: str
+) -> Iterator[tuple[str, WeightTensor]]:
+    """--quantization: the linear layers' weights quantized into a GGUF format (gguf's own
+    quantizer, as llama.cpp's reference rounds); a weight whose inputs do not fill whole blocks
+    stays as it is."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    fmt = KEPT_FORMATS[format_name.upper()]
+    for name, tensor in weights:
+        if (
+            isinstance(tensor, torch.Tensor)
+            and _LINEAR_WEIGHT.search(name)
+            and tensor.dim() == 2
+            and tensor.shape[1] % fmt.block == 0
+        ):
+            blocks = quantize(tensor.float().numpy(), GGMLQuantizationType(fmt.type_id))
+            yield name, QuantizedTensor(fmt, torch.from_numpy(blocks), int(tensor.shape[1]))
+        else:
+            yield name, tensor
 
 
 def _safetensors_files(path: Path) -> list[Path]:
@@ -187,7 +231,7 @@ def _safetensors_files(path: Path) -> list[Path]:
     )
 
 
-def _iter_safetensors(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_safetensors(path: Path, config: ModelConfig) -> Iterator[tuple[str, WeightTensor]]:
     from safetensors import safe_open
 
     files = _safetensors_files(path)
@@ -245,7 +289,7 @@ def _unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _iter_gguf(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_gguf(path: Path, config: ModelConfig, keep_quantized: bool) -> Iterator[tuple[str, WeightTensor]]:
     from gguf.quants import dequantize
 
     reader = gguf_reader(path)
@@ -265,18 +309,34 @@ def _iter_gguf(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Ten
             f"{path.name} has GGUF tensors radixserve cannot map: {', '.join(unknown[:5])}"
         )
     _check_names({name for _, name in plan}, config, path)
+    if keep_quantized:
+        others = sorted({t.tensor_type.name for t, _ in plan} - set(KEPT_FORMATS) - _GGUF_PLAIN_TYPES)
+        if others:
+            logger.info(
+                "%s: %s tensors are dequantized at load: radixserve has no kernel for them (it keeps %s)",
+                path.name, ", ".join(others), ", ".join(KEPT_FORMATS),
+            )  # fmt: skip
 
-    with _progress(len(plan), "Dequantizing GGUF") as bar:
+    with _progress(len(plan), "Loading GGUF") as bar:
         for tensor, hf_name in plan:
             # ggml lists dims fastest-first; the row-major (HF) shape is the reverse.
             shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-            data = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-            data = data.reshape(shape)
+            kept = KEPT_FORMATS.get(tensor.tensor_type.name) if keep_quantized and len(shape) == 2 else None
+            data: np.ndarray[Any, Any]
+            if kept is not None:
+                # The blocks as stored: [rows, row bytes].
+                data = np.asarray(tensor.data, dtype=np.uint8).reshape(shape[0], -1)
+            else:
+                data = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(
+                    shape
+                )
             if arch == "llama":
+                # Rows are independent, so the same row order undoes it on quantized blocks.
                 if ".self_attn.q_proj." in hf_name:
                     data = _unpermute_qk(data, config.num_attention_heads)
                 elif ".self_attn.k_proj." in hf_name:
                     data = _unpermute_qk(data, config.num_key_value_heads)
-            # Copy: dequantize may return a read-only view into the memory-mapped file.
-            yield hf_name, torch.from_numpy(np.array(data, dtype=np.float32, copy=True))
+            # Copy: the data may be a read-only view into the memory-mapped file.
+            copied = torch.from_numpy(np.array(data, copy=True))
+            yield hf_name, copied if kept is None else QuantizedTensor(kept, copied, shape[1])
             bar.update(1)

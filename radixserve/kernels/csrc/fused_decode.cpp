@@ -10,9 +10,11 @@
 // paged decode kernel, merged by log-sum-exp); hidden += o_proj; RMSNorm; gate/up; SiLU·mul;
 // hidden += down_proj.
 //
-// The linears run on the kernel the weights were packed for (the caller says which): the AMX matmul,
-// or bf16_linear.cpp's on a CPU without AMX. The shared prefix runs on the prefix attention kernel the
-// per-layer path uses for this head shape (the caller says which): AMX tiles or vector FMAs.
+// The linears run on the kernel the weights are held for (the caller says which): the AMX matmul, or
+// bf16_linear.cpp's on a CPU without AMX, for bf16 weights; quant_linear.cpp's for GGUF-quantized
+// weights, with bf16 or fp32 activations (fused_decode_f32: the whole loop in fp32). The shared
+// prefix runs on the prefix attention kernel the per-layer path uses for this head shape (the caller
+// says which): AMX tiles or vector FMAs, bf16 only.
 
 #include <stdint.h>
 #include <string.h>
@@ -24,20 +26,33 @@
 extern "C" {
 void rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *weight, uint16_t *out, int64_t rows,
                    int64_t size, float eps);
+void rms_norm_f32(const float *x, int64_t x_stride, const float *weight, float *out, int64_t rows, int64_t size,
+                  float eps);
 void silu_and_mul_bf16(const uint16_t *x, int64_t x_stride, uint16_t *out, int64_t rows, int64_t size);
+void silu_and_mul_f32(const float *x, int64_t x_stride, float *out, int64_t rows, int64_t size);
 void rotary_bf16(uint16_t *x, int64_t x_stride, int64_t rows, int64_t heads, int64_t dim, const float *cos_table,
                  const float *sin_table, const int64_t *positions);
+void rotary_f32(float *x, int64_t x_stride, int64_t rows, int64_t heads, int64_t dim, const float *cos_table,
+                const float *sin_table, const int64_t *positions);
 int decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                           const int64_t *req_to_token, int64_t table_stride, const int64_t *req_rows,
                           const int64_t *lens, uint16_t *out, int64_t batch, int64_t heads, int64_t kv_heads,
                           int64_t head_dim, float scale, int64_t prefix_length, const uint16_t *prefix_out,
                           int64_t prefix_head_stride, int64_t prefix_row_stride, const float *prefix_lse);
+int decode_attention_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                         const int64_t *req_to_token, int64_t table_stride, const int64_t *req_rows,
+                         const int64_t *lens, float *out, int64_t batch, int64_t heads, int64_t kv_heads,
+                         int64_t head_dim, float scale, int64_t prefix_length, const float *prefix_out,
+                         int64_t prefix_head_stride, int64_t prefix_row_stride, const float *prefix_lse);
 void bf16_linear(const uint16_t *x, int64_t x_stride, const uint16_t *packed, uint16_t *out, int64_t out_stride,
                  const uint16_t *bias, const uint16_t *residual, int64_t residual_stride, int64_t m, int64_t n,
                  int64_t k);
 void amx_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed, uint16_t *out, int64_t out_stride,
                      const uint16_t *bias, const uint16_t *residual, int64_t residual_stride, int64_t m, int64_t n,
                      int64_t k);
+int quant_linear_parts(const int64_t *parts_layout, int mode, const void *x, int64_t x_stride, int bf16, int64_t m,
+                       int64_t k, void *out, int64_t out_stride, const void *bias, const void *residual,
+                       int64_t residual_stride);
 int prefix_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, const uint16_t *v, int64_t kv_stride,
                           const int64_t *slots, uint16_t *out, int64_t out_token, float *lse, int64_t n,
                           int64_t heads, int64_t kv_heads, int64_t dim, int64_t length, float scale,
@@ -50,81 +65,167 @@ int amx_prefix_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_
 
 namespace {
 
-// One layer's weights (linears packed for the kernel named by fused_decode_bf16's linear_kind) and its
-// K/V pool, as pointers.
+// What the linears run on (fused_decode_*'s linear_kind).
+enum LinearKind : int64_t { kAmx = 0, kBf16 = 1, kQuantized = 2 };
+
+// One layer's weights and its K/V pool, as pointers. A linear is a packed bf16 weight, or (kQuantized)
+// the int64 parts layout of quant_linear_parts.
+template <typename T>
 struct Layer {
-    const uint16_t *input_norm, *qkv, *qkv_bias, *o, *post_norm, *gate_up, *down;
-    uint16_t *k_cache, *v_cache;
+    const T *input_norm;
+    const void *qkv;
+    const T *qkv_bias;
+    const void *o;
+    const T *post_norm;
+    const void *gate_up, *down;
+    T *k_cache, *v_cache;
 };
 
 struct Shape {
     int64_t batch, hidden, intermediate, heads, kv_heads, head_dim;
 };
 
-}  // namespace
+// The element type's kernels (bf16 as uint16_t, or fp32).
+template <typename T>
+struct Ops;
+template <>
+struct Ops<uint16_t> {
+    static constexpr auto rms_norm = rms_norm_bf16;
+    static constexpr auto silu_and_mul = silu_and_mul_bf16;
+    static constexpr auto rotary = rotary_bf16;
+    static constexpr auto decode_attention = decode_attention_bf16;
+};
+template <>
+struct Ops<float> {
+    static constexpr auto rms_norm = rms_norm_f32;
+    static constexpr auto silu_and_mul = silu_and_mul_f32;
+    static constexpr auto rotary = rotary_f32;
+    static constexpr auto decode_attention = decode_attention_f32;
+};
 
-// hidden [batch, hidden] is the residual stream, updated in place. linear_kind: 0 the AMX matmul, 1
-// bf16_linear; prefix_kind: 0 the AMX prefix attention, 1 the vector one. Returns 0; 1 for AMX asked
-// of a build without it; or the failing kernel's status (the caller checked every condition first,
-// so any is a bug).
-extern "C" int fused_decode_bf16(int64_t linear_kind, int64_t prefix_kind, const Layer *layers, int64_t num_layers, uint16_t *hidden, int64_t batch,
-                                 int64_t hidden_size, int64_t intermediate, int64_t heads, int64_t kv_heads,
-                                 int64_t head_dim, float eps, float scale, const float *cos_table,
-                                 const float *sin_table, const int64_t *positions, const int64_t *out_slots,
-                                 const int64_t *req_to_token, int64_t table_stride, const int64_t *req_rows,
-                                 const int64_t *seq_lens, int64_t prefix_length, const int64_t *prefix_slots) {
-#ifndef RADIXSERVE_AMX
-    if (linear_kind == 0 || (prefix_length && prefix_kind == 0)) return 1;
-#endif
-    auto *linear = linear_kind == 0 ? amx_linear_bf16 : bf16_linear;
-    auto *prefix_attention = prefix_kind == 0 ? amx_prefix_attention_bf16 : prefix_attention_bf16;
-    const Shape s{batch, hidden_size, intermediate, heads, kv_heads, head_dim};
+struct Step {
+    int64_t linear_kind, quant_mode, prefix_kind;
+    float eps, scale;
+    const float *cos_table, *sin_table;
+    const int64_t *positions, *out_slots, *req_to_token;
+    int64_t table_stride;
+    const int64_t *req_rows, *seq_lens;
+    int64_t prefix_length;
+    const int64_t *prefix_slots;
+};
+
+template <typename T>
+int linear(const Step &step, const void *w, const T *x, int64_t x_stride, T *out, int64_t out_stride, const T *bias,
+           const T *residual, int64_t residual_stride, int64_t m, int64_t n, int64_t k) {
+    if (step.linear_kind == kQuantized)
+        return quant_linear_parts(static_cast<const int64_t *>(w), static_cast<int>(step.quant_mode), x, x_stride,
+                                  sizeof(T) == 2, m, k, out, out_stride, bias, residual, residual_stride)
+                   ? 0
+                   : 1;
+    if constexpr (sizeof(T) == 2) {
+        auto *packed_linear = step.linear_kind == kAmx ? amx_linear_bf16 : bf16_linear;
+        packed_linear(x, x_stride, static_cast<const uint16_t *>(w), out, out_stride, bias, residual, residual_stride,
+                      m, n, k);
+        return 0;
+    }
+    return 1;  // packed weights are bf16 only
+}
+
+template <typename T>
+int run_layers(const Step &step, const Layer<T> *layers, int64_t num_layers, T *hidden, const Shape &s) {
     const int64_t q_width = s.heads * s.head_dim, kv_width = s.kv_heads * s.head_dim;
     const int64_t qkv_width = q_width + 2 * kv_width, prefix_rows = s.batch * (s.heads / s.kv_heads);
-    static thread_local std::vector<uint16_t> workspace;
+    static thread_local std::vector<T> workspace;
     static thread_local std::vector<float> prefix_lse;
     const int64_t normed_size = s.batch * s.hidden, qkv_size = s.batch * qkv_width, attn_size = s.batch * q_width;
     const int64_t gate_up_size = s.batch * 2 * s.intermediate, act_size = s.batch * s.intermediate;
-    const int64_t prefix_size = prefix_length ? s.kv_heads * prefix_rows * s.head_dim : 0;
+    const int64_t prefix_size = step.prefix_length ? s.kv_heads * prefix_rows * s.head_dim : 0;
     const size_t needed =
         static_cast<size_t>(normed_size + qkv_size + attn_size + gate_up_size + act_size + prefix_size);
     if (workspace.size() < needed) workspace.resize(needed);
-    if (prefix_length && prefix_lse.size() < static_cast<size_t>(s.kv_heads * prefix_rows))
+    if (step.prefix_length && prefix_lse.size() < static_cast<size_t>(s.kv_heads * prefix_rows))
         prefix_lse.resize(s.kv_heads * prefix_rows);
-    uint16_t *normed = workspace.data(), *qkv = normed + normed_size, *attn = qkv + qkv_size;
-    uint16_t *gate_up = attn + attn_size, *act = gate_up + gate_up_size, *prefix_out = act + act_size;
+    T *normed = workspace.data(), *qkv = normed + normed_size, *attn = qkv + qkv_size;
+    T *gate_up = attn + attn_size, *act = gate_up + gate_up_size, *prefix_out = act + act_size;
 
     for (int64_t l = 0; l < num_layers; l++) {
-        const Layer &w = layers[l];
-        rms_norm_bf16(hidden, s.hidden, w.input_norm, normed, s.batch, s.hidden, eps);
-        linear(normed, s.hidden, w.qkv, qkv, qkv_width, w.qkv_bias, nullptr, 0, s.batch, qkv_width,
-                        s.hidden);
+        const Layer<T> &w = layers[l];
+        Ops<T>::rms_norm(hidden, s.hidden, w.input_norm, normed, s.batch, s.hidden, step.eps);
+        if (linear<T>(step, w.qkv, normed, s.hidden, qkv, qkv_width, w.qkv_bias, nullptr, 0, s.batch, qkv_width,
+                      s.hidden))
+            return 300;
         // Query and key heads are adjacent: rotated together.
-        rotary_bf16(qkv, qkv_width, s.batch, s.heads + s.kv_heads, s.head_dim, cos_table, sin_table, positions);
+        Ops<T>::rotary(qkv, qkv_width, s.batch, s.heads + s.kv_heads, s.head_dim, step.cos_table, step.sin_table,
+                       step.positions);
         for (int64_t b = 0; b < s.batch; b++) {
-            const uint16_t *row = qkv + b * qkv_width;
-            memcpy(w.k_cache + out_slots[b] * kv_width, row + q_width, kv_width * 2);
-            memcpy(w.v_cache + out_slots[b] * kv_width, row + q_width + kv_width, kv_width * 2);
+            const T *row = qkv + b * qkv_width;
+            memcpy(w.k_cache + step.out_slots[b] * kv_width, row + q_width, kv_width * sizeof(T));
+            memcpy(w.v_cache + step.out_slots[b] * kv_width, row + q_width + kv_width, kv_width * sizeof(T));
         }
-        if (prefix_length) {
-            const int status =
-                prefix_attention(qkv, qkv_width, w.k_cache, w.v_cache, kv_width, prefix_slots, prefix_out,
-                                          0, prefix_lse.data(), s.batch, s.heads, s.kv_heads, s.head_dim,
-                                          prefix_length, scale, -1);
-            if (status) return 100 + status;
+        if (step.prefix_length) {
+            if constexpr (sizeof(T) == 2) {
+                auto *prefix_attention = step.prefix_kind == 0 ? amx_prefix_attention_bf16 : prefix_attention_bf16;
+                const int status = prefix_attention(qkv, qkv_width, w.k_cache, w.v_cache, kv_width, step.prefix_slots,
+                                                    prefix_out, 0, prefix_lse.data(), s.batch, s.heads, s.kv_heads,
+                                                    s.head_dim, step.prefix_length, step.scale, -1);
+                if (status) return 100 + status;
+            } else {
+                return 100;  // the prefix attention kernels are bf16 only
+            }
         }
-        const int status = decode_attention_bf16(
-            qkv, qkv_width, w.k_cache, w.v_cache, req_to_token, table_stride, req_rows, seq_lens, attn, s.batch,
-            s.heads, s.kv_heads, s.head_dim, scale, prefix_length, prefix_length ? prefix_out : nullptr,
-            prefix_rows * s.head_dim, s.head_dim, prefix_length ? prefix_lse.data() : nullptr);
+        const int status = Ops<T>::decode_attention(
+            qkv, qkv_width, w.k_cache, w.v_cache, step.req_to_token, step.table_stride, step.req_rows, step.seq_lens,
+            attn, s.batch, s.heads, s.kv_heads, s.head_dim, step.scale, step.prefix_length,
+            step.prefix_length ? prefix_out : nullptr, prefix_rows * s.head_dim, s.head_dim,
+            step.prefix_length ? prefix_lse.data() : nullptr);
         if (status) return 200 + status;
-        linear(attn, q_width, w.o, hidden, s.hidden, nullptr, hidden, s.hidden, s.batch, s.hidden, q_width);
-        rms_norm_bf16(hidden, s.hidden, w.post_norm, normed, s.batch, s.hidden, eps);
-        linear(normed, s.hidden, w.gate_up, gate_up, 2 * s.intermediate, nullptr, nullptr, 0, s.batch,
-                        2 * s.intermediate, s.hidden);
-        silu_and_mul_bf16(gate_up, 2 * s.intermediate, act, s.batch, s.intermediate);
-        linear(act, s.intermediate, w.down, hidden, s.hidden, nullptr, hidden, s.hidden, s.batch, s.hidden,
-                        s.intermediate);
+        if (linear<T>(step, w.o, attn, q_width, hidden, s.hidden, nullptr, hidden, s.hidden, s.batch, s.hidden,
+                      q_width))
+            return 300;
+        Ops<T>::rms_norm(hidden, s.hidden, w.post_norm, normed, s.batch, s.hidden, step.eps);
+        if (linear<T>(step, w.gate_up, normed, s.hidden, gate_up, 2 * s.intermediate, nullptr, nullptr, 0, s.batch,
+                      2 * s.intermediate, s.hidden))
+            return 300;
+        Ops<T>::silu_and_mul(gate_up, 2 * s.intermediate, act, s.batch, s.intermediate);
+        if (linear<T>(step, w.down, act, s.intermediate, hidden, s.hidden, nullptr, hidden, s.hidden, s.batch,
+                      s.hidden, s.intermediate))
+            return 300;
     }
     return 0;
 }
+
+}  // namespace
+
+// hidden [batch, hidden] is the residual stream, updated in place. linear_kind: 0 the AMX matmul, 1
+// bf16_linear, 2 quant_linear_parts with activation mode quant_mode; prefix_kind: 0 the AMX prefix
+// attention, 1 the vector one. Returns 0; 1 for AMX asked of a build without it; or the failing
+// kernel's status (the caller checked every condition first, so any is a bug).
+#define RADIXSERVE_FUSED_DECODE(NAME, T)                                                                           \
+    extern "C" int NAME(int64_t linear_kind, int64_t quant_mode, int64_t prefix_kind, const Layer<T> *layers,      \
+                        int64_t num_layers, T *hidden, int64_t batch, int64_t hidden_size, int64_t intermediate,  \
+                        int64_t heads, int64_t kv_heads, int64_t head_dim, float eps, float scale,                \
+                        const float *cos_table, const float *sin_table, const int64_t *positions,                 \
+                        const int64_t *out_slots, const int64_t *req_to_token, int64_t table_stride,              \
+                        const int64_t *req_rows, const int64_t *seq_lens, int64_t prefix_length,                  \
+                        const int64_t *prefix_slots) {                                                            \
+        if (!amx_allowed(linear_kind, prefix_kind, prefix_length)) return 1;                                     \
+        const Step step{linear_kind, quant_mode,   prefix_kind,  eps,      scale,         cos_table,               \
+                        sin_table,   positions,    out_slots,    req_to_token, table_stride, req_rows,             \
+                        seq_lens,    prefix_length, prefix_slots};                                                 \
+        return run_layers<T>(step, layers, num_layers, hidden,                                                   \
+                             Shape{batch, hidden_size, intermediate, heads, kv_heads, head_dim});                \
+    }
+
+namespace {
+bool amx_allowed(int64_t linear_kind, int64_t prefix_kind, int64_t prefix_length) {
+#ifndef RADIXSERVE_AMX
+    return !(linear_kind == kAmx || (prefix_length && prefix_kind == 0));
+#else
+    (void)linear_kind, (void)prefix_kind, (void)prefix_length;
+    return true;
+#endif
+}
+}  // namespace
+
+RADIXSERVE_FUSED_DECODE(fused_decode_bf16, uint16_t)
+RADIXSERVE_FUSED_DECODE(fused_decode_f32, float)

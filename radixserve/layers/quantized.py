@@ -1,0 +1,154 @@
+"""GGUF block-quantized weights kept as the file holds them, multiplied by the native kernel
+(kernels/csrc/quant_linear.cpp).
+
+A QuantizedTensor is one 2-D weight as rows of ggml blocks. Rows are independent, so a tensor
+narrows by rows (a tensor-parallel column shard, the q/k/v of a stacked layer), and by columns only
+along whole blocks. A QuantizedWeight is what a linear layer holds instead of a plain or packed
+weight: its stacked parts, each in its own format (a Q4_K_M file mixes Q4_K and Q6_K in one q/k/v).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from radixserve.kernels.quant_ops import QuantKernels
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    """A ggml block format: its GGUF type id, weights per block and bytes per block."""
+
+    name: str
+    type_id: int
+    block: int
+    block_bytes: int
+
+
+# The formats with a native kernel: the Q4_K_M / Q5_K_M / Q8_0 files people run, and the legacy ones.
+KEPT_FORMATS: dict[str, QuantFormat] = {
+    f.name: f
+    for f in (
+        QuantFormat("Q4_0", 2, 32, 18),
+        QuantFormat("Q4_1", 3, 32, 20),
+        QuantFormat("Q5_0", 6, 32, 22),
+        QuantFormat("Q5_1", 7, 32, 24),
+        QuantFormat("Q8_0", 8, 32, 34),
+        QuantFormat("Q4_K", 12, 256, 144),
+        QuantFormat("Q5_K", 13, 256, 176),
+        QuantFormat("Q6_K", 14, 256, 210),
+    )
+}
+
+
+class QuantizationError(ValueError):
+    """A quantized weight cannot be cut or used as asked (the message says why)."""
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """A weight [rows, cols] in ggml blocks: data is uint8 [rows, cols / block * block_bytes]."""
+
+    format: QuantFormat
+    data: torch.Tensor
+    cols: int
+
+    @property
+    def rows(self) -> int:
+        return int(self.data.shape[0])
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.rows, self.cols
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def narrow_rows(self, start: int, length: int) -> QuantizedTensor:
+        return QuantizedTensor(self.format, self.data.narrow(0, start, length), self.cols)
+
+    def narrow_cols(self, start: int, length: int) -> QuantizedTensor:
+        """Columns [start, start + length), which must fall on block boundaries."""
+        block = self.format.block
+        if start % block or length % block:
+            raise QuantizationError(
+                f"a {self.format.name} weight splits only along whole blocks of {block} columns "
+                f"(asked for {length} columns from {start})"
+            )
+        first, count = start // block * self.format.block_bytes, length // block * self.format.block_bytes
+        return QuantizedTensor(self.format, self.data.narrow(1, first, count).contiguous(), length)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weights as fp32 [rows, cols], as gguf (and so transformers) dequantizes them."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        values = dequantize(self.data.numpy(), GGMLQuantizationType(self.format.type_id))
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(self.shape))
+
+
+# What a checkpoint reader yields: a plain tensor, or a GGUF-quantized one.
+WeightTensor = torch.Tensor | QuantizedTensor
+
+
+def stack_rows(parts: list[QuantizedTensor]) -> list[QuantizedTensor]:
+    """Consecutive parts of one format joined into one (one kernel call instead of several)."""
+    joined: list[QuantizedTensor] = []
+    for part in parts:
+        if joined and joined[-1].format == part.format and joined[-1].cols == part.cols:
+            last = joined.pop()
+            part = QuantizedTensor(part.format, torch.cat([last.data, part.data]), part.cols)
+        joined.append(part)
+    return joined
+
+
+@dataclass
+class QuantizedWeight:
+    """A linear weight [N, K] held as quantized parts stacked along N, for the native kernel."""
+
+    parts: list[QuantizedTensor]
+    kernels: QuantKernels
+
+    def __post_init__(self) -> None:
+        # The kernel's description of the parts (their addresses: the parts must outlive it).
+        self.layout = self.kernels.parts_layout([(p.format.type_id, p.data) for p in self.parts])
+        self.rows = sum(p.rows for p in self.parts)
+
+    def matmul(
+        self, x: torch.Tensor, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x W^T (+ bias) (+ residual, added in fp32 before the output is rounded)."""
+        return self.kernels.linear(x, self.layout, self.rows, bias, residual)
+
+    @property
+    def row_invariant(self) -> bool:
+        """Each output is summed in one order whatever the row count (csrc/quant_linear.cpp)."""
+        return True
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    @property
+    def formats(self) -> list[str]:
+        return sorted({p.format.name for p in self.parts})
+
+    def to_dense(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+
+@dataclass
+class QuantizedEmbedding:
+    """A quantized embedding table: lookups dequantize the rows they read."""
+
+    table: QuantizedTensor
+    kernels: QuantKernels
+
+    def lookup(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        rows = self.kernels.rows(self.table.format.type_id, self.table.data, ids.reshape(-1), self.table.cols)
+        return rows.to(dtype).reshape(*ids.shape, self.table.cols)

@@ -13,9 +13,25 @@ tensors that live on the accelerator.
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
-__all__ = ["KVCachePool", "KVSlotAllocator", "ReqToTokenPool"]
+__all__ = ["KVCachePool", "KVSlotAllocator", "ReqToTokenPool", "zeros_on_demand"]
+
+
+def zeros_on_demand(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.zeros, except that on a CPU the memory comes from an anonymous mapping: the OS's zero
+    pages, taken as they are written. A KV pool sized for a long context then holds memory for the
+    tokens it has stored, not for its capacity."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    size = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    if size == 0:
+        return torch.zeros(shape, dtype=dtype)
+    # The tensor keeps the mapping alive.
+    return torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8).view(dtype).view(shape)
 
 
 class ReqToTokenPool:
@@ -28,7 +44,7 @@ class ReqToTokenPool:
         self.max_context_len = max_context_len
         self.device = torch.device(device)
         # int64 so rows can be used directly as an index into the KV buffers.
-        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=self.device)
+        self.req_to_token = zeros_on_demand((size, max_context_len), torch.int64, self.device)
         self._free: list[int] = []
         self._is_free: list[bool] = []
         self.clear()
@@ -81,12 +97,8 @@ class KVCachePool:
 
     def allocate(self) -> None:
         shape = (self.num_slots, self.num_kv_heads, self.head_dim)
-        self.k_buffers = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
-        ]
-        self.v_buffers = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
-        ]
+        self.k_buffers = [zeros_on_demand(shape, self.dtype, self.device) for _ in range(self.num_layers)]
+        self.v_buffers = [zeros_on_demand(shape, self.dtype, self.device) for _ in range(self.num_layers)]
 
     def release(self) -> None:
         """Frees the buffers (their contents are lost); allocate() brings them back."""

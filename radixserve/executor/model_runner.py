@@ -62,8 +62,10 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
-# Default KV capacity cap on a CPU when --max-total-tokens is not given.
-CPU_DEFAULT_MAX_TOTAL_TOKENS = 65536
+# On a CPU without --max-total-tokens, the KV pool holds the context (--context-length, else the
+# model's) and never fewer tokens than this, so that a batch of ordinary requests shares it; within
+# the free memory. Its pages are taken as tokens are stored (cache/pools.py, zeros_on_demand).
+CPU_MIN_KV_TOKENS = 16384
 # Default cap on decode staging (attention/staging.py) on a CPU, in K/V tokens.
 CPU_DEFAULT_STAGING_TOKENS = 32768
 
@@ -291,11 +293,42 @@ class ModelRunner:
             # The instruction set the native kernels were built for (None: torch ops only).
             "cpu_kernels_isa": None if self.kernels is None else self.kernels.isa,
             # What linears run on: bf16 (amx, native_<isa>, onednn, F.linear), or fp32 (native_fp32 for
-            # decode-sized row counts, else F.linear).
+            # decode-sized row counts, else F.linear); quantized weights: quant_<mode>_<isa>.
             "linear_kernel": self._linear_kernel(),
+            # Resident bytes of the weights by format (GGUF type names, else the dense dtype), and of
+            # the KV pool at its capacity (its pages are taken as tokens are stored).
+            "weight_bytes": self.weight_bytes(),
+            "kv_cache_bytes": self.kv_pool.num_slots * self._kv_bytes_per_slot(),
         }
 
+    def _kv_bytes_per_slot(self) -> int:
+        return KVCachePool.bytes_per_slot(
+            self.num_local_layers, self.local_kv_heads, self.config.head_dim, self.dtype
+        )
+
+    def weight_bytes(self) -> dict[str, int]:
+        """Bytes of the model's weights by format: each quantized format, and the dense tensors
+        (norms, and whatever is not quantized) under their dtype."""
+        resident = dict(self.quantized_bytes)
+        seen: set[int] = set()
+        for module in self.model.modules():
+            tensors: list[torch.Tensor] = [*module.parameters(recurse=False)]
+            packed = getattr(module, "packed", None)
+            if isinstance(packed, PackedWeight):
+                tensors.append(packed.data)
+            for tensor in tensors:
+                if tensor.numel() and tensor.data_ptr() not in seen:
+                    seen.add(tensor.data_ptr())
+                    name = str(tensor.dtype).removeprefix("torch.")
+                    resident[name] = resident.get(name, 0) + tensor.numel() * tensor.element_size()
+        return resident
+
     def _linear_kernel(self) -> str:
+        if self.quantized_weights and self.kernels is not None and self.kernels.quant is not None:
+            quant = self.kernels.quant
+            return f"quant_{quant.activations}_{self.kernels.isa}" + (
+                "_" + quant.isa if quant.activations == "int8" else ""
+            )
         if self.packing is not None:
             return self.packing.kernel
         if self.native_fp32_linears:
@@ -442,12 +475,7 @@ class ModelRunner:
         return self.dtype == torch.float32 and self.kernels is not None and self.device.type == "cpu"
 
     def _kv_capacity(self, gathers_kv: bool) -> int:
-        per_slot = KVCachePool.bytes_per_slot(
-            self.num_local_layers,
-            self.local_kv_heads,
-            self.config.head_dim,
-            self.dtype,
-        )
+        per_slot = self._kv_bytes_per_slot()
         args = self.runner_config
         page = args.page_size
         if args.max_total_tokens is not None:
@@ -462,9 +490,15 @@ class ModelRunner:
             max_running = args.max_running_requests or 256
             tokens = min(tokens, max_running * self.context_len)
             if self.device.type == "cpu":
-                # Host memory is shared with everything else on the machine; a CPU serves far
-                # fewer concurrent tokens than this anyway. --max-total-tokens overrides it.
-                tokens = min(tokens, CPU_DEFAULT_MAX_TOTAL_TOKENS)
+                # Host memory is shared with everything else on the machine, and a CPU serves far
+                # fewer concurrent tokens than a GPU: room for the context, not for all of memory.
+                wanted = max(self.context_len, CPU_MIN_KV_TOKENS)
+                logger.info(
+                    "KV cache sized for max(context %d, %d) tokens, within %.1f GiB free x %.2f",
+                    self.context_len, CPU_MIN_KV_TOKENS, budget / args.mem_fraction_static / 2**30,
+                    args.mem_fraction_static,
+                )  # fmt: skip
+                tokens = min(tokens, wanted)
         tokens = tokens // page * page
         if tokens < page:
             raise InvalidArgumentError(

@@ -40,6 +40,7 @@ from radixserve.layers.linear import (
     FP32_NATIVE_MAX_ROWS,
     ParallelLinear,
     ParallelLMHead,
+    quantized_parts,
     split_kv_heads,
     use_native_fp32_linears,
     use_quantized_weights,
@@ -568,6 +569,9 @@ class ModelRunner:
         tensors += [
             p.data for m in self.model.modules() if isinstance(p := getattr(m, "packed", None), PackedWeight)
         ]
+        tensors += list(
+            {id(p.data): p.data for m in self.model.modules() for p in quantized_parts(m)}.values()
+        )
         kv = self.kv_pool.k_buffers + self.kv_pool.v_buffers
         return {
             "weights": sum(t.numel() * t.element_size() for t in tensors),

@@ -79,6 +79,14 @@ def use_quantized_weights(model: nn.Module, kernels: QuantKernels) -> dict[str, 
     return resident
 
 
+def quantized_parts(module: nn.Module) -> list[QuantizedTensor]:
+    """The GGUF-quantized tensors a layer holds (its linear's parts, or its embedding table)."""
+    packed = getattr(module, "packed", None)
+    parts = list(packed.parts) if isinstance(packed, QuantizedWeight) else []
+    table = getattr(module, "quant_table", None)
+    return parts + ([table] if isinstance(table, QuantizedTensor) and table not in parts else [])
+
+
 class ShardingError(ValueError):
     """The model's shapes cannot be split over --tp-size ranks."""
 
@@ -165,7 +173,8 @@ class ParallelLinear(nn.Module):
         return self.weight.data if self.packed is None else self.packed.to_dense().to(self.weight.dtype)
 
     def unpack(self) -> None:
-        """Back to a plain weight, which loading and reading need; pack_for_cpu() packs again."""
+        """Back to a plain weight, which loading and reading need; pack_for_cpu() packs again (a
+        quantized weight comes back dense, in the model's dtype)."""
         if self.packed is not None:
             self.weight = nn.Parameter(self.dense_weight(), requires_grad=False)
             self.packed = None
@@ -350,6 +359,11 @@ class VocabParallelEmbedding(nn.Module):
         self.quantized = QuantizedEmbedding(self.quant_table, kernels)
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
         return [self.quant_table]
+
+    def dense_weight(self) -> torch.Tensor:
+        if self.quant_table is not None:
+            return self.quant_table.dequantize().to(self.weight.dtype)
+        return self.weight.data
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:

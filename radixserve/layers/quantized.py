@@ -115,9 +115,13 @@ class QuantizedWeight:
     kernels: QuantKernels
 
     def __post_init__(self) -> None:
-        # The kernel's description of the parts (their addresses: the parts must outlive it).
-        self.layout = self.kernels.parts_layout([(p.format.type_id, p.data) for p in self.parts])
         self.rows = sum(p.rows for p in self.parts)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """The kernel's description of the parts: their addresses, read again after the parts'
+        storage moved (weights released and resumed)."""
+        self.layout = self.kernels.parts_layout([(p.format.type_id, p.data) for p in self.parts])
 
     def matmul(
         self, x: torch.Tensor, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None

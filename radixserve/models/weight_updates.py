@@ -26,8 +26,10 @@ from radixserve.layers.linear import (
     RowParallelLinear,
     VocabParallelEmbedding,
     WeightTarget,
+    quantized_parts,
 )
 from radixserve.layers.packed_weights import WeightPacking
+from radixserve.layers.quantized import QuantizedWeight
 
 Packable = ParallelLinear | ParallelLMHead
 
@@ -57,6 +59,16 @@ def update_weights(
     an unknown name or a wrong shape raises and leaves every weight as it was."""
     targets = [(target, tensor) for name, tensor in named if (target := model.resolve(name)) is not None]
     modules = list({id(t.module): t.module for t, _ in targets}.values())
+    tables = [
+        t.module_path
+        for t, _ in targets
+        if isinstance(t.module, VocabParallelEmbedding) and quantized_parts(t.module)
+    ]
+    if tables:
+        raise ValueError(
+            f"{', '.join(tables)} holds a GGUF-quantized table, which only a whole checkpoint replaces "
+            "(/update_weights_from_disk); linear layers take named tensors (and hold them dense after)"
+        )
     modules += [m for m in _tied_heads(model, modules) if m not in modules]
     for module in modules:
         if isinstance(module, (ParallelLinear, ParallelLMHead)):
@@ -85,7 +97,7 @@ def read_weight(model: ResolvingModel, name: str) -> torch.Tensor:
         )
     module = target.module
     tensor = getattr(module, target.param)
-    if isinstance(module, ParallelLinear) and target.param == "weight":
+    if isinstance(module, (ParallelLinear, VocabParallelEmbedding)) and target.param == "weight":
         tensor = module.dense_weight()
     if isinstance(module, ColumnParallelLinear):
         tensor = tensor.narrow(0, module.offsets[target.shard], module.local_sizes[target.shard])
@@ -124,12 +136,17 @@ class WeightStash:
         self.spill_dir: Path | None = None
 
     def _tensors(self) -> dict[str, torch.Tensor]:
-        # Tied weights are one Parameter, listed once.
-        return {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
+        # Tied weights are one Parameter, listed once; so is a quantized table a tied head shares.
+        quantized = {id(p.data): p.data for m in self.model.modules() for p in quantized_parts(m)}
+        named = {f"quantized.{i}": data for i, data in enumerate(quantized.values())}
+        return {**dict(self.model.named_parameters()), **dict(self.model.named_buffers()), **named}
 
     def release(self) -> None:
         for module in self.model.modules():
-            if isinstance(module, (ParallelLinear, ParallelLMHead)):
+            # Quantized weights are stashed as they are, not dequantized.
+            if isinstance(module, (ParallelLinear, ParallelLMHead)) and not isinstance(
+                module.packed, QuantizedWeight
+            ):
                 module.unpack()
         tensors = self._tensors()
         if self.device.type == "cpu":
@@ -155,6 +172,9 @@ class WeightStash:
             saved = load_file(self.spill_dir / "weights.safetensors")
         for name, tensor in self._tensors().items():
             tensor.data = saved[name].to(self.device)
+        for module in self.model.modules():
+            if isinstance(packed := getattr(module, "packed", None), QuantizedWeight):
+                packed.refresh()
         self.discard()
         if self.packing is not None:
             repack(self.model.modules(), self.packing)

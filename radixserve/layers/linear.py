@@ -22,7 +22,6 @@ from radixserve.layers.quantized import (
     QuantizedTensor,
     QuantizedWeight,
     WeightTensor,
-    stack_rows,
 )
 
 if TYPE_CHECKING:
@@ -203,7 +202,8 @@ class ParallelLinear(nn.Module):
             for shard, part in parts.items():
                 self._write_dense(shard, part.dequantize())
             return []
-        stacked = stack_rows([parts[shard] for shard in sorted(parts)])
+        # The parts stay apart (one kernel call takes them all): a GGUF's are views of the mapped file.
+        stacked = [parts[shard] for shard in sorted(parts)]
         self.packed = QuantizedWeight(stacked, kernels)
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
         return stacked

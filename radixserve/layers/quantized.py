@@ -96,17 +96,6 @@ class QuantizedTensor:
 WeightTensor = torch.Tensor | QuantizedTensor
 
 
-def stack_rows(parts: list[QuantizedTensor]) -> list[QuantizedTensor]:
-    """Consecutive parts of one format joined into one (one kernel call instead of several)."""
-    joined: list[QuantizedTensor] = []
-    for part in parts:
-        if joined and joined[-1].format == part.format and joined[-1].cols == part.cols:
-            last = joined.pop()
-            part = QuantizedTensor(part.format, torch.cat([last.data, part.data]), part.cols)
-        joined.append(part)
-    return joined
-
-
 @dataclass
 class QuantizedWeight:
     """A linear weight [N, K] held as quantized parts stacked along N, for the native kernel."""

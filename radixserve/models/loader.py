@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import re
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal, overload
@@ -330,13 +331,21 @@ def _iter_gguf(path: Path, config: ModelConfig, keep_quantized: bool) -> Iterato
                 data = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(
                     shape
                 )
-            if arch == "llama":
+            permuted = arch == "llama" and (
+                ".self_attn.q_proj." in hf_name or ".self_attn.k_proj." in hf_name
+            )
+            if permuted:
                 # Rows are independent, so the same row order undoes it on quantized blocks.
-                if ".self_attn.q_proj." in hf_name:
-                    data = _unpermute_qk(data, config.num_attention_heads)
-                elif ".self_attn.k_proj." in hf_name:
-                    data = _unpermute_qk(data, config.num_key_value_heads)
-            # Copy: the data may be a read-only view into the memory-mapped file.
-            copied = torch.from_numpy(np.array(data, copy=True))
-            yield hf_name, copied if kept is None else QuantizedTensor(kept, copied, shape[1])
+                heads = config.num_attention_heads if ".q_proj." in hf_name else config.num_key_value_heads
+                data = _unpermute_qk(data, heads)
+            if kept is not None and not permuted:
+                # Served from the memory-mapped file as llama.cpp does: the blocks are only read, and
+                # the file's pages are the weights' one copy in memory.
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+                    yield hf_name, QuantizedTensor(kept, torch.from_numpy(data), shape[1])
+            else:
+                # Copy: the data may be a read-only view into the memory-mapped file.
+                copied = torch.from_numpy(np.array(data, copy=True))
+                yield hf_name, copied if kept is None else QuantizedTensor(kept, copied, shape[1])
             bar.update(1)

@@ -18,7 +18,7 @@ from radixserve.scheduler.process import build_scheduler
 
 
 def _run(
-    model_path: Path, fused: bool, monkeypatch: pytest.MonkeyPatch
+    model_path: Path, fused: bool, monkeypatch: pytest.MonkeyPatch, **args: Any
 ) -> tuple[list[torch.Tensor], int, bool]:
     """Every forward's logits for two waves of requests (the first sharing a 48-token prefix, so
     decode attends it as a shared prefix; the second not), how many steps ran fused, and whether
@@ -35,7 +35,7 @@ def _run(
         # The model then declares no fused plan, and the runner picks the per-layer decode path.
         monkeypatch.setattr(llama.CausalLM, "fused_decode_plan", lambda self: None)
     scheduler = build_scheduler(
-        ServerArgs(model_path=str(model_path), dtype="bfloat16", max_total_tokens=2048, log_level="warning")
+        ServerArgs(model_path=str(model_path), max_total_tokens=2048, log_level="warning", **args)
     )
     plan = scheduler.executor.model.fused_decode  # type: ignore[attr-defined]
     if fused and plan is None:
@@ -62,11 +62,18 @@ def _keep(result: tuple[torch.Tensor, torch.Tensor], into: list[torch.Tensor]) -
     return result
 
 
+# The weights: bf16 packed for the bf16 matmul (dequantized), or the GGUF's blocks on the quantized
+# kernel with bf16 or fp32 activations (fused_decode_bf16 / fused_decode_f32).
+@pytest.mark.parametrize(
+    "args",
+    [{"dtype": "bfloat16", "quantization": "none"}, {"dtype": "bfloat16"}, {"dtype": "float32"}],
+    ids=["bf16-dense", "bf16-quantized", "fp32-quantized"],
+)
 def test_fused_decode_is_bit_identical_to_the_layer_loop(
-    smollm2_gguf_path: Path, monkeypatch: pytest.MonkeyPatch
+    smollm2_gguf_path: Path, monkeypatch: pytest.MonkeyPatch, args: dict[str, str]
 ) -> None:
-    fused, fused_steps, with_prefix = _run(smollm2_gguf_path, True, monkeypatch)
-    plain, plain_steps, _ = _run(smollm2_gguf_path, False, monkeypatch)
+    fused, fused_steps, with_prefix = _run(smollm2_gguf_path, True, monkeypatch, **args)
+    plain, plain_steps, _ = _run(smollm2_gguf_path, False, monkeypatch, **args)
     # Each wave decodes 5 steps; without AMX the first wave's (shared prefix) run per layer.
     assert fused_steps >= 8 if with_prefix else fused_steps == 5
     assert plain_steps == 0

@@ -509,6 +509,139 @@ inline void dequantize_sub(const uint8_t *block, const SubCoef &k, int sub, Floa
     }
 }
 
+// A block's coefficients for the kFloat path, decoded once per block and column, and one sub-block's
+// weights from them (float_sub). Generic: the scalar SubCoefs and dequantize_sub. On AVX-512 the
+// common formats decode their scales with vector instructions and look 4-bit values up by permute;
+// each format has one way, shared by the register and scratch paths, so they agree bit for bit.
+template <class F>
+struct FloatCoefs {
+    SubCoef sub[F::kSubs];
+};
+template <class F>
+inline void float_coefs(const uint8_t *b, FloatCoefs<F> &c) {
+    F::coefs(b, c.sub);
+}
+template <class F>
+inline void float_sub(const uint8_t *b, const FloatCoefs<F> &c, int sub, FloatVec *w) {
+    dequantize_sub<F>(b, c.sub[sub], sub, w);
+}
+
+#ifdef RADIXSERVE_QUANT_FLOAT512
+inline __m512 broadcast_half(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(read_u16(p)))); }
+const __m512 kIota16 = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+
+// 16 unsigned 4-bit values (one per byte) through a 16-entry table.
+inline __m512 lookup16(__m128i values, __m512 table) { return _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(values), table); }
+inline __m128i low_nibbles(__m128i v) { return _mm_and_si128(v, _mm_set1_epi8(0x0f)); }
+inline __m128i high_nibbles(__m128i v) { return _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0f)); }
+inline __m128i load16(const uint8_t *p) { return _mm_loadu_si128(reinterpret_cast<const __m128i *>(p)); }
+
+// Q4_0 / Q4_1: the block's 16 values, scale * q + offset, as a table.
+struct LegacyQ4Coefs {
+    __m512 table;
+};
+template <>
+struct FloatCoefs<Q4_0> : LegacyQ4Coefs {};
+template <>
+struct FloatCoefs<Q4_1> : LegacyQ4Coefs {};
+template <>
+inline void float_coefs<Q4_0>(const uint8_t *b, FloatCoefs<Q4_0> &c) {
+    const __m512 d = broadcast_half(b);
+    c.table = _mm512_fmadd_ps(kIota16, d, _mm512_mul_ps(_mm512_set1_ps(-8.0f), d));
+}
+template <>
+inline void float_coefs<Q4_1>(const uint8_t *b, FloatCoefs<Q4_1> &c) {
+    c.table = _mm512_fmadd_ps(kIota16, broadcast_half(b), broadcast_half(b + 2));
+}
+template <>
+inline void float_sub<Q4_0>(const uint8_t *b, const FloatCoefs<Q4_0> &c, int, FloatVec *w) {
+    const __m128i v = load16(b + 2);
+    w[0] = lookup16(low_nibbles(v), c.table);
+    w[1] = lookup16(high_nibbles(v), c.table);
+}
+template <>
+inline void float_sub<Q4_1>(const uint8_t *b, const FloatCoefs<Q4_1> &c, int, FloatVec *w) {
+    const __m128i v = load16(b + 4);
+    w[0] = lookup16(low_nibbles(v), c.table);
+    w[1] = lookup16(high_nibbles(v), c.table);
+}
+
+// Q8_0: d * q.
+template <>
+struct FloatCoefs<Q8_0> {
+    __m512 d;
+};
+template <>
+inline void float_coefs<Q8_0>(const uint8_t *b, FloatCoefs<Q8_0> &c) {
+    c.d = broadcast_half(b);
+}
+template <>
+inline void float_sub<Q8_0>(const uint8_t *b, const FloatCoefs<Q8_0> &c, int, FloatVec *w) {
+    w[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load16(b + 2))), c.d);
+    w[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load16(b + 18))), c.d);
+}
+
+// Q4_K: the 8 sub-blocks' scales and offsets decoded together (the 6-bit fields by 32-bit masks).
+template <>
+struct FloatCoefs<Q4_K> {
+    alignas(32) float scale[8];
+    alignas(32) float offset[8];
+};
+template <>
+inline void float_coefs<Q4_K>(const uint8_t *b, FloatCoefs<Q4_K> &c) {
+    uint32_t u[3];
+    memcpy(u, b + 4, 12);
+    const uint32_t scales_high = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+    const uint32_t mins_high = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+    const uint64_t scales = (u[0] & 0x3f3f3f3fu) | (static_cast<uint64_t>(scales_high) << 32);
+    const uint64_t mins = (u[1] & 0x3f3f3f3fu) | (static_cast<uint64_t>(mins_high) << 32);
+    const __m256 d = _mm256_set1_ps(half_to_float(read_u16(b))), dmin = _mm256_set1_ps(half_to_float(read_u16(b + 2)));
+    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(scales))));
+    const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(mins))));
+    _mm256_store_ps(c.scale, _mm256_mul_ps(d, sc));
+    _mm256_store_ps(c.offset, _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, mn)));
+}
+template <>
+inline void float_sub<Q4_K>(const uint8_t *b, const FloatCoefs<Q4_K> &c, int sub, FloatVec *w) {
+    const __m512 table = _mm512_fmadd_ps(kIota16, _mm512_set1_ps(c.scale[sub]), _mm512_set1_ps(c.offset[sub]));
+    const uint8_t *qs = b + 16 + 32 * (sub / 2);
+    if (sub & 1) {
+        w[0] = lookup16(high_nibbles(load16(qs)), table);
+        w[1] = lookup16(high_nibbles(load16(qs + 16)), table);
+    } else {
+        w[0] = lookup16(low_nibbles(load16(qs)), table);
+        w[1] = lookup16(low_nibbles(load16(qs + 16)), table);
+    }
+}
+
+// Q6_K: the 16 scales of a super-block at once; each sub-block's halves of 16 have their own.
+template <>
+struct FloatCoefs<Q6_K> {
+    alignas(64) float scale[16];
+    alignas(64) float offset[16];
+};
+template <>
+inline void float_coefs<Q6_K>(const uint8_t *b, FloatCoefs<Q6_K> &c) {
+    const __m512 d = _mm512_set1_ps(half_to_float(read_u16(b + 208)));
+    const __m512 scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load16(b + 192))));
+    _mm512_store_ps(c.scale, scale);
+    _mm512_store_ps(c.offset, _mm512_mul_ps(_mm512_set1_ps(-32.0f), scale));
+}
+template <>
+inline void float_sub<Q6_K>(const uint8_t *b, const FloatCoefs<Q6_K> &c, int sub, FloatVec *w) {
+    const int half = sub / 4, quarter = sub % 4, base = 8 * half + 2 * quarter;
+    const uint8_t *low = b + 64 * half + 32 * (quarter & 1), *high = b + 128 + 32 * half;
+    const __m128i shift_low = _mm_cvtsi32_si128(4 * (quarter >> 1)), shift_high = _mm_cvtsi32_si128(2 * quarter);
+    for (int h = 0; h < 2; ++h) {
+        const __m128i lo4 = _mm_and_si128(_mm_srl_epi16(load16(low + 16 * h), shift_low), _mm_set1_epi8(0x0f));
+        const __m128i hi2 = _mm_and_si128(_mm_srl_epi16(load16(high + 16 * h), shift_high), _mm_set1_epi8(3));
+        const __m128i q = _mm_or_si128(lo4, _mm_slli_epi16(hi2, 4));
+        w[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)), _mm512_set1_ps(c.scale[base + h]),
+                               _mm512_set1_ps(c.offset[base + h]));
+    }
+}
+#endif
+
 // Rows [row, row + MR) x columns [col, col + NC), the weights from registers.
 template <class F, int MR, int NC>
 inline void tile_float_direct(const uint8_t *w, int64_t row_bytes, int64_t col, int64_t row, const Activations &a,
@@ -518,19 +651,19 @@ inline void tile_float_direct(const uint8_t *w, int64_t row_bytes, int64_t col, 
     for (int r = 0; r < MR; ++r)
         for (int c = 0; c < NC; ++c) acc[r][c] = fv_zero();
     for (int64_t blk = 0; blk < blocks; ++blk) {
-        SubCoef coefs[NC][F::kSubs];
+        FloatCoefs<F> coefs[NC];
         const uint8_t *block[NC];
         for (int c = 0; c < NC; ++c) {
             block[c] = w + (col + c) * row_bytes + blk * F::kBytes;
             // The same block of the next tile's columns: a tile reads NC rows of W at once, too many
             // streams for the hardware prefetcher to run ahead of (decode is bound by memory).
             prefetch_block<F>(block[c] + NC * row_bytes);
-            F::coefs(block[c], coefs[c]);
+            float_coefs<F>(block[c], coefs[c]);
         }
         for (int sub = 0; sub < F::kSubs; ++sub) {
             const int64_t at = 32 * (blk * F::kSubs + sub);
             FloatVec weights[NC][kSubVectors];
-            for (int c = 0; c < NC; ++c) dequantize_sub<F>(block[c], coefs[c][sub], sub, weights[c]);
+            for (int c = 0; c < NC; ++c) float_sub<F>(block[c], coefs[c], sub, weights[c]);
             for (int r = 0; r < MR; ++r) {
                 const float *x = a.row_floats(row + r) + at;
                 for (int v = 0; v < kSubVectors; ++v) {
@@ -551,11 +684,11 @@ inline void dequantize_columns(const uint8_t *w, int64_t row_bytes, int64_t col,
     for (int c = 0; c < NC; ++c) {
         for (int64_t blk = 0; blk < blocks; ++blk) {
             const uint8_t *block = w + (col + c) * row_bytes + blk * F::kBytes;
-            SubCoef coefs[F::kSubs];
-            F::coefs(block, coefs);
+            FloatCoefs<F> coefs;
+            float_coefs<F>(block, coefs);
             for (int sub = 0; sub < F::kSubs; ++sub) {
                 FloatVec weights[kSubVectors];
-                dequantize_sub<F>(block, coefs[sub], sub, weights);
+                float_sub<F>(block, coefs, sub, weights);
                 float *out = scratch + c * k + 32 * (blk * F::kSubs + sub);
                 for (int v = 0; v < kSubVectors; ++v) fv_store(out + kLanes * v, weights[v]);
             }

@@ -133,9 +133,10 @@ def _add_offline_parser(bench_sub: Any) -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--dtypes",
-        type=_csv(_BENCH_DTYPES),
+        type=_csv((*_BENCH_DTYPES, "auto")),
         default=["bfloat16", "float32"],
-        help="comma list of bfloat16,float32 (default both)",
+        help="comma list of bfloat16,float32,auto (default the first two; auto: the server's own "
+        "choice, float32 for a GGUF's quantized weights)",
     )
     bench.add_argument("--repeats", type=positive_int, default=3, help="timed runs per result; median")
     bench.add_argument("--hf-batch", type=positive_int, default=32, help="transformers static batch size")

@@ -75,7 +75,8 @@ def resolve_target(cfg: BenchConfig, dtype: str) -> ModelTarget:
     from radixserve.models.source import load_model_config, resolve_model_source
 
     if cfg.model_path is None:
-        path = ensure_random_smollm2(cfg.work_dir, dtype)
+        # The random model is written in bf16 and fp32; auto serves the bf16 one in the server's dtype.
+        path = ensure_random_smollm2(cfg.work_dir, "bfloat16" if dtype == "auto" else dtype)
         vocab = load_model_config(resolve_model_source(path)).vocab_size
         return ModelTarget(f"random SmolLM2-135M ({path.name})", str(path), path, vocab)
     engine_path = None if cfg.model_path == "default" else cfg.model_path
@@ -365,12 +366,18 @@ def run_benchmark(cfg: BenchConfig, log: Log = print) -> dict[str, Any]:
         target = resolve_target(cfg, dtype)
         workloads = [make_workload(name, cfg.scale, target.vocab_limit) for name in cfg.workloads]
         log(f"model: {target.label} dtype={dtype}")
-        if cfg.baseline and target.hf_dir is None:
-            log(f"  transformers baseline skipped: {target.label} is not a transformers directory")
+        baseline = cfg.baseline and target.hf_dir is not None and dtype != "auto"
+        if cfg.baseline and not baseline:
+            why = (
+                "dtype auto is the server's own choice"
+                if dtype == "auto"
+                else "it is not a transformers directory"
+            )
+            log(f"  transformers baseline skipped for {target.label}: {why}")
         systems: list[RadixserveSystem | TransformersSystem] = []
         try:
             systems.append(RadixserveSystem(target, dtype, workloads, cfg))
-            if cfg.baseline and target.hf_dir is not None:
+            if baseline and target.hf_dir is not None:
                 systems.append(TransformersSystem(target.hf_dir, dtype, cfg))
             results += _run_alternating(systems, dtype, workloads, cfg.repeats, log)
         finally:

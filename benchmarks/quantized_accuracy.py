@@ -19,12 +19,10 @@ from pathlib import Path
 
 import torch
 
-from radixserve.config.server_args import ServerArgs
 from radixserve.kernels.quant_ops import ACTIVATIONS_ENV
 from radixserve.models.source import resolve_model_source
 from radixserve.models.tokenizer import load_tokenizer
-from radixserve.protocol.messages import GenerateRequest
-from radixserve.scheduler.process import build_scheduler
+from radixserve.runtime.engine import Engine
 
 # name -> (ServerArgs fields, RADIXSERVE_QUANT_ACTIVATIONS)
 CONFIGS: dict[str, tuple[dict[str, str | None], str]] = {
@@ -55,29 +53,28 @@ def make_pairs(tokenizer: object, count: int) -> list[tuple[list[int], int]]:
 
 
 def loglikelihoods(
-    args: ServerArgs, pairs: list[tuple[list[int], int]]
+    model_path: str | None, fields: dict[str, str | None], pairs: list[tuple[list[int], int]]
 ) -> tuple[list[float], list[list[int]]]:
-    """Per pair: the continuation's summed log-probability and its greedy tokens."""
-    scheduler = build_scheduler(args)
+    """Per pair: the continuation's summed log-probability and its greedy tokens, from the prompt
+    logprobs of one engine serving the model with `fields`."""
+    engine = Engine(model_path=model_path, max_total_tokens=2048, log_level="warning", **fields)  # type: ignore[arg-type]
     sums, greedy = [], []
-    for index, (ids, length) in enumerate(pairs):
-        request = GenerateRequest(
-            f"pair-{index}", ids, {"max_new_tokens": 1}, return_logprob=True, logprob_start_len=0
-        )
-        scheduler.add_request(request)
-        batch = scheduler._next_batch()
-        assert batch is not None
-        rows = scheduler.executor.forward(batch.forward)[0].float()
-        # Row 0 is the sampled (last) position; rows 1.. predict tokens 1.. of the prompt.
-        scheduler._publish(
-            scheduler._decide(batch.reqs, batch.samples, batch.is_prefill, [[int(rows[0].argmax())]])
-        )
-        logprobs = torch.log_softmax(rows[1:], dim=-1)
-        targets = torch.tensor(ids[1:])
-        picked = logprobs[torch.arange(len(targets)), targets]
-        sums.append(float(picked[-length:].sum()))
-        greedy.append(logprobs[-length:].argmax(dim=-1).tolist())
-    scheduler.check_kv_invariant()
+    try:
+        for ids, length in pairs:
+            out = engine.generate(
+                input_ids=ids,
+                sampling_params={"max_new_tokens": 1, "temperature": 0.0},
+                return_logprob=True,
+                logprob_start_len=0,
+                top_logprobs_num=1,
+            )
+            assert isinstance(out, dict)
+            meta = out["meta_info"]
+            sums.append(sum(float(v) for v, _, _ in meta["input_token_logprobs"][-length:]))
+            greedy.append([int(top[0][1]) for top in meta["input_top_logprobs"][-length:]])
+        engine.check_kv_invariant()
+    finally:
+        engine.shutdown()
     return sums, greedy
 
 
@@ -88,12 +85,11 @@ def main() -> None:
     parser.add_argument("--model-path", default=None, help="a GGUF file (default: the packaged SmolLM2)")
     parser.add_argument("--pairs", type=int, default=150)
     options = parser.parse_args()
-    base = ServerArgs(model_path=options.model_path, max_total_tokens=1024, log_level="warning")
-    tokenizer = load_tokenizer(resolve_model_source(base.model_path))
+    tokenizer = load_tokenizer(resolve_model_source(options.model_path))
     pairs = make_pairs(tokenizer, options.pairs)
 
     def run(**fields: str | None) -> tuple[list[float], list[list[int]]]:
-        return loglikelihoods(ServerArgs(**{**vars(base), **fields}), pairs)
+        return loglikelihoods(options.model_path, fields, pairs)
 
     reference, reference_greedy = run(quantization="none", dtype="float32")
     print(f"{len(pairs)} pairs; reference: --quantization none --dtype float32")

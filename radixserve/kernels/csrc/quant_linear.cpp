@@ -30,6 +30,8 @@
 #include <algorithm>
 #include <vector>
 
+#include "vec16.h"
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -251,13 +253,6 @@ struct Activations {
         return {reinterpret_cast<int8_t *>(buffer), nullptr, scales, scales + m * (k / 32), k};
     }
 };
-
-inline float bf16_to_float(uint16_t x) {
-    const uint32_t bits = static_cast<uint32_t>(x) << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
 
 inline uint16_t float_to_bf16(float x) {
     uint32_t u;
@@ -750,7 +745,7 @@ struct Output {
     int64_t residual_stride;
 
     float load(const void *p, int64_t i) const {
-        return bf16 ? bf16_to_float(static_cast<const uint16_t *>(p)[i]) : static_cast<const float *>(p)[i];
+        return bf16 ? radixserve_vec::to_float(static_cast<const uint16_t *>(p)[i]) : static_cast<const float *>(p)[i];
     }
     void store(int64_t row, int64_t col, float value) const {
         if (bias) value += load(bias, col);
@@ -932,7 +927,7 @@ extern "C" void prepare_activations(int mode, const void *x, int64_t x_stride, i
         for (int64_t blk = 0; blk < k / 32; ++blk) {
             const int64_t at = r * x_stride + 32 * blk;
             for (int i = 0; i < 32; ++i)
-                row[i] = x_bf16 ? bf16_to_float(static_cast<const uint16_t *>(x)[at + i])
+                row[i] = x_bf16 ? radixserve_vec::to_float(static_cast<const uint16_t *>(x)[at + i])
                                 : static_cast<const float *>(x)[at + i];
             if (mode == kFloat) {
                 memcpy(const_cast<float *>(a.row_floats(r)) + 32 * blk, row, sizeof(row));

@@ -318,8 +318,10 @@ class ModelRunner:
             if isinstance(packed, PackedWeight):
                 tensors.append(packed.data)
             for tensor in tensors:
-                if tensor.numel() and tensor.data_ptr() not in seen:
-                    seen.add(tensor.data_ptr())
+                # By identity: a tied weight is one Parameter, and oneDNN's packed tensors have no
+                # storage to take an address of.
+                if tensor.numel() and id(tensor) not in seen:
+                    seen.add(id(tensor))
                     name = str(tensor.dtype).removeprefix("torch.")
                     resident[name] = resident.get(name, 0) + tensor.numel() * tensor.element_size()
         return resident

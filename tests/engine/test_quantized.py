@@ -130,3 +130,49 @@ def test_what_cannot_be_quantized_is_refused(
         )
     with pytest.raises(InvalidArgumentError, match="--quantization must be one of"):
         ServerArgs(quantization="q2_k")
+
+
+def test_lora_adapters_over_a_quantized_base(
+    tiny_model_dir: Callable[[str], Path],
+    make_engine: Callable[..., Engine],
+    lora_adapters: dict[str, Path],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Adapters' deltas on the quantized linears' outputs: transformers + peft on the dequantized
+    base, token for token, adapters and the base mixed in one batch."""
+    base = dequantized_copy(tiny_model_dir("llama"), "q8_0", tmp_path_factory.mktemp("q8-dequantized"))
+    names = sorted(lora_adapters)[:2]
+    engine = make_engine(
+        tiny_model_dir("llama"),
+        quantization="q8_0",
+        enable_lora=True,
+        lora_paths=[f"{name}={lora_adapters[name]}" for name in names],
+    )
+    prompts = random_prompts(3, seed=11)
+    chosen: list[str | None] = [names[0], None, names[1]]
+    outputs = engine.generate(input_ids=prompts, sampling_params=GREEDY, lora_path=chosen)
+    assert isinstance(outputs, list)
+    for prompt, name, out in zip(prompts, chosen, outputs, strict=True):
+        oracle = GreedyOracle(base, None if name is None else lora_adapters[name])
+        assert out["output_ids"] == oracle.continue_(prompt, int(GREEDY["max_new_tokens"]))
+
+
+def test_ngram_speculation_over_quantized_weights(
+    tiny_model_dir: Callable[[str], Path], make_engine: Callable[..., Engine], q4_oracle: GreedyOracle
+) -> None:
+    """Greedy output with NGRAM drafts verified on the quantized weights is the output without."""
+    engine = make_engine(
+        tiny_model_dir("llama"),
+        quantization="q4_0",
+        speculative_algorithm="NGRAM",
+        disable_speculative_adaptive=True,  # drafting as the index offers, whatever this machine's speed
+    )
+    expected = {}
+    for seed in (13, 14):
+        prompt = random_prompts(1, seed=seed, lengths=[20])[0]
+        expected[seed] = q4_oracle.continue_(prompt, int(GREEDY["max_new_tokens"]))
+        # Twice: the second pass drafts from the first's output in the shared n-gram index.
+        for _ in range(2):
+            out = engine.generate(input_ids=prompt, sampling_params=GREEDY)
+            assert isinstance(out, dict) and out["output_ids"] == expected[seed]
+    assert engine.get_stats()["spec_verify_steps"] > 0

@@ -33,6 +33,7 @@ from radixserve.distributed.parallel import (
 from radixserve.executor.base import ExecutorInfo, KVLayout, LoraAdapterInfo, MemoryReleasedError
 from radixserve.executor.lora_pool import LoraPool
 from radixserve.executor.runner_config import RunnerConfig
+from radixserve.executor.weight_formats import keeps_quantized, weight_bytes
 from radixserve.forward.batch import ForwardBatch
 from radixserve.kernels.cpu_ops import CpuKernels, select_cpu_kernels
 from radixserve.kernels.native import NativeKernelsUnavailable
@@ -152,7 +153,9 @@ class ModelRunner:
         self.kernels = self._select_kernels()
         # Whether weights load quantized (a GGUF's blocks, or --quantization on safetensors), and
         # the resident bytes of those by format once loaded.
-        self.quantized_weights = self._keeps_quantized()
+        self.quantized_weights = keeps_quantized(
+            config.quantization, self.source, self.config, self.kernels, self.device
+        )
         self.quantized_bytes: dict[str, int] = {}
         if self.quantized_weights and config.dtype == "auto":
             # The quantized kernel reads the same bytes whatever the activations' dtype, and fp32
@@ -298,7 +301,7 @@ class ModelRunner:
             "linear_kernel": self._linear_kernel(),
             # Resident bytes of the weights by format (GGUF type names, else the dense dtype), and of
             # the KV pool at its capacity (its pages are taken as tokens are stored).
-            "weight_bytes": self.weight_bytes(),
+            "weight_bytes": weight_bytes(self.model, self.quantized_bytes),
             "kv_cache_bytes": self.kv_pool.num_slots * self._kv_bytes_per_slot(),
         }
 
@@ -306,25 +309,6 @@ class ModelRunner:
         return KVCachePool.bytes_per_slot(
             self.num_local_layers, self.local_kv_heads, self.config.head_dim, self.dtype
         )
-
-    def weight_bytes(self) -> dict[str, int]:
-        """Bytes of the model's weights by format: each quantized format, and the dense tensors
-        (norms, and whatever is not quantized) under their dtype."""
-        resident = dict(self.quantized_bytes)
-        seen: set[int] = set()
-        for module in self.model.modules():
-            tensors: list[torch.Tensor] = [*module.parameters(recurse=False)]
-            packed = getattr(module, "packed", None)
-            if isinstance(packed, PackedWeight):
-                tensors.append(packed.data)
-            for tensor in tensors:
-                # By identity: a tied weight is one Parameter, and oneDNN's packed tensors have no
-                # storage to take an address of.
-                if tensor.numel() and id(tensor) not in seen:
-                    seen.add(id(tensor))
-                    name = str(tensor.dtype).removeprefix("torch.")
-                    resident[name] = resident.get(name, 0) + tensor.numel() * tensor.element_size()
-        return resident
 
     def _linear_kernel(self) -> str:
         if self.quantized_weights and self.kernels is not None and self.kernels.quant is not None:
@@ -360,36 +344,6 @@ class ModelRunner:
             if self.runner_config.cpu_isa != "auto":
                 raise InvalidArgumentError(str(error)) from error  # the message names --cpu-isa
             raise InvalidArgumentError(f"--cpu-kernels native: {error}") from error
-
-    def _keeps_quantized(self) -> bool:
-        """Decided once: quantized weights need the native kernel (csrc/quant_linear.cpp) on a CPU."""
-        method = self.runner_config.quantization
-        gguf = self.source.kind != "hf_dir"
-        kernel = self.kernels.quant if self.kernels is not None and self.device.type == "cpu" else None
-        if method == "none" or self.config.is_encoder:
-            return False
-        if method is not None:
-            if gguf:
-                raise InvalidArgumentError(
-                    f"--quantization {method} quantizes a safetensors checkpoint; {self.source.path} is a "
-                    "GGUF, already quantized (serve it as it is, or --quantization none to dequantize it)"
-                )
-            if kernel is None:
-                raise InvalidArgumentError(
-                    f"--quantization {method} needs the native quantized kernel, which this build lacks "
-                    f"({self._quant_kernel_missing()})"
-                )
-            return True
-        if gguf and kernel is None:
-            logger.info("GGUF weights are dequantized to %s: %s", self.dtype, self._quant_kernel_missing())
-        return gguf and kernel is not None
-
-    def _quant_kernel_missing(self) -> str:
-        if self.device.type != "cpu":
-            return f"quantized kernels are CPU kernels, the device is {self.device}"
-        if self.kernels is None:
-            return "the native CPU kernels are off (--cpu-kernels torch, or they did not build)"
-        return f"the native kernels were built for {self.kernels.isa}, and it needs AVX2 + FMA + F16C"
 
     def _staging_tokens(self) -> int:
         """Decode staging's budget for a backend that gathers K/V: --decode-staging-tokens, else

@@ -176,3 +176,22 @@ def test_ngram_speculation_over_quantized_weights(
             out = engine.generate(input_ids=prompt, sampling_params=GREEDY)
             assert isinstance(out, dict) and out["output_ids"] == expected[seed]
     assert engine.get_stats()["spec_verify_steps"] > 0
+
+
+def test_two_tensor_parallel_ranks_shard_the_blocks(
+    tiny_model_dir: Callable[[str], Path], make_engine: Callable[..., Engine], q4_oracle: GreedyOracle
+) -> None:
+    """--tp-size 2: column shards cut rows of blocks, row shards (o_proj, down_proj) cut whole blocks
+    of 32 inputs; the tokens are still transformers' on the dequantized weights."""
+    engine = make_engine(tiny_model_dir("llama"), quantization="q4_0", tp_size=2)
+    assert engine.get_stats()["weight_bytes"]["Q4_0"] > 0
+    prompts = random_prompts(3, seed=17)
+    outputs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+    assert isinstance(outputs, list)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out["output_ids"] == q4_oracle.continue_(prompt, int(GREEDY["max_new_tokens"]))
+    name = "model.layers.1.mlp.down_proj.weight"
+    read = torch.tensor(engine.get_weights_by_name(name, truncate_size=10**9))
+    assert torch.equal(
+        read.view(q4_oracle.model.state_dict()[name].shape), q4_oracle.model.state_dict()[name]
+    )

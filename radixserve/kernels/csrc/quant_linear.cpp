@@ -714,7 +714,10 @@ inline void tile_float_scratch(const float *scratch, int64_t row, const Activati
         FloatVec weights[NC];
         for (int c = 0; c < NC; ++c) weights[c] = fv_load(scratch + c * a.k + i);
         for (int r = 0; r < MR; ++r) {
-            const FloatVec xv = fv_load(a.row_floats(row + r) + i);
+            FloatVec xv = fv_load(a.row_floats(row + r) + i);
+            // In a register: GCC would fold the load into each of the NC FMAs, and the loads (not
+            // the FMAs) would bound the loop.
+            asm("" : "+v"(xv));
             for (int c = 0; c < NC; ++c) acc[r][c] = fv_fma(weights[c], xv, acc[r][c]);
         }
     }

@@ -60,23 +60,29 @@ def test_first_step_logits_match_transformers(
     assert torch.allclose(ours, expected, atol=1e-3, rtol=0), float((ours - expected).abs().max())
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_quantized_logprobs_stay_close_to_transformers(
-    transformers_logits: tuple[list[int], torch.Tensor], dtype: str
-) -> None:
-    """Served as the file holds it (the default), the activations are rounded to 8-bit blocks
-    before each matmul (csrc/quant_linear.cpp), as llama.cpp does: the log-probabilities of the
-    tokens that matter (transformers' top 20) stay within 0.25 nats of transformers' fp32, the
-    top token is the same, and the error is at least 5x smaller than the logits' own spread. The
-    measured error is about 0.1 nats (docs/architecture.md, "Quantized weights")."""
+def test_quantized_fp32_matches_transformers(transformers_logits: tuple[list[int], torch.Tensor]) -> None:
+    """Served as the file holds it (the default: quantized blocks, fp32 activations), the kernel
+    multiplies the weights transformers dequantizes, in another fp32 order (measured: 3e-5)."""
     ids, expected = transformers_logits
-    ours = first_step_logits(ids, dtype=dtype)
+    ours = first_step_logits(ids, dtype="auto")
+    assert torch.allclose(ours, expected, atol=1e-3, rtol=0), float((ours - expected).abs().max())
+
+
+def test_quantized_bf16_logprobs_stay_close_to_transformers(
+    transformers_logits: tuple[list[int], torch.Tensor],
+) -> None:
+    """With --dtype bfloat16 the activations and the residual stream are rounded to bf16 around the
+    same kernel: the log-probabilities of the tokens that matter (transformers' top 20) stay within
+    0.3 nats of fp32 (measured: 0.20), the top token is the same, and the logits' error is far
+    below their own spread."""
+    ids, expected = transformers_logits
+    ours = first_step_logits(ids, dtype="bfloat16")
     reference, served = torch.log_softmax(expected, -1), torch.log_softmax(ours, -1)
     top = reference.topk(20).indices
     error = float((served[top] - reference[top]).abs().max())
     assert int(ours.argmax()) == int(expected.argmax())
-    assert error < 0.25, error
-    assert float((ours - expected).std()) < 0.2 * float(expected.std())
+    assert error < 0.3, error
+    assert float((ours - expected).std()) < 0.05 * float(expected.std())
 
 
 # Chat questions whose first answer token bf16 must get right where fp32 is clearly decided.

@@ -33,7 +33,7 @@ from radixserve.distributed.parallel import (
 from radixserve.executor.base import ExecutorInfo, KVLayout, LoraAdapterInfo, MemoryReleasedError
 from radixserve.executor.lora_pool import LoraPool
 from radixserve.executor.runner_config import RunnerConfig
-from radixserve.executor.weight_formats import keeps_quantized, weight_bytes
+from radixserve.executor.weight_formats import keeps_quantized, quantized_kernel_name, weight_bytes
 from radixserve.forward.batch import ForwardBatch
 from radixserve.kernels.cpu_ops import CpuKernels, select_cpu_kernels
 from radixserve.kernels.native import NativeKernelsUnavailable
@@ -41,7 +41,7 @@ from radixserve.layers.linear import (
     FP32_NATIVE_MAX_ROWS,
     ParallelLinear,
     ParallelLMHead,
-    quantized_parts,
+    quantized_storage,
     split_kv_heads,
     use_native_fp32_linears,
     use_quantized_weights,
@@ -311,11 +311,8 @@ class ModelRunner:
         )
 
     def _linear_kernel(self) -> str:
-        if self.quantized_weights and self.kernels is not None and self.kernels.quant is not None:
-            quant = self.kernels.quant
-            return f"quant_{quant.activations}_{self.kernels.isa}" + (
-                "_" + quant.isa if quant.activations == "int8" else ""
-            )
+        if self.quantized_weights and self.kernels is not None:
+            return quantized_kernel_name(self.kernels)
         if self.packing is not None:
             return self.packing.kernel
         if self.native_fp32_linears:
@@ -525,9 +522,7 @@ class ModelRunner:
         tensors += [
             p.data for m in self.model.modules() if isinstance(p := getattr(m, "packed", None), PackedWeight)
         ]
-        tensors += list(
-            {id(p.data): p.data for m in self.model.modules() for p in quantized_parts(m)}.values()
-        )
+        tensors += quantized_storage(self.model)
         kv = self.kv_pool.k_buffers + self.kv_pool.v_buffers
         return {
             "weights": sum(t.numel() * t.element_size() for t in tensors),

@@ -17,12 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve.distributed.parallel import SINGLE, ParallelContext, all_reduce, gather_last_dim
-from radixserve.layers.quantized import (
-    QuantizedEmbedding,
-    QuantizedTensor,
-    QuantizedWeight,
-    WeightTensor,
-)
+from radixserve.layers.quantized import QuantizedTensor, QuantizedWeight, WeightTensor
 
 if TYPE_CHECKING:
     from radixserve.kernels.cpu_ops import CpuKernels
@@ -78,12 +73,17 @@ def use_quantized_weights(model: nn.Module, kernels: QuantKernels) -> dict[str, 
     return resident
 
 
-def quantized_parts(module: nn.Module) -> list[QuantizedTensor]:
-    """The GGUF-quantized tensors a layer holds (its linear's parts, or its embedding table)."""
-    packed = getattr(module, "packed", None)
-    parts = list(packed.parts) if isinstance(packed, QuantizedWeight) else []
-    table = getattr(module, "quant_table", None)
-    return parts + ([table] if isinstance(table, QuantizedTensor) and table not in parts else [])
+def quantized_storage(model: nn.Module) -> list[torch.Tensor]:
+    """The storage of every GGUF-quantized tensor the model holds (linears' parts, embedding
+    tables), each once (a tied head shares its embedding's)."""
+    found: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        packed = getattr(module, "packed", None)
+        parts = list(packed.parts) if isinstance(packed, QuantizedWeight) else []
+        table = getattr(module, "quant_table", None)
+        for part in [*parts, *([table] if isinstance(table, QuantizedTensor) else [])]:
+            found.setdefault(id(part.data), part.data)
+    return list(found.values())
 
 
 class ShardingError(ValueError):
@@ -154,12 +154,15 @@ class ParallelLinear(nn.Module):
     weight: nn.Parameter
     bias: nn.Parameter | None
     packed: PackedWeight | QuantizedWeight | None = None
-    # GGUF-quantized shards as loaded, by shard index (use_quantized turns them into `packed`).
-    quant_parts: dict[int, QuantizedTensor]
     # Set by use_native_fp32_linears for an fp32 model on a CPU.
     fp32_kernels: CpuKernels | None = None
     # --enable-lora: the adapter slots whose deltas each request's rows take (layers/lora.py).
     lora: LoraSlots | None = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        # GGUF-quantized shards as loaded, by shard index (use_quantized turns them into `packed`).
+        self.quant_parts: dict[int, QuantizedTensor] = {}
 
     def pack_for_cpu(self, packing: WeightPacking) -> None:
         if isinstance(self.packed, QuantizedWeight):
@@ -178,13 +181,12 @@ class ParallelLinear(nn.Module):
             self.weight = nn.Parameter(self.dense_weight(), requires_grad=False)
             self.packed = None
 
-    def _shard_count(self) -> int:
-        return 1
+    def _shard_rows(self) -> list[tuple[int, int]]:
+        """(first row, rows) of each shard of the weight on this rank."""
+        return [(0, self.weight.shape[0])]
 
     def _keep_quantized(self, shard: int, part: QuantizedTensor | None) -> None:
         """Records a quantized shard (None: the shard was loaded as a plain tensor)."""
-        if not hasattr(self, "quant_parts"):
-            self.quant_parts = {}
         if part is None:
             self.quant_parts.pop(shard, None)
         else:
@@ -194,22 +196,20 @@ class ParallelLinear(nn.Module):
         """The quantized shards become the layer's weight, for the native kernel; a layer whose
         other shards loaded as plain tensors holds them all dequantized instead. Returns the parts
         kept quantized."""
-        parts = getattr(self, "quant_parts", {})
+        parts, self.quant_parts = self.quant_parts, {}
         if not parts:
             return []
-        self.quant_parts = {}
-        if len(parts) < self._shard_count():
+        shard_rows = self._shard_rows()
+        if len(parts) < len(shard_rows):
             for shard, part in parts.items():
-                self._write_dense(shard, part.dequantize())
+                first, rows = shard_rows[shard]
+                self.weight.data.narrow(0, first, rows).copy_(part.dequantize())
             return []
         # The parts stay apart (one kernel call takes them all): a GGUF's are views of the mapped file.
         stacked = [parts[shard] for shard in sorted(parts)]
         self.packed = QuantizedWeight(stacked, kernels)
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
         return stacked
-
-    def _write_dense(self, shard: int, tensor: torch.Tensor) -> None:
-        raise NotImplementedError
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed is not None:
@@ -261,11 +261,8 @@ class ColumnParallelLinear(ParallelLinear):
         piece = tensor.narrow(0, spec.start, spec.local)
         copy_checked(target.data.narrow(0, self.offsets[shard], spec.local), piece, f"{name} shard {shard}")
 
-    def _shard_count(self) -> int:
-        return len(self.shards)
-
-    def _write_dense(self, shard: int, tensor: torch.Tensor) -> None:
-        self.weight.data.narrow(0, self.offsets[shard], self.local_sizes[shard]).copy_(tensor)
+    def _shard_rows(self) -> list[tuple[int, int]]:
+        return list(zip(self.offsets, self.local_sizes, strict=True))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x, self.bias)
@@ -303,9 +300,6 @@ class RowParallelLinear(ParallelLinear):
         piece = tensor.narrow(1, self.ctx.tp_rank * self.local_input, self.local_input)
         copy_checked(self.weight.data, piece, "weight")
 
-    def _write_dense(self, shard: int, tensor: torch.Tensor) -> None:
-        self.weight.data.copy_(tensor)
-
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x W^T (+ bias) (+ residual).
 
@@ -338,9 +332,9 @@ class VocabParallelEmbedding(nn.Module):
         self.start = ctx.tp_rank * self.vocab_per_rank
         self.end = min(vocab_size, self.start + self.vocab_per_rank)
         self.weight = nn.Parameter(torch.empty(self.end - self.start, hidden_size), requires_grad=False)
-        # A GGUF-quantized table as loaded, and its lookups once use_quantized has run.
+        # A GGUF-quantized table as loaded, and the kernel its lookups run on once use_quantized has run.
         self.quant_table: QuantizedTensor | None = None
-        self.quantized: QuantizedEmbedding | None = None
+        self.quant_kernels: QuantKernels | None = None
 
     def load(self, name: str, tensor: WeightTensor, shard: int = 0) -> None:
         if isinstance(tensor, QuantizedTensor):
@@ -350,13 +344,13 @@ class VocabParallelEmbedding(nn.Module):
                 )
             self.quant_table = tensor.narrow_rows(self.start, self.end - self.start)
             return
-        self.quant_table = self.quantized = None
+        self.quant_table = self.quant_kernels = None
         copy_checked(self.weight.data, tensor[self.start : self.end], "embedding")
 
     def use_quantized(self, kernels: QuantKernels) -> list[QuantizedTensor]:
         if self.quant_table is None:
             return []
-        self.quantized = QuantizedEmbedding(self.quant_table, kernels)
+        self.quant_kernels = kernels
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
         return [self.quant_table]
 
@@ -366,8 +360,11 @@ class VocabParallelEmbedding(nn.Module):
         return self.weight.data
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.quantized is not None:
-            return self.quantized.lookup(ids, self.weight.dtype)
+        table = self.quant_table
+        if table is not None and self.quant_kernels is not None:
+            # Only the rows read are dequantized.
+            rows = self.quant_kernels.rows(table.format.type_id, table.data, ids.reshape(-1), table.cols)
+            return rows.to(self.weight.dtype).reshape(*ids.shape, table.cols)
         return F.embedding(ids, self.weight)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

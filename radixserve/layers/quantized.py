@@ -49,9 +49,10 @@ class QuantizationError(ValueError):
     """A quantized weight cannot be cut or used as asked (the message says why)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class QuantizedTensor:
-    """A weight [rows, cols] in ggml blocks: data is uint8 [rows, cols / block * block_bytes]."""
+    """A weight [rows, cols] in ggml blocks: data is uint8 [rows, cols / block * block_bytes].
+    Compared by identity (its data is a tensor)."""
 
     format: QuantFormat
     data: torch.Tensor
@@ -123,25 +124,5 @@ class QuantizedWeight:
         """Each output is summed in one order whatever the row count (csrc/quant_linear.cpp)."""
         return True
 
-    @property
-    def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.parts)
-
-    @property
-    def formats(self) -> list[str]:
-        return sorted({p.format.name for p in self.parts})
-
     def to_dense(self) -> torch.Tensor:
         return torch.cat([p.dequantize() for p in self.parts])
-
-
-@dataclass
-class QuantizedEmbedding:
-    """A quantized embedding table: lookups dequantize the rows they read."""
-
-    table: QuantizedTensor
-    kernels: QuantKernels
-
-    def lookup(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        rows = self.kernels.rows(self.table.format.type_id, self.table.data, ids.reshape(-1), self.table.cols)
-        return rows.to(dtype).reshape(*ids.shape, self.table.cols)

@@ -26,7 +26,7 @@ from radixserve.layers.linear import (
     RowParallelLinear,
     VocabParallelEmbedding,
     WeightTarget,
-    quantized_parts,
+    quantized_storage,
 )
 from radixserve.layers.packed_weights import WeightPacking
 from radixserve.layers.quantized import QuantizedWeight
@@ -62,7 +62,7 @@ def update_weights(
     tables = [
         t.module_path
         for t, _ in targets
-        if isinstance(t.module, VocabParallelEmbedding) and quantized_parts(t.module)
+        if isinstance(t.module, VocabParallelEmbedding) and t.module.quant_table is not None
     ]
     if tables:
         raise ValueError(
@@ -137,8 +137,7 @@ class WeightStash:
 
     def _tensors(self) -> dict[str, torch.Tensor]:
         # Tied weights are one Parameter, listed once; so is a quantized table a tied head shares.
-        quantized = {id(p.data): p.data for m in self.model.modules() for p in quantized_parts(m)}
-        named = {f"quantized.{i}": data for i, data in enumerate(quantized.values())}
+        named = {f"quantized.{i}": data for i, data in enumerate(quantized_storage(self.model))}
         return {**dict(self.model.named_parameters()), **dict(self.model.named_buffers()), **named}
 
     def release(self) -> None:

@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from radixserve.config.server_args import InvalidArgumentError, ServerArgs
 from radixserve.layers.quantized import KEPT_FORMATS
+from radixserve.protocol.sampling_params import InvalidRequestError
 from radixserve.runtime.engine import Engine
 from radixserve.scheduler.process import build_scheduler
 from tests.engine.oracle import GreedyOracle, random_prompts
@@ -110,6 +111,10 @@ def test_the_gguf_stays_quantized_across_a_reload_and_is_batch_invariant(
     assert engine.get_stats()["weight_bytes"] == info["weight_bytes"]
     table = engine.get_weights_by_name("model.embed_tokens.weight", truncate_size=8)
     assert len(table) == 8 and any(value != 0 for value in table)
+    # A quantized table is replaced by a whole checkpoint only; the refusal changes nothing.
+    with pytest.raises(InvalidRequestError, match="GGUF-quantized table"):
+        engine.update_weights_from_tensor([("model.embed_tokens.weight", torch.zeros(49152, 576))])
+    assert engine.get_weights_by_name("model.embed_tokens.weight", truncate_size=8) == table
 
 
 def test_what_cannot_be_quantized_is_refused(

@@ -66,8 +66,8 @@ namespace {
 inline float half_to_float(uint16_t h) {
 #if RADIXSERVE_QUANT_ISA
     return _cvtsh_ss(h);
-#endif
-    // Exact for every fp16 value (normal, subnormal, inf, nan): what F16C computes.
+#else
+    // A build without F16C: exact for every fp16 value (normal, subnormal, inf, nan), as F16C is.
     const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
     uint32_t exponent = (h >> 10) & 0x1f;
     uint32_t mantissa = h & 0x3ff;
@@ -89,6 +89,7 @@ inline float half_to_float(uint16_t h) {
     float f;
     memcpy(&f, &bits, 4);
     return f;
+#endif
 }
 
 inline uint16_t read_u16(const uint8_t *p) {

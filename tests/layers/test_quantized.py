@@ -1,0 +1,59 @@
+"""Linear layers loading GGUF-quantized shards (layers/linear.py, layers/quantized.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixserve.kernels.native import load_library
+from radixserve.kernels.quant_ops import QuantKernels
+from radixserve.layers.linear import ColumnParallelLinear, quantized_storage
+from radixserve.layers.quantized import QuantizationError, QuantizedWeight
+from tests.kernels.quant_blocks import random_quantized
+
+
+@pytest.fixture(scope="module")
+def quant(native_kernels: object) -> QuantKernels:
+    kernels = QuantKernels(load_library())
+    if not kernels.available:
+        pytest.skip("no quantized kernel in this build")
+    return kernels
+
+
+def test_a_stacked_layer_keeps_its_quantized_parts(quant: QuantKernels) -> None:
+    parts = [
+        random_quantized("Q4_K" if i else "Q8_0", rows, 256, seed=i) for i, rows in enumerate([32, 16, 16])
+    ]
+    layer = ColumnParallelLinear(256, [32, 16, 16], bias=False)
+    for shard, part in enumerate(parts):
+        layer.load("weight", part, shard)
+    kept = layer.use_quantized(quant)
+    # Views of the loaded blocks (with one rank, each shard is the whole tensor): nothing copied.
+    assert [p.data.data_ptr() for p in kept] == [p.data.data_ptr() for p in parts]
+    assert isinstance(layer.packed, QuantizedWeight) and layer.weight.numel() == 0
+    assert [t.data_ptr() for t in quantized_storage(layer)] == [p.data.data_ptr() for p in parts]
+    x = torch.randn(3, 256)
+    expected = x.double() @ torch.cat([p.dequantize() for p in parts]).double().T
+    torch.testing.assert_close(layer(x).double(), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_layer_with_a_plain_shard_holds_every_shard_dense(quant: QuantKernels) -> None:
+    """A checkpoint whose q and k are quantized but whose v is not: the layer dequantizes the
+    quantized shards into its plain weight instead of mixing formats."""
+    q, k = random_quantized("Q4_0", 32, 64, seed=1), random_quantized("Q5_1", 16, 64, seed=2)
+    v = torch.randn(16, 64)
+    layer = ColumnParallelLinear(64, [32, 16, 16], bias=False)
+    layer.load("weight", q, 0)
+    layer.load("weight", k, 1)
+    layer.load("weight", v, 2)
+    assert layer.use_quantized(quant) == []
+    assert layer.packed is None
+    assert torch.equal(layer.weight.data, torch.cat([q.dequantize(), k.dequantize(), v]))
+
+
+def test_columns_split_only_along_whole_blocks() -> None:
+    weight = random_quantized("Q4_K", 4, 512)
+    assert weight.narrow_cols(256, 256).shape == (4, 256)
+    assert torch.equal(weight.narrow_cols(256, 256).dequantize(), weight.dequantize()[:, 256:])
+    with pytest.raises(QuantizationError, match="whole blocks of 256 columns"):
+        weight.narrow_cols(128, 384)

@@ -57,11 +57,10 @@ def _kernel_missing(kernels: CpuKernels | None, device: torch.device) -> str:
 
 
 def quantized_kernel_name(kernels: CpuKernels) -> str:
-    """linear_kernel for quantized weights: quant_float_<isa>, or quant_int8_<isa>_<vnni|avx2>."""
+    """linear_kernel for quantized weights: quant_int16_<how it multiplies> (QuantKernels.isa)."""
     quant = kernels.quant
     assert quant is not None
-    suffix = f"_{quant.isa}" if quant.activations == "int8" else ""
-    return f"quant_{quant.activations}_{kernels.isa}{suffix}"
+    return f"quant_int16_{quant.isa}"
 
 
 def weight_bytes(model: nn.Module, quantized: dict[str, int]) -> dict[str, int]:

@@ -495,10 +495,9 @@ class CpuKernels:
         prefix_kernel = self.prefix_attention_kernel(heads, kv_heads, head_dim)
         run = self._function("fused_decode", hidden)
         if quantized:
-            linear_kind, mode = 2, 0 if self.quant is None else self.quant.mode
-            usable = self.quant is not None
+            linear_kind, usable = 2, self.quant is not None
         else:
-            linear_kind, mode = 0 if self.has_amx_linear else 1, 0
+            linear_kind = 0 if self.has_amx_linear else 1
             usable = self.linear_kernel is not None and hidden.dtype == torch.bfloat16
         if (
             run is None
@@ -510,7 +509,7 @@ class CpuKernels:
                 "quantized), and a bf16 prefix attention kernel for this head shape for a shared prefix"
             )
         status = run(
-            linear_kind, mode, 0 if prefix_kernel == "amx" else 1, layers.data_ptr(),
+            linear_kind, 0 if prefix_kernel == "amx" else 1, layers.data_ptr(),
             layers.shape[0], hidden.data_ptr(), batch,
             size, intermediate, heads, kv_heads, head_dim, eps, scale, cos_table.data_ptr(),
             sin_table.data_ptr(), positions.data_ptr(),

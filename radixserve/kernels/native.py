@@ -86,12 +86,12 @@ SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
         ctypes.c_int,
         [_P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _F, _I, _P, _I, _I, _P],
     ),
-    # linear_kind, quant_mode, prefix_kind, layers, num_layers, hidden, batch, hidden_size, intermediate,
+    # linear_kind, prefix_kind, layers, num_layers, hidden, batch, hidden_size, intermediate,
     # heads, kv_heads, head_dim, eps, scale, cos, sin, positions, out_slots, req_to_token, table_stride,
     # req_rows, seq_lens, prefix_length, prefix_slots
     "fused_decode": (
         ctypes.c_int,
-        [_I, _I, _I, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _F, _P, _P, _P, _P, _P, _I, _P, _P, _I, _P],
+        [_I, _I, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _F, _P, _P, _P, _P, _P, _I, _P, _P, _I, _P],
     ),
 }
 DTYPE_SUFFIXES = {torch.bfloat16: "bf16", torch.float32: "f32"}
@@ -120,14 +120,14 @@ PLAIN_SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
         ctypes.c_int,
         [_P, _I, _P, _P, _I, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _I],
     ),
-    # GGUF block-quantized weights (csrc/quant_linear.cpp): which variant the build has; the matmul
-    # (parts layout, mode, x, x_stride, bf16, m, k, out, out_stride, bias, residual, residual_stride);
-    # reading rows back (type, weight, row_bytes, rows, count, k, out)
+    # GGUF block-quantized weights (csrc/quant_linear.cpp): which variant the build has; the packed
+    # layout's size (type, n, k) and packing (type, weight, n, row_bytes, k, out); the matmul (parts
+    # layout, x, x_stride, bf16, m, k, out, out_stride, bias, residual, residual_stride); reading rows
+    # back (type, weight, row_bytes, rows, count, k, out)
     "quant_linear_isa": (ctypes.c_int, []),
-    "quant_linear_parts": (
-        ctypes.c_int,
-        [_P, ctypes.c_int, _P, _I, ctypes.c_int, _I, _I, _P, _I, _P, _P, _I],
-    ),
+    "quant_packed_bytes": (_I, [ctypes.c_int, _I, _I]),
+    "quant_pack": (ctypes.c_int, [ctypes.c_int, _P, _I, _I, _I, _P]),
+    "quant_linear_parts": (ctypes.c_int, [_P, _P, _I, ctypes.c_int, _I, _I, _P, _I, _P, _P, _I]),
     "quant_dequantize_rows": (ctypes.c_int, [ctypes.c_int, _P, _I, _P, _I, _I, _P]),
 }
 

@@ -3,27 +3,13 @@
 from __future__ import annotations
 
 import ctypes
-import os
 from collections.abc import Sequence
 
 import torch
 
-# quant_linear_isa()'s values by name; 0: the build has no such kernel (no AVX2 + FMA + F16C).
-QUANT_ISAS = {2: "vnni", 1: "avx2"}
-# How the activations meet the weights (csrc/quant_linear.cpp's Mode): "float", the weights
-# dequantized in registers against fp32 activations; "int8", the activations rounded to 8-bit
-# blocks for integer dot products (docs/architecture.md, "Quantized weights", compares them).
-ACTIVATION_MODES = {"int8": 0, "float": 1}
-# Forces the mode (for the tests and benchmarks that compare them); unset: DEFAULT_ACTIVATIONS.
-ACTIVATIONS_ENV = "RADIXSERVE_QUANT_ACTIVATIONS"
-DEFAULT_ACTIVATIONS = "float"
-
-
-def requested_activations() -> str:
-    name = os.environ.get(ACTIVATIONS_ENV, "").strip().lower() or DEFAULT_ACTIVATIONS
-    if name not in ACTIVATION_MODES:
-        raise ValueError(f"{ACTIVATIONS_ENV}={name!r} is not one of {', '.join(ACTIVATION_MODES)}")
-    return name
+# quant_linear_isa()'s values by name (how the kernel multiplies 16-bit integers); 0: the build has no
+# such kernel (no AVX2 + FMA + F16C).
+QUANT_ISAS = {4: "avx512_vnni", 3: "avx512", 1: "avx2"}
 
 
 # Parts of one stacked weight the kernel takes (csrc/quant_linear.cpp, kMaxParts).
@@ -32,17 +18,16 @@ _DTYPES = (torch.float32, torch.bfloat16)
 
 
 class QuantKernels:
-    """Matmuls on GGUF block-quantized weights, and reading their rows back. A weight is raw uint8
-    rows of ggml blocks named by its GGUF type id (layers/quantized.py holds the formats); a
-    stacked weight is described to the kernel by parts_layout()."""
+    """Matmuls on GGUF block-quantized weights, and reading their rows back. A weight comes as raw
+    uint8 rows of ggml blocks named by its GGUF type id (layers/quantized.py holds the formats); the
+    matmul reads it packed (pack()), and a stacked weight is described to it by parts_layout()."""
 
-    def __init__(self, library: ctypes.CDLL, activations: str | None = None):
-        activations = activations or requested_activations()
+    def __init__(self, library: ctypes.CDLL):
         self._isa = int(library.quant_linear_isa())
-        self.activations = activations
-        self.mode = ACTIVATION_MODES[activations]
         self._linear = library.quant_linear_parts
         self._rows = library.quant_dequantize_rows
+        self._packed_bytes = library.quant_packed_bytes
+        self._pack = library.quant_pack
 
     @property
     def available(self) -> bool:
@@ -50,19 +35,31 @@ class QuantKernels:
 
     @property
     def isa(self) -> str:
-        """How the kernel multiplies in integers: "vnni" (vpdpbusd) or "avx2" (vpmaddubsw)."""
+        """How the kernel multiplies in integers: vpdpwssd on AVX-512 ("avx512_vnni"), or vpmaddwd
+        on AVX-512 ("avx512") or AVX2 ("avx2")."""
         return QUANT_ISAS.get(self._isa, "none")
 
+    def pack(self, type_id: int, weight: torch.Tensor, cols: int) -> torch.Tensor:
+        """A quantized [rows, cols] weight (uint8 [rows, row bytes] as the GGUF file holds it) in the
+        matmul's layout (csrc/quant_linear.cpp): 16 rows interleaved per block, as many bytes."""
+        rows = int(weight.shape[0])
+        size = int(self._packed_bytes(type_id, rows, cols))
+        if size == 0:
+            raise ValueError(f"no quantized kernel for GGUF type {type_id} in this build")
+        packed = torch.empty(size, dtype=torch.uint8)
+        self._pack(type_id, weight.data_ptr(), rows, weight.stride(0), cols, packed.data_ptr())
+        return packed
+
     @staticmethod
-    def parts_layout(weights: Sequence[tuple[int, torch.Tensor]]) -> torch.Tensor:
-        """The int64 description of a weight stacked along its rows from `weights` ((type id,
-        uint8 [rows, row bytes]) each, kept alive by the caller): count, types, rows, addresses."""
+    def parts_layout(weights: Sequence[tuple[int, int, torch.Tensor]]) -> torch.Tensor:
+        """The int64 description of a weight stacked along its rows from `weights` ((type id, rows,
+        packed bytes from pack()) each, kept alive by the caller): count, types, rows, addresses."""
         if not 1 <= len(weights) <= MAX_PARTS:
             raise ValueError(f"a quantized weight has 1 to {MAX_PARTS} parts, not {len(weights)}")
         pad = MAX_PARTS - len(weights)
-        types = [t for t, _ in weights] + [0] * pad
-        rows = [int(w.shape[0]) for _, w in weights] + [0] * pad
-        addresses = [w.data_ptr() for _, w in weights] + [0] * pad
+        types = [t for t, _, _ in weights] + [0] * pad
+        rows = [r for _, r, _ in weights] + [0] * pad
+        addresses = [w.data_ptr() for _, _, w in weights] + [0] * pad
         return torch.tensor([len(weights), *types, *rows, *addresses], dtype=torch.int64)
 
     def linear(
@@ -90,7 +87,7 @@ class QuantKernels:
             if residual.stride(1) != 1:
                 residual = residual.contiguous()
         done = self._linear(
-            layout.data_ptr(), self.mode, x.data_ptr(), x.stride(0), int(x.dtype == torch.bfloat16), m, k,
+            layout.data_ptr(), x.data_ptr(), x.stride(0), int(x.dtype == torch.bfloat16), m, k,
             out.data_ptr(), n, None if bias is None else bias.data_ptr(),
             None if residual is None else residual.data_ptr(), 0 if residual is None else residual.stride(0),
         )  # fmt: skip

@@ -74,15 +74,20 @@ def use_quantized_weights(model: nn.Module, kernels: QuantKernels) -> dict[str, 
 
 
 def quantized_storage(model: nn.Module) -> list[torch.Tensor]:
-    """The storage of every GGUF-quantized tensor the model holds (linears' parts, embedding
-    tables), each once (a tied head shares its embedding's)."""
+    """The storage of every GGUF-quantized tensor the model holds in memory (linears' parts as
+    loaded and as packed for the kernel, embedding tables), each once (a tied head shares its
+    embedding's). Views of a mapped file are not listed: the file holds them."""
     found: dict[int, torch.Tensor] = {}
     for module in model.modules():
         packed = getattr(module, "packed", None)
-        parts = list(packed.parts) if isinstance(packed, QuantizedWeight) else []
+        quantized = packed if isinstance(packed, QuantizedWeight) else None
+        parts = list(quantized.parts) if quantized else []
         table = getattr(module, "quant_table", None)
         for part in [*parts, *([table] if isinstance(table, QuantizedTensor) else [])]:
-            found.setdefault(id(part.data), part.data)
+            if not part.mapped:
+                found.setdefault(id(part.data), part.data)
+        for data in quantized.packed if quantized else []:
+            found.setdefault(id(data), data)
     return list(found.values())
 
 

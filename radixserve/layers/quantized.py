@@ -9,6 +9,8 @@ weight: its stacked parts, each in its own format (a Q4_K_M file mixes Q4_K and 
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -52,11 +54,13 @@ class QuantizationError(ValueError):
 @dataclass(frozen=True, eq=False)
 class QuantizedTensor:
     """A weight [rows, cols] in ggml blocks: data is uint8 [rows, cols / block * block_bytes].
-    Compared by identity (its data is a tensor)."""
+    `mapped`: data is a view of a read-only file mapping (a GGUF served as it is). Compared by
+    identity (its data is a tensor)."""
 
     format: QuantFormat
     data: torch.Tensor
     cols: int
+    mapped: bool = False
 
     @property
     def rows(self) -> int:
@@ -71,7 +75,7 @@ class QuantizedTensor:
         return self.data.numel()
 
     def narrow_rows(self, start: int, length: int) -> QuantizedTensor:
-        return QuantizedTensor(self.format, self.data.narrow(0, start, length), self.cols)
+        return QuantizedTensor(self.format, self.data.narrow(0, start, length), self.cols, self.mapped)
 
     def narrow_cols(self, start: int, length: int) -> QuantizedTensor:
         """Columns [start, start + length), which must fall on block boundaries."""
@@ -93,25 +97,49 @@ class QuantizedTensor:
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(self.shape))
 
 
+_MADV_DONTNEED = 4
+
+
+def release_mapped_pages(data: torch.Tensor) -> None:
+    """Drops the whole pages under `data`, a view of a read-only file mapping, from this process's
+    resident memory: the packed copy is what the kernel reads, and the file's page cache keeps the
+    bytes for a read back, which maps them again."""
+    first = data.data_ptr()
+    end = first + (data.shape[0] - 1) * data.stride(0) + data.shape[1] if data.numel() else first
+    page = mmap.PAGESIZE
+    start, stop = -(-first // page) * page, end // page * page
+    if stop > start:
+        ctypes.CDLL(None, use_errno=True).madvise(
+            ctypes.c_void_p(start), ctypes.c_size_t(stop - start), _MADV_DONTNEED
+        )
+
+
 # What a checkpoint reader yields: a plain tensor, or a GGUF-quantized one.
 WeightTensor = torch.Tensor | QuantizedTensor
 
 
 @dataclass
 class QuantizedWeight:
-    """A linear weight [N, K] held as quantized parts stacked along N, for the native kernel."""
+    """A linear weight [N, K] held as quantized parts stacked along N, each packed once for the
+    native kernel (QuantKernels.pack); the parts as loaded stay for reading the weight back."""
 
     parts: list[QuantizedTensor]
     kernels: QuantKernels
 
     def __post_init__(self) -> None:
         self.rows = sum(p.rows for p in self.parts)
+        self.packed = [self.kernels.pack(p.format.type_id, p.data, p.cols) for p in self.parts]
+        for part in self.parts:
+            if part.mapped:
+                release_mapped_pages(part.data)
         self.refresh()
 
     def refresh(self) -> None:
-        """The kernel's description of the parts: their addresses, read again after the parts'
+        """The kernel's description of the packed parts: their addresses, read again after their
         storage moved (weights released and resumed)."""
-        self.layout = self.kernels.parts_layout([(p.format.type_id, p.data) for p in self.parts])
+        self.layout = self.kernels.parts_layout(
+            [(p.format.type_id, p.rows, packed) for p, packed in zip(self.parts, self.packed, strict=True)]
+        )
 
     def matmul(
         self, x: torch.Tensor, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None

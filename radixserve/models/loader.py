@@ -339,11 +339,11 @@ def _iter_gguf(path: Path, config: ModelConfig, keep_quantized: bool) -> Iterato
                 heads = config.num_attention_heads if ".q_proj." in hf_name else config.num_key_value_heads
                 data = _unpermute_qk(data, heads)
             if kept is not None and not permuted:
-                # Served from the memory-mapped file as llama.cpp does: the blocks are only read, and
-                # the file's pages are the weights' one copy in memory.
+                # A view of the memory-mapped file: the kernel's packed copy is made from it, and
+                # the file's pages serve reading the weights back (and embedding lookups).
                 with warnings.catch_warnings():
                     warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-                    yield hf_name, QuantizedTensor(kept, torch.from_numpy(data), shape[1])
+                    yield hf_name, QuantizedTensor(kept, torch.from_numpy(data), shape[1], mapped=True)
             else:
                 # Copy: the data may be a read-only view into the memory-mapped file.
                 copied = torch.from_numpy(np.array(data, copy=True))

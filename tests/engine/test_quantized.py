@@ -59,7 +59,7 @@ def test_quantized_at_load_matches_transformers_in_a_batch(
     dequantized weights (the kernel's fp32 sums differ from torch's only in order)."""
     engine = make_engine(tiny_model_dir("llama"), quantization="q4_0", dtype="auto")
     info = engine.get_stats()
-    assert info["linear_kernel"].startswith("quant_float_")
+    assert info["linear_kernel"].startswith("quant_int16_")
     assert info["weight_bytes"]["Q4_0"] > 0
     prompts = random_prompts(6, seed=3)
     outputs = engine.generate(input_ids=prompts, sampling_params=GREEDY)

@@ -61,11 +61,14 @@ def test_first_step_logits_match_transformers(
 
 
 def test_quantized_fp32_matches_transformers(transformers_logits: tuple[list[int], torch.Tensor]) -> None:
-    """Served as the file holds it (the default: quantized blocks, fp32 activations), the kernel
-    multiplies the weights transformers dequantizes, in another fp32 order (measured: 3e-5)."""
+    """Served as the file holds it (the default: quantized blocks, an fp32 residual stream), the
+    kernel multiplies the weights transformers dequantizes with each layer's input rounded to int16
+    per block of 32 (a relative step of 2^-15 of the block's largest): the logits move by 5e-3 at
+    most (measured), held to 2e-2, a fifteenth of what bf16 activations are allowed below."""
     ids, expected = transformers_logits
     ours = first_step_logits(ids, dtype="auto")
-    assert torch.allclose(ours, expected, atol=1e-3, rtol=0), float((ours - expected).abs().max())
+    assert int(ours.argmax()) == int(expected.argmax())
+    assert torch.allclose(ours, expected, atol=2e-2, rtol=0), float((ours - expected).abs().max())
 
 
 def test_quantized_bf16_logprobs_stay_close_to_transformers(

@@ -33,3 +33,13 @@ def random_quantized(name: str, rows: int, cols: int, seed: int = 0) -> Quantize
         blocks[:, :, offset : offset + 2] = scales.view(np.uint8).reshape(*blocks.shape[:2], 2)
     data = torch.from_numpy(np.ascontiguousarray(blocks.reshape(rows, -1)))
     return QuantizedTensor(fmt, data, cols)
+
+
+def quantize_like_kernel(x: torch.Tensor) -> torch.Tensor:
+    """The kernel's activations, dequantized: per block of 32, scale max |x| / 32767 and values
+    rounded half to even (the kernel's fp32 steps, then float64)."""
+    blocks = x.float().reshape(x.shape[0], -1, 32)
+    scale = blocks.abs().amax(dim=-1, keepdim=True) / 32767.0
+    inverse = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    values = torch.round(blocks * inverse)
+    return (values.double() * scale.double()).reshape(x.shape)

@@ -9,7 +9,7 @@ from radixserve.kernels.native import load_library
 from radixserve.kernels.quant_ops import QuantKernels
 from radixserve.layers.linear import ColumnParallelLinear, quantized_storage
 from radixserve.layers.quantized import QuantizationError, QuantizedWeight
-from tests.kernels.quant_blocks import random_quantized
+from tests.kernels.quant_blocks import quantize_like_kernel, random_quantized
 
 
 @pytest.fixture(scope="module")
@@ -31,9 +31,14 @@ def test_a_stacked_layer_keeps_its_quantized_parts(quant: QuantKernels) -> None:
     # Views of the loaded blocks (with one rank, each shard is the whole tensor): nothing copied.
     assert [p.data.data_ptr() for p in kept] == [p.data.data_ptr() for p in parts]
     assert isinstance(layer.packed, QuantizedWeight) and layer.weight.numel() == 0
-    assert [t.data_ptr() for t in quantized_storage(layer)] == [p.data.data_ptr() for p in parts]
+    # What a release stashes: the parts as loaded, and as packed for the kernel.
+    packed = layer.packed.packed
+    assert [t.data_ptr() for t in quantized_storage(layer)] == [
+        *(p.data.data_ptr() for p in parts),
+        *(t.data_ptr() for t in packed),
+    ]
     x = torch.randn(3, 256)
-    expected = x.double() @ torch.cat([p.dequantize() for p in parts]).double().T
+    expected = quantize_like_kernel(x) @ torch.cat([p.dequantize() for p in parts]).double().T
     torch.testing.assert_close(layer(x).double(), expected, rtol=1e-4, atol=1e-4)
 
 

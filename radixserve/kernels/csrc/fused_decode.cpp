@@ -50,9 +50,8 @@ void bf16_linear(const uint16_t *x, int64_t x_stride, const uint16_t *packed, ui
 void amx_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed, uint16_t *out, int64_t out_stride,
                      const uint16_t *bias, const uint16_t *residual, int64_t residual_stride, int64_t m, int64_t n,
                      int64_t k);
-int quant_linear_parts(const int64_t *parts_layout, int mode, const void *x, int64_t x_stride, int bf16, int64_t m,
-                       int64_t k, void *out, int64_t out_stride, const void *bias, const void *residual,
-                       int64_t residual_stride);
+int quant_linear_parts(const int64_t *parts_layout, const void *x, int64_t x_stride, int bf16, int64_t m, int64_t k,
+                       void *out, int64_t out_stride, const void *bias, const void *residual, int64_t residual_stride);
 int prefix_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, const uint16_t *v, int64_t kv_stride,
                           const int64_t *slots, uint16_t *out, int64_t out_token, float *lse, int64_t n,
                           int64_t heads, int64_t kv_heads, int64_t dim, int64_t length, float scale,
@@ -104,7 +103,7 @@ struct Ops<float> {
 };
 
 struct Step {
-    int64_t linear_kind, quant_mode, prefix_kind;
+    int64_t linear_kind, prefix_kind;
     float eps, scale;
     const float *cos_table, *sin_table;
     const int64_t *positions, *out_slots, *req_to_token;
@@ -118,8 +117,8 @@ template <typename T>
 int linear(const Step &step, const void *w, const T *x, int64_t x_stride, T *out, int64_t out_stride, const T *bias,
            const T *residual, int64_t residual_stride, int64_t m, int64_t n, int64_t k) {
     if (step.linear_kind == kQuantized)
-        return quant_linear_parts(static_cast<const int64_t *>(w), static_cast<int>(step.quant_mode), x, x_stride,
-                                  sizeof(T) == 2, m, k, out, out_stride, bias, residual, residual_stride)
+        return quant_linear_parts(static_cast<const int64_t *>(w), x, x_stride, sizeof(T) == 2, m, k, out, out_stride,
+                                  bias, residual, residual_stride)
                    ? 0
                    : 1;
     if constexpr (sizeof(T) == 2) {
@@ -197,11 +196,11 @@ int run_layers(const Step &step, const Layer<T> *layers, int64_t num_layers, T *
 }  // namespace
 
 // hidden [batch, hidden] is the residual stream, updated in place. linear_kind: 0 the AMX matmul, 1
-// bf16_linear, 2 quant_linear_parts with activation mode quant_mode; prefix_kind: 0 the AMX prefix
+// bf16_linear, 2 quant_linear_parts; prefix_kind: 0 the AMX prefix
 // attention, 1 the vector one. Returns 0; 1 for AMX asked of a build without it; or the failing
 // kernel's status (the caller checked every condition first, so any is a bug).
 #define RADIXSERVE_FUSED_DECODE(NAME, T)                                                                           \
-    extern "C" int NAME(int64_t linear_kind, int64_t quant_mode, int64_t prefix_kind, const Layer<T> *layers,      \
+    extern "C" int NAME(int64_t linear_kind, int64_t prefix_kind, const Layer<T> *layers,                          \
                         int64_t num_layers, T *hidden, int64_t batch, int64_t hidden_size, int64_t intermediate,  \
                         int64_t heads, int64_t kv_heads, int64_t head_dim, float eps, float scale,                \
                         const float *cos_table, const float *sin_table, const int64_t *positions,                 \
@@ -209,9 +208,9 @@ int run_layers(const Step &step, const Layer<T> *layers, int64_t num_layers, T *
                         const int64_t *req_rows, const int64_t *seq_lens, int64_t prefix_length,                  \
                         const int64_t *prefix_slots) {                                                            \
         if (!amx_allowed(linear_kind, prefix_kind, prefix_length)) return 1;                                     \
-        const Step step{linear_kind, quant_mode,   prefix_kind,  eps,      scale,         cos_table,               \
-                        sin_table,   positions,    out_slots,    req_to_token, table_stride, req_rows,             \
-                        seq_lens,    prefix_length, prefix_slots};                                                 \
+        const Step step{linear_kind, prefix_kind,  eps,          scale,        cos_table, sin_table,             \
+                        positions,   out_slots,    req_to_token, table_stride, req_rows,  seq_lens,              \
+                        prefix_length, prefix_slots};                                                            \
         return run_layers<T>(step, layers, num_layers, hidden,                                                   \
                              Shape{batch, hidden_size, intermediate, heads, kv_heads, head_dim});                \
     }

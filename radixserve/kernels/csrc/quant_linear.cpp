@@ -11,8 +11,9 @@
 //   method), below what the bf16 residual stream carries (docs/architecture.md, "Quantized weights").
 // - Weights (quant_pack): 16 columns interleaved per block, every value's bits in the word it
 //   multiplies: a 32-byte chunk widens to 32 int16 (column c, inputs 2s and 2s + 1 in words 2c and
-//   2c + 1), its low nibbles one step s and its high nibbles step s + 8; a fifth and sixth bit come
-//   from bit planes, one bit per word. Headers keep each column's scales in the same order. The
+//   2c + 1), its low nibbles one step s and its high nibbles step s + 8; a fifth bit comes from a
+//   bit plane (a mask register's worth per step), Q6_K's two high bits from 2-bit fields packed 4
+//   steps to a byte. Headers keep each column's scales in the same order. The
 //   packed bytes are as many as the file's (Q4_K, Q5_K: 2% more, the 6-bit scales as bytes).
 // - Product: vpdpwssd (AVX-512 VNNI) or vpmaddwd + vpaddd (AVX-512, AVX2) sums each sub-block's products
 //   per column exactly in int32 (a format's zero point, -8, -16 or -32, folded in as minus the
@@ -57,10 +58,12 @@ namespace {
 
 using namespace quant_formats;
 
-constexpr int kColumns = 16;  // columns per packed group
+constexpr int kColumns = 16;            // columns per packed group
+constexpr int64_t kPrefetchBytes = 8192;  // how far ahead a tile's stream is prefetched
 
-// Bytes of one packed sub-block of 32 inputs x 16 columns: the nibbles (or Q8_0's bytes) and the
-// bit planes.
+// Bytes of one packed sub-block of 32 inputs x 16 columns: the nibbles (or Q8_0's bytes), then a 5-bit
+// format's bit plane (32 bits a step) or Q6_K's 2-bit fields (4 chunks of 32 bytes, chunk s % 4 holding
+// step s's at bits 2 (s / 4) of each word's byte).
 template <class F>
 constexpr int sub_bytes() {
     return F::kBits == 8 ? 512 : 256 + 64 * (F::kBits - 4);
@@ -98,6 +101,10 @@ void pack_group(const uint8_t *w, int64_t n, int64_t row_bytes, int64_t k, int64
                             continue;
                         }
                         dst[32 * (s % 8) + word] |= static_cast<uint8_t>((value & 0xf) << (s < 8 ? 0 : 4));
+                        if constexpr (F::kBits == 6) {  // 2-bit fields: byte `word` of chunk s % 4
+                            dst[256 + 32 * (s % 4) + word] |= static_cast<uint8_t>((value >> 4) << (2 * (s / 4)));
+                            continue;
+                        }
                         for (int bit = 4; bit < F::kBits; ++bit) {
                             uint32_t plane;
                             uint8_t *at = dst + 256 + 64 * (bit - 4) + 4 * s;
@@ -182,6 +189,11 @@ inline Ints add_bits(Ints a, const uint8_t *plane, short value) {
     memcpy(&bits, plane, 4);
     return {_mm512_mask_add_epi16(a.v, bits, a.v, _mm512_set1_epi16(value))};
 }
+// Bits 4-5 of each word from the 2-bit field at `shift` of the fields' word.
+inline Ints with_high2(Ints a, Ints fields, int shift) {
+    const __m512i moved = shift <= 4 ? _mm512_slli_epi16(fields.v, 4 - shift) : _mm512_srli_epi16(fields.v, shift - 4);
+    return {_mm512_ternarylogic_epi32(a.v, moved, _mm512_set1_epi16(0x30), 0xf8)};  // a | (moved & 0x30)
+}
 inline Ints set_i32(int32_t x) { return {_mm512_set1_epi32(x)}; }
 inline Ints add_i32(Ints a, Ints b) { return {_mm512_add_epi32(a.v, b.v)}; }
 // acc + each column's two products with the input pair (two int16 in one int32).
@@ -235,6 +247,13 @@ inline Ints add_bits(Ints a, const uint8_t *plane, short value) {
     memcpy(&bits, plane, 4);
     return {_mm256_add_epi16(a.lo, bits_to_words(bits & 0xffff, value)),
             _mm256_add_epi16(a.hi, bits_to_words(bits >> 16, value))};
+}
+inline __m256i with_high2(__m256i a, __m256i fields, int shift) {
+    const __m256i moved = shift <= 4 ? _mm256_slli_epi16(fields, 4 - shift) : _mm256_srli_epi16(fields, shift - 4);
+    return _mm256_or_si256(a, _mm256_and_si256(moved, _mm256_set1_epi16(0x30)));
+}
+inline Ints with_high2(Ints a, Ints fields, int shift) {
+    return {with_high2(a.lo, fields.lo, shift), with_high2(a.hi, fields.hi, shift)};
 }
 inline Ints set_i32(int32_t x) { return {_mm256_set1_epi32(x), _mm256_set1_epi32(x)}; }
 inline Ints add_i32(Ints a, Ints b) { return {_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)}; }
@@ -294,6 +313,12 @@ inline void unpack_steps(const uint8_t *q, int t, Ints &lo, Ints &hi) {
         const Ints both = widen_u8(q + 32 * t);
         lo = low4(both);
         hi = high4(both);
+        if constexpr (F::kBits == 6) {
+            const Ints fields = widen_u8(q + 256 + 32 * (t % 4));
+            lo = with_high2(lo, fields, 2 * (t / 4));
+            hi = with_high2(hi, fields, 2 * (t / 4 + 2));
+            return;
+        }
         for (int bit = 4; bit < F::kBits; ++bit) {
             lo = add_bits(lo, q + 256 + 64 * (bit - 4) + 4 * t, static_cast<short>(1 << bit));
             hi = add_bits(hi, q + 256 + 64 * (bit - 4) + 4 * (t + 8), static_cast<short>(1 << bit));
@@ -319,8 +344,8 @@ inline void tile(const uint8_t *packed, int64_t stride, int64_t g, int64_t row, 
         const uint8_t *h[NG];
         for (int j = 0; j < NG; ++j) {
             h[j] = packed + (g + j) * stride + blk * group_block_bytes<F>();
-            // A few blocks ahead: NG streams at once are more than the hardware prefetcher follows.
-            prefetch<F>(h[j] + 4 * group_block_bytes<F>());
+            // The hardware prefetcher alone runs too little ahead of a decode step's stream.
+            prefetch<F>(h[j] + kPrefetchBytes);
         }
         for (int sub = 0; sub < F::kSubs; ++sub) {
             const int64_t ab = blk * F::kSubs + sub;  // the activation block
@@ -376,9 +401,9 @@ inline void tile(const uint8_t *, int64_t, int64_t, int64_t, const Activations &
 constexpr int kTileRows = 4;                // rows per register tile beyond one row
 // Groups per register tile: as many as the registers hold (32 vectors with AVX-512, 16 with AVX2).
 #ifdef RADIXSERVE_QUANT_512
-constexpr int kTileGroups = 2, kDecodeGroups = 2;
+constexpr int kTileGroups = 2;
 #else
-constexpr int kTileGroups = 1, kDecodeGroups = 1;
+constexpr int kTileGroups = 1;
 #endif
 constexpr int64_t kRowBlock = 64;           // rows whose activations stay in L2 while a task's groups pass
 constexpr int64_t kParallelWork = 1 << 11;  // m * n * k / 32 below which one thread does it all
@@ -415,15 +440,13 @@ inline void run_tile(const uint8_t *packed, int64_t stride, int64_t g, int64_t r
         for (int64_t c = 0; c < columns; ++c) o.store(row + r, first + c, result[r][c]);
 }
 
-// Groups [first, last) for rows [row, row + rows): one row takes two groups a tile (four independent
-// sums), more rows kTileRows a tile.
+// Groups [first, last) for rows [row, row + rows): one row takes one group a tile (one stream of
+// weights per thread reads memory faster than two; measured), more rows kTileRows x kTileGroups.
 template <class F>
 inline void groups(const uint8_t *packed, int64_t stride, int64_t first, int64_t last, int64_t row, int64_t rows,
                    const Activations &a, const Output &o) {
     if (rows == 1) {
-        int64_t g = first;
-        for (; g + kDecodeGroups <= last; g += kDecodeGroups) run_tile<F, 1, kDecodeGroups>(packed, stride, g, row, a, o);
-        for (; g < last; ++g) run_tile<F, 1, 1>(packed, stride, g, row, a, o);
+        for (int64_t g = first; g < last; ++g) run_tile<F, 1, 1>(packed, stride, g, row, a, o);
         return;
     }
     const auto pass = [&]<int NG>(int64_t g) {

@@ -5,7 +5,8 @@
 
 DIR holds llama.cpp's `llama-server` (build steps: ../shared/peers/README.md). Each file is served
 by `llama-server -m FILE -t THREADS` and by `radixserve serve --model-path FILE`, one at a time, and
-both get the same token-id prompts on /v1/completions (greedy, ignore_eos):
+both get the same token-id prompts on /v1/completions (greedy, ignore_eos), new ones for each repeat
+so that no prompt cache serves them:
 - W3: one request, 128 prompt tokens, 128 output tokens: output tok/s including the prefill;
 - W1: 32 requests of 256 prompt tokens and 64 output tokens at once: total (in + out) tok/s.
 Each server's peak RSS is that of its whole process tree (psutil), sampled during the runs. Prints
@@ -32,9 +33,10 @@ PORT = 30411
 WORKLOADS: dict[str, tuple[int, int, int]] = {"W3": (1, 128, 128), "W1": (32, 256, 64)}  # requests, in, out
 
 
-def prompts(name: str) -> list[list[int]]:
+def prompts(name: str, repeat: int) -> list[list[int]]:
+    """New prompts for each repeat: neither server's prompt cache serves a repeat."""
     count, length, _ = WORKLOADS[name]
-    rng = random.Random(name)
+    rng = random.Random(f"{name}-{repeat}")
     return [[rng.randrange(100, 32000) for _ in range(length)] for _ in range(count)]
 
 
@@ -62,9 +64,9 @@ def complete(prompt: list[int], max_tokens: int, model: str) -> int:
     return tokens
 
 
-def run_workload(name: str) -> float:
+def run_workload(name: str, repeat: int) -> float:
     """tok/s: W3 output tokens per second, others total tokens per second."""
-    batch = prompts(name)
+    batch = prompts(name, repeat)
     out_len, model = WORKLOADS[name][2], served_model()
     started = time.perf_counter()
     with ThreadPoolExecutor(len(batch)) as pool:
@@ -142,7 +144,7 @@ def main() -> None:
     ]
 
     def measure() -> dict[str, float]:
-        return {name: max(run_workload(name) for _ in range(options.repeats)) for name in names}
+        return {name: max(run_workload(name, repeat) for repeat in range(options.repeats)) for name in names}
 
     header = " | ".join(f"{n} llama.cpp | {n} radixserve | ratio" for n in names)
     print(f"| file | {header} | RSS llama.cpp MB | RSS radixserve MB | ratio |")

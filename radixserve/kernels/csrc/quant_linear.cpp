@@ -196,12 +196,14 @@ inline Ints with_high2(Ints a, Ints fields, int shift) {
 }
 inline Ints set_i32(int32_t x) { return {_mm512_set1_epi32(x)}; }
 inline Ints add_i32(Ints a, Ints b) { return {_mm512_add_epi32(a.v, b.v)}; }
-// acc + each column's two products with the input pair (two int16 in one int32).
-inline Ints dot(Ints acc, Ints w, int32_t pair) {
+// The input pair at p (two int16) in every column's two words: one load that broadcasts.
+inline Ints pair_at(const int16_t *p) { return {_mm512_broadcastd_epi32(_mm_loadu_si32(p))}; }
+// acc + each column's two products with the input pair.
+inline Ints dot(Ints acc, Ints w, Ints pair) {
 #if RADIXSERVE_QUANT_ISA == 4
-    return {_mm512_dpwssd_epi32(acc.v, w.v, _mm512_set1_epi32(pair))};
+    return {_mm512_dpwssd_epi32(acc.v, w.v, pair.v)};
 #else
-    return {_mm512_add_epi32(acc.v, _mm512_madd_epi16(w.v, _mm512_set1_epi32(pair)))};
+    return {_mm512_add_epi32(acc.v, _mm512_madd_epi16(w.v, pair.v))};
 #endif
 }
 inline Floats to_float(Ints a) { return {_mm512_cvtepi32_ps(a.v)}; }
@@ -257,9 +259,13 @@ inline Ints with_high2(Ints a, Ints fields, int shift) {
 }
 inline Ints set_i32(int32_t x) { return {_mm256_set1_epi32(x), _mm256_set1_epi32(x)}; }
 inline Ints add_i32(Ints a, Ints b) { return {_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)}; }
-inline Ints dot(Ints acc, Ints w, int32_t pair) {
-    const __m256i x = _mm256_set1_epi32(pair);
-    return {_mm256_add_epi32(acc.lo, _mm256_madd_epi16(w.lo, x)), _mm256_add_epi32(acc.hi, _mm256_madd_epi16(w.hi, x))};
+inline Ints pair_at(const int16_t *p) {
+    const __m256i x = _mm256_broadcastd_epi32(_mm_loadu_si32(p));
+    return {x, x};
+}
+inline Ints dot(Ints acc, Ints w, Ints pair) {
+    return {_mm256_add_epi32(acc.lo, _mm256_madd_epi16(w.lo, pair.lo)),
+            _mm256_add_epi32(acc.hi, _mm256_madd_epi16(w.hi, pair.hi))};
 }
 inline Floats to_float(Ints a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
 inline Floats set_f(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
@@ -358,9 +364,8 @@ inline void tile(const uint8_t *packed, int64_t stride, int64_t g, int64_t row, 
                 Ints wl[NG], wh[NG];
                 for (int j = 0; j < NG; ++j) unpack_steps<F>(h[j] + F::kHeader + sub * sub_bytes<F>(), t, wl[j], wh[j]);
                 for (int r = 0; r < MR; ++r) {
-                    int32_t pl, ph;
-                    memcpy(&pl, a.row_values(row + r) + 32 * ab + 2 * t, 4);
-                    memcpy(&ph, a.row_values(row + r) + 32 * ab + 16 + 2 * t, 4);
+                    const int16_t *x = a.row_values(row + r) + 32 * ab + 2 * t;
+                    const Ints pl = pair_at(x), ph = pair_at(x + 16);
                     for (int j = 0; j < NG; ++j) lo[r][j] = dot(lo[r][j], wl[j], pl), hi[r][j] = dot(hi[r][j], wh[j], ph);
                 }
             }

@@ -4,8 +4,8 @@ the hypervisor took (steal) in each second.
     python benchmarks/host_speed.py [--seconds 300] [--out bench-work/host-speed.json]
 
 Why: a simulator validation compares predictions with runs timed minutes apart, and on a shared
-host those runs meet different spells of speed. On the 2-core Zen 3 of sessions 27-39 the matmul
-rate jumped between about 90 and 160 GFLOP/s for seconds to tens of seconds at a time, with no
+host those runs meet different spells of speed. On a 2-core Zen 3 the matmul rate
+jumped between about 90 and 160 GFLOP/s for seconds to tens of seconds at a time, with no
 steal at all (docs/simulator.md, "Validation"): the other tenants of the same cores or caches, which
 no reading inside the VM shows. Run it before a validation to see whether the host is quiet, or
 beside the validation's figures to judge its misses. It prints the rates' spread, the share of

@@ -7,15 +7,14 @@ the host drifts between runs). Prints the calibration runs' errors, the fitted f
         [--other-model bench-work/simulator-other-model.json] [--passes 1,2] [--row-cost fit|SECONDS]
 
 What calibrate measured (peaks, bandwidth, the linears' rates, the pointwise costs) is taken from
-the saved profile; what the fit fills in is fitted again. A validation saved since session 30 keeps
-its replays' forwards too, and each is set against the new fit (the fit never saw them). With
---passes, the fit takes those calibration passes only: a replay's neighbours, say, apart from the
-host's drift over the rest (and, saved since session 36, the peaks measured after those passes).
-The cost per row is held where the validation's engine measured its scheduler's own (saved since
-session 32; fitted for older saves); --row-cost fits it, or holds it at the seconds given. A
-validation saved since session 37 keeps every workload run's arrivals too, and the new fit
-predicts W1-W3 again from them. The models are the validation's (its --model) and the other-model
-run's random-weight models in WORK.
+the saved profile; what the fit fills in is fitted again. A validation that kept its replays'
+forwards has each set against the new fit (the fit never saw them). With --passes, the fit takes
+those calibration passes only: a replay's neighbours, say, apart from the host's drift over the
+rest (and the peaks measured after those passes, where the validation kept them). The cost per row
+is held where the validation's engine measured its scheduler's own (fitted where the save lacks
+it); --row-cost fits it, or holds it at the seconds given. A validation that kept every workload
+run's arrivals has the new fit predict W1-W3 again from them. The models are the validation's (its
+--model) and the other-model run's random-weight models in WORK.
 """
 
 from __future__ import annotations
@@ -66,7 +65,7 @@ def main() -> None:
         if k in {f.name for f in dataclasses.fields(HardwareProfile)}
     }
     saved_profile = HardwareProfile.from_dict(fields)
-    # The validation's model (saved since session 37; the SmolLM2 shape before).
+    # The validation's model (older saves lack it: the SmolLM2 shape).
     llama = saved.get("model") == "llama-1b"
     model = ensure_random_llama_1b(args.work) if llama else ensure_random_smollm2(args.work, "bfloat16")
     config, sched = _model(model, args.max_total_tokens)
@@ -75,7 +74,7 @@ def main() -> None:
     if args.passes:
         passes = [int(k) for k in args.passes.split(",")]
         runs = timed_runs(shapes, saved["pass_samples"], passes)
-        if "peak_samples" in saved:  # the peaks measured after each of those passes (since session 36)
+        if "peak_samples" in saved:  # the peaks measured after each of those passes
             samples = [HardwareProfile.from_dict(saved["peak_samples"][k]) for k in passes]
             measured = median_measurements(samples, torch.bfloat16)
     else:
@@ -99,12 +98,12 @@ def main() -> None:
     print(f"rms log error {math.sqrt(statistics.fmean(x * x for x in logs)):.4f}")
     print(_describe(profile))
     for i, replayed in enumerate(saved.get("replays", [])):
-        if "records" in replayed:  # saved since session 30
+        if "records" in replayed:  # the replays' forwards, where kept
             records = [ForwardRecord.from_dict(r) for r in replayed["records"]]
             _print_forwards(f"serving run {i}'s replay", compare_forwards(records, config, profile))
             if (host := decode_host_time(records)) is not None:
                 print(host.describe(profile))
-    if "workload_runs" in saved:  # saved since session 37
+    if "workload_runs" in saved:  # every workload run's arrivals, where kept
         workloads = load_workloads(saved["workload_runs"])
         rounds = 1 + max(k for entry in workloads.values() for _, k in entry.timed_runs + entry.ttft_runs)
         refit = [("refit", [profile] * rounds)]
@@ -117,7 +116,7 @@ def _other_model(saved: dict[str, Any], profile: HardwareProfile, args: argparse
     config, sched = _model(ensure_random_llama_1b(args.work), args.max_total_tokens)
     print("| other model's run | measured s | predicted s | error |\n|---|---|---|---|")
     for i, row in enumerate(saved["runs"]):
-        if "shape" not in row:  # saved before session 29
+        if "shape" not in row:  # an older save
             raise SystemExit(
                 f"{args.other_model} has no run shapes: time it again with simulator_other_model.py"
             )

@@ -148,7 +148,7 @@ class CalibrationTimer:
     - Each pass starts with a short untimed request, so that its first sample does not pay for
       what ran before it (the caller's other work, or the engine idling: the wake cost). It did
       not explain why the first run's samples spread more than the other single-forward runs'
-      (session 27, docs/simulator.md).
+      (docs/simulator.md).
     - A caller may do other work between passes. simulator_validation.py times its workloads
       between them, so that the machine's slow and fast spells weigh on the calibration as on the
       measurements it predicts."""

@@ -2,8 +2,8 @@
 the calibration model's linears and the weights' rate as the peaks after each pass read them.
 
 A profile holds each figure's median over the passes. On a shared host whose speed moves by more
-than a prediction aims at (the 2-core Zen 3 of sessions 27-39 read the same matmul at 77-168
-GFLOP/s within minutes: docs/simulator.md, "The host's speed"), a prediction is as far off as the
+than a prediction aims at (a 2-core Zen 3 read the same matmul at 77-168 GFLOP/s within
+minutes: docs/simulator.md, "The host's speed"), a prediction is as far off as the
 host then is from that median, so calibrate says how far its own measurements moved."""
 
 from __future__ import annotations

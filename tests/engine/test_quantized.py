@@ -183,6 +183,28 @@ def test_ngram_speculation_over_quantized_weights(
     assert engine.get_stats()["spec_verify_steps"] > 0
 
 
+def test_standalone_speculation_over_quantized_weights(
+    tiny_model_dir: Callable[[str], Path], make_engine: Callable[..., Engine], q4_oracle: GreedyOracle
+) -> None:
+    """A STANDALONE draft model (the same checkpoint, so it is quantized too and agrees nearly
+    always): greedy output verified on the quantized weights is the output without drafts."""
+    path = tiny_model_dir("llama")
+    engine = make_engine(
+        path,
+        quantization="q4_0",
+        speculative_algorithm="STANDALONE",
+        speculative_draft_model_path=str(path),
+        speculative_num_steps=3,
+        disable_speculative_adaptive=True,
+    )
+    for prompt in random_prompts(2, seed=21, lengths=[20, 9]):
+        out = engine.generate(input_ids=prompt, sampling_params=GREEDY)
+        assert isinstance(out, dict)
+        assert out["output_ids"] == q4_oracle.continue_(prompt, int(GREEDY["max_new_tokens"]))
+    stats = engine.get_stats()
+    assert stats["spec_verify_steps"] > 0 and stats["weight_bytes"]["Q4_0"] > 0
+
+
 def test_two_tensor_parallel_ranks_shard_the_blocks(
     tiny_model_dir: Callable[[str], Path], make_engine: Callable[..., Engine], q4_oracle: GreedyOracle
 ) -> None:

@@ -20,6 +20,41 @@ from radixserve.bench.model import train_tokenizer
 # Avoid the tokenizers fork-after-parallelism warning spam when tests spawn subprocesses.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# The fast lane (`pytest -m "not integration"`): every test but those that run an engine, a server,
+# ranks or other processes. Whole folders are integration; elsewhere a module is when its source
+# starts one of them.
+_INTEGRATION_DIRS = frozenset({"engine", "server", "distributed", "bench"})
+_INTEGRATION_MARKS = (
+    "Engine(",
+    "make_engine",
+    "launch_server",
+    "subprocess",
+    "multiprocessing",
+    "LiveServer",
+)
+_integration_modules: dict[Path, bool] = {}
+
+
+def _starts_processes(path: Path) -> bool:
+    if path not in _integration_modules:
+        inside = path.relative_to(Path(__file__).parent).parts
+        source = path.read_text()
+        _integration_modules[path] = inside[0] in _INTEGRATION_DIRS or any(
+            m in source for m in _INTEGRATION_MARKS
+        )
+    return _integration_modules[path]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "integration: runs an engine, a server, ranks or other processes")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if _starts_processes(Path(str(item.path))):
+            item.add_marker(pytest.mark.integration)
+
+
 TINY_ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral")
 
 CHATML_TEMPLATE = (

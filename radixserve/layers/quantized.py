@@ -98,6 +98,7 @@ class QuantizedTensor:
 
 
 _MADV_DONTNEED = 4
+_LIBC = ctypes.CDLL(None)
 
 
 def release_mapped_pages(data: torch.Tensor) -> None:
@@ -109,9 +110,8 @@ def release_mapped_pages(data: torch.Tensor) -> None:
     page = mmap.PAGESIZE
     start, stop = -(-first // page) * page, end // page * page
     if stop > start:
-        ctypes.CDLL(None, use_errno=True).madvise(
-            ctypes.c_void_p(start), ctypes.c_size_t(stop - start), _MADV_DONTNEED
-        )
+        # Advice only: were it refused, the pages would stay resident, nothing else changes.
+        _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(stop - start), _MADV_DONTNEED)
 
 
 # What a checkpoint reader yields: a plain tensor, or a GGUF-quantized one.

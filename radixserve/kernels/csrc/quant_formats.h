@@ -123,70 +123,46 @@ inline void unpack5(const uint8_t *bits, const uint8_t *nibbles, uint8_t *q) {
 // (coefs), one sub-block's values (unpack_scalar); and for quant_linear.cpp's packed layout, the bytes
 // of 16 columns' header (kHeader, written by pack_header), the zero point folded into the integer
 // sums (kIntOffset), and whether a minimum per sub-block is added apart (kMinimum).
-struct Q4_0 {
-    static constexpr int kBytes = 18, kSubs = 1, kBits = 4;
-    static constexpr bool kSigned = false, kSplit = false;
-    static constexpr int kHeader = 32, kIntOffset = 8;
-    static constexpr bool kMinimum = false;
-    static void pack_header(const uint8_t *b, int c, uint8_t *h) { put_half(h, c, read_u16(b)); }
+// Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: one sub-block of 32; an fp16 scale d, with a minimum an fp16 m (q * d +
+// m; else the zero point 2^(bits - 1), none for Q8_0's signed bytes), a 5-bit format's 32 fifth bits,
+// then the values (nibbles: low 0-15, high 16-31).
+template <int Bits, bool Minimum>
+struct Legacy {
+    static constexpr int kHead = Minimum ? 4 : 2, kValues = kHead + (Bits == 5 ? 4 : 0);
+    static constexpr int kBytes = kValues + (Bits == 8 ? 32 : 16), kSubs = 1, kBits = Bits;
+    static constexpr bool kSigned = Bits == 8, kSplit = false;
+    static constexpr int kHeader = Minimum ? 64 : 32, kIntOffset = Minimum || Bits == 8 ? 0 : 1 << (Bits - 1);
+    static constexpr bool kMinimum = Minimum;
+    static void pack_header(const uint8_t *b, int c, uint8_t *h) {
+        if constexpr (Minimum)
+            scale_min_header(b, c, h);
+        else
+            put_half(h, c, read_u16(b));
+    }
     static void coefs(const uint8_t *b, SubCoef *c) {
         const float d = half_to_float(read_u16(b));
-        c[0] = {d, d, -8.0f * d, -8.0f * d};
+        const float zero_point = kIntOffset ? -static_cast<float>(kIntOffset) * d : 0.0f;
+        const float offset = Minimum ? half_to_float(read_u16(b + 2)) : zero_point;
+        c[0] = {d, d, offset, offset};
     }
     static void unpack_scalar(const uint8_t *b, int, uint8_t *q) {
-        for (int i = 0; i < 16; ++i) q[i] = b[2 + i] & 0xf, q[i + 16] = b[2 + i] >> 4;
+        if constexpr (Bits == 8) {
+            memcpy(q, b + kValues, 32);
+        } else if constexpr (Bits == 5) {
+            unpack5(b + kHead, b + kValues, q);
+        } else {
+            for (int i = 0; i < 16; ++i) q[i] = b[kValues + i] & 0xf, q[i + 16] = b[kValues + i] >> 4;
+        }
     }
 };
-struct Q4_1 {
-    static constexpr int kBytes = 20, kSubs = 1, kBits = 4;
-    static constexpr bool kSigned = false, kSplit = false;
-    static constexpr int kHeader = 64, kIntOffset = 0;
-    static constexpr bool kMinimum = true;
-    static void pack_header(const uint8_t *b, int c, uint8_t *h) { scale_min_header(b, c, h); }
-    static void coefs(const uint8_t *b, SubCoef *c) {
-        const float d = half_to_float(read_u16(b)), m = half_to_float(read_u16(b + 2));
-        c[0] = {d, d, m, m};
-    }
-    static void unpack_scalar(const uint8_t *b, int, uint8_t *q) {
-        for (int i = 0; i < 16; ++i) q[i] = b[4 + i] & 0xf, q[i + 16] = b[4 + i] >> 4;
-    }
-};
-struct Q5_0 {
-    static constexpr int kBytes = 22, kSubs = 1, kBits = 5;
-    static constexpr bool kSigned = false, kSplit = false;
-    static constexpr int kHeader = 32, kIntOffset = 16;
-    static constexpr bool kMinimum = false;
-    static void pack_header(const uint8_t *b, int c, uint8_t *h) { put_half(h, c, read_u16(b)); }
-    static void coefs(const uint8_t *b, SubCoef *c) {
-        const float d = half_to_float(read_u16(b));
-        c[0] = {d, d, -16.0f * d, -16.0f * d};
-    }
-    static void unpack_scalar(const uint8_t *b, int, uint8_t *q) { unpack5(b + 2, b + 6, q); }
-};
-struct Q5_1 {
-    static constexpr int kBytes = 24, kSubs = 1, kBits = 5;
-    static constexpr bool kSigned = false, kSplit = false;
-    static constexpr int kHeader = 64, kIntOffset = 0;
-    static constexpr bool kMinimum = true;
-    static void pack_header(const uint8_t *b, int c, uint8_t *h) { scale_min_header(b, c, h); }
-    static void coefs(const uint8_t *b, SubCoef *c) {
-        const float d = half_to_float(read_u16(b)), m = half_to_float(read_u16(b + 2));
-        c[0] = {d, d, m, m};
-    }
-    static void unpack_scalar(const uint8_t *b, int, uint8_t *q) { unpack5(b + 4, b + 8, q); }
-};
-struct Q8_0 {
-    static constexpr int kBytes = 34, kSubs = 1, kBits = 8;
-    static constexpr bool kSigned = true, kSplit = false;
-    static constexpr int kHeader = 32, kIntOffset = 0;
-    static constexpr bool kMinimum = false;
-    static void pack_header(const uint8_t *b, int c, uint8_t *h) { put_half(h, c, read_u16(b)); }
-    static void coefs(const uint8_t *b, SubCoef *c) {
-        const float d = half_to_float(read_u16(b));
-        c[0] = {d, d, 0.0f, 0.0f};
-    }
-    static void unpack_scalar(const uint8_t *b, int, uint8_t *q) { memcpy(q, b + 2, 32); }
-};
+using Q4_0 = Legacy<4, false>;
+using Q4_1 = Legacy<4, true>;
+using Q5_0 = Legacy<5, false>;
+using Q5_1 = Legacy<5, true>;
+using Q8_0 = Legacy<8, false>;
+static_assert(Q4_0::kBytes == 18 && Q4_1::kBytes == 20 && Q5_0::kBytes == 22 && Q5_1::kBytes == 24 &&
+              Q8_0::kBytes == 34);
+
 struct Q4_K {
     static constexpr int kBytes = 144, kSubs = 8, kBits = 4;
     static constexpr bool kSigned = false, kSplit = false;

@@ -219,7 +219,10 @@ inline void tile(const uint8_t *packed, int64_t stride, int64_t g, int64_t row, 
             Ints lo[MR][NG], hi[MR][NG];
             for (int r = 0; r < MR; ++r) {
                 const int32_t *sums = a.row_sums(row + r) + 2 * ab;
-                for (int j = 0; j < NG; ++j) lo[r][j] = set_i32(-F::kIntOffset * sums[0]), hi[r][j] = set_i32(-F::kIntOffset * sums[1]);
+                for (int j = 0; j < NG; ++j) {
+                    lo[r][j] = set_i32(-F::kIntOffset * sums[0]);
+                    hi[r][j] = set_i32(-F::kIntOffset * sums[1]);
+                }
             }
             for (int t = 0; t < 8; ++t) {
                 Ints wl[NG], wh[NG];
@@ -227,14 +230,20 @@ inline void tile(const uint8_t *packed, int64_t stride, int64_t g, int64_t row, 
                 for (int r = 0; r < MR; ++r) {
                     const int16_t *x = a.row_values(row + r) + 32 * ab + 2 * t;
                     const Ints pl = pair_at(x), ph = pair_at(x + 16);
-                    for (int j = 0; j < NG; ++j) lo[r][j] = dot(lo[r][j], wl[j], pl), hi[r][j] = dot(hi[r][j], wh[j], ph);
+                    for (int j = 0; j < NG; ++j) {
+                        lo[r][j] = dot(lo[r][j], wl[j], pl);
+                        hi[r][j] = dot(hi[r][j], wh[j], ph);
+                    }
                 }
             }
             SubScales s[NG];
             for (int j = 0; j < NG; ++j) s[j] = sub_scales<F>(h[j], sub);
             for (int r = 0; r < MR; ++r) {
-                const Floats dx = set_f(a.row_scales(row + r)[ab]);
+                const float scale = a.row_scales(row + r)[ab];
+                const Floats dx = set_f(scale);
                 const int32_t *sums = a.row_sums(row + r) + 2 * ab;
+                // The activations' sum, which a format's minimum multiplies.
+                const Floats total = set_f(F::kMinimum ? scale * static_cast<float>(sums[0] + sums[1]) : 0.0f);
                 for (int j = 0; j < NG; ++j) {
                     if constexpr (F::kSplit) {
                         acc[r][j] = fma(to_float(lo[r][j]), mul(s[j].lo, dx), acc[r][j]);
@@ -242,10 +251,7 @@ inline void tile(const uint8_t *packed, int64_t stride, int64_t g, int64_t row, 
                     } else {
                         acc[r][j] = fma(to_float(add_i32(lo[r][j], hi[r][j])), mul(s[j].lo, dx), acc[r][j]);
                     }
-                    if constexpr (F::kMinimum) {
-                        const float total = a.row_scales(row + r)[ab] * static_cast<float>(sums[0] + sums[1]);
-                        acc[r][j] = fma(s[j].offset, set_f(total), acc[r][j]);
-                    }
+                    if constexpr (F::kMinimum) acc[r][j] = fma(s[j].offset, total, acc[r][j]);
                 }
             }
         }
@@ -371,7 +377,9 @@ struct MatmulOp {
 
 template <class F>
 struct PackedBytesOp {
-    static void run(int64_t n, int64_t k, int64_t *bytes) { *bytes = (n + kColumns - 1) / kColumns * group_bytes<F>(k); }
+    static void run(int64_t n, int64_t k, int64_t *bytes) {
+        *bytes = (n + kColumns - 1) / kColumns * group_bytes<F>(k);
+    }
 };
 
 template <class F>
@@ -404,7 +412,8 @@ void prepare_activations(const void *x, int64_t x_stride, int x_bf16, int64_t m,
             for (int i = 0; i < 32; ++i)
                 block[i] = x_bf16 ? radixserve_vec::to_float(static_cast<const uint16_t *>(x)[at + i])
                                   : static_cast<const float *>(x)[at + i];
-            quantize_block(block, a.values + r * k + 32 * blk, a.scales + r * (k / 32) + blk, a.sums + r * (k / 16) + 2 * blk);
+            quantize_block(block, a.values + r * k + 32 * blk, a.scales + r * (k / 32) + blk,
+                           a.sums + r * (k / 16) + 2 * blk);
         }
     }
 }

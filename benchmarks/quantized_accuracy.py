@@ -25,7 +25,12 @@ from radixserve.runtime.engine import Engine
 # name -> ServerArgs fields
 CONFIGS: dict[str, dict[str, str | None]] = {
     "dense bf16 (--quantization none --dtype bfloat16)": {"quantization": "none", "dtype": "bfloat16"},
-    "quantized, fp32 (default)": {"quantization": None, "dtype": "float32"},
+    "quantized, fp32, bf16 KV cache (default)": {"quantization": None, "dtype": "float32"},
+    "quantized, fp32, --kv-cache-dtype float32": {
+        "quantization": None,
+        "dtype": "float32",
+        "kv_cache_dtype": "float32",
+    },
     "quantized, --dtype bfloat16": {"quantization": None, "dtype": "bfloat16"},
 }
 

@@ -37,7 +37,7 @@ def step_times(config: ModelConfig, running: int, waiting: int, steps: int) -> l
     for i, req in enumerate(trace):
         params = {"max_new_tokens": req.output_len, "ignore_eos": True, "temperature": 0.0}
         scheduler.handle(GenerateRequest(f"r{i}", req.input_ids, params))
-    while len(scheduler.running) < running or scheduler.queues.chunked_req is not None:
+    while len(scheduler.queues.running) < running or scheduler.queues.chunked_req is not None:
         scheduler.step()
     times = []
     for _ in range(steps):

@@ -167,7 +167,9 @@ class AttentionBackend(ABC):
 @dataclass
 class AttentionCall:
     """One forward's attention, as the model's layers see it: the new tokens' K/V go into the
-    pool, then the backend attends with the metadata it planned for this batch."""
+    pool, then the backend attends with the metadata it planned for this batch. A pool in another
+    dtype than the activations (--kv-cache-dtype) has the backend work in the pool's: q, k and v
+    are rounded to it, and the output comes back in the activations' dtype."""
 
     backend: AttentionBackend
     metadata: AttentionMetadata
@@ -177,6 +179,10 @@ class AttentionCall:
     def __call__(
         self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     ) -> torch.Tensor:
+        activations = q.dtype
+        if self.kv_pool.dtype != activations:
+            q, k, v = (t.to(self.kv_pool.dtype) for t in (q, k, v))
         self.kv_pool.write(layer_id, self.out_cache_loc, k, v)
         k_cache, v_cache = self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id]
-        return self.backend.forward(LayerInputs(layer_id, q, k, v, k_cache, v_cache, scale), self.metadata)
+        out = self.backend.forward(LayerInputs(layer_id, q, k, v, k_cache, v_cache, scale), self.metadata)
+        return out.to(activations)

@@ -72,24 +72,20 @@ def add_disaggregation_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("prefill/decode disaggregation")
     group.add_argument(
         "--disaggregation-mode",
-        default="null",
         choices=MODES,
         help="prefill: compute prompts and send their K/V; decode: receive K/V and decode (null: both)",
     )
     group.add_argument(
         "--disaggregation-bootstrap-port",
         type=int,
-        default=DEFAULT_BOOTSTRAP_PORT,
         help="a prefill server's rendezvous port (a torch.distributed TCPStore) that decode servers join",
     )
     group.add_argument(
         "--disaggregation-transfer-backend",
-        default="gloo",
         help="how K/V travels: gloo (torch.distributed point-to-point)",
     )
     group.add_argument(
         "--disaggregation-timeout",
         type=float,
-        default=DEFAULT_TIMEOUT_S,
         help="seconds either side waits for the other before giving a request up",
     )

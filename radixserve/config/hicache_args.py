@@ -78,34 +78,29 @@ def add_hicache_args(parser: argparse.ArgumentParser) -> None:
         help="keep prefixes below the device pool (--hicache-storage-backend: on disk, across restarts)",
     )
     group.add_argument(
-        "--hicache-ratio", type=float, default=2.0, help="L2 host pool / device pool (unused on a CPU: no L2)"
+        "--hicache-ratio", type=float, help="L2 host pool / device pool (unused on a CPU: no L2)"
     )
     group.add_argument(
         "--hicache-size",
         type=int,
-        default=0,
         help="L2 host pool in GB, over --hicache-ratio (unused on a CPU)",
     )
-    group.add_argument("--hicache-write-policy", default="write_through", choices=WRITE_POLICIES)
+    group.add_argument("--hicache-write-policy", choices=WRITE_POLICIES)
     group.add_argument(
         "--hicache-storage-backend",
-        default=None,
         help="file: K/V pages as files in --hicache-storage-dir, named by the hash of their tokens",
     )
     group.add_argument(
         "--hicache-storage-dir",
-        default=None,
         help=f"the file backend's directory (default ${STORAGE_DIR_ENV}, else ~/.cache/radixserve/hicache)",
     )
     group.add_argument(
         "--hicache-storage-size-gb",
         type=float,
-        default=16.0,
         help="disk budget (least recently used pages go)",
     )
     group.add_argument(
         "--hicache-storage-page-size",
         type=int,
-        default=None,
         help=f"tokens per stored page, a multiple of --page-size (default {DEFAULT_STORAGE_PAGE_TOKENS})",
     )

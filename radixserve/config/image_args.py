@@ -39,19 +39,19 @@ def validate_image_args(args: ImageFields, error: type[ValueError]) -> None:
 def add_image_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("image inputs (vision-language models)")
     group.add_argument(
-        "--max-images-per-request", type=int, default=DEFAULT_MAX_IMAGES_PER_REQUEST,
+        "--max-images-per-request", type=int,
         help="images one request may carry",
     )  # fmt: skip
     group.add_argument(
-        "--max-image-bytes", type=int, default=DEFAULT_MAX_IMAGE_BYTES,
+        "--max-image-bytes", type=int,
         help="size of one encoded image (PNG, JPEG...)",
     )  # fmt: skip
     group.add_argument(
-        "--max-image-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS,
+        "--max-image-pixels", type=int,
         help="width x height of one image, checked before it is decoded",
     )  # fmt: skip
     group.add_argument(
-        "--allowed-local-media-path", default=None, metavar="DIR",
+        "--allowed-local-media-path", metavar="DIR",
         help="let requests name image files under this directory (default: no local files)",
     )  # fmt: skip
     group.add_argument(

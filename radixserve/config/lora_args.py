@@ -97,19 +97,19 @@ def add_lora_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("LoRA adapters")
     group.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters over the base model")
     group.add_argument(
-        "--lora-paths", nargs="+", default=None, metavar="ADAPTER",
+        "--lora-paths", nargs="+", metavar="ADAPTER",
         help="adapters to load at startup: PATH, NAME=PATH, or a JSON object with lora_name and lora_path",
     )  # fmt: skip
     group.add_argument(
-        "--max-loras-per-batch", type=int, default=DEFAULT_MAX_LORAS_PER_BATCH,
+        "--max-loras-per-batch", type=int,
         help="adapters one batch may use, and so the adapter slots kept in the device pool",
     )  # fmt: skip
     group.add_argument(
-        "--max-lora-rank", type=int, default=None,
+        "--max-lora-rank", type=int,
         help="the largest adapter rank the pool holds (default: the largest of --lora-paths)",
     )  # fmt: skip
     group.add_argument(
-        "--lora-target-modules", nargs="+", default=None, metavar="MODULE",
+        "--lora-target-modules", nargs="+", metavar="MODULE",
         help=f"projections adapters may target: {', '.join(LORA_TARGET_MODULES)} or all "
         "(default: those --lora-paths target)",
     )  # fmt: skip

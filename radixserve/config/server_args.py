@@ -32,6 +32,9 @@ DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16")
 # native kernel takes them); "none" loads every weight dense in --dtype (a GGUF dequantized); the
 # others quantize a safetensors checkpoint's linear weights at load into that GGUF format.
 QUANTIZATION_CHOICES: tuple[str, ...] = ("none", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+# --kv-cache-dtype (executor/kv_sizing.py): auto is the model's dtype, but bf16 under fp32 activations
+# over quantized weights on a CPU; "bf16" is SGLang's other name for bfloat16.
+KV_CACHE_DTYPE_CHOICES: tuple[str, ...] = ("auto", "bfloat16", "bf16", "float32")
 GRAMMAR_BACKENDS: tuple[str, ...] = ("xgrammar", "none")
 CPU_KERNEL_CHOICES: tuple[str, ...] = ("auto", "native", "torch")
 # --cpu-isa: what the native kernels are built for (kernels/native.py); auto: RADIXSERVE_CPU_ISA's
@@ -64,6 +67,7 @@ class ServerArgs:
     tokenizer_path: str | None = None
     dtype: str = "auto"
     quantization: str | None = None
+    kv_cache_dtype: str = "auto"
     device: str = "auto"
     context_length: int | None = None
     random_seed: int = 0
@@ -195,6 +199,10 @@ class ServerArgs:
     def validate(self) -> None:
         if self.dtype not in DTYPES:
             raise InvalidArgumentError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+            choices = ", ".join(KV_CACHE_DTYPE_CHOICES)
+            asked = self.kv_cache_dtype
+            raise InvalidArgumentError(f"--kv-cache-dtype must be one of {choices}, got {asked!r}")
         if self.schedule_policy not in SCHEDULE_POLICIES:
             choices = ", ".join(SCHEDULE_POLICIES)
             policy = self.schedule_policy
@@ -335,33 +343,43 @@ class ServerArgs:
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, http: bool = True) -> None:
-        """Adds every flag, grouped; http=False leaves out the HTTP server's (for offline commands)."""
+        """Adds every flag, grouped; http=False leaves out the HTTP server's (for offline commands).
+        Every flag's default is its field's: the dataclass is the one place they are written."""
+        ServerArgs._add_flags(parser, http)
+        flags = {action.dest for action in parser._actions}
+        parser.set_defaults(**{k: v for k, v in ServerArgs.defaults().items() if k in flags})
+
+    @staticmethod
+    def _add_flags(parser: argparse.ArgumentParser, http: bool) -> None:
         model = parser.add_argument_group("model")
         model.add_argument(
             "--model-path",
             "--model",
             dest="model_path",
-            default=None,
             help="HF folder, .gguf file or hub id (default: the packaged SmolLM2-135M-Instruct GGUF)",
         )
-        model.add_argument("--tokenizer-path", default=None, help="tokenizer folder (default: the model's)")
+        model.add_argument("--tokenizer-path", help="tokenizer folder (default: the model's)")
         model.add_argument(
             "--dtype",
-            default="auto",
             choices=DTYPES,
             help="auto: bfloat16 where the device has a fast path, else float32",
         )
         model.add_argument(
             "--quantization",
-            default=None,
             choices=QUANTIZATION_CHOICES,
             help="unset: the checkpoint's own weights (a GGUF's Q4/Q5/Q6/Q8 blocks stay quantized, on "
             "native kernels); none: every weight dense in --dtype (a GGUF dequantized); q8_0, q4_0, q4_1, "
             "q5_0, q5_1: quantize a safetensors checkpoint's linear weights into that GGUF format at load",
         )
-        model.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-        model.add_argument("--context-length", type=int, default=None)
-        model.add_argument("--random-seed", type=int, default=0)
+        model.add_argument(
+            "--kv-cache-dtype",
+            choices=KV_CACHE_DTYPE_CHOICES,
+            help="the KV cache's dtype. auto: the model's, but bfloat16 where fp32 activations run over "
+            "quantized weights on a CPU (half the KV memory; attention then runs in bf16)",
+        )
+        model.add_argument("--device", help="auto, cpu, cuda or cuda:N")
+        model.add_argument("--context-length", type=int)
+        model.add_argument("--random-seed", type=int)
         model.add_argument(
             "--is-embedding",
             action="store_true",
@@ -369,14 +387,12 @@ class ServerArgs:
         )
         model.add_argument(
             "--cpu-kernels",
-            default="auto",
             choices=CPU_KERNEL_CHOICES,
             help="native CPU kernels, built once per machine with its C++ compiler: auto uses them when "
             "they build, native requires them, torch uses torch ops only",
         )
         model.add_argument(
             "--cpu-isa",
-            default="auto",
             choices=CPU_ISA_CHOICES,
             help="instruction set the native CPU kernels are built for: auto is this CPU (or what "
             "RADIXSERVE_CPU_ISA names); a narrower one runs another CPU's kernel paths; amx requires AMX. "
@@ -384,7 +400,6 @@ class ServerArgs:
         )
         model.add_argument(
             "--attention-backend",
-            default="auto",
             choices=ATTENTION_BACKENDS,
             help="attention over the paged KV cache: cpu_native (native CPU kernels: paged decode, "
             "shared-prefix cascade, AMX where the CPU has it), torch_native (torch SDPA; any device); "
@@ -401,55 +416,47 @@ class ServerArgs:
         memory.add_argument(
             "--max-total-tokens",
             type=int,
-            default=None,
             help="KV cache capacity in tokens (default: from --mem-fraction-static)",
         )
         memory.add_argument(
             "--mem-fraction-static",
             type=float,
-            default=0.85,
             help="fraction of free memory after weights given to the KV cache",
         )
-        memory.add_argument("--max-running-requests", type=int, default=None)
-        memory.add_argument("--page-size", type=int, default=1)
+        memory.add_argument("--max-running-requests", type=int)
+        memory.add_argument("--page-size", type=int)
         memory.add_argument(
             "--decode-staging-tokens",
             type=int,
-            default=None,
             help="K/V tokens the torch decode attention keeps contiguous between steps, beyond the KV "
             "cache (default: the KV cache size up to 32768 on a CPU, 0 on CUDA; 0 turns it off; "
             "unused when the native CPU kernel reads the pool in place)",
         )
 
         sched = parser.add_argument_group("scheduling")
-        sched.add_argument("--schedule-policy", default="fcfs", choices=SCHEDULE_POLICIES)
+        sched.add_argument("--schedule-policy", choices=SCHEDULE_POLICIES)
         sched.add_argument(
             "--schedule-conservativeness",
             type=float,
-            default=1.0,
             help="higher reserves more KV for running requests (fewer retractions)",
         )
-        sched.add_argument("--max-prefill-tokens", type=int, default=16384)
-        sched.add_argument("--chunked-prefill-size", type=int, default=2048, help="-1 disables chunking")
+        sched.add_argument("--max-prefill-tokens", type=int)
+        sched.add_argument("--chunked-prefill-size", type=int, help="-1 disables chunking")
         sched.add_argument("--enable-mixed-chunk", action="store_true")
         sched.add_argument("--disable-radix-cache", action="store_true")
         sched.add_argument(
             "--kv-events-config",
-            default=None,
             metavar="JSON",
             help='publish KV cache events over ZMQ, e.g. \'{"publisher": "zmq", "endpoint": '
             '"tcp://127.0.0.1:5557", "replay_endpoint": "tcp://127.0.0.1:5558"}\' (docs/kv_events.md)',
         )
-        sched.add_argument("--stream-interval", type=int, default=1)
+        sched.add_argument("--stream-interval", type=int)
         sched.add_argument(
             "--grammar-backend",
-            default="xgrammar",
             choices=GRAMMAR_BACKENDS,
             help="structured output (json_schema, regex, ebnf); none refuses such requests",
         )
-        sched.add_argument(
-            "--grammar-timeout", type=float, default=300.0, help="seconds a grammar may take to compile"
-        )
+        sched.add_argument("--grammar-timeout", type=float, help="seconds a grammar may take to compile")
         sched.add_argument(
             "--enable-custom-logit-processor",
             action="store_true",
@@ -475,12 +482,11 @@ class ServerArgs:
             ServerArgs._add_http_args(parser)
 
         logs = parser.add_argument_group("logging")
-        logs.add_argument("--log-level", default="info")
-        logs.add_argument("--decode-log-interval", type=int, default=40)
+        logs.add_argument("--log-level")
+        logs.add_argument("--decode-log-interval", type=int)
         logs.add_argument(
             "--watchdog-timeout",
             type=float,
-            default=300.0,
             help="seconds a forward step may run before the server dumps stacks and exits (<= 0: off)",
         )
         logs.add_argument(
@@ -491,37 +497,33 @@ class ServerArgs:
 
         parallel = parser.add_argument_group("parallelism")
         parallel.add_argument(
-            "--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1,
+            "--tp-size", "--tensor-parallel-size", dest="tp_size", type=int,
             help="ranks that split one model's weights (tensor parallelism)",
         )  # fmt: skip
         parallel.add_argument(
-            "--pp-size", "--pipeline-parallel-size", dest="pp_size", type=int, default=1,
+            "--pp-size", "--pipeline-parallel-size", dest="pp_size", type=int,
             help="pipeline stages that split one model's layers (each of --tp-size ranks)",
         )  # fmt: skip
-        parallel.add_argument("--dp-size", type=int, default=1, help="scheduler replicas (data parallelism)")
+        parallel.add_argument("--dp-size", type=int, help="scheduler replicas (data parallelism)")
         parallel.add_argument(
             "--load-balance-method",
-            default="round_robin",
             choices=LOAD_BALANCE_METHODS,
             help="how requests are spread over the --dp-size replicas",
         )
-        parallel.add_argument("--nnodes", type=int, default=1, help="machines the --tp-size ranks span")
-        parallel.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0..nnodes-1")
+        parallel.add_argument("--nnodes", type=int, help="machines the --tp-size ranks span")
+        parallel.add_argument("--node-rank", type=int, help="this machine's index, 0..nnodes-1")
         parallel.add_argument(
             "--dist-init-addr",
-            default=None,
             help="HOST:PORT where the ranks meet (node 0's address; default: a free local port)",
         )
 
     @staticmethod
     def _add_http_args(parser: argparse.ArgumentParser) -> None:
         server = parser.add_argument_group("HTTP server")
-        server.add_argument("--host", default="127.0.0.1", help="address to bind (default: local only)")
-        server.add_argument("--port", type=int, default=30000)
-        server.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
-        server.add_argument(
-            "--served-model-name", default=None, help="model name in the API (default: the model path)"
-        )
+        server.add_argument("--host", help="address to bind (default: local only)")
+        server.add_argument("--port", type=int)
+        server.add_argument("--api-key", help="require 'Authorization: Bearer KEY'")
+        server.add_argument("--served-model-name", help="model name in the API (default: the model path)")
         server.add_argument(
             "--allow-auto-truncate",
             action="store_true",
@@ -530,27 +532,23 @@ class ServerArgs:
         server.add_argument(
             "--max-queued-requests",
             type=int,
-            default=None,
             help="answer 503 while more requests than this wait for their first token (default: no bound)",
         )
-        server.add_argument("--max-request-body-mb", type=float, default=32.0)
+        server.add_argument("--max-request-body-mb", type=float)
         server.add_argument(
             "--request-timeout",
             type=float,
-            default=None,
             help="abort a request not finished this many seconds after it arrived, with a 503 (default: off)",
         )
         server.add_argument(
             "--graceful-shutdown-timeout",
             type=float,
-            default=30.0,
             help="after SIGTERM or Ctrl-C, seconds requests in flight may take to finish before they are "
             "aborted (finish reason abort); new connections are refused at once",
         )
         server.add_argument(
             "--allow-origins",
             nargs="+",
-            default=None,
             metavar="ORIGIN",
             help="answer CORS requests from these browser origins ('*': any; default: no CORS headers)",
         )
@@ -564,11 +562,21 @@ class ServerArgs:
         )
         server.add_argument(
             "--record-trace",
-            default=None,
             metavar="PATH",
             help="append each finished request (arrival, prompt token ids, output length) to PATH as a "
             "JSON line that `radixserve simulate --trace-file` replays (default: off)",
         )
+
+    @staticmethod
+    def defaults() -> dict[str, Any]:
+        """Each field's default value (a fresh one for fields with a factory)."""
+        values = {}
+        for f in dataclasses.fields(ServerArgs):
+            if f.default_factory is not dataclasses.MISSING:
+                values[f.name] = f.default_factory()
+            elif f.default is not dataclasses.MISSING:
+                values[f.name] = f.default
+        return values
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:

@@ -84,40 +84,32 @@ def add_speculative_args(parser: argparse.ArgumentParser) -> None:
     spec = parser.add_argument_group("speculative decoding")
     spec.add_argument(
         "--speculative-algorithm",
-        default=None,
         help="NGRAM: draft from n-grams of the requests' own and recent text; STANDALONE: a smaller "
         "model with the same tokenizer drafts (--speculative-draft-model-path); verified in one forward",
     )
     spec.add_argument(
         "--speculative-draft-model-path",
-        default=None,
         help="STANDALONE: the draft model (a directory, a .gguf file or a hub id in the local cache)",
     )
     spec.add_argument(
         "--speculative-num-steps",
         type=int,
-        default=None,
         help="STANDALONE: tokens the draft model proposes per request per step "
         f"(default {DEFAULT_DRAFT_MODEL_STEPS})",
     )
     spec.add_argument(
         "--speculative-num-draft-tokens",
         type=int,
-        default=8,
         help="NGRAM: tokens verified per request per step, the last sampled one included "
         "(STANDALONE: --speculative-num-steps + 1)",
     )
-    spec.add_argument("--speculative-ngram-min-match-window-size", type=int, default=1)
-    spec.add_argument("--speculative-ngram-max-match-window-size", type=int, default=12)
-    spec.add_argument("--speculative-ngram-min-bfs-breadth", type=int, default=1)
-    spec.add_argument("--speculative-ngram-max-bfs-breadth", type=int, default=10)
-    spec.add_argument("--speculative-ngram-match-type", default="BFS", help="BFS or PROB")
-    spec.add_argument(
-        "--speculative-ngram-branch-length", type=int, default=18, help="the deepest a draft tree grows"
-    )
-    spec.add_argument(
-        "--speculative-ngram-capacity", type=int, default=1_000_000, help="n-grams the shared index keeps"
-    )
+    spec.add_argument("--speculative-ngram-min-match-window-size", type=int)
+    spec.add_argument("--speculative-ngram-max-match-window-size", type=int)
+    spec.add_argument("--speculative-ngram-min-bfs-breadth", type=int)
+    spec.add_argument("--speculative-ngram-max-bfs-breadth", type=int)
+    spec.add_argument("--speculative-ngram-match-type", help="BFS or PROB")
+    spec.add_argument("--speculative-ngram-branch-length", type=int, help="the deepest a draft tree grows")
+    spec.add_argument("--speculative-ngram-capacity", type=int, help="n-grams the shared index keeps")
     spec.add_argument(
         "--disable-speculative-adaptive",
         action="store_true",

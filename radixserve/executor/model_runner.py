@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -31,6 +30,7 @@ from radixserve.distributed.parallel import (
     stage_layers,
 )
 from radixserve.executor.base import ExecutorInfo, KVLayout, LoraAdapterInfo, MemoryReleasedError
+from radixserve.executor.kv_sizing import kv_cache_dtype, kv_capacity, staging_tokens
 from radixserve.executor.lora_pool import LoraPool
 from radixserve.executor.runner_config import RunnerConfig
 from radixserve.executor.weight_formats import keeps_quantized, quantized_kernel_name, weight_bytes
@@ -56,20 +56,18 @@ from radixserve.models.loader import iter_weights, quantize_linears
 from radixserve.models.lora_adapter import LoraAdapter, LoraAdapterError, read_adapter_config
 from radixserve.models.pooling import PoolingConfig, finish_embeddings, pool_segments, read_pooling_config
 from radixserve.models.registry import build_model
-from radixserve.models.source import ModelSource, load_model_config, resolve_model_source
+from radixserve.models.source import (
+    ModelSource,
+    load_model_config,
+    release_gguf_readers,
+    resolve_model_source,
+)
 from radixserve.models.vision import VisionTower
 from radixserve.models.weight_updates import WeightStash, read_weight, repack, update_weights
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-# On a CPU without --max-total-tokens, the KV pool holds the context (--context-length, else the
-# model's) and never fewer tokens than this, so that a batch of ordinary requests shares it; within
-# the free memory. Its pages are taken as tokens are stored (cache/pools.py, zeros_on_demand).
-CPU_MIN_KV_TOKENS = 16384
-# Default cap on decode staging (attention/staging.py) on a CPU, in K/V tokens.
-CPU_DEFAULT_STAGING_TOKENS = 32768
 
 
 def pick_device(name: str) -> torch.device:
@@ -98,18 +96,6 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     # bf16 matmul is faster than fp32 on CPUs with native bf16; elsewhere it is emulated and slow.
     # fp16 is never chosen on a CPU: it has no fast path there.
     return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
-
-
-def free_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free)
-    with open("/proc/meminfo", encoding="ascii") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    pages = os.sysconf("SC_AVPHYS_PAGES")
-    return int(pages * os.sysconf("SC_PAGE_SIZE"))
 
 
 def _lora_info(adapter: LoraAdapter) -> LoraAdapterInfo:
@@ -161,6 +147,7 @@ class ModelRunner:
             # The quantized kernel reads the same bytes whatever the activations' dtype, and fp32
             # activations keep its result that of the dequantized weights (docs/architecture.md).
             self.dtype = torch.float32
+        self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.quantized_weights, self.device)
         # bf16 linear weights on a CPU are held packed for a matmul kernel (layers/packed_weights.py).
         packed = cpu_packing_supported(self.dtype, self.device, self.kernels)
         self.packing = WeightPacking(self.kernels) if packed else None
@@ -182,25 +169,27 @@ class ModelRunner:
         started = time.perf_counter()
         self.model = self._load_model()
         logger.info(
-            "loaded %s (%s) in %.1fs: dtype=%s device=%s",
+            "loaded %s (%s) in %.1fs: dtype=%s kv_cache_dtype=%s device=%s",
             self.config.architecture,
             self.source.path,
             time.perf_counter() - started,
             self.dtype,
+            self.kv_dtype,
             self.device,
         )
         # --enable-lora: the adapters and their slots, on the layers this rank holds.
         self.lora = self._build_lora_pool()
         # Ranks see different free memory; their schedulers must count the same slots.
         gathers_kv = choice is not None and choice.backend.gathers_kv
-        (self.max_total_tokens,) = min_over_ranks([self._kv_capacity(gathers_kv)], parallel)
+        capacity = kv_capacity(config, self._kv_bytes_per_slot(), self.context_len, self.device, gathers_kv)
+        (self.max_total_tokens,) = min_over_ranks([capacity], parallel)
         self.kv_pool = KVCachePool(
             num_slots=self.max_total_tokens,
             # An encoder keeps no K/V between steps: its slots are only accounting.
             num_layers=0 if self.config.is_encoder else self.num_local_layers,
             num_kv_heads=self.local_kv_heads,
             head_dim=self.config.head_dim,
-            dtype=self.dtype,
+            dtype=self.kv_dtype,
             device=self.device,
         )
         # The hierarchical cache's copies between this pool and host memory.
@@ -209,7 +198,8 @@ class ModelRunner:
         self.attention: AttentionBackend | None = None
         self.attention_reason = "encoder: dense attention within each text, no KV cache"
         if choice is not None:
-            staging = self._staging_tokens() if choice.backend.gathers_kv else 0
+            gathers = choice.backend.gathers_kv
+            staging = staging_tokens(config, self.max_total_tokens, self.device) if gathers else 0
             self.attention = choice.backend(self._attention_spec(staging))
             self.attention_reason = choice.reason
         self._choose_decode_path()
@@ -229,7 +219,7 @@ class ModelRunner:
             num_heads=self.config.num_attention_heads // self.parallel.tp_size,
             num_kv_heads=self.local_kv_heads,
             head_dim=self.config.head_dim,
-            dtype=self.dtype,
+            dtype=self.kv_dtype,
             device=self.device,
             kernels=self.kernels,
             decode_staging_tokens=staging_tokens,
@@ -262,7 +252,7 @@ class ModelRunner:
         if isinstance(self.model, CausalLM) and isinstance(self.attention, CpuNativeBackend):
             # The fused loop runs whole layers natively: it has no place for LoRA deltas.
             if (self.dtype == torch.bfloat16 or self.quantized_weights) and self.lora is None:
-                fused = self.model.fused_decode_plan()
+                fused = self.model.fused_decode_plan(self.kv_dtype)
             self.attention.fused_decode = fused is not None
             self.attention.fused_shared_prefix = fused is not None and fused.shared_prefix
         if isinstance(self.model, CausalLM):
@@ -303,11 +293,12 @@ class ModelRunner:
             # the KV pool at its capacity (its pages are taken as tokens are stored).
             "weight_bytes": weight_bytes(self.model, self.quantized_bytes),
             "kv_cache_bytes": self.kv_pool.num_slots * self._kv_bytes_per_slot(),
+            "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
         }
 
     def _kv_bytes_per_slot(self) -> int:
         return KVCachePool.bytes_per_slot(
-            self.num_local_layers, self.local_kv_heads, self.config.head_dim, self.dtype
+            self.num_local_layers, self.local_kv_heads, self.config.head_dim, self.kv_dtype
         )
 
     def _linear_kernel(self) -> str:
@@ -341,14 +332,6 @@ class ModelRunner:
             if self.runner_config.cpu_isa != "auto":
                 raise InvalidArgumentError(str(error)) from error  # the message names --cpu-isa
             raise InvalidArgumentError(f"--cpu-kernels native: {error}") from error
-
-    def _staging_tokens(self) -> int:
-        """Decode staging's budget for a backend that gathers K/V: --decode-staging-tokens, else
-        by default on a CPU the KV cache up to CPU_DEFAULT_STAGING_TOKENS. On CUDA the gather it
-        saves is cheap next to the memory it would take from the pool."""
-        if self.runner_config.decode_staging_tokens is not None:
-            return self.runner_config.decode_staging_tokens
-        return min(self.max_total_tokens, CPU_DEFAULT_STAGING_TOKENS) if self.device.type == "cpu" else 0
 
     @staticmethod
     def _context_len(config: ModelConfig, args: RunnerConfig) -> int:
@@ -399,6 +382,7 @@ class ModelRunner:
         if self.native_fp32_linears:
             assert self.kernels is not None
             use_native_fp32_linears(model, self.kernels)
+        release_gguf_readers()  # the weights keep the file's mapping; its parsed metadata can go
         return model.eval()
 
     def _load_vision(self, weights: list[tuple[str, torch.Tensor]]) -> VisionTower | None:
@@ -427,40 +411,6 @@ class ModelRunner:
     def native_fp32_linears(self) -> bool:
         """fp32 on a CPU with the native kernels: decode-sized linears run on csrc/fp32_linear.cpp."""
         return self.dtype == torch.float32 and self.kernels is not None and self.device.type == "cpu"
-
-    def _kv_capacity(self, gathers_kv: bool) -> int:
-        per_slot = self._kv_bytes_per_slot()
-        args = self.runner_config
-        page = args.page_size
-        if args.max_total_tokens is not None:
-            tokens = args.max_total_tokens
-        else:
-            budget = free_memory_bytes(self.device) * args.mem_fraction_static
-            tokens = int(budget // per_slot)
-            if gathers_kv and args.decode_staging_tokens is None and self.device.type == "cpu":
-                # The default decode staging lives in the same budget.
-                tokens -= min(tokens // 2, CPU_DEFAULT_STAGING_TOKENS)
-            # More slots than every running request at full context can never be used.
-            max_running = args.max_running_requests or 256
-            tokens = min(tokens, max_running * self.context_len)
-            if self.device.type == "cpu":
-                # Host memory is shared with everything else on the machine, and a CPU serves far
-                # fewer concurrent tokens than a GPU: room for the context, not for all of memory.
-                wanted = max(self.context_len, CPU_MIN_KV_TOKENS)
-                logger.info(
-                    "KV cache sized for max(context %d, %d) tokens, within %.1f GiB free x %.2f",
-                    self.context_len, CPU_MIN_KV_TOKENS, budget / args.mem_fraction_static / 2**30,
-                    args.mem_fraction_static,
-                )  # fmt: skip
-                tokens = min(tokens, wanted)
-        tokens = tokens // page * page
-        if tokens < page:
-            raise InvalidArgumentError(
-                f"no memory left for the KV cache ({per_slot} bytes per token); "
-                "lower the model size or raise --mem-fraction-static"
-            )
-        logger.info("KV cache: %d tokens, %.1f MiB", tokens, tokens * per_slot / 2**20)
-        return tokens
 
     def load_other_weights(self, model_path: str) -> str:
         """Replaces the weights with another checkpoint of the same architecture and shapes. The new

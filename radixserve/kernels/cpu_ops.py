@@ -94,6 +94,7 @@ class CpuKernels:
         self._decode_supported = library.decode_attention_supported
         self._set_decode_fixed_pieces = library.set_decode_fixed_pieces
         self.decode_fixed_pieces = 0
+        self._fused_decode_f32_kv_bf16 = library.fused_decode_f32_kv_bf16
         self._amx_linear = library.amx_linear_bf16
         self._bf16_linear = library.bf16_linear
         self._fp32_linear = library.fp32_linear
@@ -475,6 +476,7 @@ class CpuKernels:
         seq_lens: torch.Tensor,
         shared_prefix: torch.Tensor | None,
         quantized: bool = False,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         """Every decoder layer of a decode step, updating hidden ([B, hidden] bf16 or fp32,
         contiguous) in place. layers: [L, 9] int64 addresses (models/fused_decode.py); positions,
@@ -482,7 +484,8 @@ class CpuKernels:
         request b's context is at req_to_token[req_rows[b], :seq_lens[b]]; shared_prefix: the KV
         slots every request's context starts with (cascade, on prefix_attention_kernel's kernel;
         bf16 only), or None. The linears are packed by pack_linear of these kernels (bf16), or,
-        when quantized, described by QuantKernels.parts_layout."""
+        when quantized, described by QuantKernels.parts_layout. kv_dtype: the pool's (None: hidden's);
+        a bf16 pool under fp32 hidden runs attention in bf16, as AttentionCall does."""
         prefix = None if shared_prefix is None else shared_prefix.to(torch.int64).contiguous()
         rows = req_rows.to(torch.int64).contiguous()
         lens = seq_lens.to(torch.int64).contiguous()
@@ -493,7 +496,11 @@ class CpuKernels:
             raise ValueError("req_to_token must be int64 with contiguous rows")
         batch, size = hidden.shape
         prefix_kernel = self.prefix_attention_kernel(heads, kv_heads, head_dim)
+        kv_dtype = hidden.dtype if kv_dtype is None else kv_dtype
         run = self._function("fused_decode", hidden)
+        if kv_dtype != hidden.dtype:
+            mixed = (hidden.dtype, kv_dtype) == (torch.float32, torch.bfloat16)
+            run = self._fused_decode_f32_kv_bf16 if mixed else None
         if quantized:
             linear_kind, usable = 2, self.quant is not None
         else:
@@ -502,11 +509,12 @@ class CpuKernels:
         if (
             run is None
             or not usable
-            or (prefix is not None and (prefix_kernel is None or hidden.dtype != torch.bfloat16))
+            or (prefix is not None and (prefix_kernel is None or kv_dtype != torch.bfloat16))
         ):
             raise ValueError(
                 "the fused decode loop needs a native linear kernel for its weights (bf16 packed, or "
-                "quantized), and a bf16 prefix attention kernel for this head shape for a shared prefix"
+                "quantized), a KV pool in the activations' dtype or bf16 under fp32, and a bf16 prefix "
+                "attention kernel for this head shape for a shared prefix"
             )
         status = run(
             linear_kind, 0 if prefix_kernel == "amx" else 1, layers.data_ptr(),

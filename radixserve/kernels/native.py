@@ -97,6 +97,8 @@ SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
 DTYPE_SUFFIXES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 # Kernels with one dtype only: name -> (restype, argtypes).
 PLAIN_SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
+    # fp32 activations over a bf16 KV pool (--kv-cache-dtype bfloat16 under --dtype float32)
+    "fused_decode_f32_kv_bf16": SIGNATURES["fused_decode"],
     "decode_attention_supported": (ctypes.c_int, [_I, _I]),
     "set_decode_fixed_pieces": (None, [_I]),
     "amx_linear_available": (ctypes.c_int, []),

@@ -368,7 +368,8 @@ class VocabParallelEmbedding(nn.Module):
         table = self.quant_table
         if table is not None and self.quant_kernels is not None:
             # Only the rows read are dequantized.
-            rows = self.quant_kernels.rows(table.format.type_id, table.data, ids.reshape(-1), table.cols)
+            flat = ids.reshape(-1) if table.row_order is None else table.row_order[ids.reshape(-1)]
+            rows = self.quant_kernels.rows(table.format.type_id, table.data, flat, table.cols)
             return rows.to(self.weight.dtype).reshape(*ids.shape, table.cols)
         return F.embedding(ids, self.weight)
 

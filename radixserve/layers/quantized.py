@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -54,17 +54,24 @@ class QuantizationError(ValueError):
 @dataclass(frozen=True, eq=False)
 class QuantizedTensor:
     """A weight [rows, cols] in ggml blocks: data is uint8 [rows, cols / block * block_bytes].
-    `mapped`: data is a view of a read-only file mapping (a GGUF served as it is). Compared by
-    identity (its data is a tensor)."""
+    `mapped`: data is a view of a read-only file mapping (a GGUF served as it is). `row_order`:
+    the weight's row i is data's row row_order[i] (a file storing rows permuted, as llama.cpp's q/k
+    are, is read in place rather than copied); None: data's own order. Compared by identity (its
+    data is a tensor)."""
 
     format: QuantFormat
     data: torch.Tensor
     cols: int
     mapped: bool = False
+    row_order: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:
-        return int(self.data.shape[0])
+        return int(self.data.shape[0] if self.row_order is None else self.row_order.shape[0])
+
+    def blocks(self) -> torch.Tensor:
+        """The rows' blocks in the weight's order, [rows, row bytes]: data itself, or gathered."""
+        return self.data if self.row_order is None else self.data.index_select(0, self.row_order)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -72,10 +79,12 @@ class QuantizedTensor:
 
     @property
     def nbytes(self) -> int:
-        return self.data.numel()
+        return self.rows * int(self.data.shape[1])
 
     def narrow_rows(self, start: int, length: int) -> QuantizedTensor:
-        return QuantizedTensor(self.format, self.data.narrow(0, start, length), self.cols, self.mapped)
+        if self.row_order is not None:
+            return replace(self, row_order=self.row_order.narrow(0, start, length))
+        return replace(self, data=self.data.narrow(0, start, length))
 
     def narrow_cols(self, start: int, length: int) -> QuantizedTensor:
         """Columns [start, start + length), which must fall on block boundaries."""
@@ -86,14 +95,18 @@ class QuantizedTensor:
                 f"(asked for {length} columns from {start})"
             )
         first, count = start // block * self.format.block_bytes, length // block * self.format.block_bytes
-        return QuantizedTensor(self.format, self.data.narrow(1, first, count).contiguous(), length)
+        narrowed = self.data.narrow(1, first, count)
+        if self.row_order is None and narrowed.is_contiguous():
+            # Every column (one rank): still the same view, of the file where it was mapped.
+            return replace(self, data=narrowed, cols=length)
+        return QuantizedTensor(self.format, self.blocks().narrow(1, first, count).contiguous(), length)
 
     def dequantize(self) -> torch.Tensor:
         """The weights as fp32 [rows, cols], as gguf (and so transformers) dequantizes them."""
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
-        values = dequantize(self.data.numpy(), GGMLQuantizationType(self.format.type_id))
+        values = dequantize(self.blocks().numpy(), GGMLQuantizationType(self.format.type_id))
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(self.shape))
 
 
@@ -128,7 +141,7 @@ class QuantizedWeight:
 
     def __post_init__(self) -> None:
         self.rows = sum(p.rows for p in self.parts)
-        self.packed = [self.kernels.pack(p.format.type_id, p.data, p.cols) for p in self.parts]
+        self.packed = [self.kernels.pack(p.format.type_id, p.blocks(), p.cols) for p in self.parts]
         for part in self.parts:
             if part.mapped:
                 release_mapped_pages(part.data)

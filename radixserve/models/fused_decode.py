@@ -3,7 +3,8 @@
 A model class that can run this way declares it (`fused_decode_plan()` on the Llama family); the
 model runner asks once at startup and takes it when everything a layer runs has a native kernel:
 bf16 on a CPU with a native linear kernel (every linear packed for the AMX matmul, or for
-csrc/bf16_linear.cpp on AVX2 / AVX-512 CPUs without AMX), one tensor-parallel rank, no q/k norms, a
+csrc/bf16_linear.cpp on AVX2 / AVX-512 CPUs without AMX), or GGUF-quantized weights in bf16 or fp32
+(over a KV pool in that dtype, or in bf16 under fp32), one tensor-parallel rank, no q/k norms, a
 head shape the decode attention kernel is compiled for, and the cpu_native attention backend. The
 native loop runs the same kernels in the same order as the per-layer path, so the result is bit for
 bit the same (tests/models/test_fused_decode.py); what goes is the Python
@@ -51,6 +52,8 @@ class FusedDecodePlan:
     intermediate: int
     eps: float
     scale: float
+    # The KV pool's dtype: the activations', or bf16 under fp32 (attention then runs in bf16).
+    kv_dtype: torch.dtype
     # Whether the native loop attends a shared prefix itself (a native prefix attention kernel for
     # the head shape); else such steps run per layer.
     shared_prefix: bool = False
@@ -99,7 +102,7 @@ class FusedDecodePlan:
         )
 
     def run(self, hidden: torch.Tensor, attention: AttentionCall, rope: Rope) -> torch.Tensor:
-        """hidden ([B, hidden] bf16) after every decoder layer of a decode step."""
+        """hidden ([B, hidden] bf16 or fp32) after every decoder layer of a decode step."""
         metadata = attention.metadata
         if not isinstance(metadata, CpuDecodeMetadata):
             raise TypeError("the fused decode loop runs with the cpu_native attention backend only")
@@ -123,5 +126,6 @@ class FusedDecodePlan:
             seq_lens=layout.seq_lens,
             shared_prefix=metadata.shared_prefix,
             quantized=self.quantized,
+            kv_dtype=self.kv_dtype,
         )
         return hidden

@@ -264,12 +264,13 @@ class CausalLM(nn.Module):
         normed = broadcast_from_last_stage(normed.contiguous(), self.ctx)
         return broadcast_from_last_stage(logits, self.ctx), normed
 
-    def fused_decode_plan(self) -> FusedDecodePlan | None:
-        """This model's layers for the fused native decode loop (models/fused_decode.py), or None
-        where it cannot run them: no native linear kernel here, q/k norms (Qwen3), tensor
-        parallelism, a head shape without a compiled decode attention kernel, biases on
-        o_proj/down_proj, or a linear the native kernel declined. Steps whose requests share a
-        prefix run in it where a native prefix attention kernel exists for the head shape."""
+    def fused_decode_plan(self, kv_dtype: torch.dtype) -> FusedDecodePlan | None:
+        """This model's layers for the fused native decode loop (models/fused_decode.py) over a KV
+        pool of kv_dtype, or None where it cannot run them: no native linear kernel here, q/k norms
+        (Qwen3), tensor parallelism, a head shape without a compiled decode attention kernel, a pool
+        neither in the activations' dtype nor bf16 under fp32, biases on o_proj/down_proj, or a
+        linear the native kernel declined. Steps whose requests share a prefix run in it where a
+        native prefix attention kernel exists for the head shape."""
         kernels, config = self.kernels, self.config
         layers = cast("list[DecoderLayer]", list(self.layers.values()))
         first = layers[0]
@@ -279,8 +280,10 @@ class CausalLM(nn.Module):
         linear_kernel = quantized or (kernels is not None and kernels.linear_kernel is not None)
         if kernels is None or not linear_kernel or config.qk_norm:
             return None
+        if kv_dtype != dtype and (dtype, kv_dtype) != (torch.float32, torch.bfloat16):
+            return None
         if attention.o_proj.ctx.tp_size != 1 or not kernels.handles_decode_attention(
-            attention.num_heads, attention.num_kv_heads, config.head_dim, dtype
+            attention.num_heads, attention.num_kv_heads, config.head_dim, kv_dtype
         ):
             return None
         if any(layer.self_attn.o_proj.bias is not None or layer.mlp.down_proj.bias is not None
@@ -308,8 +311,9 @@ class CausalLM(nn.Module):
             intermediate=first.mlp.down_proj.local_input,
             eps=first.input_layernorm.eps,
             scale=attention.scale,
+            kv_dtype=kv_dtype,
             # The prefix attention kernels are bf16 only.
-            shared_prefix=dtype == torch.bfloat16
+            shared_prefix=kv_dtype == torch.bfloat16
             and kernels.prefix_attention_kernel(attention.num_heads, attention.num_kv_heads, config.head_dim)
             is not None,
         )

@@ -334,18 +334,17 @@ def _iter_gguf(path: Path, config: ModelConfig, keep_quantized: bool) -> Iterato
             permuted = arch == "llama" and (
                 ".self_attn.q_proj." in hf_name or ".self_attn.k_proj." in hf_name
             )
-            if permuted:
-                # Rows are independent, so the same row order undoes it on quantized blocks.
-                heads = config.num_attention_heads if ".q_proj." in hf_name else config.num_key_value_heads
-                data = _unpermute_qk(data, heads)
-            if kept is not None and not permuted:
+            heads = config.num_attention_heads if ".q_proj." in hf_name else config.num_key_value_heads
+            if kept is not None:
                 # A view of the memory-mapped file: the kernel's packed copy is made from it, and
-                # the file's pages serve reading the weights back (and embedding lookups).
+                # the file's pages serve reading the weights back (and embedding lookups). Rows
+                # are independent, so permuted q/k rows are read in the HF order, not copied.
+                order = torch.from_numpy(_unpermute_qk(np.arange(shape[0]), heads)) if permuted else None
                 with warnings.catch_warnings():
                     warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-                    yield hf_name, QuantizedTensor(kept, torch.from_numpy(data), shape[1], mapped=True)
+                    yield hf_name, QuantizedTensor(kept, torch.from_numpy(data), shape[1], True, order)
             else:
                 # Copy: the data may be a read-only view into the memory-mapped file.
-                copied = torch.from_numpy(np.array(data, copy=True))
-                yield hf_name, copied if kept is None else QuantizedTensor(kept, copied, shape[1])
+                data = _unpermute_qk(data, heads) if permuted else data
+                yield hf_name, torch.from_numpy(np.array(data, copy=True))
             bar.update(1)

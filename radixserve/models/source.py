@@ -39,6 +39,7 @@ __all__ = [
     "gguf_reader",
     "load_model_config",
     "read_json",
+    "release_gguf_readers",
     "resolve_model_source",
     "short_model_id",
 ]
@@ -207,6 +208,14 @@ def gguf_reader(path: Path) -> GGUFReader:
     """Parse (or reuse) the reader; parsing the metadata of a 49k-token vocab takes seconds."""
     st = path.stat()
     return _cached_reader(str(path.resolve()), st.st_mtime_ns, st.st_size)
+
+
+def release_gguf_readers() -> None:
+    """Forgets the readers parsed so far: a process calls this once it has read what it needs
+    (the config, the weights, the tokenizer). A reader's parsed metadata is large next to a small
+    model (each of a vocabulary's tokens is an array of its own: over 100 MB for 49k tokens), and
+    the weights it handed out keep the file's mapping themselves."""
+    _cached_reader.cache_clear()
 
 
 def _field_value(field: ReaderField) -> Any:

@@ -22,7 +22,13 @@ from typing import Any
 from radixserve.config.log import configure_logging
 from radixserve.config.lora_args import lora_refs
 from radixserve.config.server_args import ServerArgs
-from radixserve.models.source import ModelSource, load_model_config, resolve_model_source, short_model_id
+from radixserve.models.source import (
+    ModelSource,
+    load_model_config,
+    release_gguf_readers,
+    resolve_model_source,
+    short_model_id,
+)
 from radixserve.models.tokenizer import load_tokenizer
 from radixserve.protocol.messages import (
     AbortRequest,
@@ -91,6 +97,7 @@ class Engine(EngineControl):
         self.runtime = Runtime(self.args)
         try:
             self.tokenizer = load_tokenizer(tokenizer_source)
+            release_gguf_readers()  # this process reads nothing more of a GGUF
             self.runtime.provide_tokenizer(self.tokenizer)
         except BaseException:
             self._abandon_start()

@@ -1,7 +1,7 @@
 """What the scheduler reports of its KV and its parts, and its self-check when it goes idle.
 
-A mixin of Scheduler (scheduler.py), as manager_views.py is: it reads the state the scheduler
-builds; kept apart so that scheduler.py holds the steps.
+A mixin of Scheduler (scheduler.py): it reads the state the scheduler builds; kept apart so that
+scheduler.py holds the steps.
 """
 
 from __future__ import annotations

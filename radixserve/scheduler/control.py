@@ -9,36 +9,54 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from radixserve.cache.pools import KVSlotAllocator
+from radixserve.cache.pools import KVSlotAllocator, ReqToTokenPool
 from radixserve.cache.radix_cache import KVLeakError, PrefixCache, TreeNode
 from radixserve.cache.tiers import CacheTier
 from radixserve.cache.tree_summary import summarize_tree
+from radixserve.config.server_args import ServerArgs
 from radixserve.executor.base import MEMORY_TAGS, Executor, MemoryReleasedError
 from radixserve.models.lora_adapter import LoraAdapterError
 from radixserve.protocol.messages import ControlRequest, ControlResult, SchedulerOutput
 from radixserve.scheduler.batch import KVContext
+from radixserve.scheduler.decode import DecodeManager
 from radixserve.scheduler.grammar_queue import GrammarQueue
 from radixserve.scheduler.images import ImageEncoder
 from radixserve.scheduler.internal_state import (
     InvalidStateError,
-    TunableScheduler,
+    Tunables,
     get_internal_state,
     set_internal_state,
 )
 from radixserve.scheduler.kv_events import KVEventPublisher
 from radixserve.scheduler.lora import LoraError, LoraManager
 from radixserve.scheduler.outputs import OverlappedPublisher
+from radixserve.scheduler.prefill import PrefillManager
 from radixserve.scheduler.profiler import ProfilerError, StepProfiler
 from radixserve.scheduler.request import Req
 from radixserve.scheduler.speculative.worker import Speculator
+from radixserve.scheduler.state import RequestQueues
 from radixserve.scheduler.stats import SchedulerStats
 
 
-class ControlledScheduler(TunableScheduler, Protocol):
+class ControlledScheduler(Protocol):
     """What the commands use of the scheduler (scheduler.py's Scheduler). A Protocol, because the
     scheduler imports this module to run the commands: importing it back would close a cycle."""
 
     idle_waiters: list[ControlRequest]
+    args: ServerArgs
+    forward_sleep_s: float
+
+    @property
+    def queues(self) -> RequestQueues: ...
+
+    @property
+    def prefill(self) -> PrefillManager: ...
+
+    @property
+    def decode(self) -> DecodeManager: ...
+
+    @property
+    def req_to_token_pool(self) -> ReqToTokenPool: ...
 
     @property
     def is_idle(self) -> bool: ...
@@ -66,16 +84,7 @@ class ControlledScheduler(TunableScheduler, Protocol):
     def kv(self) -> KVContext: ...
 
     @property
-    def running(self) -> list[Req]: ...
-
-    @property
-    def waiting(self) -> list[Req]: ...
-
-    @property
     def grammar_queue(self) -> GrammarQueue: ...
-
-    @property
-    def new_token_ratio(self) -> float: ...
 
     @property
     def stats(self) -> SchedulerStats: ...
@@ -171,9 +180,9 @@ def get_stats(scheduler: ControlledScheduler, args: dict[str, Any]) -> Reply:
             "available_tokens": s.allocator.available_size(),
             "evictable_tokens": s.tree_cache.evictable_size(),
             "token_usage": s.token_usage(),
-            "num_running_reqs": len(s.running),
-            "num_waiting_reqs": len(s.waiting),
-            "new_token_ratio": s.new_token_ratio,
+            "num_running_reqs": len(s.queues.running),
+            "num_waiting_reqs": len(s.queues.waiting),
+            "new_token_ratio": s.decode.new_token_ratio,
             "forward_steps": s.stats.forward_steps,
             "prefill_batches": s.stats.prefill_batches,
             "decode_steps": s.stats.decode_steps,
@@ -225,7 +234,7 @@ def get_stats(scheduler: ControlledScheduler, args: dict[str, Any]) -> Reply:
             # SGLang's load: KV tokens in use plus the tokens the waiting requests still need.
             "load_tokens": s.max_total_tokens
             - s.kv.available_with_eviction()
-            + sum(r.seq_len for r in s.waiting + s.grammar_queue.pending),
+            + sum(r.seq_len for r in s.queues.waiting + s.grammar_queue.pending),
         }
     )
 
@@ -242,13 +251,13 @@ def dashboard_state(scheduler: ControlledScheduler, args: dict[str, Any]) -> Rep
     total = scheduler.max_total_tokens
     free = scheduler.allocator.available_size()
     cached = scheduler.tree_cache.evictable_size()
-    running = sorted(scheduler.running, key=lambda r: r.arrival_time)[:DASHBOARD_LIST]
-    waiting = sorted(scheduler.waiting, key=lambda r: r.arrival_time)[:DASHBOARD_LIST]
+    running = sorted(scheduler.queues.running, key=lambda r: r.arrival_time)[:DASHBOARD_LIST]
+    waiting = sorted(scheduler.queues.waiting, key=lambda r: r.arrival_time)[:DASHBOARD_LIST]
     root = getattr(scheduler.tree_cache, "root", None)
     return Reply(
         {
-            "num_running": len(scheduler.running),
-            "num_waiting": len(scheduler.waiting),
+            "num_running": len(scheduler.queues.running),
+            "num_waiting": len(scheduler.queues.waiting),
             "num_grammar_queue": len(scheduler.grammar_queue.pending),
             "retracted_reqs": scheduler.stats.retracted_reqs,
             "cache_hit_rate": scheduler.stats.cache_hit_rate,
@@ -279,17 +288,23 @@ def _describe_kv_invariant(scheduler: ControlledScheduler) -> str:
     return "ok"
 
 
+def _tunables(scheduler: ControlledScheduler) -> Tunables:
+    slots = scheduler.req_to_token_pool.size - 1
+    return Tunables(scheduler.args, scheduler.prefill, scheduler.decode, slots)
+
+
 def get_state(scheduler: ControlledScheduler, args: dict[str, Any]) -> Reply:
-    return Reply(get_internal_state(scheduler))
+    return Reply(get_internal_state(_tunables(scheduler), scheduler.forward_sleep_s))
 
 
 def set_state(scheduler: ControlledScheduler, args: dict[str, Any]) -> Reply:
-    return Reply(set_internal_state(scheduler, args))
+    set_internal_state(_tunables(scheduler), args)
+    return get_state(scheduler, {})
 
 
 def slow_down(scheduler: ControlledScheduler, args: dict[str, Any]) -> Reply:
     scheduler.forward_sleep_s = float(args.get("forward_sleep_time") or 0.0)
-    return Reply(get_internal_state(scheduler))
+    return get_state(scheduler, {})
 
 
 def start_profile(scheduler: ControlledScheduler, args: dict[str, Any]) -> Reply:

@@ -8,25 +8,22 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
-from radixserve.cache.pools import ReqToTokenPool
 from radixserve.config.server_args import ServerArgs
+from radixserve.scheduler.decode import DecodeManager
+from radixserve.scheduler.prefill import PrefillManager
 
 
-class TunableScheduler(Protocol):
-    """What the internal state reads and changes of the scheduler (scheduler.py's Scheduler). A
-    Protocol, because the scheduler reaches this module through its control commands: importing
-    the scheduler here would close an import cycle."""
+@dataclass(frozen=True)
+class Tunables:
+    """Where the knobs live: the scheduler's args (its managers read the same object), the two
+    managers, and the request slots allocated at startup (one spare for a chunked prefill)."""
 
     args: ServerArgs
-    max_running: int
-    forward_sleep_s: float
-
-    @property
-    def req_to_token_pool(self) -> ReqToTokenPool: ...
-
-    def reset_new_token_ratio(self) -> None: ...
+    prefill: PrefillManager
+    decode: DecodeManager
+    request_slots: int
 
 
 class InvalidStateError(ValueError):
@@ -36,23 +33,22 @@ class InvalidStateError(ValueError):
 @dataclass(frozen=True)
 class Knob:
     kind: type
-    check: Callable[[Any, TunableScheduler], str | None]  # an error message, or None when the value is fine
+    check: Callable[[Any, Tunables], str | None]  # an error message, or None when the value is fine
 
 
-def _at_least(low: float) -> Callable[[Any, TunableScheduler], str | None]:
+def _at_least(low: float) -> Callable[[Any, Tunables], str | None]:
     return lambda v, _: None if v >= low else f"must be >= {low}"
 
 
-def _running_limit(value: int, scheduler: TunableScheduler) -> str | None:
-    # The request-slot pool was sized at startup (one spare slot for a chunked prefill).
-    slots = scheduler.req_to_token_pool.size - 1
+def _running_limit(value: int, parts: Tunables) -> str | None:
+    slots = parts.request_slots
     return (
         None if 1 <= value <= slots else f"must be in [1, {slots}] (the request slots allocated at startup)"
     )
 
 
-def _chunk_size(value: int, scheduler: TunableScheduler) -> str | None:
-    page = scheduler.args.page_size
+def _chunk_size(value: int, parts: Tunables) -> str | None:
+    page = parts.args.page_size
     return None if value == -1 or value >= page else f"must be -1 (off) or >= the page size {page}"
 
 
@@ -66,22 +62,22 @@ KNOBS: dict[str, Knob] = {
 }
 
 
-def get_internal_state(scheduler: TunableScheduler) -> dict[str, Any]:
-    args = scheduler.args
+def get_internal_state(parts: Tunables, forward_sleep_s: float) -> dict[str, Any]:
+    args = parts.args
     return {
-        "max_running_requests": scheduler.max_running,
+        "max_running_requests": parts.prefill.max_running,
         "max_prefill_tokens": args.max_prefill_tokens,
         "chunked_prefill_size": -1 if args.chunked_prefill_size is None else args.chunked_prefill_size,
         "schedule_conservativeness": args.schedule_conservativeness,
         "stream_interval": args.stream_interval,
         "decode_log_interval": args.decode_log_interval,
-        "forward_sleep_s": scheduler.forward_sleep_s,
+        "forward_sleep_s": forward_sleep_s,
         "settable": sorted(KNOBS),
     }
 
 
-def set_internal_state(scheduler: TunableScheduler, updates: dict[str, Any]) -> dict[str, Any]:
-    """Applies all updates or none; returns the new state."""
+def set_internal_state(parts: Tunables, updates: dict[str, Any]) -> None:
+    """Applies all updates or none (InvalidStateError, naming every problem)."""
     errors = []
     for key, value in updates.items():
         knob = KNOBS.get(key)
@@ -91,19 +87,18 @@ def set_internal_state(scheduler: TunableScheduler, updates: dict[str, Any]) -> 
         numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
         if not numeric or (knob.kind is int and not isinstance(value, int)):
             errors.append(f"{key} must be {knob.kind.__name__}, got {value!r}")
-        elif (problem := knob.check(value, scheduler)) is not None:
+        elif (problem := knob.check(value, parts)) is not None:
             errors.append(f"{key} {problem}, got {value!r}")
     if errors:
         raise InvalidStateError("; ".join(errors))
-    args = scheduler.args
+    args = parts.args
     for key, value in updates.items():
         if key == "max_running_requests":
-            scheduler.max_running = value
+            parts.prefill.max_running = value
         elif key == "chunked_prefill_size":
             args.chunked_prefill_size = None if value == -1 else value
         elif key == "schedule_conservativeness":
             args.schedule_conservativeness = float(value)
-            scheduler.reset_new_token_ratio()
+            parts.decode.reset_new_token_ratio()
         else:
             setattr(args, key, value)
-    return get_internal_state(scheduler)

@@ -1,10 +1,12 @@
 """The scheduler: decides, step by step, what the model runs next (event_loop.py drives it).
 
-Each step: take new messages → pick the next batch (a prefill of waiting requests if any can be
-admitted, else one decode step of the running batch) → run it → append tokens, finish requests,
-stream outputs. It owns the request queues (state.py), the radix cache and the KV pools; choosing
-a prefill batch is PrefillManager's job (prefill.py), a decode batch and retraction DecodeManager's
-(decode.py).
+Each step: receive (requests that waited outside the queues join them) → pick the next batch (a
+prefill of waiting requests if any can be admitted, else one decode step of the running batch) →
+forward → process results (append tokens, finish requests, stream outputs) → end the step; with
+nothing to run, idle. Features that act at these phases (grammars compiling, the cache tier, PD
+handoffs, KV events, speculation, the profiler) are components the step walks (components.py).
+It owns the request queues (state.py), the radix cache and the KV pools; choosing a prefill batch
+is PrefillManager's job (prefill.py), a decode batch and retraction DecodeManager's (decode.py).
 """
 
 from __future__ import annotations
@@ -38,6 +40,16 @@ from radixserve.scheduler.accounting import SchedulerAccounting
 from radixserve.scheduler.admission import RequestBuilder
 from radixserve.scheduler.batch import KVContext
 from radixserve.scheduler.cache_tier import build_cache_tier
+from radixserve.scheduler.components import (
+    GrammarArrivals,
+    HandoffArrivals,
+    KVEventsFlush,
+    PrefillHandoffsClose,
+    ProfilerHooks,
+    SpeculatorHooks,
+    StepComponent,
+    TierLoads,
+)
 from radixserve.scheduler.control import handle_control
 from radixserve.scheduler.decode import DecodeManager
 from radixserve.scheduler.disaggregation.build import build_handoffs
@@ -48,7 +60,6 @@ from radixserve.scheduler.kv_events import KVEventPublisher
 from radixserve.scheduler.logit_processors import ProcessorRegistry
 from radixserve.scheduler.logprobs import record_input_logprobs
 from radixserve.scheduler.lora import LoraManager
-from radixserve.scheduler.manager_views import ManagerViews
 from radixserve.scheduler.next_tokens import pick_next_tokens, record_prompt_hidden_states
 from radixserve.scheduler.outputs import Decided, OutputBuilder, OverlappedPublisher, overlap_enabled
 from radixserve.scheduler.pipeline import MicroBatchPipeline
@@ -65,11 +76,12 @@ from radixserve.scheduler.tokenizer_access import SchedulerTokenizer
 logger = logging.getLogger("radixserve.scheduler")
 
 DEFAULT_MAX_RUNNING_REQUESTS = 256
-# With nothing to run but grammars compiling, wake up this often to check messages.
-GRAMMAR_POLL_S = 0.01
+# With nothing to run but a component's own work (a grammar compiling, say), wake up this often to
+# check messages.
+IDLE_POLL_S = 0.01
 
 
-class Scheduler(ManagerViews, SchedulerAccounting):
+class Scheduler(SchedulerAccounting):
     def __init__(
         self,
         args: ServerArgs,
@@ -190,6 +202,25 @@ class Scheduler(ManagerViews, SchedulerAccounting):
         self.profiler = StepProfiler()
         self._idle_checked = True
         self.idle_waiters: list[ControlRequest] = []
+        self.components = self._components()
+
+    def _components(self) -> list[StepComponent]:
+        """The features that act at the step's phases, in the order the step calls them."""
+        self.grammar_arrivals = GrammarArrivals(self.grammar_queue, self._enqueue, self._finish)
+        components: list[StepComponent] = [self.grammar_arrivals, TierLoads(self.cache_tier)]
+        if self.decode_handoffs is not None:
+            start = self._start_handed_over
+            components.append(
+                HandoffArrivals(self.decode_handoffs, self.queues, self.stats, start, self._finish)
+            )
+        if self.prefill_handoffs is not None:
+            components.append(PrefillHandoffsClose(self.prefill_handoffs))
+        if self.kv_events is not None:
+            components.append(KVEventsFlush(self.kv_events))
+        if self.speculator is not None:
+            components.append(SpeculatorHooks(self.speculator))
+        components.append(ProfilerHooks(self.profiler))
+        return components
 
     def _pipeline(self, stages: int) -> MicroBatchPipeline | None:
         if stages == 1:
@@ -247,7 +278,7 @@ class Scheduler(ManagerViews, SchedulerAccounting):
             except InvalidGrammarError as exc:
                 del self.reqs[req.rid]
                 return [self.outputs.error(msg.rid, prompt_len, str(exc))]
-            return self._move_ready_grammar_requests()
+            return self.grammar_arrivals.receive()
         self._enqueue(req)
         return []
 
@@ -266,36 +297,6 @@ class Scheduler(ManagerViews, SchedulerAccounting):
         if self.decode_handoffs is None:
             return None
         return self.decode_handoffs.refusal(req)
-
-    def _take_handoffs(self) -> list[ReqOutput]:
-        """Decode side: reserve KV for requests waiting for theirs, and start the ones whose K/V
-        came (scheduler/disaggregation/decode.py). Their first token, the prefill server's, is
-        decided as a prefill's is: they join the running batch."""
-        handoffs = self.decode_handoffs
-        assert handoffs is not None
-        handoffs.reserve_and_claim(self.queues.running)
-        outputs, came = [], []
-        for got in handoffs.receive():
-            if got.error is None:
-                came.append(got)
-                continue
-            got.req.abort(got.error, got.status_code)
-            self.stats.aborted_reqs += 1
-            outputs.append(self._finish(got.req))
-        reqs = [got.req for got in came]
-        decided = self._decide(reqs, [True] * len(reqs), True, [(got.first_token,) for got in came])
-        return outputs + self._publish(decided)
-
-    def _move_ready_grammar_requests(self) -> list[ReqOutput]:
-        ready, failed = self.grammar_queue.poll()
-        for req in ready:
-            self._enqueue(req)
-        outputs = []
-        for req, error in failed:
-            # The request's own fault (a bad grammar): answered like invalid input.
-            req.finished_reason = FinishReason("abort", message=error, status_code=400)
-            outputs.append(self._finish(req))
-        return outputs
 
     def abort_all_and_flush(self) -> list[SchedulerOutput]:
         """After a weight change: requests in flight hold KV of the old weights, and so does the cache."""
@@ -323,54 +324,46 @@ class Scheduler(ManagerViews, SchedulerAccounting):
     # ------------------------------------------------------------------ one step
 
     def step(self) -> list[SchedulerOutput]:
+        """One pass of the loop: receive → pick a batch → forward and process its results → end."""
         started, steps = time.perf_counter(), self.stats.forward_steps
-        outputs: list[SchedulerOutput] = []
-        if self.grammar_queue.pending:
-            outputs += self._move_ready_grammar_requests()
-        if self.decode_handoffs is not None and self.decode_handoffs.awaiting:
-            outputs += self._take_handoffs()
-        outputs += self._run_one_batch()
-        if self.kv_events is not None:
-            self.kv_events.flush()
+        outputs: list[SchedulerOutput] = [out for c in self.components for out in c.receive()]
+        pipeline = self.pipeline
+        batch = self._next_batch() if pipeline is None else pipeline.next_batch()
+        if pipeline is not None and (batch is not None or pipeline.in_flight):
+            outputs += self._run_tick(pipeline, batch)
+        elif batch is None:
+            outputs += self._idle()
+        elif self.is_embedding:
+            outputs += self._run_embedding_batch(batch)
+        else:
+            outputs += self._run_batch(batch)
+        return outputs + self._end_step(started, steps)
+
+    def _idle(self) -> list[ReqOutput]:
+        """Nothing to run. Only a component's own work may be left to wait for (a grammar compiling,
+        a prefix loading from the tier below, K/V from a prefill server): sleep on it instead of
+        spinning; else the idle self-check."""
+        published = self._publish_unpublished()
+        if not any(component.wait(IDLE_POLL_S) for component in self.components):
+            self._check_idle()
+        return published
+
+    def _end_step(self, started: float, steps: int) -> list[SchedulerOutput]:
+        for component in self.components:
+            component.end_step()
         if self.stats.forward_steps > steps:
             self.stats.step_time_s += time.perf_counter() - started
+        outputs: list[SchedulerOutput] = []
         if self.idle_waiters and self.is_idle:
             waiters, self.idle_waiters = self.idle_waiters, []
             for msg in waiters:
                 outputs += handle_control(self, msg)
         return outputs
 
-    def _run_one_batch(self) -> list[ReqOutput]:
-        pipeline = self.pipeline
-        batch = self._next_batch() if pipeline is None else pipeline.next_batch()
-        if batch is None and (pipeline is None or not pipeline.in_flight):
-            published = self._publish_unpublished()
-            if self.grammar_queue.pending:
-                # Only grammars are left to wait for: sleep on them instead of spinning.
-                self.grammar_queue.wait(GRAMMAR_POLL_S)
-                return published
-            if self.cache_tier.loading:
-                # Only prefixes loading from the tier below are left to wait for: likewise.
-                self.cache_tier.wait_for_loads(GRAMMAR_POLL_S)
-                return published
-            if self.decode_handoffs is not None and self.decode_handoffs.awaiting:
-                # Only K/V from prefill servers is left to wait for: likewise.
-                self.decode_handoffs.wait(GRAMMAR_POLL_S)
-                return published
-            self._check_idle()
-            return published
-        if pipeline is not None:
-            return self._run_tick(pipeline, batch)
-        assert batch is not None
-        self.stats.forward_steps += 1
-        self.profiler.before_step(batch.is_prefill)
-        self.step_started = time.monotonic()
-        if self.forward_sleep_s:
-            time.sleep(self.forward_sleep_s)
-        if self.speculator is not None and batch.verify is None:
-            self.speculator.written(batch.forward.out_cache_loc)
-        if self.is_embedding:
-            return self._run_embedding_batch(batch)
+    def _run_batch(self, batch: ScheduledBatch) -> list[ReqOutput]:
+        """A generation step: its forward, then its results decided and published (with the overlap
+        schedule, the previous step's are published during this forward, and this one's next)."""
+        self._before_forward(batch, batch.is_prefill)
         unpublished, self._unpublished = self._unpublished, None
         publishing = None
         if unpublished is not None and self.publisher is not None:
@@ -387,16 +380,14 @@ class Scheduler(ManagerViews, SchedulerAccounting):
         forward_ended = time.perf_counter()
         self.stats.forward_time_s += forward_ended - forward_started
         self.stats.decode_host_time.forward_ended(forward_ended)
-        self.step_started = None
-        self.profiler.after_step(batch.is_prefill)
+        self._after_forward(batch, batch.is_prefill)
         if batch.verify is not None:
             decided = self._decide_verified(batch, logits, hidden)
         else:
             decided = self._decide_sampled(batch, logits, hidden)
-        if self.speculator is not None and not batch.is_prefill:
-            # What the step cost, sampling included: what drafting weighs itself against.
-            seconds = time.perf_counter() - forward_started
-            self.speculator.observe_forward(batch.forward.num_tokens, seconds, plain=batch.verify is None)
+        seconds = time.perf_counter() - forward_started
+        for component in self.components:
+            component.after_results(batch, batch.is_prefill, seconds)
         if self.publisher is None:
             return published + self._publish(decided)
         self._unpublished = decided
@@ -405,22 +396,36 @@ class Scheduler(ManagerViews, SchedulerAccounting):
     def _run_tick(self, pipeline: MicroBatchPipeline, batch: ScheduledBatch | None) -> list[ReqOutput]:
         """One tick of the pipeline: `batch` (None: none) enters the first stage, every stage runs
         its micro-batch, and the one the last stage ran lands."""
-        self.stats.forward_steps += 1
         is_prefill = batch is not None and batch.is_prefill
-        self.profiler.before_step(is_prefill)
-        self.step_started = time.monotonic()
-        if self.forward_sleep_s:
-            time.sleep(self.forward_sleep_s)
+        self._before_forward(batch, is_prefill)
         forward_started = time.perf_counter()
         result = self.executor.forward_pipeline(pipeline.launch(batch))
         self.stats.forward_time_s += time.perf_counter() - forward_started
-        self.step_started = None
-        self.profiler.after_step(is_prefill)
+        self._after_forward(batch, is_prefill)
         landed = pipeline.land()
         if landed is None:
             return []
         assert result is not None, "the executor returned nothing for the micro-batch that landed"
         return self._publish(self._decide_sampled(landed, *result))
+
+    def _before_forward(self, batch: ScheduledBatch | None, is_prefill: bool) -> None:
+        self.stats.forward_steps += 1
+        self.step_started = time.monotonic()
+        if self.forward_sleep_s:
+            time.sleep(self.forward_sleep_s)
+        for component in self.components:
+            component.before_forward(batch, is_prefill)
+
+    def _after_forward(self, batch: ScheduledBatch | None, is_prefill: bool) -> None:
+        self.step_started = None
+        for component in self.components:
+            component.after_forward(batch, is_prefill)
+
+    def _start_handed_over(self, reqs: list[Req], first_tokens: list[int]) -> list[ReqOutput]:
+        """Requests whose prompt's K/V a prefill server handed over: their first token, the prefill
+        server's, is decided as a prefill's is, and they join the running batch."""
+        decided = self._decide(reqs, [True] * len(reqs), True, [(token,) for token in first_tokens])
+        return self._publish(decided)
 
     def _drain_pipeline(self) -> list[ReqOutput]:
         """Runs ticks without launching until no micro-batch is in flight."""
@@ -458,9 +463,9 @@ class Scheduler(ManagerViews, SchedulerAccounting):
 
     def _run_embedding_batch(self, batch: ScheduledBatch) -> list[ReqOutput]:
         """Embedding requests finish with their prompt's pass (a chunk of a long one only fills KV)."""
+        self._before_forward(batch, batch.is_prefill)
         embeddings = self.executor.embed(batch.forward).tolist()
-        self.step_started = None
-        self.profiler.after_step(batch.is_prefill)
+        self._after_forward(batch, batch.is_prefill)
         done = [r for r in batch.reqs if r.kv_len == r.seq_len]
         for req, vector in zip(done, embeddings, strict=True):
             req.embedding = vector
@@ -480,9 +485,8 @@ class Scheduler(ManagerViews, SchedulerAccounting):
             or queues.running
             or queues.chunked_req
             or queues.in_flight
-            or self.grammar_queue.pending
             or self._unpublished is not None
-            or (self.decode_handoffs is not None and bool(self.decode_handoffs.awaiting))
+            or any(component.pending for component in self.components)
         )
 
     def _next_batch(self) -> ScheduledBatch | None:
@@ -597,13 +601,8 @@ class Scheduler(ManagerViews, SchedulerAccounting):
 
     def shutdown(self) -> None:
         """Stops the scheduler's threads and gives its parts' resources back."""
-        self.grammar_queue.shutdown()
+        for component in self.components:
+            component.shutdown()
         if self.publisher is not None:
             self.publisher.shutdown()
-        if self.kv_events is not None:
-            self.kv_events.shutdown()
-        self.cache_tier.close()
-        for handoffs in (self.prefill_handoffs, self.decode_handoffs):
-            if handoffs is not None:
-                handoffs.close()
         self.executor.close()

@@ -34,9 +34,9 @@ def start_watchdog(scheduler: Scheduler, timeout_s: float) -> threading.Thread:
                     "watchdog: a forward step has run for more than %.1fs (--watchdog-timeout); "
                     "running requests: %d, waiting: %d, chunked prefill: %s. Stacks follow.",
                     timeout_s,
-                    len(scheduler.running),
-                    len(scheduler.waiting),
-                    scheduler.chunked_req.rid if scheduler.chunked_req else None,
+                    len(scheduler.queues.running),
+                    len(scheduler.queues.waiting),
+                    scheduler.queues.chunked_req.rid if scheduler.queues.chunked_req else None,
                 )
                 faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
                 sys.stderr.flush()

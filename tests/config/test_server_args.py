@@ -1,4 +1,4 @@
-"""ServerArgs validation (config/server_args.py) of the native-kernel settings."""
+"""ServerArgs (config/server_args.py): the native-kernel settings, other flags, and defaults written once."""
 
 from __future__ import annotations
 
@@ -50,3 +50,13 @@ def test_pipeline_parallelism_flags_and_what_they_refuse() -> None:
         InvalidArgumentError, match=r"--tp-size x --pp-size \(3\) must be a multiple of --nnodes"
     ):
         ServerArgs(model_path="m", pp_size=3, nnodes=2, dist_init_addr="127.0.0.1:5000")
+
+
+def test_the_command_lines_defaults_are_the_dataclass_fields() -> None:
+    """Defaults are written once, on the fields: a command line without flags is ServerArgs()."""
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    assert ServerArgs.from_cli_args(parser.parse_args([])) == ServerArgs()
+    parsed = vars(parser.parse_args([]))
+    assert all(parsed[name] == value for name, value in ServerArgs.defaults().items())
+    assert ServerArgs.from_cli_args(parser.parse_args(["--kv-cache-dtype", "bf16"])).kv_cache_dtype == "bf16"

@@ -20,6 +20,9 @@ from radixserve.scheduler.process import build_scheduler
 from tests.engine.oracle import GreedyOracle, random_prompts
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
+# Against the fp32 oracle the KV cache is fp32 too: by default it is bf16 under quantized weights
+# (executor/kv_sizing.py), whose rounding no oracle reproduces token for token.
+EXACT_KV = "float32"
 LINEAR_SUFFIXES = tuple(f"{p}_proj.weight" for p in ("q", "k", "v", "o", "gate", "up", "down"))
 
 
@@ -57,7 +60,7 @@ def test_quantized_at_load_matches_transformers_in_a_batch(
 ) -> None:
     """Greedy fp32 output, all prompts in one batch, token for token transformers' on the
     dequantized weights (the kernel's fp32 sums differ from torch's only in order)."""
-    engine = make_engine(tiny_model_dir("llama"), quantization="q4_0", dtype="auto")
+    engine = make_engine(tiny_model_dir("llama"), quantization="q4_0", dtype="auto", kv_cache_dtype=EXACT_KV)
     info = engine.get_stats()
     assert info["linear_kernel"].startswith("quant_int16_")
     assert info["weight_bytes"]["Q4_0"] > 0
@@ -102,6 +105,8 @@ def test_the_gguf_stays_quantized_across_a_reload_and_is_batch_invariant(
     engine = make_engine(None, dtype="auto", enable_deterministic_inference=True, max_total_tokens=2048)
     info = engine.get_stats()
     assert set(info["weight_bytes"]) >= {"Q4_1", "Q8_0"} and info["decode_path"].startswith("fused")
+    # The default KV cache under quantized weights: bf16, which the fused loop and extend both read.
+    assert info["kv_cache_dtype"] == "bfloat16"
     prompts = random_prompts(4, seed=7, vocab=40000)
     alone = [engine.generate(input_ids=p, sampling_params=GREEDY) for p in prompts]
     together = engine.generate(input_ids=prompts, sampling_params=GREEDY)
@@ -150,6 +155,7 @@ def test_lora_adapters_over_a_quantized_base(
     engine = make_engine(
         tiny_model_dir("llama"),
         quantization="q8_0",
+        kv_cache_dtype=EXACT_KV,
         enable_lora=True,
         lora_paths=[f"{name}={lora_adapters[name]}" for name in names],
     )
@@ -169,6 +175,7 @@ def test_ngram_speculation_over_quantized_weights(
     engine = make_engine(
         tiny_model_dir("llama"),
         quantization="q4_0",
+        kv_cache_dtype=EXACT_KV,
         speculative_algorithm="NGRAM",
         disable_speculative_adaptive=True,  # drafting as the index offers, whatever this machine's speed
     )
@@ -192,6 +199,7 @@ def test_standalone_speculation_over_quantized_weights(
     engine = make_engine(
         path,
         quantization="q4_0",
+        kv_cache_dtype=EXACT_KV,
         speculative_algorithm="STANDALONE",
         speculative_draft_model_path=str(path),
         speculative_num_steps=3,
@@ -210,7 +218,7 @@ def test_two_tensor_parallel_ranks_shard_the_blocks(
 ) -> None:
     """--tp-size 2: column shards cut rows of blocks, row shards (o_proj, down_proj) cut whole blocks
     of 32 inputs; the tokens are still transformers' on the dequantized weights."""
-    engine = make_engine(tiny_model_dir("llama"), quantization="q4_0", tp_size=2)
+    engine = make_engine(tiny_model_dir("llama"), quantization="q4_0", tp_size=2, kv_cache_dtype=EXACT_KV)
     assert engine.get_stats()["weight_bytes"]["Q4_0"] > 0
     prompts = random_prompts(3, seed=17)
     outputs = engine.generate(input_ids=prompts, sampling_params=GREEDY)

@@ -66,9 +66,29 @@ def test_quantized_fp32_matches_transformers(transformers_logits: tuple[list[int
     per block of 32 (a relative step of 2^-15 of the block's largest): the logits move by 5e-3 at
     most (measured), held to 2e-2, a fifteenth of what bf16 activations are allowed below."""
     ids, expected = transformers_logits
-    ours = first_step_logits(ids, dtype="auto")
+    ours = first_step_logits(ids, dtype="auto", kv_cache_dtype="float32")
     assert int(ours.argmax()) == int(expected.argmax())
     assert torch.allclose(ours, expected, atol=2e-2, rtol=0), float((ours - expected).abs().max())
+
+
+def top_logprob_error(ours: torch.Tensor, expected: torch.Tensor) -> float:
+    """The largest log-probability error over the tokens that matter: transformers' top 20."""
+    reference, served = torch.log_softmax(expected, -1), torch.log_softmax(ours, -1)
+    top = reference.topk(20).indices
+    return float((served[top] - reference[top]).abs().max())
+
+
+def test_quantized_fp32_over_a_bf16_kv_cache_stays_close_to_transformers(
+    transformers_logits: tuple[list[int], torch.Tensor],
+) -> None:
+    """The default KV cache under quantized weights is bf16 (executor/kv_sizing.py): q, k and v are
+    rounded to bf16 in attention alone, and the log-probabilities of transformers' top 20 tokens
+    move by 0.044 at most (measured), held to 0.1, a third of what bf16 activations are allowed."""
+    ids, expected = transformers_logits
+    ours = first_step_logits(ids, dtype="auto")
+    error = top_logprob_error(ours, expected)
+    assert int(ours.argmax()) == int(expected.argmax())
+    assert error < 0.1, error
 
 
 def test_quantized_bf16_logprobs_stay_close_to_transformers(
@@ -80,9 +100,7 @@ def test_quantized_bf16_logprobs_stay_close_to_transformers(
     below their own spread."""
     ids, expected = transformers_logits
     ours = first_step_logits(ids, dtype="bfloat16")
-    reference, served = torch.log_softmax(expected, -1), torch.log_softmax(ours, -1)
-    top = reference.topk(20).indices
-    error = float((served[top] - reference[top]).abs().max())
+    error = top_logprob_error(ours, expected)
     assert int(ours.argmax()) == int(expected.argmax())
     assert error < 0.3, error
     assert float((ours - expected).std()) < 0.05 * float(expected.std())

@@ -36,7 +36,7 @@ def test_a_verify_step_matches_the_greedy_continuation(
     for i, prompt in enumerate(prompts):
         scheduler.add_request(GenerateRequest(f"r{i}", prompt, {**GREEDY, "max_new_tokens": 32}))
     scheduler.step()  # both prompts prefilled; each has its first output token, not yet in the pool
-    reqs = list(scheduler.running)
+    reqs = list(scheduler.queues.running)
     assert [len(r.output_ids) for r in reqs] == [1, 1]
     expected = [oracle("llama").continue_(p, K + 1) for p in prompts]
     # Propose the true continuation: every position must then predict the next true token.
@@ -90,7 +90,7 @@ def test_a_bf16_verify_runs_in_the_fused_loop_and_agrees_with_the_per_layer_path
     for i, prompt in enumerate(prompts):
         scheduler.add_request(GenerateRequest(f"r{i}", prompt, {**GREEDY, "max_new_tokens": 32}))
     scheduler.step()
-    reqs = list(scheduler.running)
+    reqs = list(scheduler.queues.running)
     expected = [oracle("llama").continue_(p, K + 1) for p in prompts]
     vocab = scheduler.config.vocab_size
     trees = [

@@ -10,15 +10,15 @@ from typing import Any
 
 import pytest
 
-from radixserve.config.server_args import InvalidArgumentError
+from radixserve.config.server_args import InvalidArgumentError, ServerArgs
 from radixserve.executor.model_runner import ModelRunner
 from radixserve.executor.runner_config import RunnerConfig
 from radixserve.kernels.native import executable_isas
 
 
-def _runner(model_dir: Path, **overrides: object) -> ModelRunner:
-    config = RunnerConfig(model_path=str(model_dir), dtype="float32", max_total_tokens=256)
-    return ModelRunner(RunnerConfig(**{**config.__dict__, **overrides}))  # type: ignore[arg-type]
+def _runner(model_dir: Path, **overrides: Any) -> ModelRunner:
+    fields: dict[str, Any] = {"dtype": "float32", "max_total_tokens": 256, **overrides}
+    return ModelRunner(RunnerConfig.from_server_args(ServerArgs(model_path=str(model_dir), **fields)))
 
 
 def test_torch_ops_only_take_the_torch_backend_and_say_why(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -62,3 +64,31 @@ def test_columns_split_only_along_whole_blocks() -> None:
     assert torch.equal(weight.narrow_cols(256, 256).dequantize(), weight.dequantize()[:, 256:])
     with pytest.raises(QuantizationError, match="whole blocks of 256 columns"):
         weight.narrow_cols(128, 384)
+
+
+def test_a_row_order_reads_permuted_rows_in_place(quant: QuantKernels) -> None:
+    """A file that stores rows permuted (llama.cpp's q/k) is read through row_order: the same weight
+    as the reordered copy, narrowed, dequantized and multiplied, with no copy of the blocks."""
+    stored = random_quantized("Q4_K", 32, 256, seed=3)
+    order = torch.randperm(32, generator=torch.Generator().manual_seed(0))
+    in_place = replace(stored, row_order=order)
+    copied = replace(stored, data=stored.data[order])
+    assert torch.equal(in_place.dequantize(), copied.dequantize())
+    assert torch.equal(in_place.narrow_rows(8, 16).dequantize(), copied.narrow_rows(8, 16).dequantize())
+    assert in_place.narrow_rows(8, 16).data.data_ptr() == stored.data.data_ptr()
+    assert in_place.nbytes == stored.nbytes
+    layer = ColumnParallelLinear(256, [32], bias=False)
+    layer.load("weight", in_place, 0)
+    layer.use_quantized(quant)
+    x = torch.randn(5, 256)
+    expected = quantize_like_kernel(x) @ copied.dequantize().double().T
+    torch.testing.assert_close(layer(x).double(), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_all_columns_of_a_mapped_weight_stay_its_view() -> None:
+    """One rank takes every column of a row-parallel weight: still the file's view, so its pages
+    are released once packed like any other."""
+    weight = replace(random_quantized("Q8_0", 4, 64), mapped=True)
+    whole = weight.narrow_cols(0, 64)
+    assert whole.mapped and whole.data.data_ptr() == weight.data.data_ptr()
+    assert not weight.narrow_cols(32, 32).mapped

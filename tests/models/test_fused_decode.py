@@ -33,7 +33,7 @@ def _run(
     monkeypatch.setattr(CpuKernels, "fused_decode", counting)
     if not fused:
         # The model then declares no fused plan, and the runner picks the per-layer decode path.
-        monkeypatch.setattr(llama.CausalLM, "fused_decode_plan", lambda self: None)
+        monkeypatch.setattr(llama.CausalLM, "fused_decode_plan", lambda self, kv_dtype: None)
     scheduler = build_scheduler(
         ServerArgs(model_path=str(model_path), max_total_tokens=2048, log_level="warning", **args)
     )
@@ -63,11 +63,17 @@ def _keep(result: tuple[torch.Tensor, torch.Tensor], into: list[torch.Tensor]) -
 
 
 # The weights: bf16 packed for the bf16 matmul (dequantized), or the GGUF's blocks on the quantized
-# kernel with bf16 or fp32 activations (fused_decode_bf16 / fused_decode_f32).
+# kernel with bf16 or fp32 activations (fused_decode_bf16 / fused_decode_f32), the latter over an fp32
+# or (by default) a bf16 KV cache (fused_decode_f32_kv_bf16).
 @pytest.mark.parametrize(
     "args",
-    [{"dtype": "bfloat16", "quantization": "none"}, {"dtype": "bfloat16"}, {"dtype": "float32"}],
-    ids=["bf16-dense", "bf16-quantized", "fp32-quantized"],
+    [
+        {"dtype": "bfloat16", "quantization": "none"},
+        {"dtype": "bfloat16"},
+        {"dtype": "float32"},
+        {"dtype": "float32", "kv_cache_dtype": "float32"},
+    ],
+    ids=["bf16-dense", "bf16-quantized", "fp32-quantized-bf16-kv", "fp32-quantized-fp32-kv"],
 )
 def test_fused_decode_is_bit_identical_to_the_layer_loop(
     smollm2_gguf_path: Path, monkeypatch: pytest.MonkeyPatch, args: dict[str, str]

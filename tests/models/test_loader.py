@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from radixserve.layers.quantized import QuantizedTensor
 from radixserve.models import loader, source
 from radixserve.models.config import ModelLoadError, UnsupportedModelError
 from radixserve.models.loader import expected_weight_names, iter_weights
@@ -137,3 +138,17 @@ def test_unpermute_inverts_llama_cpp_permutation() -> None:
     for shape, heads in (((3 * 8, 5), 3), ((2 * 16,), 2)):
         w = rng.standard_normal(shape).astype(np.float32)
         np.testing.assert_array_equal(loader._unpermute_qk(llama_cpp_permute(w, heads), heads), w)
+
+
+def test_gguf_blocks_kept_quantized_are_views_of_the_file(
+    gguf_src: ModelSource, gguf_weights: dict[str, torch.Tensor]
+) -> None:
+    """Every matrix kept in its blocks is a view of the mapped file, q/k included (their rows
+    reordered by row_order, not copied), and reads back as the dequantizing loader's tensor."""
+    kept = dict(iter_weights(gguf_src, load_model_config(gguf_src), keep_quantized=True))
+    quantized = {name: t for name, t in kept.items() if isinstance(t, QuantizedTensor)}
+    assert quantized and all(t.mapped for t in quantized.values())
+    reordered = {name for name, t in quantized.items() if t.row_order is not None}
+    assert reordered == {n for n in quantized if ".q_proj." in n or ".k_proj." in n}
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"):
+        assert torch.equal(quantized[name].dequantize(), gguf_weights[name])

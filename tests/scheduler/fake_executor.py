@@ -491,9 +491,12 @@ def check_kv_accounting(scheduler: Scheduler) -> None:
     if scheduler.publisher is not None:
         return  # a finished request's KV stays with it until its results are published
     page = scheduler.args.page_size
-    holders = [*scheduler.running, *([scheduler.chunked_req] if scheduler.chunked_req else [])]
+    holders = [
+        *scheduler.queues.running,
+        *([scheduler.queues.chunked_req] if scheduler.queues.chunked_req else []),
+    ]
     holders += scheduler.queues.in_flight  # in a pipeline's micro-batch (pipeline.py)
-    for req in scheduler.waiting:
+    for req in scheduler.queues.waiting:
         assert req.req_pool_idx is None, f"waiting request {req.rid} holds a request slot"
     # A request owns whole pages from its cached (page-aligned) length on.
     owned = sum(-(-(r.kv_len - r.cached_len) // page) * page for r in holders)
@@ -595,18 +598,18 @@ def probe_steps(scheduler: Scheduler) -> list[StepProbe]:
     choose = scheduler._next_batch
 
     def probed() -> Any:
-        ratio, retracted = scheduler.new_token_ratio, scheduler.stats.retracted_reqs
-        running = [ReqView.of(r) for r in scheduler.running]
+        ratio, retracted = scheduler.decode.new_token_ratio, scheduler.stats.retracted_reqs
+        running = [ReqView.of(r) for r in scheduler.queues.running]
         batch = choose()
         kind = "none" if batch is None else "prefill" if batch.is_prefill else "decode"
         probes.append(
             StepProbe(
                 kind,
                 ratio,
-                scheduler.new_token_ratio,
+                scheduler.decode.new_token_ratio,
                 running,
-                [ReqView.of(r) for r in scheduler.running],
-                [ReqView.of(r) for r in scheduler.waiting],
+                [ReqView.of(r) for r in scheduler.queues.running],
+                [ReqView.of(r) for r in scheduler.queues.waiting],
                 scheduler.stats.retracted_reqs - retracted,
             )
         )

@@ -42,10 +42,10 @@ def test_abort_a_waiting_request() -> None:
     submit(scheduler, results, "a", [1, 2, 3], 5)
     submit(scheduler, results, "b", [4, 5, 6], 5)
     results.take(scheduler.step())
-    assert [r.rid for r in scheduler.waiting] == ["b"]
+    assert [r.rid for r in scheduler.queues.waiting] == ["b"]
     _abort(scheduler, results, "b")
     assert results.finish["b"].type == "abort" and results.tokens["b"] == []
-    assert scheduler.waiting == []
+    assert scheduler.queues.waiting == []
     run_until_idle(scheduler, results)
     assert results.tokens["a"] == expected_output([1, 2, 3], 5, VOCAB)
     assert scheduler.stats.aborted_reqs == 1
@@ -67,7 +67,7 @@ def test_abort_a_running_request(overlap: bool) -> None:
     # It keeps the tokens it had; under the overlap schedule the last step's are published first.
     assert results.tokens["a"] == expected_output([1, 2, 3], 20, VOCAB)[: len(results.tokens["a"])]
     assert len(results.tokens["a"]) == 4
-    assert [r.rid for r in scheduler.running] == ["b"]
+    assert [r.rid for r in scheduler.queues.running] == ["b"]
     run_until_idle(scheduler, results)
     assert results.tokens["b"] == expected_output([7, 8, 9, 10], 6, VOCAB)
     assert results.finish["b"].type == "length"
@@ -87,9 +87,9 @@ def test_abort_a_request_between_its_chunks() -> None:
     submit(scheduler, results, "long", LONG, 4)
     results.take(scheduler.step())
     results.take(scheduler.step())
-    assert scheduler.chunked_req is not None and scheduler.chunked_req.kv_len == 32
+    assert scheduler.queues.chunked_req is not None and scheduler.queues.chunked_req.kv_len == 32
     _abort(scheduler, results, "long")
-    assert scheduler.chunked_req is None
+    assert scheduler.queues.chunked_req is None
     assert results.finish["long"].type == "abort" and results.tokens["long"] == []
     run_until_idle(scheduler, results)
     assert results.tokens["short"] == expected_output([900, 901], 8, VOCAB)
@@ -114,9 +114,9 @@ def test_abort_all_in_every_state() -> None:
     submit(scheduler, results, "chunked", LONG, 4)
     submit(scheduler, results, "waiting", list(range(100, 140)), 4)
     results.take(scheduler.step())
-    assert [r.rid for r in scheduler.running] == ["running"]
-    assert scheduler.chunked_req is not None and scheduler.chunked_req.rid == "chunked"
-    assert [r.rid for r in scheduler.waiting] == ["waiting"]
+    assert [r.rid for r in scheduler.queues.running] == ["running"]
+    assert scheduler.queues.chunked_req is not None and scheduler.queues.chunked_req.rid == "chunked"
+    assert [r.rid for r in scheduler.queues.waiting] == ["waiting"]
 
     _abort(scheduler, results, None, abort_all=True)
     assert {rid: f.type for rid, f in results.finish.items()} == dict.fromkeys(
@@ -147,7 +147,7 @@ def test_abort_by_rid_prefix_takes_every_request_it_starts() -> None:
     for rid, prompt in [("job-1", [1, 2, 3]), ("job-2", [4, 5]), ("other", [6, 7]), ("job-3", [8])]:
         submit(scheduler, results, rid, prompt, 10)
     results.take(scheduler.step())  # two run, two wait
-    assert {r.rid for r in scheduler.running} == {"job-1", "job-2"}
+    assert {r.rid for r in scheduler.queues.running} == {"job-1", "job-2"}
     _abort(scheduler, results, "job-")
     assert {rid for rid, finish in results.finish.items() if finish.type == "abort"} == {
         "job-1",

@@ -72,14 +72,14 @@ def test_control_commands_read_the_scheduler_through_its_managers() -> None:
     stats = scheduler.handle(ControlRequest("s", "get_stats"))[-1]
     assert isinstance(stats, ControlResult) and stats.ok, stats
     assert stats.payload["num_running_reqs"] == 1 and stats.payload["num_waiting_reqs"] == 0
-    assert stats.payload["new_token_ratio"] == scheduler.new_token_ratio == scheduler.decode.new_token_ratio
+    assert stats.payload["new_token_ratio"] == scheduler.decode.new_token_ratio
     assert stats.payload["attention_backend"] == "fake"
     assert stats.payload["kv_invariant"] == "not checked: busy"
     state = scheduler.handle(ControlRequest("g", "get_internal_state"))[-1]
     assert isinstance(state, ControlResult) and state.payload["max_running_requests"] == 4
     # Out of range (the request-slot pool was sized at startup): refused, nothing changes.
     refused = scheduler.handle(ControlRequest("x", "set_internal_state", {"max_running_requests": 9}))[-1]
-    assert isinstance(refused, ControlResult) and not refused.ok and scheduler.max_running == 4
+    assert isinstance(refused, ControlResult) and not refused.ok and scheduler.prefill.max_running == 4
     # The KV self-check waits for idle, then answers.
     assert scheduler.handle(ControlRequest("k", "check_kv_invariant")) == []
     run_until_idle(scheduler, results)
@@ -95,7 +95,7 @@ def test_the_fake_executor_notices_a_corrupt_kv_table() -> None:
     submit(scheduler, results, "a", [1, 2, 3, 4], 5)
     submit(scheduler, results, "b", [9, 8, 7, 6], 5)
     results.take(scheduler.step())
-    a, b = scheduler.running
+    a, b = scheduler.queues.running
     table = scheduler.req_to_token_pool.req_to_token
     assert a.req_pool_idx is not None and b.req_pool_idx is not None
     # Point a's position 1 at b's slot for position 2.

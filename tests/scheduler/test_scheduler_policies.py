@@ -70,7 +70,7 @@ def test_fcfs_admits_in_arrival_order() -> None:
     for rid, prompt in prompts.items():
         submit(scheduler, results, rid, prompt, 3)
     # Arrival order, not queue position: a retraction puts requests at the end of the queue.
-    scheduler.waiting.reverse()
+    scheduler.queues.waiting.reverse()
     results.take(scheduler.step())
     assert _order(executor.batches[-1], prompts) == ["x", "y", "z"]
     _finish(scheduler, results, prompts)

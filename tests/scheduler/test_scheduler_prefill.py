@@ -48,8 +48,8 @@ def test_a_long_prompt_is_prefilled_in_chunks_of_the_chunk_size(page_size: int) 
     submit(scheduler, results, "long", prompt, 6)
     results.take(scheduler.step())
     # Between chunks the request holds KV but is not running: it has nothing to decode yet.
-    assert scheduler.chunked_req is not None and scheduler.chunked_req.rid == "long"
-    assert scheduler.running == [] and scheduler.waiting == []
+    assert scheduler.queues.chunked_req is not None and scheduler.queues.chunked_req.rid == "long"
+    assert scheduler.queues.running == [] and scheduler.queues.waiting == []
     run_until_idle(scheduler, results)
 
     prefills = executor.prefills
@@ -58,7 +58,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_of_the_chunk_size(page_size: int) 
     # Only the last chunk reaches the end of the prompt and samples.
     assert [b.num_sampled for b in prefills] == [0, 0, 0, 1]
     assert [t for b in prefills for t in b.segments[0]] == prompt
-    assert scheduler.chunked_req is None
+    assert scheduler.queues.chunked_req is None
 
     unchunked, unchunked_executor = _run({"long": prompt}, 6, chunked_prefill_size=None, page_size=page_size)
     assert [b.extend_lens for b in unchunked_executor.prefills] == [[50]]
@@ -166,7 +166,7 @@ def test_max_running_requests_changes_at_run_time() -> None:
     results = Results()
     answer = scheduler.handle(ControlRequest("c", "set_internal_state", {"max_running_requests": 1}))
     assert isinstance(answer[-1], ControlResult) and answer[-1].ok, answer
-    assert scheduler.max_running == scheduler.prefill.max_running == 1
+    assert scheduler.prefill.max_running == scheduler.prefill.max_running == 1
     for i in range(3):
         submit(scheduler, results, f"r{i}", _prompt(10 * i + 1, 4), 3)
     run_until_idle(scheduler, results)

@@ -114,8 +114,8 @@ def test_retraction_sends_back_fewest_outputs_first_and_readmits_them() -> None:
 def test_new_token_ratio_decays_per_decode_step_and_jumps_on_retraction() -> None:
     scheduler, _, _, probes, _ = _run_scenario(SMALL_POOL)
     init, floor, decay = _ratio_constants(CONSERVATIVENESS)
-    assert (scheduler.init_new_token_ratio, scheduler.min_new_token_ratio) == (init, floor)
-    assert scheduler.new_token_ratio_decay == decay
+    assert (scheduler.decode.init_new_token_ratio, scheduler.decode.min_new_token_ratio) == (init, floor)
+    assert scheduler.decode.new_token_ratio_decay == decay
     assert probes[0].ratio_before == init
     for probe in probes:
         if probe.kind == "decode":
@@ -137,10 +137,10 @@ def test_retraction_raises_new_token_ratio_by_at_least_a_step() -> None:
     prompts = {f"r{i}": list(range(100 * i + 1, 100 * i + 9 + i)) for i in range(3)}
     for rid, prompt in prompts.items():
         submit(scheduler, results, rid, prompt, 100)
-    while scheduler.waiting:
+    while scheduler.queues.waiting:
         results.take(scheduler.step())
     # Everything is admitted, so the ratio no longer changes admission: start it high.
-    scheduler.new_token_ratio = 0.7
+    scheduler.decode.new_token_ratio = 0.7
     run_until_idle(scheduler, results)
 
     _, floor, decay = _ratio_constants(0.005)
@@ -164,23 +164,23 @@ def test_new_token_ratio_floor_and_reset_through_internal_state() -> None:
     results = Results()
     submit(scheduler, results, "r", [1, 2, 3], 12)
     results.take(scheduler.step())  # the prefill leaves the ratio alone
-    assert scheduler.new_token_ratio == init
+    assert scheduler.decode.new_token_ratio == init
     expected = init
     for _ in range(5):
         results.take(scheduler.step())
         expected = max(expected - decay, floor)
-        assert scheduler.new_token_ratio == expected
-    scheduler.new_token_ratio = floor + decay / 2
+        assert scheduler.decode.new_token_ratio == expected
+    scheduler.decode.new_token_ratio = floor + decay / 2
     results.take(scheduler.step())
-    assert scheduler.new_token_ratio == floor
+    assert scheduler.decode.new_token_ratio == floor
 
     # /set_internal_state: a new conservativeness starts the ratio over from its new initial value.
     answer = scheduler.handle(ControlRequest("c", "set_internal_state", {"schedule_conservativeness": 2.0}))
     assert isinstance(answer[-1], ControlResult) and answer[-1].ok, answer
     init2, floor2, decay2 = _ratio_constants(2.0)
     assert init2 == 1.0
-    assert scheduler.new_token_ratio == scheduler.init_new_token_ratio == init2
-    assert (scheduler.min_new_token_ratio, scheduler.new_token_ratio_decay) == (floor2, decay2)
+    assert scheduler.decode.new_token_ratio == scheduler.decode.init_new_token_ratio == init2
+    assert (scheduler.decode.min_new_token_ratio, scheduler.decode.new_token_ratio_decay) == (floor2, decay2)
     run_until_idle(scheduler, results)
     assert results.tokens["r"] == expected_output([1, 2, 3], 12, VOCAB)
     scheduler.check_kv_invariant()

@@ -15,13 +15,19 @@
 // weights, with bf16 or fp32 activations (fused_decode_f32: the whole loop in fp32). The shared
 // prefix runs on the prefix attention kernel the per-layer path uses for this head shape (the caller
 // says which): AMX tiles or vector FMAs, bf16 only.
+//
+// fused_decode_f32_kv_bf16: fp32 activations over a bf16 KV pool (--kv-cache-dtype). As the
+// per-layer path does (attention/base.py, AttentionCall), q, k and v are rounded to bf16, k and v
+// stored, attention runs on the bf16 kernels, and its output is widened back to fp32.
 
 #include <stdint.h>
 #include <string.h>
 
+#include <type_traits>
 #include <vector>
 
 #include "amx_common.h"
+#include "vec16.h"
 
 extern "C" {
 void rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *weight, uint16_t *out, int64_t rows,
@@ -64,12 +70,14 @@ int amx_prefix_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_
 
 namespace {
 
+using namespace radixserve_vec;
+
 // What the linears run on (fused_decode_*'s linear_kind).
 enum LinearKind : int64_t { kAmx = 0, kBf16 = 1, kQuantized = 2 };
 
 // One layer's weights and its K/V pool, as pointers. A linear is a packed bf16 weight, or (kQuantized)
-// the int64 parts layout of quant_linear_parts.
-template <typename T>
+// the int64 parts layout of quant_linear_parts. KV: the pool's element type.
+template <typename T, typename KV>
 struct Layer {
     const T *input_norm;
     const void *qkv;
@@ -77,8 +85,24 @@ struct Layer {
     const void *o;
     const T *post_norm;
     const void *gate_up, *down;
-    T *k_cache, *v_cache;
+    KV *k_cache, *v_cache;
 };
+
+// n values converted to bf16, rounded as torch's .to() rounds (vec16.h), and back.
+inline void convert(const float *from, uint16_t *to, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) store16(to + i, load16(from + i));
+    if (i < n) {
+        float tail[16] = {};
+        uint16_t out[16];
+        memcpy(tail, from + i, (n - i) * sizeof(float));
+        store16(out, load16(tail));
+        memcpy(to + i, out, (n - i) * sizeof(uint16_t));
+    }
+}
+inline void convert(const uint16_t *from, float *to, int64_t n) {
+    for (int64_t i = 0; i < n; i++) to[i] = to_float(from[i]);
+}
 
 struct Shape {
     int64_t batch, hidden, intermediate, heads, kv_heads, head_dim;
@@ -130,25 +154,38 @@ int linear(const Step &step, const void *w, const T *x, int64_t x_stride, T *out
     return 1;  // packed weights are bf16 only
 }
 
-template <typename T>
-int run_layers(const Step &step, const Layer<T> *layers, int64_t num_layers, T *hidden, const Shape &s) {
+template <typename T, typename KV>
+int run_layers(const Step &step, const Layer<T, KV> *layers, int64_t num_layers, T *hidden, const Shape &s) {
     const int64_t q_width = s.heads * s.head_dim, kv_width = s.kv_heads * s.head_dim;
     const int64_t qkv_width = q_width + 2 * kv_width, prefix_rows = s.batch * (s.heads / s.kv_heads);
     static thread_local std::vector<T> workspace;
+    static thread_local std::vector<KV> kv_workspace;  // q and the attention's output, where KV != T
     static thread_local std::vector<float> prefix_lse;
     const int64_t normed_size = s.batch * s.hidden, qkv_size = s.batch * qkv_width, attn_size = s.batch * q_width;
     const int64_t gate_up_size = s.batch * 2 * s.intermediate, act_size = s.batch * s.intermediate;
     const int64_t prefix_size = step.prefix_length ? s.kv_heads * prefix_rows * s.head_dim : 0;
-    const size_t needed =
-        static_cast<size_t>(normed_size + qkv_size + attn_size + gate_up_size + act_size + prefix_size);
+    constexpr bool kConverts = !std::is_same_v<T, KV>;
+    const size_t needed = static_cast<size_t>(normed_size + qkv_size + attn_size + gate_up_size + act_size +
+                                              (kConverts ? 0 : prefix_size));
     if (workspace.size() < needed) workspace.resize(needed);
+    const size_t kv_needed = kConverts ? static_cast<size_t>(2 * attn_size + prefix_size) : 0;
+    if (kv_workspace.size() < kv_needed) kv_workspace.resize(kv_needed);
     if (step.prefix_length && prefix_lse.size() < static_cast<size_t>(s.kv_heads * prefix_rows))
         prefix_lse.resize(s.kv_heads * prefix_rows);
     T *normed = workspace.data(), *qkv = normed + normed_size, *attn = qkv + qkv_size;
-    T *gate_up = attn + attn_size, *act = gate_up + gate_up_size, *prefix_out = act + act_size;
+    T *gate_up = attn + attn_size, *act = gate_up + gate_up_size;
+    // What attention reads and writes, in the pool's type: views of the above where KV is T, else
+    // converted copies (q, its output, and the prefix's output).
+    KV *q_kv, *attn_kv, *prefix_out;
+    if constexpr (kConverts) {
+        q_kv = kv_workspace.data(), attn_kv = q_kv + attn_size, prefix_out = attn_kv + attn_size;
+    } else {
+        q_kv = qkv, attn_kv = attn, prefix_out = act + act_size;
+    }
+    const int64_t q_kv_stride = kConverts ? q_width : qkv_width;
 
     for (int64_t l = 0; l < num_layers; l++) {
-        const Layer<T> &w = layers[l];
+        const Layer<T, KV> &w = layers[l];
         Ops<T>::rms_norm(hidden, s.hidden, w.input_norm, normed, s.batch, s.hidden, step.eps);
         if (linear<T>(step, w.qkv, normed, s.hidden, qkv, qkv_width, w.qkv_bias, nullptr, 0, s.batch, qkv_width,
                       s.hidden))
@@ -158,13 +195,20 @@ int run_layers(const Step &step, const Layer<T> *layers, int64_t num_layers, T *
                        step.positions);
         for (int64_t b = 0; b < s.batch; b++) {
             const T *row = qkv + b * qkv_width;
-            memcpy(w.k_cache + step.out_slots[b] * kv_width, row + q_width, kv_width * sizeof(T));
-            memcpy(w.v_cache + step.out_slots[b] * kv_width, row + q_width + kv_width, kv_width * sizeof(T));
+            KV *k_slot = w.k_cache + step.out_slots[b] * kv_width, *v_slot = w.v_cache + step.out_slots[b] * kv_width;
+            if constexpr (kConverts) {
+                convert(row, q_kv + b * q_width, q_width);
+                convert(row + q_width, k_slot, kv_width);
+                convert(row + q_width + kv_width, v_slot, kv_width);
+            } else {
+                memcpy(k_slot, row + q_width, kv_width * sizeof(T));
+                memcpy(v_slot, row + q_width + kv_width, kv_width * sizeof(T));
+            }
         }
         if (step.prefix_length) {
-            if constexpr (sizeof(T) == 2) {
+            if constexpr (sizeof(KV) == 2) {
                 auto *prefix_attention = step.prefix_kind == 0 ? amx_prefix_attention_bf16 : prefix_attention_bf16;
-                const int status = prefix_attention(qkv, qkv_width, w.k_cache, w.v_cache, kv_width, step.prefix_slots,
+                const int status = prefix_attention(q_kv, q_kv_stride, w.k_cache, w.v_cache, kv_width, step.prefix_slots,
                                                     prefix_out, 0, prefix_lse.data(), s.batch, s.heads, s.kv_heads,
                                                     s.head_dim, step.prefix_length, step.scale, -1);
                 if (status) return 100 + status;
@@ -172,12 +216,13 @@ int run_layers(const Step &step, const Layer<T> *layers, int64_t num_layers, T *
                 return 100;  // the prefix attention kernels are bf16 only
             }
         }
-        const int status = Ops<T>::decode_attention(
-            qkv, qkv_width, w.k_cache, w.v_cache, step.req_to_token, step.table_stride, step.req_rows, step.seq_lens,
-            attn, s.batch, s.heads, s.kv_heads, s.head_dim, step.scale, step.prefix_length,
+        const int status = Ops<KV>::decode_attention(
+            q_kv, q_kv_stride, w.k_cache, w.v_cache, step.req_to_token, step.table_stride, step.req_rows,
+            step.seq_lens, attn_kv, s.batch, s.heads, s.kv_heads, s.head_dim, step.scale, step.prefix_length,
             step.prefix_length ? prefix_out : nullptr, prefix_rows * s.head_dim, s.head_dim,
             step.prefix_length ? prefix_lse.data() : nullptr);
         if (status) return 200 + status;
+        if constexpr (kConverts) convert(attn_kv, attn, attn_size);
         if (linear<T>(step, w.o, attn, q_width, hidden, s.hidden, nullptr, hidden, s.hidden, s.batch, s.hidden,
                       q_width))
             return 300;
@@ -199,8 +244,8 @@ int run_layers(const Step &step, const Layer<T> *layers, int64_t num_layers, T *
 // bf16_linear, 2 quant_linear_parts; prefix_kind: 0 the AMX prefix
 // attention, 1 the vector one. Returns 0; 1 for AMX asked of a build without it; or the failing
 // kernel's status (the caller checked every condition first, so any is a bug).
-#define RADIXSERVE_FUSED_DECODE(NAME, T)                                                                           \
-    extern "C" int NAME(int64_t linear_kind, int64_t prefix_kind, const Layer<T> *layers,                          \
+#define RADIXSERVE_FUSED_DECODE(NAME, T, KV)                                                                       \
+    extern "C" int NAME(int64_t linear_kind, int64_t prefix_kind, const Layer<T, KV> *layers,                      \
                         int64_t num_layers, T *hidden, int64_t batch, int64_t hidden_size, int64_t intermediate,  \
                         int64_t heads, int64_t kv_heads, int64_t head_dim, float eps, float scale,                \
                         const float *cos_table, const float *sin_table, const int64_t *positions,                 \
@@ -211,7 +256,7 @@ int run_layers(const Step &step, const Layer<T> *layers, int64_t num_layers, T *
         const Step step{linear_kind, prefix_kind,  eps,          scale,        cos_table, sin_table,             \
                         positions,   out_slots,    req_to_token, table_stride, req_rows,  seq_lens,              \
                         prefix_length, prefix_slots};                                                            \
-        return run_layers<T>(step, layers, num_layers, hidden,                                                   \
+        return run_layers<T, KV>(step, layers, num_layers, hidden,                                               \
                              Shape{batch, hidden_size, intermediate, heads, kv_heads, head_dim});                \
     }
 
@@ -226,5 +271,6 @@ bool amx_allowed(int64_t linear_kind, int64_t prefix_kind, int64_t prefix_length
 }
 }  // namespace
 
-RADIXSERVE_FUSED_DECODE(fused_decode_bf16, uint16_t)
-RADIXSERVE_FUSED_DECODE(fused_decode_f32, float)
+RADIXSERVE_FUSED_DECODE(fused_decode_bf16, uint16_t, uint16_t)
+RADIXSERVE_FUSED_DECODE(fused_decode_f32, float, float)
+RADIXSERVE_FUSED_DECODE(fused_decode_f32_kv_bf16, float, uint16_t)

@@ -88,15 +88,25 @@ class PageStore(Protocol):
 
 
 class KVAccess(Protocol):
-    """The device pool's K/V, as the executor offers them (executor/base.py)."""
+    """The device pool's K/V, as the executor offers them (executor/base.py, KVSlots)."""
 
-    def read_kv(self, slots: torch.Tensor) -> torch.Tensor: ...
+    def read_kv(self, slots: torch.Tensor) -> torch.Tensor:
+        """Every layer's K and V at slots, copied: [num_layers, 2, len(slots), kv_heads, head_dim]."""
+        ...
 
-    def write_kv(self, slots: torch.Tensor, kv: torch.Tensor) -> None: ...
+    def write_kv(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        """The inverse of read_kv: kv into slots (a lower cache tier loads a prefix back)."""
+        ...
 
-    def read_kv_async(self, slots: torch.Tensor) -> KVCopy: ...
+    def read_kv_async(self, slots: torch.Tensor) -> KVCopy:
+        """read_kv's K/V as a copy under way (cache/kv_copy.py): the gather is ordered before the
+        next forward, the copy to host memory is not waited for here."""
+        ...
 
-    def upload_kv(self, pages: list[torch.Tensor]) -> KVCopy: ...
+    def upload_kv(self, pages: list[torch.Tensor]) -> KVCopy:
+        """Host pages (read_kv's shape) joined along the tokens, copied to where write_kv reads
+        fastest; started on any thread, waited for on the scheduler's."""
+        ...
 
 
 @dataclass

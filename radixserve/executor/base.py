@@ -3,18 +3,21 @@
 The scheduler decides *what* runs (which requests, which tokens, which KV slots); an executor runs
 it. `ModelRunner` runs a real model. Tests drive the scheduler with a fake executor
 (tests/scheduler/fake_executor.py); the same seam is where a cost-model executor (a scheduler
-simulator) and a speculative-decoding worker plug in.
+simulator) and a speculative-decoding worker plug in. `Executor` is what every one of them does;
+each feature that needs more (K/V by slot, LoRA slots, memory and weight control, ...) asks for its
+capability Protocol when the scheduler is built, and an executor without it is refused there with
+MissingCapabilityError.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from radixserve.cache.kv_copy import KVCopy
+from radixserve.cache.storage_tier import KVAccess
 from radixserve.forward.batch import ForwardBatch
 from radixserve.layers.sampler import SamplingBatch
 from radixserve.models.config import ModelConfig
@@ -61,18 +64,41 @@ class LoraAdapterInfo:
 
 
 class Executor(Protocol):
-    @property
-    def info(self) -> ExecutorInfo: ...
+    """What every executor does: run the scheduler's batches. What only some do (pipelines,
+    embeddings, images, K/V access, LoRA slots, memory and weight control) is a capability below,
+    which the scheduler asks for by `capability()` where a feature needs it."""
 
     @property
-    def released(self) -> set[str]:
-        """The memory tags now released (MEMORY_TAGS); empty while everything is resident."""
-        ...
+    def info(self) -> ExecutorInfo: ...
 
     def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 logits for the batch's sample rows, then its logprob rows; and the final
         (normed) hidden states they came from, then those of its hidden rows."""
         ...
+
+    def sample(self, logits: torch.Tensor, sampling: SamplingBatch) -> torch.Tensor:
+        """One token id per row of logits."""
+        ...
+
+    def idle(self) -> None:
+        """Nothing runs now: a chance to give back scratch memory."""
+        ...
+
+    def close(self) -> None: ...
+
+    def describe(self) -> dict[str, Any]:
+        """The choices made at startup (attention backend, decode path, CPU ISA), for
+        /get_server_info."""
+        ...
+
+    def stats(self) -> dict[str, Any]:
+        """Counters that change as it runs (decode staging, kernel fallbacks), for /get_server_info."""
+        ...
+
+
+@runtime_checkable
+class PipelineStages(Protocol):
+    """--pp-size > 1."""
 
     def forward_pipeline(
         self, batches: Sequence[ForwardBatch | None]
@@ -82,19 +108,32 @@ class Executor(Protocol):
         batches[-1], which the last stage finished this tick (None when it is None)."""
         ...
 
-    def sample(self, logits: torch.Tensor, sampling: SamplingBatch) -> torch.Tensor:
-        """One token id per row of logits."""
-        ...
+
+@runtime_checkable
+class Embeddings(Protocol):
+    """An embedding model (info.is_embedding)."""
 
     def embed(self, batch: ForwardBatch) -> torch.Tensor:
         """One fp32 embedding per request that completes its prompt in this batch, in row order."""
         ...
+
+
+@runtime_checkable
+class ImageEncoding(Protocol):
+    """A vision-language model."""
 
     def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """A vision-language model's image embeddings: [n, channels, height, width] float32 pixel
         values to [n, tokens_per_image, hidden_size] vectors in the model's dtype, which take the
         place of each image's tokens in the prompt."""
         ...
+
+
+@runtime_checkable
+class KVSlots(KVAccess, Protocol):
+    """The K/V in the executor's pool by slot: the cache tiers below the pool read and write them
+    (KVAccess, cache/storage_tier.py), speculative decoding moves them, prefill/decode
+    disaggregation sends and installs them."""
 
     def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copies the K/V of slots src to slots dst in every layer (speculative decoding moves an
@@ -105,29 +144,10 @@ class Executor(Protocol):
         """The shape of one slot's K/V in every layer (what a lower cache tier stores per token)."""
         ...
 
-    def read_kv(self, slots: torch.Tensor) -> torch.Tensor:
-        """Every layer's K and V at slots, copied: [num_layers, 2, len(slots), kv_heads, head_dim]."""
-        ...
 
-    def write_kv(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
-        """The inverse of read_kv: kv into slots (a lower cache tier loads a prefix back)."""
-        ...
-
-    def read_kv_async(self, slots: torch.Tensor) -> KVCopy:
-        """read_kv's K/V as a copy under way (cache/kv_copy.py): the gather is ordered before the
-        next forward, the copy to host memory is not waited for here."""
-        ...
-
-    def upload_kv(self, pages: list[torch.Tensor]) -> KVCopy:
-        """Host pages (read_kv's shape) joined along the tokens, copied to where write_kv reads
-        fastest; started on any thread, waited for on the scheduler's."""
-        ...
-
-    def idle(self) -> None:
-        """Nothing runs now: a chance to give back scratch memory."""
-        ...
-
-    # ---- LoRA adapters (--enable-lora only; executor/lora_pool.py)
+@runtime_checkable
+class LoraSlots(Protocol):
+    """--enable-lora (executor/lora_pool.py)."""
 
     def lora_adapters(self) -> list[LoraAdapterInfo]:
         """The adapters loaded (those of --lora-paths at first)."""
@@ -143,24 +163,26 @@ class Executor(Protocol):
         """Copies a loaded adapter into one of the --max-loras-per-batch slots batches read."""
         ...
 
-    def close(self) -> None: ...
 
-    def describe(self) -> dict[str, Any]:
-        """The choices made at startup (attention backend, decode path, CPU ISA), for
-        /get_server_info."""
+@runtime_checkable
+class MemoryControl(Protocol):
+    """/release_memory_occupation and /resume_memory_occupation (MEMORY_TAGS)."""
+
+    @property
+    def released(self) -> set[str]:
+        """The memory tags now released; empty while everything is resident."""
         ...
-
-    def stats(self) -> dict[str, Any]:
-        """Counters that change as it runs (decode staging, kernel fallbacks), for /get_server_info."""
-        ...
-
-    # ---- control plane (weights and memory) ----
 
     def release_memory(self, tags: set[str]) -> None: ...
 
     def resume_memory(self, tags: set[str]) -> None: ...
 
     def resident_bytes(self) -> dict[str, int]: ...
+
+
+@runtime_checkable
+class WeightControl(Protocol):
+    """Reading and replacing the weights while serving (/get_weights_by_name, /update_weights_*)."""
 
     def weight_slice(self, name: str, truncate_size: int) -> list[float]: ...
 
@@ -169,3 +191,22 @@ class Executor(Protocol):
         ...
 
     def update_weights_from_tensors(self, named: list[tuple[str, torch.Tensor]]) -> int: ...
+
+
+@runtime_checkable
+class DraftExecutor(Executor, MemoryControl, Protocol):
+    """A STANDALONE draft model (--speculative-draft-model-path): it runs forwards, and its memory
+    is released and resumed with the target's."""
+
+
+class MissingCapabilityError(ValueError):
+    """A feature asked of an executor that does not offer it (the message names both)."""
+
+    def __init__(self, executor: object, capability: type, wanted_by: str):
+        name = type(executor).__name__
+        super().__init__(f"{wanted_by} needs an executor with {capability.__name__}, which {name} lacks")
+
+
+def released_memory(executor: Executor) -> set[str]:
+    """The memory tags released now (none for an executor without MemoryControl)."""
+    return executor.released if isinstance(executor, MemoryControl) else set()

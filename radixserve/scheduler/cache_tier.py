@@ -22,7 +22,7 @@ from radixserve.cache.storage_tier import StorageTier
 from radixserve.cache.tiers import CacheTier, DeviceOnlyTier
 from radixserve.config.hicache_args import storage_dir
 from radixserve.config.server_args import ServerArgs
-from radixserve.executor.base import Executor
+from radixserve.executor.base import Executor, KVSlots, MissingCapabilityError
 from radixserve.scheduler.rank_sync import RankSync
 
 logger = logging.getLogger("radixserve.scheduler")
@@ -59,7 +59,7 @@ class NotifyingKVAccess:
     """The executor's K/V as a tier reads and writes them, telling `written` of every slot a
     tier's load wrote (a STANDALONE draft model then knows its own K/V there is stale)."""
 
-    executor: Executor
+    executor: KVSlots
     written: Callable[[torch.Tensor], None]
 
     def read_kv(self, slots: torch.Tensor) -> torch.Tensor:
@@ -101,6 +101,8 @@ def build_cache_tier(
     if args.hicache_storage_backend is None and not with_host:
         logger.info("hierarchical cache: no --hicache-storage-backend, so the device pool is the only tier")
         return DeviceOnlyTier()
+    if not isinstance(executor, KVSlots):
+        raise MissingCapabilityError(executor, KVSlots, "--enable-hierarchical-cache")
     layout = executor.kv_layout()
     assert args.hicache_storage_page_size is not None  # set by ServerArgs.validate
     identity = model_identity(args.model_path, repr(executor.info.config))

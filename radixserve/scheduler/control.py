@@ -14,7 +14,15 @@ from radixserve.cache.radix_cache import KVLeakError, PrefixCache, TreeNode
 from radixserve.cache.tiers import CacheTier
 from radixserve.cache.tree_summary import summarize_tree
 from radixserve.config.server_args import ServerArgs
-from radixserve.executor.base import MEMORY_TAGS, Executor, MemoryReleasedError
+from radixserve.executor.base import (
+    MEMORY_TAGS,
+    Executor,
+    MemoryControl,
+    MemoryReleasedError,
+    MissingCapabilityError,
+    WeightControl,
+    released_memory,
+)
 from radixserve.models.lora_adapter import LoraAdapterError
 from radixserve.protocol.messages import ControlRequest, ControlResult, SchedulerOutput
 from radixserve.scheduler.batch import KVContext
@@ -229,8 +237,8 @@ def get_stats(scheduler: ControlledScheduler, args: dict[str, Any]) -> Reply:
             "pipeline": s.pipeline_stats(),
             # --disaggregation-mode: this half's handoffs (distributed/kv_transfer.py).
             "disaggregation": s.disaggregation_stats(),
-            "memory_released": sorted(s.executor.released),
-            "resident_bytes": s.executor.resident_bytes(),
+            "memory_released": sorted(released_memory(s.executor)),
+            "resident_bytes": s.executor.resident_bytes() if isinstance(s.executor, MemoryControl) else {},
             # SGLang's load: KV tokens in use plus the tokens the waiting requests still need.
             "load_tokens": s.max_total_tokens
             - s.kv.available_with_eviction()
@@ -317,15 +325,31 @@ def stop_profile(scheduler: ControlledScheduler, args: dict[str, Any]) -> Reply:
     return Reply(scheduler.profiler.stop())
 
 
+def _weights(scheduler: ControlledScheduler) -> WeightControl:
+    executor = scheduler.executor
+    if not isinstance(executor, WeightControl):
+        raise ControlError(
+            str(MissingCapabilityError(executor, WeightControl, "reading or changing weights"))
+        )
+    return executor
+
+
+def _memory(scheduler: ControlledScheduler) -> MemoryControl:
+    executor = scheduler.executor
+    if not isinstance(executor, MemoryControl):
+        raise ControlError(str(MissingCapabilityError(executor, MemoryControl, "releasing memory")))
+    return executor
+
+
 def get_weights_by_name(scheduler: ControlledScheduler, args: dict[str, Any]) -> Reply:
-    values = scheduler.executor.weight_slice(str(args["name"]), int(args.get("truncate_size", 100)))
+    values = _weights(scheduler).weight_slice(str(args["name"]), int(args.get("truncate_size", 100)))
     return Reply({"values": values})
 
 
 def update_weights_from_disk(scheduler: ControlledScheduler, args: dict[str, Any]) -> Reply:
     """The new weights load first (a failure changes nothing); then every request in flight is
     aborted, since its KV came from the old weights, and the cache is emptied for the same reason."""
-    path = scheduler.executor.load_other_weights(str(args.get("model_path")))
+    path = _weights(scheduler).load_other_weights(str(args.get("model_path")))
     scheduler.cache_tier.weights_changed()
     outputs = scheduler.abort_all_and_flush()
     return Reply({"model_path": path}, outputs)
@@ -339,7 +363,7 @@ def update_weights_from_tensor(scheduler: ControlledScheduler, args: dict[str, A
         named = list(load(bytes(args["tensors"])).items())
     except Exception as exc:
         raise ControlError(f"the tensors are not valid safetensors data: {exc}") from exc
-    used = scheduler.executor.update_weights_from_tensors(named)
+    used = _weights(scheduler).update_weights_from_tensors(named)
     scheduler.cache_tier.weights_changed()
     outputs = scheduler.abort_all_and_flush() if args.get("flush_cache", True) else []
     return Reply({"num_updated": used}, outputs)
@@ -354,22 +378,22 @@ def _tags(args: dict[str, Any]) -> set[str]:
 
 
 def release_memory_occupation(scheduler: ControlledScheduler, args: dict[str, Any]) -> Reply:
-    tags = _tags(args)
+    tags, memory = _tags(args), _memory(scheduler)
     _require_idle(scheduler, "release memory")
     if "kv_cache" in tags:
         scheduler.flush_cache()  # the cached prefixes' KV is about to be gone
-    scheduler.executor.release_memory(tags)
+    memory.release_memory(tags)
     if scheduler.speculator is not None:
         scheduler.speculator.release_memory(tags)  # a draft model's memory goes with the target's
-    return Reply({"released": sorted(scheduler.executor.released)})
+    return Reply({"released": sorted(memory.released)})
 
 
 def resume_memory_occupation(scheduler: ControlledScheduler, args: dict[str, Any]) -> Reply:
-    tags = _tags(args)
-    scheduler.executor.resume_memory(tags)
+    tags, memory = _tags(args), _memory(scheduler)
+    memory.resume_memory(tags)
     if scheduler.speculator is not None:
         scheduler.speculator.resume_memory(tags)
-    return Reply({"released": sorted(scheduler.executor.released)})
+    return Reply({"released": sorted(memory.released)})
 
 
 def load_lora_adapter(scheduler: ControlledScheduler, args: dict[str, Any]) -> Reply:

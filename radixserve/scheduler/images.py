@@ -15,7 +15,7 @@ import hashlib
 import numpy as np
 import torch
 
-from radixserve.executor.base import Executor
+from radixserve.executor.base import Executor, ImageEncoding, MissingCapabilityError
 from radixserve.protocol.messages import ImageInput, image_digest
 from radixserve.protocol.sampling_params import InvalidRequestError
 from radixserve.scheduler.request import IMAGE_ID_BASE, ImageSpan, Req
@@ -48,7 +48,7 @@ class ImageEncoder:
     """Turns a request's ImageInputs into ImageSpans and runs the vision encoder when needed."""
 
     def __init__(
-        self, executor: Executor, image_token_id: int, tokens_per_image: int, image_shape: list[int]
+        self, executor: ImageEncoding, image_token_id: int, tokens_per_image: int, image_shape: list[int]
     ):
         self.executor = executor
         self.image_token_id = image_token_id
@@ -128,5 +128,7 @@ def image_support(
     ):
         if refused:
             return None, f"images are not supported with {flag}"
+    if not isinstance(executor, ImageEncoding):
+        raise MissingCapabilityError(executor, ImageEncoding, "a vision-language model")
     shape = [vision.num_channels, vision.image_size, vision.image_size]
     return ImageEncoder(executor, vision.image_token_id, vision.tokens_per_image, shape), ""

@@ -20,7 +20,7 @@ import itertools
 from collections.abc import Iterable
 
 from radixserve.cache.key_space import namespace_of
-from radixserve.executor.base import Executor, LoraAdapterInfo
+from radixserve.executor.base import Executor, LoraAdapterInfo, LoraSlots, MissingCapabilityError
 from radixserve.protocol.sampling_params import InvalidRequestError
 from radixserve.scheduler.request import Req
 
@@ -31,6 +31,8 @@ class LoraError(InvalidRequestError):
 
 class LoraManager:
     def __init__(self, executor: Executor, slots: int):
+        if not isinstance(executor, LoraSlots):
+            raise MissingCapabilityError(executor, LoraSlots, "--enable-lora")
         self.executor = executor
         self.adapters: dict[str, LoraAdapterInfo] = {a.name: a for a in executor.lora_adapters()}
         self.slot_names: list[str | None] = [None] * slots

@@ -24,7 +24,14 @@ from radixserve.cache.radix_cache import ChunkCache, PrefixCache, RadixCache
 from radixserve.config.kv_events_args import parse_kv_events_config
 from radixserve.config.server_args import ServerArgs
 from radixserve.distributed.parallel import SINGLE, ParallelContext
-from radixserve.executor.base import Executor
+from radixserve.executor.base import (
+    Embeddings,
+    Executor,
+    KVSlots,
+    MissingCapabilityError,
+    PipelineStages,
+    released_memory,
+)
 from radixserve.protocol.messages import (
     AbortRequest,
     ControlRequest,
@@ -119,10 +126,16 @@ class Scheduler(SchedulerAccounting):
             if events is not None and parallel.is_leader and not args.disable_radix_cache
             else None
         )
-        # --speculative-algorithm: decode steps verify drafts when there are some.
+        # --speculative-algorithm: decode steps verify drafts when there are some, and move the
+        # accepted drafts' K/V to where their tokens end up.
         self.speculator = build_speculator(
             args, executor, draft, self.req_to_token_pool.max_context_len, self.rank_sync.agree
         )
+        if self.speculator is not None and not isinstance(executor, KVSlots):
+            raise MissingCapabilityError(executor, KVSlots, "--speculative-algorithm")
+        self.kv_slots = executor if isinstance(executor, KVSlots) else None
+        if self.is_embedding and not isinstance(executor, Embeddings):
+            raise MissingCapabilityError(executor, Embeddings, "an embedding model")
         # --enable-hierarchical-cache: the tier below the device pool (cache/tiers.py). K/V it
         # loads back were written without a draft model, which must not take them as its own.
         self.cache_tier = build_cache_tier(
@@ -228,6 +241,8 @@ class Scheduler(SchedulerAccounting):
         if self.speculator is not None or self.is_embedding or self.prefill_handoffs or self.decode_handoffs:
             raise ValueError("micro-batched pipeline parallelism does not run with speculative decoding, "
                              "embedding models or prefill/decode disaggregation")  # fmt: skip
+        if not isinstance(self.executor, PipelineStages):
+            raise MissingCapabilityError(self.executor, PipelineStages, "--pp-size")
         return MicroBatchPipeline(stages, self.queues, self.kv, self.prefill, self.decode)
 
     # ------------------------------------------------------------------ requests in
@@ -250,8 +265,8 @@ class Scheduler(SchedulerAccounting):
         raise TypeError(f"unexpected scheduler message {type(msg).__name__}")
 
     def add_request(self, msg: GenerateRequest) -> list[ReqOutput]:
-        if self.executor.released:
-            message = f"the {' and '.join(sorted(self.executor.released))} memory is released; "
+        if released := released_memory(self.executor):
+            message = f"the {' and '.join(sorted(released))} memory is released; "
             message += "call /resume_memory_occupation first"
             finish = FinishReason("abort", message=message, status_code=503)
             return [ReqOutput(msg.rid, [], finish, len(msg.input_ids), 0, 0)]
@@ -399,6 +414,7 @@ class Scheduler(SchedulerAccounting):
         is_prefill = batch is not None and batch.is_prefill
         self._before_forward(batch, is_prefill)
         forward_started = time.perf_counter()
+        assert isinstance(self.executor, PipelineStages)  # checked when the pipeline was built
         result = self.executor.forward_pipeline(pipeline.launch(batch))
         self.stats.forward_time_s += time.perf_counter() - forward_started
         self._after_forward(batch, is_prefill)
@@ -454,7 +470,8 @@ class Scheduler(SchedulerAccounting):
         assert plan is not None and speculator is not None
         vocab, sample = self.config.vocab_size, self.executor.sample
         verified = speculator.verify(reqs, plan, logits, hidden, vocab, sample, self._grammar_mask)
-        speculator.commit(reqs, plan, verified, self.kv, self.executor.move_kv)
+        assert self.kv_slots is not None  # checked when the speculator was built
+        speculator.commit(reqs, plan, verified, self.kv, self.kv_slots.move_kv)
         before = [len(r.output_ids) for r in reqs]
         decided = self._decide(batch.reqs, batch.samples, batch.is_prefill, [v.tokens for v in verified])
         kept = [len(r.output_ids) - n for r, n in zip(reqs, before, strict=True)]
@@ -464,6 +481,7 @@ class Scheduler(SchedulerAccounting):
     def _run_embedding_batch(self, batch: ScheduledBatch) -> list[ReqOutput]:
         """Embedding requests finish with their prompt's pass (a chunk of a long one only fills KV)."""
         self._before_forward(batch, batch.is_prefill)
+        assert isinstance(self.executor, Embeddings)  # checked at startup
         embeddings = self.executor.embed(batch.forward).tolist()
         self._after_forward(batch, batch.is_prefill)
         done = [r for r in batch.reqs if r.kv_len == r.seq_len]

@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from radixserve.attention.common import decode_shared_prefix, shared_prefix_groups
-from radixserve.cache.kv_copy import KVCopy
-from radixserve.executor.base import ExecutorInfo, KVLayout, LoraAdapterInfo
+from radixserve.executor.base import ExecutorInfo
 from radixserve.forward.batch import ForwardBatch, ForwardMode
 from radixserve.layers.sampler import SamplingBatch
 from radixserve.models.config import ModelConfig
@@ -95,10 +93,6 @@ class CostModelExecutor:
         device = torch.device("cpu")
         return ExecutorInfo(self.sim_config, context, self.max_total_tokens, torch.bfloat16, device, False)
 
-    @property
-    def released(self) -> set[str]:
-        return set()
-
     def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         fwd = forward_shape(batch, bool(self.count_shared_reads))
         idle = max(0.0, self.clock.now - self._last_end)
@@ -120,53 +114,11 @@ class CostModelExecutor:
         sigma = 0.0 if self.profile is None else self.profile.forward_noise
         return self._noise.lognormvariate(-sigma * sigma / 2, sigma) if sigma else 1.0
 
-    def forward_pipeline(
-        self, batches: Sequence[ForwardBatch | None]
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        raise NotImplementedError("the simulator models one pipeline stage (--pp-size 1)")
-
     def sample(self, logits: torch.Tensor, sampling: SamplingBatch) -> torch.Tensor:
         return torch.zeros(logits.shape[0], dtype=torch.int64)
 
-    def embed(self, batch: ForwardBatch) -> torch.Tensor:
-        raise NotImplementedError("the simulator runs generation only")
-
-    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError("the simulator takes no images")
-
-    def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        pass
-
-    def kv_layout(self) -> KVLayout:
-        s = self.shape
-        return KVLayout(s.layers, s.kv_heads, s.head_dim, torch.bfloat16)
-
-    def read_kv(self, slots: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError("the simulator keeps no K/V")
-
-    def write_kv(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
-        raise NotImplementedError("the simulator keeps no K/V")
-
-    def read_kv_async(self, slots: torch.Tensor) -> KVCopy:
-        raise NotImplementedError("the simulator keeps no K/V")
-
-    def upload_kv(self, pages: list[torch.Tensor]) -> KVCopy:
-        raise NotImplementedError("the simulator keeps no K/V")
-
     def idle(self) -> None:
         pass
-
-    def lora_adapters(self) -> list[LoraAdapterInfo]:
-        return []
-
-    def load_lora(self, name: str, path: str) -> LoraAdapterInfo:
-        raise NotImplementedError("the simulator runs no LoRA adapters")
-
-    def unload_lora(self, name: str) -> None:
-        raise NotImplementedError("the simulator runs no LoRA adapters")
-
-    def set_lora_slot(self, slot: int, name: str) -> None:
-        raise NotImplementedError("the simulator runs no LoRA adapters")
 
     def close(self) -> None:
         pass
@@ -176,24 +128,6 @@ class CostModelExecutor:
 
     def stats(self) -> dict[str, Any]:
         return {}
-
-    def release_memory(self, tags: set[str]) -> None:
-        pass
-
-    def resume_memory(self, tags: set[str]) -> None:
-        pass
-
-    def resident_bytes(self) -> dict[str, int]:
-        return {}
-
-    def weight_slice(self, name: str, truncate_size: int) -> list[float]:
-        raise NotImplementedError("the simulator holds no weights")
-
-    def load_other_weights(self, model_path: str) -> str:
-        raise NotImplementedError("the simulator holds no weights")
-
-    def update_weights_from_tensors(self, named: list[tuple[str, torch.Tensor]]) -> int:
-        raise NotImplementedError("the simulator holds no weights")
 
 
 def forward_shape(batch: ForwardBatch, count_shared_reads: bool) -> ForwardShape:

@@ -8,7 +8,7 @@ import torch
 
 from radixserve.config.server_args import ServerArgs
 from radixserve.distributed.kv_transfer import GlooDecodeTransfer, GlooPrefillTransfer, layout_signature
-from radixserve.executor.base import Executor
+from radixserve.executor.base import Executor, KVSlots, MissingCapabilityError
 from radixserve.scheduler.batch import KVContext
 from radixserve.scheduler.disaggregation.decode import DecodeHandoffs
 from radixserve.scheduler.disaggregation.prefill import PrefillHandoffs
@@ -23,6 +23,8 @@ def build_handoffs(
     """(prefill side, None), (None, decode side), or (None, None) without --disaggregation-mode."""
     if args.disaggregation_mode == "null":
         return None, None
+    if not isinstance(executor, KVSlots):
+        raise MissingCapabilityError(executor, KVSlots, "--disaggregation-mode")
     layout = executor.kv_layout()
     signature = layout_signature((layout.num_layers, 2, layout.num_kv_heads, layout.head_dim), layout.dtype)
     if args.disaggregation_mode == "prefill":

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from radixserve.config.server_args import ServerArgs
-from radixserve.executor.base import Executor
+from radixserve.executor.base import DraftExecutor, Executor, MissingCapabilityError
 from radixserve.scheduler.speculative.draft_model import DraftModelSpeculator
 from radixserve.scheduler.speculative.worker import NgramSpeculator, Speculator
 
@@ -26,6 +26,8 @@ def build_speculator(
         return NgramSpeculator(args, info.context_len, row_len, agree)
     if draft is None:
         raise ValueError("--speculative-algorithm STANDALONE needs the draft model's executor")
+    if not isinstance(draft, DraftExecutor):
+        raise MissingCapabilityError(draft, DraftExecutor, "a STANDALONE draft model")
     if draft.info.max_total_tokens < info.max_total_tokens:
         raise ValueError("the draft model's KV pool must hold as many slots as the target's")
     return DraftModelSpeculator(args, info.context_len, row_len, draft, info.config.vocab_size, agree)

@@ -37,7 +37,7 @@ from collections.abc import Callable
 import torch
 
 from radixserve.config.server_args import ServerArgs
-from radixserve.executor.base import Executor
+from radixserve.executor.base import DraftExecutor
 from radixserve.forward.batch import ExtendSegment, ForwardBatch, ForwardMode, build_decode_layout
 from radixserve.forward.draft_tree import DraftTree
 from radixserve.scheduler.batch import KVContext, allocate_verify_slots, token_range
@@ -54,7 +54,7 @@ class DraftModelSpeculator(Speculator):
         args: ServerArgs,
         context_len: int,
         row_len: int,
-        draft: Executor,
+        draft: DraftExecutor,
         vocab_size: int,
         agree: Callable[[list[int]], list[int]] = agree_alone,
     ):

@@ -12,10 +12,10 @@ import statistics
 import threading
 from pathlib import Path
 
-from radixserve.bench.model import ensure_random_smollm2
-from radixserve.bench.workloads import make_workload, time_engine_runs
 from radixserve.runtime.engine import Engine
 from radixserve.server.dashboard import UPDATE_INTERVAL_S, DashboardFeed
+from radixserve_tools.bench.model import ensure_random_smollm2
+from radixserve_tools.bench.workloads import make_workload, time_engine_runs
 
 
 def main() -> None:

@@ -18,8 +18,8 @@ import random
 import statistics
 from typing import Any
 
-from radixserve.bench.workloads import Workload, make_workload, time_engine_runs
 from radixserve.runtime.engine import Engine
+from radixserve_tools.bench.workloads import Workload, make_workload, time_engine_runs
 
 SETUPS = [(1, "round_robin"), (2, "round_robin"), (2, "shortest_queue"), (2, "cache_aware")]
 

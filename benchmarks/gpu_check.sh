@@ -37,7 +37,7 @@ echo "== 1. CUDA tests"
 timeout "${TESTS_TIMEOUT:-180}" $PY -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py tests/cache/test_kv_copy.py tests/cache/test_host_storage.py tests/attention/test_varlen.py 2>&1 | tee "$OUT/cuda_tests.log"
 fi
 
-MODEL=$($PY -c "from pathlib import Path; from radixserve.bench.model import ensure_random_llama_1b as m; print(m(Path('$WORK'), 'cuda'))")
+MODEL=$($PY -c "from pathlib import Path; from radixserve_tools.bench.model import ensure_random_llama_1b as m; print(m(Path('$WORK'), 'cuda'))")
 if want multiturn; then
 echo "== 2. multi-turn chats on the GPU: radix cache alone against L2"
 timeout "${MULTITURN_TIMEOUT:-200}" $PY -c "from radixserve.cli import main; raise SystemExit(main())" bench multiturn \

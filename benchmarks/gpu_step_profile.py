@@ -27,9 +27,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from radixserve.bench.model import ensure_random_llama_1b
-from radixserve.bench.multiturn import SMOLLM2_TOKEN_IDS, MultiTurnWorkload, run_turns
 from radixserve.runtime.engine import Engine
+from radixserve_tools.bench.model import ensure_random_llama_1b
+from radixserve_tools.bench.multiturn import SMOLLM2_TOKEN_IDS, MultiTurnWorkload, run_turns
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 RUNS = ((64, 48), (64, 176), (128, 32), (128, 128), (512, 32), (512, 128))

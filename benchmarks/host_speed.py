@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from radixserve.simulator.peaks import measure_flops
+from radixserve_tools.simulator.peaks import measure_flops
 
 # A spell is fast (or slow) when its rate is this far above (or below) the median's.
 SPELL_RATIO = 1.2

@@ -17,9 +17,9 @@ import argparse
 import statistics
 from pathlib import Path
 
-from radixserve.bench.model import ensure_random_smollm2
-from radixserve.bench.workloads import make_workload, time_engine_runs
 from radixserve.runtime.engine import Engine
+from radixserve_tools.bench.model import ensure_random_smollm2
+from radixserve_tools.bench.workloads import make_workload, time_engine_runs
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from radixserve.bench.model import SMOLLM2_135M_CONFIG, train_tokenizer
 from radixserve.runtime.engine import Engine
+from radixserve_tools.bench.model import SMOLLM2_135M_CONFIG, train_tokenizer
 
 IMAGE = "<image>"
 OUTPUT_TOKENS = 32

@@ -20,9 +20,9 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from radixserve.bench.model import ensure_random_smollm2
-from radixserve.bench.workloads import make_workload, time_engine_runs
 from radixserve.runtime.engine import Engine
+from radixserve_tools.bench.model import ensure_random_smollm2
+from radixserve_tools.bench.workloads import make_workload, time_engine_runs
 
 # (tp_size, pp_size, overlap)
 SETUPS = [(1, 1, False), (1, 1, True), (2, 1, False), (2, 1, True)]

@@ -19,9 +19,9 @@ from radixserve.config.server_args import ServerArgs
 from radixserve.models.config import ModelConfig
 from radixserve.protocol.messages import GenerateRequest
 from radixserve.scheduler.scheduler import Scheduler
-from radixserve.simulator.executor import CostModelExecutor
-from radixserve.simulator.model_configs import load_config
-from radixserve.simulator.trace import SyntheticTrace, synthetic
+from radixserve_tools.simulator.executor import CostModelExecutor
+from radixserve_tools.simulator.model_configs import load_config
+from radixserve_tools.simulator.trace import SyntheticTrace, synthetic
 
 
 def step_times(config: ModelConfig, running: int, waiting: int, steps: int) -> list[float]:

@@ -19,16 +19,16 @@ import json
 import random
 from pathlib import Path
 
-from radixserve.bench.model import ensure_random_llama_1b, ensure_random_smollm2
 from radixserve.config.server_args import ServerArgs
 from radixserve.executor.model_runner import ModelRunner
 from radixserve.executor.runner_config import RunnerConfig
 from radixserve.models.source import load_model_config, resolve_model_source
-from radixserve.simulator.components import ForwardParts, compare_parts, time_parts
-from radixserve.simulator.executor import ForwardRecord
-from radixserve.simulator.hardware import HardwareProfile
-from radixserve.simulator.replay import forward_kind
-from radixserve.simulator.trace import TraceRequest
+from radixserve_tools.bench.model import ensure_random_llama_1b, ensure_random_smollm2
+from radixserve_tools.simulator.components import ForwardParts, compare_parts, time_parts
+from radixserve_tools.simulator.executor import ForwardRecord
+from radixserve_tools.simulator.hardware import HardwareProfile
+from radixserve_tools.simulator.replay import forward_kind
+from radixserve_tools.simulator.trace import TraceRequest
 
 # Prompts prefilled alone, and extends: 64 new tokens over a cached prefix of 512.
 PROMPTS = (64, 256, 512)

@@ -29,15 +29,15 @@ import json
 import statistics
 from pathlib import Path
 
-from radixserve.bench.model import ensure_random_llama_1b, ensure_random_smollm2
 from radixserve.executor.model_runner import pick_device
 from radixserve.models.source import load_model_config
 from radixserve.runtime.engine import Engine
-from radixserve.simulator.calibrate import predicted_seconds, recorded_forwards
-from radixserve.simulator.calibration_passes import CalibrationShape, CalibrationTimer
-from radixserve.simulator.cli import scheduler_args
-from radixserve.simulator.hardware import HardwareProfile
-from radixserve.simulator.peaks import engine_linears, measure_decode_overlap, weights_bandwidth
+from radixserve_tools.bench.model import ensure_random_llama_1b, ensure_random_smollm2
+from radixserve_tools.simulator.calibrate import predicted_seconds, recorded_forwards
+from radixserve_tools.simulator.calibration_passes import CalibrationShape, CalibrationTimer
+from radixserve_tools.simulator.cli import scheduler_args
+from radixserve_tools.simulator.hardware import HardwareProfile
+from radixserve_tools.simulator.peaks import engine_linears, measure_decode_overlap, weights_bandwidth
 
 # Prefill-bound and decode-bound runs, short enough for a 1B model on two cores (about 25 s a pass).
 # The first and third differ by 15 decode steps of one request.

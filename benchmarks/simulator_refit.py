@@ -30,17 +30,17 @@ from typing import Any
 import torch
 from simulator_validation import load_workloads, print_rows, workload_rows
 
-from radixserve.bench.model import ensure_random_llama_1b, ensure_random_smollm2
 from radixserve.config.server_args import ServerArgs
 from radixserve.models.config import ModelConfig
 from radixserve.models.source import load_model_config, resolve_model_source
-from radixserve.simulator.calibrate import fit, predicted_seconds, recorded_forwards
-from radixserve.simulator.calibration_passes import CalibrationShape, Run, timed_runs
-from radixserve.simulator.cli import _describe, held_row_cost, scheduler_args
-from radixserve.simulator.executor import ForwardRecord
-from radixserve.simulator.hardware import HardwareProfile
-from radixserve.simulator.peaks import median_measurements
-from radixserve.simulator.replay import ForwardGroup, compare_forwards, decode_host_time
+from radixserve_tools.bench.model import ensure_random_llama_1b, ensure_random_smollm2
+from radixserve_tools.simulator.calibrate import fit, predicted_seconds, recorded_forwards
+from radixserve_tools.simulator.calibration_passes import CalibrationShape, Run, timed_runs
+from radixserve_tools.simulator.cli import _describe, held_row_cost, scheduler_args
+from radixserve_tools.simulator.executor import ForwardRecord
+from radixserve_tools.simulator.hardware import HardwareProfile
+from radixserve_tools.simulator.peaks import median_measurements
+from radixserve_tools.simulator.replay import ForwardGroup, compare_forwards, decode_host_time
 
 
 def main() -> None:

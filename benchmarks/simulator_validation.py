@@ -49,30 +49,30 @@ from typing import Any
 
 import httpx
 
-from radixserve.bench.model import ensure_random_llama_1b, ensure_random_smollm2
-from radixserve.bench.workloads import Workload, make_workload, time_engine_runs
 from radixserve.config.server_args import ServerArgs
 from radixserve.executor.model_runner import pick_device
 from radixserve.models.source import load_model_config
 from radixserve.runtime.engine import Engine
-from radixserve.simulator.calibration_passes import (
+from radixserve_tools.bench.model import ensure_random_llama_1b, ensure_random_smollm2
+from radixserve_tools.bench.workloads import Workload, make_workload, time_engine_runs
+from radixserve_tools.simulator.calibration_passes import (
     CalibrationTimer,
     neighbour_passes,
     samples_for,
     spread_order,
 )
-from radixserve.simulator.cli import (
+from radixserve_tools.simulator.cli import (
     engine_cascades,
     fit_engine,
     measure_engine_peaks,
     median_engine_peaks,
     scheduler_args,
 )
-from radixserve.simulator.hardware import HardwareProfile, load_profile
-from radixserve.simulator.replay import compare_forwards, decode_host_time, replay
-from radixserve.simulator.simulate import SimResult, simulate
-from radixserve.simulator.steadiness import HostSteadiness
-from radixserve.simulator.trace import TraceRequest, load_trace_lines, pack_traces, unpack_traces
+from radixserve_tools.simulator.hardware import HardwareProfile, load_profile
+from radixserve_tools.simulator.replay import compare_forwards, decode_host_time, replay
+from radixserve_tools.simulator.simulate import SimResult, simulate
+from radixserve_tools.simulator.steadiness import HostSteadiness
+from radixserve_tools.simulator.trace import TraceRequest, load_trace_lines, pack_traces, unpack_traces
 
 
 def main() -> None:

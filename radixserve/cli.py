@@ -75,10 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     ServerArgs.add_cli_args(gen, http=False)
     gen.set_defaults(func=_generate)
 
-    from radixserve.bench.cli import add_bench_parser
+    from radixserve_tools.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
-    from radixserve.simulator.cli import add_simulate_parser
+    from radixserve_tools.simulator.cli import add_simulate_parser
 
     add_simulate_parser(sub)
     return parser

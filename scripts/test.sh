@@ -7,8 +7,8 @@ bash scripts/setup.sh
 bash scripts/setup_browser.sh
 # The dashboard's browser test fails rather than skips here when Chromium or Playwright is missing.
 export RADIXSERVE_REQUIRE_BROWSER=1
-.venv/bin/ruff check radixserve tests benchmarks
-.venv/bin/ruff format --check radixserve tests benchmarks
+.venv/bin/ruff check radixserve radixserve_tools tests benchmarks
+.venv/bin/ruff format --check radixserve radixserve_tools tests benchmarks
 .venv/bin/mypy
 .venv/bin/lint-imports
 # --durations: the slowest tests in every log, for keeping the run inside CI's 30 minutes.

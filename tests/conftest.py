@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from radixserve.bench.model import train_tokenizer
+from radixserve_tools.bench.model import train_tokenizer
 
 # Avoid the tokenizers fork-after-parallelism warning spam when tests spawn subprocesses.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

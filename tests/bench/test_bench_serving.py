@@ -18,8 +18,9 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from radixserve.bench.cli import _serving_base_url
-from radixserve.bench.serving import (
+from radixserve.cli import build_parser, main
+from radixserve_tools.bench.cli import _serving_base_url
+from radixserve_tools.bench.serving import (
     RequestResult,
     ServingBenchConfig,
     ServingBenchError,
@@ -28,14 +29,13 @@ from radixserve.bench.serving import (
     request_body,
     run_serving_benchmark,
 )
-from radixserve.bench.serving_datasets import (
+from radixserve_tools.bench.serving_datasets import (
     TOKEN_ID_LO,
     BenchRequest,
     sample_generated_shared_prefix_requests,
     sample_random_requests,
     sample_sharegpt_requests,
 )
-from radixserve.cli import build_parser, main
 
 # ---------------------------------------------------------------------------------------------
 # A tiny OpenAI-compatible streaming server, run by uvicorn in a thread.
@@ -222,7 +222,7 @@ def test_sharegpt_parsing_without_tokenizer(tmp_path: Path) -> None:
 
 
 def test_sharegpt_lengths_from_a_local_tokenizer(tmp_path: Path) -> None:
-    from radixserve.bench.serving_datasets import load_tokenizer
+    from radixserve_tools.bench.serving_datasets import load_tokenizer
 
     class WordTokenizer:
         def encode(self, text: str, /, *, add_special_tokens: bool = True) -> list[int]:
@@ -243,7 +243,7 @@ def test_sharegpt_lengths_from_a_local_tokenizer(tmp_path: Path) -> None:
 def test_real_tokenizer_lengths_and_chat_prompts_from_token_ids(
     tiny_tokenizer: Any, fake: FakeServerState, tmp_path: Path
 ) -> None:
-    from radixserve.bench.serving_datasets import load_tokenizer
+    from radixserve_tools.bench.serving_datasets import load_tokenizer
 
     tok_dir = tmp_path / "tok"
     tiny_tokenizer.save_pretrained(tok_dir)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from radixserve.bench.workloads import make_workload
 from radixserve.cli import main
+from radixserve_tools.bench.workloads import make_workload
 
 SCALE = 0.1
 

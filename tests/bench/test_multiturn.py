@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from radixserve.bench.multiturn import MultiTurnWorkload, format_table, run_multiturn_bench
 from radixserve.cache.host_storage import FORCE_HOST_POOL_ENV
+from radixserve_tools.bench.multiturn import MultiTurnWorkload, format_table, run_multiturn_bench
 
 # One request at a time: with a pool of two conversations, each conversation's next turn finds its
 # prefix evicted from the device pool (five others ran since) and in L2, whatever the machine's speed.

@@ -1,4 +1,4 @@
-"""`radixserve bench --plot` (bench/plots.py over radixserve/plots.py): a page of inline SVG charts
+"""`radixserve bench --plot` (bench/plots.py over radixserve_tools/plots.py): a page of inline SVG charts
 written beside the bench's JSON, one chart per plot, well-formed, nothing fetched."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from radixserve.bench.plots import (
+from radixserve.cli import main
+from radixserve_tools.bench.plots import (
     multiturn_charts,
     offline_charts,
     plot_path,
@@ -18,10 +19,9 @@ from radixserve.bench.plots import (
     speculative_charts,
     write_plot,
 )
-from radixserve.bench.serving import RequestResult
-from radixserve.bench.soak_report import Result, SoakConfig, build_report
-from radixserve.cli import main
-from radixserve.plots import bar_chart, binned_rate, cdf, in_flight
+from radixserve_tools.bench.serving import RequestResult
+from radixserve_tools.bench.soak_report import Result, SoakConfig, build_report
+from radixserve_tools.plots import bar_chart, binned_rate, cdf, in_flight
 
 SVG = "{http://www.w3.org/2000/svg}"
 

@@ -11,8 +11,9 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
-from radixserve.bench.soak import plan, run_soak
-from radixserve.bench.soak_report import (
+from radixserve.cli import build_parser
+from radixserve_tools.bench.soak import plan, run_soak
+from radixserve_tools.bench.soak_report import (
     KIND_WEIGHTS,
     Result,
     SoakConfig,
@@ -21,7 +22,6 @@ from radixserve.bench.soak_report import (
     process_tree,
     sample_rss,
 )
-from radixserve.cli import build_parser
 from tests.server.conftest import finish, launch
 
 IDLE_OK = {"idle": True, "kv_invariant": "ok", "retracted_reqs": 0, "aborted_reqs": 0}

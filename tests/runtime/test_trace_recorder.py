@@ -13,7 +13,7 @@ import pytest
 from radixserve.config.server_args import InvalidArgumentError
 from radixserve.protocol.messages import FinishReason
 from radixserve.runtime.trace_recorder import TraceRecorder
-from radixserve.simulator.trace import load_trace
+from radixserve_tools.simulator.trace import load_trace
 
 
 def _lines(path: Path) -> list[dict[str, object]]:

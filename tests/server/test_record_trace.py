@@ -13,9 +13,9 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from radixserve.models.config import ModelConfig
-from radixserve.simulator.hardware import BUILTIN_PROFILES
-from radixserve.simulator.simulate import simulate
-from radixserve.simulator.trace import load_trace
+from radixserve_tools.simulator.hardware import BUILTIN_PROFILES
+from radixserve_tools.simulator.simulate import simulate
+from radixserve_tools.simulator.trace import load_trace
 from tests.engine.oracle import random_prompts
 from tests.server.conftest import LiveServer
 

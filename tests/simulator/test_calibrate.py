@@ -14,9 +14,14 @@ import torch
 from radixserve.models.config import ModelConfig
 from radixserve.models.source import load_model_config, resolve_model_source
 from radixserve.runtime.engine import Engine
-from radixserve.simulator import cli
-from radixserve.simulator.calibrate import MEMORY_COMPUTE_NORMS, fit, predicted_seconds, recorded_forwards
-from radixserve.simulator.calibration_passes import (
+from radixserve_tools.simulator import cli
+from radixserve_tools.simulator.calibrate import (
+    MEMORY_COMPUTE_NORMS,
+    fit,
+    predicted_seconds,
+    recorded_forwards,
+)
+from radixserve_tools.simulator.calibration_passes import (
     CALIBRATION_RUNS,
     WAKE_IDLE_S,
     CalibrationShape,
@@ -24,12 +29,12 @@ from radixserve.simulator.calibration_passes import (
     Run,
     calibration_batch,
 )
-from radixserve.simulator.cli import _describe, calibrate_engine
-from radixserve.simulator.cost_model import ForwardShape, ModelShape, SharedPrefix, forward_seconds
-from radixserve.simulator.executor import ForwardRecord
-from radixserve.simulator.hardware import HardwareProfile, PointwiseCosts, load_profile
-from radixserve.simulator.model_configs import BUILTIN_MODEL_CONFIGS
-from radixserve.simulator.peaks import (
+from radixserve_tools.simulator.cli import _describe, calibrate_engine
+from radixserve_tools.simulator.cost_model import ForwardShape, ModelShape, SharedPrefix, forward_seconds
+from radixserve_tools.simulator.executor import ForwardRecord
+from radixserve_tools.simulator.hardware import HardwareProfile, PointwiseCosts, load_profile
+from radixserve_tools.simulator.model_configs import BUILTIN_MODEL_CONFIGS
+from radixserve_tools.simulator.peaks import (
     LINEAR_WIDTHS,
     OVERLAP_ROWS,
     fit_overlap,

@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from radixserve.simulator.calibrate import forward_noise
-from radixserve.simulator.calibration_passes import (
+from radixserve_tools.simulator.calibrate import forward_noise
+from radixserve_tools.simulator.calibration_passes import (
     CALIBRATION_RUNS,
     WAKE_IDLE_S,
     CalibrationShape,

@@ -14,9 +14,9 @@ from radixserve.config.server_args import ServerArgs
 from radixserve.executor.model_runner import ModelRunner
 from radixserve.executor.runner_config import RunnerConfig
 from radixserve.models.source import load_model_config, resolve_model_source
-from radixserve.simulator.components import PARTS, PartTimer, compare_parts, time_parts
-from radixserve.simulator.cost_model import ModelShape, forward_seconds
-from radixserve.simulator.hardware import BUILTIN_PROFILES, HardwareProfile, PointwiseCosts
+from radixserve_tools.simulator.components import PARTS, PartTimer, compare_parts, time_parts
+from radixserve_tools.simulator.cost_model import ModelShape, forward_seconds
+from radixserve_tools.simulator.hardware import BUILTIN_PROFILES, HardwareProfile, PointwiseCosts
 from tests.simulator.test_replay import _trace
 
 

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from radixserve.models.config import ModelConfig
-from radixserve.simulator.cost_model import (
+from radixserve_tools.simulator.cost_model import (
     ForwardShape,
     ModelShape,
     SharedPrefix,
@@ -18,8 +18,13 @@ from radixserve.simulator.cost_model import (
     forward_work,
     profile_work,
 )
-from radixserve.simulator.hardware import BUILTIN_PROFILES, HardwareProfile, PointwiseCosts, load_profile
-from radixserve.simulator.model_configs import BUILTIN_MODEL_CONFIGS
+from radixserve_tools.simulator.hardware import (
+    BUILTIN_PROFILES,
+    HardwareProfile,
+    PointwiseCosts,
+    load_profile,
+)
+from radixserve_tools.simulator.model_configs import BUILTIN_MODEL_CONFIGS
 
 LLAMA_8B = BUILTIN_MODEL_CONFIGS["llama-3.1-8b"]
 

@@ -12,9 +12,9 @@ import torch
 from radixserve.config.server_args import ServerArgs
 from radixserve.executor.model_runner import ModelRunner
 from radixserve.executor.runner_config import RunnerConfig
-from radixserve.simulator import peaks
-from radixserve.simulator.hardware import HardwareProfile, PointwiseCosts
-from radixserve.simulator.peaks import (
+from radixserve_tools.simulator import peaks
+from radixserve_tools.simulator.hardware import HardwareProfile, PointwiseCosts
+from radixserve_tools.simulator.peaks import (
     OVERLAP_ROWS,
     engine_attention,
     engine_kernels,

@@ -15,18 +15,18 @@ import pytest
 from radixserve.config.server_args import ServerArgs
 from radixserve.models.config import ModelConfig
 from radixserve.models.source import load_model_config, resolve_model_source
-from radixserve.simulator.cost_model import ForwardShape, ModelShape, forward_seconds
-from radixserve.simulator.executor import ForwardRecord
-from radixserve.simulator.hardware import BUILTIN_PROFILES
-from radixserve.simulator.replay import (
+from radixserve_tools.simulator.cost_model import ForwardShape, ModelShape, forward_seconds
+from radixserve_tools.simulator.executor import ForwardRecord
+from radixserve_tools.simulator.hardware import BUILTIN_PROFILES
+from radixserve_tools.simulator.replay import (
     compare_forwards,
     decode_host_time,
     forward_kind,
     measured_step_seconds,
     replay,
 )
-from radixserve.simulator.simulate import simulate
-from radixserve.simulator.trace import TraceRequest
+from radixserve_tools.simulator.simulate import simulate
+from radixserve_tools.simulator.trace import TraceRequest
 from tests.simulator.test_cost_model import LLAMA_8B
 
 SHARED = list(range(1, 41))

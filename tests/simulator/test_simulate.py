@@ -13,10 +13,10 @@ import pytest
 
 from radixserve.cli import main
 from radixserve.models.config import ModelConfig
-from radixserve.simulator.hardware import BUILTIN_PROFILES
-from radixserve.simulator.model_configs import load_config
-from radixserve.simulator.simulate import kv_capacity, simulate
-from radixserve.simulator.trace import SyntheticTrace, TraceRequest, ready_times, synthetic
+from radixserve_tools.simulator.hardware import BUILTIN_PROFILES
+from radixserve_tools.simulator.model_configs import load_config
+from radixserve_tools.simulator.simulate import kv_capacity, simulate
+from radixserve_tools.simulator.trace import SyntheticTrace, TraceRequest, ready_times, synthetic
 from tests.simulator.test_cost_model import LLAMA_8B
 
 CONFIG = ModelConfig.from_hf_dict(LLAMA_8B)

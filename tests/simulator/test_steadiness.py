@@ -9,8 +9,8 @@ import dataclasses
 import pytest
 
 from radixserve.cli import main
-from radixserve.simulator.hardware import HardwareProfile
-from radixserve.simulator.steadiness import STEADY_WITHIN, HostSteadiness
+from radixserve_tools.simulator.hardware import HardwareProfile
+from radixserve_tools.simulator.steadiness import STEADY_WITHIN, HostSteadiness
 
 PEAKS = HardwareProfile("cpu", 100e9, 30e9, 8e9, linear_rates=((512, 90e9), (576, 80e9), (1024, 95e9)))
 

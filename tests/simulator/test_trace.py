@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import json
 
-from radixserve.simulator.trace import SyntheticTrace, TraceRequest, pack_traces, synthetic, unpack_traces
+from radixserve_tools.simulator.trace import (
+    SyntheticTrace,
+    TraceRequest,
+    pack_traces,
+    synthetic,
+    unpack_traces,
+)
 
 
 def test_packed_traces_read_back_equal_and_write_each_prompt_once() -> None:

@@ -1,5 +1,5 @@
 """`radixserve bench ... --plot`: an HTML page of charts next to the bench's JSON (same name,
-.html), drawn with radixserve/plots.py (inline SVG, nothing fetched).
+.html), drawn with radixserve_tools/plots.py (inline SVG, nothing fetched).
 
 Each bench plots what its run measured:
 - serving: per request timings, so the TTFT, ITL and E2E distributions and, over the run, the
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from radixserve.plots import (
+from radixserve_tools.plots import (
     COLOURS,
     Bars,
     Line,
@@ -32,8 +32,8 @@ from radixserve.plots import (
 
 if TYPE_CHECKING:
     # Types only: bench/serving.py imports httpx and tqdm, which a page of charts needs neither of.
-    from radixserve.bench.serving import RequestResult
-    from radixserve.bench.soak_report import SoakReport
+    from radixserve_tools.bench.serving import RequestResult
+    from radixserve_tools.bench.soak_report import SoakReport
 
 
 def _colour(i: int) -> str:

@@ -1,4 +1,4 @@
-"""The request scenarios of the soak harness (radixserve/bench/soak.py) and the checks of their
+"""The request scenarios of the soak harness (radixserve_tools/bench/soak.py) and the checks of their
 answers."""
 
 from __future__ import annotations
@@ -13,14 +13,22 @@ from typing import Any
 
 import httpx
 
-from radixserve.bench.serving import (
+from radixserve_tools.bench.serving import (
     ServingBenchConfig,
     api_url,
     chunk_text,
     request_headers,
     sse_data,
 )
-from radixserve.bench.soak_report import JSON_SCHEMA, PREFIX_GROUP, REGEX, WORDS, Limits, Result, SoakConfig
+from radixserve_tools.bench.soak_report import (
+    JSON_SCHEMA,
+    PREFIX_GROUP,
+    REGEX,
+    WORDS,
+    Limits,
+    Result,
+    SoakConfig,
+)
 
 
 class Client:

@@ -7,9 +7,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from radixserve.plots import cdf, line_chart
-from radixserve.plots import html_page as page
-from radixserve.simulator.simulate import SimResult
+from radixserve_tools.plots import cdf, line_chart
+from radixserve_tools.plots import html_page as page
+from radixserve_tools.simulator.simulate import SimResult
 
 
 def table(result: SimResult, title: str) -> str:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from radixserve.models.config import ModelConfig
-from radixserve.simulator.hardware import HardwareProfile, PointwiseCosts
+from radixserve_tools.simulator.hardware import HardwareProfile, PointwiseCosts
 
 
 @dataclass(frozen=True)

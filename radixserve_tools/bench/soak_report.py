@@ -1,4 +1,4 @@
-"""The soak harness's configuration, results and report (radixserve/bench/soak.py runs it), and
+"""The soak harness's configuration, results and report (radixserve_tools/bench/soak.py runs it), and
 the RSS of a server's process tree."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from radixserve.bench.serving import (
+from radixserve_tools.bench.serving import (
     DEFAULT_BASE_URL,
     percentile,
 )

@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from radixserve.bench.serving_datasets import (
+from radixserve_tools.bench.serving_datasets import (
     DATASET_NAMES,
     BenchRequest,
     load_tokenizer,

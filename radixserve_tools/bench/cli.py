@@ -3,8 +3,8 @@
 offline: the in-process throughput benchmark against a transformers baseline.
 speculative: decode speed with NGRAM (and a STANDALONE draft model) on and off (bench/speculative.py).
 multiturn: chats that outgrow the KV pool, with and without the storage tier (bench/multiturn.py).
-serving: an OpenAI-API load test against any running server (radixserve/bench/serving.py).
-soak: a fault and soak harness against any running server (radixserve/bench/soak.py).
+serving: an OpenAI-API load test against any running server (radixserve_tools/bench/serving.py).
+soak: a fault and soak harness against any running server (radixserve_tools/bench/soak.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from radixserve.bench.plots import (
+from radixserve.config.arg_types import positive_float, positive_int
+from radixserve.config.server_args import CPU_ISA_CHOICES, CPU_KERNEL_CHOICES, SCHEDULE_POLICIES
+from radixserve_tools.bench.plots import (
     add_plot_flag,
     multiturn_charts,
     offline_charts,
@@ -25,10 +27,8 @@ from radixserve.bench.plots import (
     speculative_charts,
     write_plot_if_asked,
 )
-from radixserve.bench.serving_datasets import DATASET_NAMES
-from radixserve.bench.workloads import parse_workload_names
-from radixserve.config.arg_types import positive_float, positive_int
-from radixserve.config.server_args import CPU_ISA_CHOICES, CPU_KERNEL_CHOICES, SCHEDULE_POLICIES
+from radixserve_tools.bench.serving_datasets import DATASET_NAMES
+from radixserve_tools.bench.workloads import parse_workload_names
 
 _BENCH_DTYPES = ("bfloat16", "float32")
 
@@ -69,7 +69,7 @@ def _ratio(spec: str) -> float:
 
 
 def _bench_offline(args: argparse.Namespace) -> int:
-    from radixserve.bench.offline import BenchConfig, format_table, run_benchmark, write_report
+    from radixserve_tools.bench.offline import BenchConfig, format_table, run_benchmark, write_report
 
     if plot_without_out(args, args.out, "--out"):
         return 2
@@ -177,7 +177,7 @@ def _add_offline_parser(bench_sub: Any) -> argparse.ArgumentParser:
 
 
 def _serving_base_url(args: argparse.Namespace) -> str:
-    from radixserve.bench.serving import DEFAULT_BASE_URL
+    from radixserve_tools.bench.serving import DEFAULT_BASE_URL
 
     if args.base_url is not None:
         if args.host is not None or args.port is not None:
@@ -191,7 +191,7 @@ def _serving_base_url(args: argparse.Namespace) -> str:
 def _bench_serving(args: argparse.Namespace) -> int:
     import asyncio
 
-    from radixserve.bench.serving import (
+    from radixserve_tools.bench.serving import (
         ServingBenchConfig,
         ServingBenchError,
         format_report,
@@ -344,9 +344,9 @@ def _add_serving_parser(bench_sub: Any) -> argparse.ArgumentParser:
 
 
 def _bench_soak(args: argparse.Namespace) -> int:
-    from radixserve.bench.serving import ServingBenchError
-    from radixserve.bench.soak import main as soak_main
-    from radixserve.bench.soak_report import SoakConfig
+    from radixserve_tools.bench.serving import ServingBenchError
+    from radixserve_tools.bench.soak import main as soak_main
+    from radixserve_tools.bench.soak_report import SoakConfig
 
     if plot_without_out(args, args.out, "--out"):
         return 2
@@ -450,14 +450,14 @@ def _isa_args(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _bench_speculative(args: argparse.Namespace) -> int:
-    from radixserve.bench.speculative import format_table, run_speculative_bench
+    from radixserve_tools.bench.speculative import format_table, run_speculative_bench
 
     if plot_without_out(args, args.out, "--out"):
         return 2
     engine_args = _isa_args(args)
     draft = args.draft_model_path
     if args.draft_early_exit is not None:
-        from radixserve.bench.model import ensure_truncated_smollm2
+        from radixserve_tools.bench.model import ensure_truncated_smollm2
 
         draft = str(ensure_truncated_smollm2(Path(args.work_dir), args.draft_early_exit))
     report = run_speculative_bench(
@@ -508,7 +508,7 @@ def _add_speculative_parser(bench_sub: Any) -> argparse.ArgumentParser:
 
 
 def _bench_multiturn(args: argparse.Namespace) -> int:
-    from radixserve.bench.multiturn import MultiTurnWorkload, format_table, run_multiturn_bench
+    from radixserve_tools.bench.multiturn import MultiTurnWorkload, format_table, run_multiturn_bench
 
     if plot_without_out(args, args.out, "--out"):
         return 2

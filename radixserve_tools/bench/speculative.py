@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from radixserve.bench.model import ensure_random_smollm2
-from radixserve.bench.workloads import make_workload
+from radixserve_tools.bench.model import ensure_random_smollm2
+from radixserve_tools.bench.workloads import make_workload
 
 Log = Callable[[str], None]
 

@@ -29,11 +29,11 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from radixserve.bench.serving import (
+from radixserve_tools.bench.serving import (
     ServingBenchConfig,
     resolve_model,
 )
-from radixserve.bench.soak_report import (
+from radixserve_tools.bench.soak_report import (
     KIND_WEIGHTS,
     PREFIX_GROUP,
     Limits,
@@ -45,7 +45,7 @@ from radixserve.bench.soak_report import (
     sample_rss,
     write_report,
 )
-from radixserve.bench.soak_scenarios import Client, Scenarios
+from radixserve_tools.bench.soak_scenarios import Client, Scenarios
 
 
 def plan(config: SoakConfig) -> list[tuple[str, random.Random, int]]:

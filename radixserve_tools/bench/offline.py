@@ -16,8 +16,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from radixserve.bench.model import ensure_random_smollm2
-from radixserve.bench.workloads import Workload, make_workload, summarize
+from radixserve_tools.bench.model import ensure_random_smollm2
+from radixserve_tools.bench.workloads import Workload, make_workload, summarize
 
 Log = Callable[[str], None]
 

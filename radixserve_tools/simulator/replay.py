@@ -28,11 +28,11 @@ from radixserve.models.config import ModelConfig
 from radixserve.protocol.messages import GenerateRequest
 from radixserve.scheduler.scheduler import Scheduler
 from radixserve.scheduler.stats import IDLE_GAP_S, HostTimeLine
-from radixserve.simulator.cost_model import ModelShape, forward_seconds, wake_seconds
-from radixserve.simulator.executor import ForwardRecord, forward_shape
-from radixserve.simulator.hardware import HardwareProfile
-from radixserve.simulator.simulate import SimResult, drive
-from radixserve.simulator.trace import TraceRequest
+from radixserve_tools.simulator.cost_model import ModelShape, forward_seconds, wake_seconds
+from radixserve_tools.simulator.executor import ForwardRecord, forward_shape
+from radixserve_tools.simulator.hardware import HardwareProfile
+from radixserve_tools.simulator.simulate import SimResult, drive
+from radixserve_tools.simulator.trace import TraceRequest
 
 # The warm-up request: a replay's first forwards would otherwise pay one-off costs (allocations,
 # kernel set-up) that neither a server which has run a while nor the cost model has.

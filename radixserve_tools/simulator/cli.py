@@ -11,8 +11,8 @@ from radixserve.config.arg_types import positive_int
 from radixserve.config.server_args import ServerArgs
 
 if TYPE_CHECKING:
-    from radixserve.simulator.hardware import HardwareProfile
-    from radixserve.simulator.steadiness import HostSteadiness
+    from radixserve_tools.simulator.hardware import HardwareProfile
+    from radixserve_tools.simulator.steadiness import HostSteadiness
 
 
 def _pair(text: str) -> tuple[int, int]:
@@ -87,11 +87,11 @@ def add_simulate_parser(sub: Any) -> None:
 
 def _simulate(args: argparse.Namespace) -> int:
     from radixserve.config.server_args import InvalidArgumentError
-    from radixserve.simulator.hardware import load_profile
-    from radixserve.simulator.model_configs import load_config
-    from radixserve.simulator.report import table, write_outputs
-    from radixserve.simulator.simulate import kv_capacity, simulate
-    from radixserve.simulator.trace import SyntheticTrace, load_trace, synthetic
+    from radixserve_tools.simulator.hardware import load_profile
+    from radixserve_tools.simulator.model_configs import load_config
+    from radixserve_tools.simulator.report import table, write_outputs
+    from radixserve_tools.simulator.simulate import kv_capacity, simulate
+    from radixserve_tools.simulator.trace import SyntheticTrace, load_trace, synthetic
 
     config = load_config(args.model_config)
     profile = None if args.hardware == "zero" else load_profile(args.hardware)
@@ -129,8 +129,8 @@ def calibrate_engine(
     predicted seconds, and how steady the machine was meanwhile: `passes` timed passes of the
     calibration runs, the peaks measured after each (their medians: peaks.median_measurements)."""
     from radixserve.models.source import load_model_config
-    from radixserve.simulator.calibration_passes import CalibrationTimer
-    from radixserve.simulator.steadiness import HostSteadiness
+    from radixserve_tools.simulator.calibration_passes import CalibrationTimer
+    from radixserve_tools.simulator.steadiness import HostSteadiness
 
     if passes < 1:
         raise ValueError(f"calibrate needs at least one timed pass, got {passes}")
@@ -148,7 +148,7 @@ def median_engine_peaks(engine: Any, samples: list[Any]) -> Any:
     """measure_engine_peaks' `samples`, taken between the calibration passes, as one: each figure's
     median (peaks.median_measurements), at the dtype of the engine's linears."""
     from radixserve.executor.model_runner import pick_device
-    from radixserve.simulator.peaks import engine_linears, median_measurements
+    from radixserve_tools.simulator.peaks import engine_linears, median_measurements
 
     dtype, _ = engine_linears(engine.args, pick_device(engine.args.device))
     return median_measurements(samples, dtype)
@@ -165,8 +165,8 @@ def measure_engine_peaks(engine: Any, name: str) -> Any:
 
     from radixserve.executor.model_runner import pick_device
     from radixserve.models.source import load_model_config
-    from radixserve.simulator.hardware import HardwareProfile
-    from radixserve.simulator.peaks import (
+    from radixserve_tools.simulator.hardware import HardwareProfile
+    from radixserve_tools.simulator.peaks import (
         engine_attention,
         engine_kernels,
         engine_linears,
@@ -214,8 +214,8 @@ def fit_engine(engine: Any, peaks: Any, runs: list[Any]) -> tuple[Any, list[tupl
     with the cost per row held at what the engine's scheduler measured of its own time; with each
     run's predicted seconds."""
     from radixserve.models.source import load_model_config
-    from radixserve.simulator.calibrate import fit, predicted_seconds, recorded_forwards
-    from radixserve.simulator.calibration_passes import calibration_runs
+    from radixserve_tools.simulator.calibrate import fit, predicted_seconds, recorded_forwards
+    from radixserve_tools.simulator.calibration_passes import calibration_runs
 
     config = load_model_config(engine.source)
     server_args = scheduler_args(engine.args)

@@ -27,7 +27,7 @@ from radixserve.layers.norm import RMSNorm
 from radixserve.layers.packed_weights import WeightPacking, cpu_packing_supported
 from radixserve.layers.rotary import RotaryEmbedding
 from radixserve.models.config import ModelConfig
-from radixserve.simulator.hardware import HardwareProfile, PointwiseCosts
+from radixserve_tools.simulator.hardware import HardwareProfile, PointwiseCosts
 
 
 def measure_flops(

@@ -14,10 +14,10 @@ from radixserve.models.config import ModelConfig
 from radixserve.protocol.messages import GenerateRequest, ReqOutput
 from radixserve.runtime.live_stats import percentiles
 from radixserve.scheduler.scheduler import Scheduler
-from radixserve.simulator.cost_model import ModelShape
-from radixserve.simulator.executor import CostModelExecutor, ForwardRecord, VirtualClock
-from radixserve.simulator.hardware import HardwareProfile
-from radixserve.simulator.trace import TraceRequest, ready_times
+from radixserve_tools.simulator.cost_model import ModelShape
+from radixserve_tools.simulator.executor import CostModelExecutor, ForwardRecord, VirtualClock
+from radixserve_tools.simulator.hardware import HardwareProfile
+from radixserve_tools.simulator.trace import TraceRequest, ready_times
 
 # The share of device memory the weights and the KV pool may take (SGLang's mem_fraction_static).
 MEM_FRACTION_STATIC = 0.88

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from radixserve.simulator.executor import SIM_VOCAB
+from radixserve_tools.simulator.executor import SIM_VOCAB
 
 
 @dataclass(frozen=True)

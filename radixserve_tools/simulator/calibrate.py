@@ -36,8 +36,13 @@ from typing import Any
 import numpy as np
 
 from radixserve.models.config import ModelConfig
-from radixserve.simulator.calibration_passes import WAKE_IDLE_S, CalibrationShape, Run, calibration_batch
-from radixserve.simulator.cost_model import (
+from radixserve_tools.simulator.calibration_passes import (
+    WAKE_IDLE_S,
+    CalibrationShape,
+    Run,
+    calibration_batch,
+)
+from radixserve_tools.simulator.cost_model import (
     ForwardWork,
     ModelShape,
     forward_seconds,
@@ -46,11 +51,11 @@ from radixserve.simulator.cost_model import (
     wake_seconds,
     wake_share,
 )
-from radixserve.simulator.executor import SIM_VOCAB, ForwardRecord
-from radixserve.simulator.hardware import HardwareProfile
-from radixserve.simulator.peaks import fit_overlap
-from radixserve.simulator.simulate import simulate
-from radixserve.simulator.trace import TraceRequest
+from radixserve_tools.simulator.executor import SIM_VOCAB, ForwardRecord
+from radixserve_tools.simulator.hardware import HardwareProfile
+from radixserve_tools.simulator.peaks import fit_overlap
+from radixserve_tools.simulator.simulate import simulate
+from radixserve_tools.simulator.trace import TraceRequest
 
 FLOPS_EFFICIENCY = np.geomspace(0.05, 2.0, 24)
 # Attention (softmax, small per-head matmuls) may run far below the linears' efficiency.

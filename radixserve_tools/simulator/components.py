@@ -25,17 +25,17 @@ from typing import Any
 from radixserve.config.server_args import ServerArgs
 from radixserve.executor.model_runner import ModelRunner
 from radixserve.models.config import ModelConfig
-from radixserve.simulator.cost_model import (
+from radixserve_tools.simulator.cost_model import (
     ModelShape,
     compute_terms,
     forward_seconds,
     profile_work,
     wake_seconds,
 )
-from radixserve.simulator.executor import ForwardRecord
-from radixserve.simulator.hardware import HardwareProfile
-from radixserve.simulator.replay import measured_step_seconds, replay
-from radixserve.simulator.trace import TraceRequest
+from radixserve_tools.simulator.executor import ForwardRecord
+from radixserve_tools.simulator.hardware import HardwareProfile
+from radixserve_tools.simulator.replay import measured_step_seconds, replay
+from radixserve_tools.simulator.trace import TraceRequest
 
 # The parts timed (ComputeTerms' fields), and the runner's methods each is timed on.
 PARTS = ("linear", "attention", "norm", "rotary", "activation")

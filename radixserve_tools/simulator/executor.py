@@ -17,14 +17,14 @@ from radixserve.executor.base import ExecutorInfo
 from radixserve.forward.batch import ForwardBatch, ForwardMode
 from radixserve.layers.sampler import SamplingBatch
 from radixserve.models.config import ModelConfig
-from radixserve.simulator.cost_model import (
+from radixserve_tools.simulator.cost_model import (
     ForwardShape,
     ModelShape,
     SharedPrefix,
     forward_seconds,
     wake_seconds,
 )
-from radixserve.simulator.hardware import HardwareProfile
+from radixserve_tools.simulator.hardware import HardwareProfile
 
 # The vocabulary the scheduler is shown: logits are allocated per sampled row every step, and
 # only their shape matters here, so a small one keeps the simulation fast. Trace token ids

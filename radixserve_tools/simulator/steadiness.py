@@ -12,7 +12,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from radixserve.simulator.hardware import HardwareProfile
+from radixserve_tools.simulator.hardware import HardwareProfile
 
 # Beyond this spread (the largest against the least, less one) the host moved by more than the
 # validation's 9% target while it was timed.

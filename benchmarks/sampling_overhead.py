@@ -74,7 +74,9 @@ def decode_step_seconds(scheduler: Scheduler, batch: int) -> float:
     """Median time of a decode step (forward + greedy sampling + bookkeeping) with `batch` requests."""
     for i in range(batch):
         params = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 64}
-        scheduler.handle(GenerateRequest(f"b{batch}-{i}", [100 + i, 200, 300, 400], params))
+        scheduler.handle(
+            GenerateRequest(f"b{batch}-{i}", [100 + i, 200, 300, 400], SamplingParams.from_dict(params))
+        )
     scheduler.step()  # the prefill
     times = []
     for _ in range(20):

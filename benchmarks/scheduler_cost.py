@@ -18,6 +18,7 @@ import time
 from radixserve.config.server_args import ServerArgs
 from radixserve.models.config import ModelConfig
 from radixserve.protocol.messages import GenerateRequest
+from radixserve.protocol.sampling_params import SamplingParams
 from radixserve.scheduler.scheduler import Scheduler
 from radixserve_tools.simulator.executor import CostModelExecutor
 from radixserve_tools.simulator.model_configs import load_config
@@ -36,7 +37,7 @@ def step_times(config: ModelConfig, running: int, waiting: int, steps: int) -> l
     )
     for i, req in enumerate(trace):
         params = {"max_new_tokens": req.output_len, "ignore_eos": True, "temperature": 0.0}
-        scheduler.handle(GenerateRequest(f"r{i}", req.input_ids, params))
+        scheduler.handle(GenerateRequest(f"r{i}", req.input_ids, SamplingParams.from_dict(params)))
     while len(scheduler.queues.running) < running or scheduler.queues.chunked_req is not None:
         scheduler.step()
     times = []

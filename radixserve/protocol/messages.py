@@ -12,6 +12,8 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from radixserve.protocol.sampling_params import SamplingParams
+
 FinishType = Literal["stop", "length", "abort"]
 
 
@@ -48,7 +50,9 @@ def image_digest(shape: list[int], pixel_values: bytes) -> str:
 class GenerateRequest:
     rid: str
     input_ids: list[int]
-    sampling_params: dict[str, Any] = field(default_factory=dict)
+    # Checked once, where the request is made (SamplingParams.from_dict); the scheduler takes it
+    # as it comes.
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
     # Logprobs of the output tokens (raw distribution), and of this many top alternatives per token.
     return_logprob: bool = False
     top_logprobs_num: int = 0

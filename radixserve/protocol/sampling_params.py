@@ -235,12 +235,12 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
-def choice_params(params: dict[str, Any], index: int) -> dict[str, Any]:
+def choice_params(params: SamplingParams, index: int) -> SamplingParams:
     """The sampling parameters of choice `index` of an n > 1 request. With a seed, each choice gets
     its own seed derived from it (choice 0 keeps it), so the n samples differ and the whole answer
     is reproducible; without one they already differ."""
-    seed = params.get("seed")
-    if index == 0 or not isinstance(seed, int):
+    seed = params.seed
+    if index == 0 or seed is None:
         return params
     digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
-    return {**params, "seed": int.from_bytes(digest, "little") >> 1}
+    return dataclasses.replace(params, seed=int.from_bytes(digest, "little") >> 1)

@@ -58,7 +58,7 @@ class Router:
         """The replica for a new request; it counts as outstanding there until done(rid)."""
         with self._lock:
             replica = self._choose(req)
-            tokens = len(req.input_ids) + int(req.sampling_params.get("max_new_tokens", 128))
+            tokens = len(req.input_ids) + req.sampling_params.max_new_tokens
             self._in_flight[req.rid] = _InFlight(replica, tokens)
             self.outstanding[replica] += tokens
             self.served[replica] += 1

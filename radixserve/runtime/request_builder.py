@@ -54,7 +54,7 @@ class RequestBuilder:
     def build(
         self,
         input_ids: list[int],
-        sampling_params: dict[str, Any] | None,
+        sampling_params: SamplingParams | dict[str, Any] | None,
         rid: str | None = None,
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
@@ -72,7 +72,9 @@ class RequestBuilder:
         """Validates everything the scheduler would refuse, so that callers get the error up front.
         With return_logprob and logprob_start_len >= 0, prompt logprobs come back too. embed: an
         embedding request, which only an embedding model serves (and it serves nothing else).
-        input_embeds: the prompt as embedding vectors instead of ids (input_ids then empty)."""
+        input_embeds: the prompt as embedding vectors instead of ids (input_ids then empty).
+        sampling_params: as sent (checked here, SamplingParams.from_dict), or a SamplingParams the
+        HTTP edge made from the body (checked there, to name the client's field)."""
         if embed and not self.is_embedding:
             raise InvalidRequestError(
                 "this model generates text and does not serve embeddings; start the server with an "
@@ -94,7 +96,11 @@ class RequestBuilder:
             raise InvalidRequestError(
                 f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs_num!r}"
             )
-        params = SamplingParams.from_dict(sampling_params)
+        params = (
+            sampling_params
+            if isinstance(sampling_params, SamplingParams)
+            else SamplingParams.from_dict(sampling_params)
+        )
         params.check_vocab(self.vocab_size)
         ids = list(input_ids)
         session_id = session_parent = None
@@ -142,7 +148,7 @@ class RequestBuilder:
         return GenerateRequest(
             rid or self.new_rid(),
             ids,
-            params.to_dict(),
+            params,
             bool(return_logprob),
             top_logprobs_num,
             logprob_start_len if return_logprob else -1,

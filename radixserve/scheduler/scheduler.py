@@ -44,7 +44,6 @@ from radixserve.protocol.messages import (
 from radixserve.protocol.sampling_params import InvalidRequestError
 from radixserve.scheduler.aborts import abort_requests, abort_targets
 from radixserve.scheduler.accounting import SchedulerAccounting
-from radixserve.scheduler.admission import RequestBuilder
 from radixserve.scheduler.batch import KVContext
 from radixserve.scheduler.cache_tier import build_cache_tier
 from radixserve.scheduler.components import (
@@ -74,6 +73,7 @@ from radixserve.scheduler.policy import SchedulePolicy
 from radixserve.scheduler.prefill import PrefillManager
 from radixserve.scheduler.profiler import StepProfiler
 from radixserve.scheduler.rank_sync import RankSync
+from radixserve.scheduler.req_factory import ReqFactory
 from radixserve.scheduler.request import Req
 from radixserve.scheduler.speculative.build import build_speculator
 from radixserve.scheduler.state import RequestQueues, ScheduledBatch, release_kv
@@ -169,7 +169,7 @@ class Scheduler(SchedulerAccounting):
         self.images, images_refused = image_support(
             executor, self.speculator is not None, args.disaggregation_mode != "null", info.pipeline_stages
         )
-        self.requests = RequestBuilder(info, self.logit_processors, self.lora, self.images, images_refused)
+        self.requests = ReqFactory(info, self.logit_processors, self.lora, self.images, images_refused)
 
         self.stats = SchedulerStats()
         # When the event loop last took requests (None: no event loop), and whether it was idle.

@@ -33,7 +33,7 @@ from radixserve.server.dashboard import add_dashboard, dashboard_authorized
 from radixserve.server.embeddings_api import router as embeddings_router
 from radixserve.server.errors import ApiError, error_body, error_response
 from radixserve.server.json_values import BadJsonValue, ParsedJsonRoute, check_body
-from radixserve.server.limits import check_batch, check_sampling_params, check_token_ids, per_prompt
+from radixserve.server.limits import check_batch, check_token_ids, parse_sampling_params, per_prompt
 from radixserve.server.lora_api import router as lora_router
 from radixserve.server.openai_api import SSE_DONE, SSE_MEDIA_TYPE, engine_of, router, sse, stream_error
 from radixserve.server.streams import ClientDisconnected, collect, merged_stream
@@ -483,7 +483,7 @@ def _native_requests(engine: Engine, batch: PromptBatch, body: GenerateBody) -> 
     params = per_prompt(body.sampling_params or {}, count, "sampling_params")
     per_prompt_params = isinstance(body.sampling_params, list)
     params = [
-        check_sampling_params(sp, f"sampling_params[{i}]" if per_prompt_params else "sampling_params")
+        parse_sampling_params(sp, f"sampling_params[{i}]" if per_prompt_params else "sampling_params")
         for i, sp in enumerate(params)
     ]
     rid = body.rid

@@ -1,8 +1,8 @@
 """Bounds of what one HTTP call may ask for, and the sampling parameters' check at the edge.
 
 SamplingParams (protocol/) is the one check of the sampling parameters' types, ranges and sizes;
-here its InvalidRequestError becomes a 400 whose `param` names the field as the client spelled it
-(OpenAI's names on the OpenAI routes), before anything is queued.
+an HTTP request's runs here, once (parse_sampling_params), and its InvalidRequestError becomes a
+400 whose `param` names the field as the client spelled it (OpenAI's names on the OpenAI routes).
 """
 
 from __future__ import annotations
@@ -47,17 +47,16 @@ def check_batch(count: int, param: str) -> None:
         raise ApiError(400, f"{param} holds {count} prompts; at most {MAX_BATCH} per request", param=param)
 
 
-def check_sampling_params(params: Any, param: str, names: dict[str, str] | None = None) -> dict[str, Any]:
-    """The native sampling parameters, checked (SamplingParams.from_dict), without the fields set
-    to null (they take their defaults). `names` maps native names to the client's (OpenAI's)."""
-    if params is None:
-        return {}
-    if not isinstance(params, dict):
+def parse_sampling_params(params: Any, param: str, names: dict[str, str] | None = None) -> SamplingParams:
+    """The native sampling parameters of an HTTP body, checked once (SamplingParams.from_dict; a
+    field set to null takes its default): the request carries the result from here on. A refusal
+    names the field as the client spelled it: `param` is where the parameters sit in the body, and
+    `names` maps native names to the client's (OpenAI's)."""
+    if params is not None and not isinstance(params, dict):
         raise ApiError(400, f"{param} must be a JSON object", param=param)
     try:
-        SamplingParams.from_dict(params)
+        return SamplingParams.from_dict(params)
     except InvalidRequestError as exc:
         field = (names or {}).get(exc.param or "", exc.param)
         where = ".".join(part for part in (param, field) if part) or None
         raise ApiError(400, str(exc), param=where) from exc
-    return {name: value for name, value in params.items() if value is not None}

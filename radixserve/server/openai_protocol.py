@@ -12,14 +12,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from radixserve.protocol.sampling_params import ANY_JSON
+from radixserve.protocol.sampling_params import ANY_JSON, SamplingParams
 from radixserve.server.errors import ApiError
 from radixserve.server.limits import (
     MAX_BATCH,
     MAX_TOP_LOGPROBS,
     check_batch,
-    check_sampling_params,
     check_token_ids,
+    parse_sampling_params,
 )
 
 # Native sampling names as the OpenAI body spells them, for the `param` of an error.
@@ -73,7 +73,7 @@ class _SamplingFields(BaseModel):
         if self.n > MAX_N:
             raise ApiError(400, f"n must be <= {MAX_N}, got {self.n}", param="n")
 
-    def sampling_params(self, max_tokens: int | None, default_max_tokens: int) -> dict[str, Any]:
+    def sampling_params(self, max_tokens: int | None, default_max_tokens: int) -> SamplingParams:
         """The native sampling parameters; SamplingParams validates the values."""
         params: dict[str, Any] = {
             "max_new_tokens": default_max_tokens if max_tokens is None else max_tokens,
@@ -96,7 +96,7 @@ class _SamplingFields(BaseModel):
             if value is not None:
                 params[name] = value
         params.update(self._response_format_grammar())
-        return check_sampling_params(params, "", _OPENAI_NAMES)
+        return parse_sampling_params(params, "", _OPENAI_NAMES)
 
     def _response_format_grammar(self) -> dict[str, str]:
         """OpenAI's response_format as a grammar: any JSON object, or JSON under a schema."""

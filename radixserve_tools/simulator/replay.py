@@ -26,6 +26,7 @@ from radixserve.executor.base import Executor
 from radixserve.forward.batch import ForwardBatch
 from radixserve.models.config import ModelConfig
 from radixserve.protocol.messages import GenerateRequest
+from radixserve.protocol.sampling_params import SamplingParams
 from radixserve.scheduler.scheduler import Scheduler
 from radixserve.scheduler.stats import IDLE_GAP_S, HostTimeLine
 from radixserve_tools.simulator.cost_model import ModelShape, forward_seconds, wake_seconds
@@ -124,7 +125,9 @@ def replay(
 def _warm_up(scheduler: Scheduler, first: TraceRequest) -> None:
     """One short request, then the cache flushed: the replay starts as cold as the trace did."""
     params = {"max_new_tokens": 2, "ignore_eos": True, "temperature": 0.0}
-    scheduler.handle(GenerateRequest("warm-up", first.input_ids[:WARMUP_TOKENS], params))
+    scheduler.handle(
+        GenerateRequest("warm-up", first.input_ids[:WARMUP_TOKENS], SamplingParams.from_dict(params))
+    )
     while not scheduler.is_idle:
         scheduler.step()
     if not scheduler.flush_cache():

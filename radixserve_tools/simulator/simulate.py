@@ -12,6 +12,7 @@ from typing import Any, Protocol
 from radixserve.config.server_args import ServerArgs
 from radixserve.models.config import ModelConfig
 from radixserve.protocol.messages import GenerateRequest, ReqOutput
+from radixserve.protocol.sampling_params import SamplingParams
 from radixserve.runtime.live_stats import percentiles
 from radixserve.scheduler.scheduler import Scheduler
 from radixserve_tools.simulator.cost_model import ModelShape
@@ -168,7 +169,9 @@ def drive(
             rid = f"r{next_up}"
             timings[rid] = _Timing(req.arrival_s, len(req.input_ids))
             params = {"max_new_tokens": req.output_len, "ignore_eos": True, "temperature": 0.0}
-            accepted = scheduler.handle(GenerateRequest(rid, list(req.input_ids), params))
+            accepted = scheduler.handle(
+                GenerateRequest(rid, list(req.input_ids), SamplingParams.from_dict(params))
+            )
             _take(accepted, timings, clock.now, hits)
             next_up += 1
         if scheduler.is_idle:

@@ -11,6 +11,7 @@ import pytest
 from radixserve.attention.torch_native import TorchNativeBackend
 from radixserve.config.server_args import ServerArgs
 from radixserve.protocol.messages import GenerateRequest
+from radixserve.protocol.sampling_params import SamplingParams
 from radixserve.scheduler.outputs import ReqOutput
 from radixserve.scheduler.process import build_scheduler
 from tests.engine.oracle import GREEDY, GreedyOracle, random_prompts
@@ -48,11 +49,17 @@ def test_blocks_outlive_prefills_of_other_requests(
     params = {**GREEDY, "max_new_tokens": MAX_NEW}
     tokens: dict[str, list[int]] = {}
     for i, prompt in enumerate(first):
-        _collect(list(scheduler.handle(GenerateRequest(f"first{i}", prompt, params))), tokens)
+        _collect(
+            list(scheduler.handle(GenerateRequest(f"first{i}", prompt, SamplingParams.from_dict(params)))),
+            tokens,
+        )
     for _ in range(6):
         _collect(list(scheduler.step()), tokens)
     for i, prompt in enumerate(late):
-        _collect(list(scheduler.handle(GenerateRequest(f"late{i}", prompt, params))), tokens)
+        _collect(
+            list(scheduler.handle(GenerateRequest(f"late{i}", prompt, SamplingParams.from_dict(params)))),
+            tokens,
+        )
     _collect(list(scheduler.step()), tokens)  # the late requests' prefill
     appends = staging.appends
     _collect(list(scheduler.step()), tokens)  # a decode step: the first four's block continues

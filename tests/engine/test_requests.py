@@ -12,7 +12,7 @@ import torch
 
 from radixserve.config.server_args import ServerArgs
 from radixserve.protocol.messages import ControlRequest, ControlResult, GenerateRequest
-from radixserve.protocol.sampling_params import InvalidRequestError
+from radixserve.protocol.sampling_params import InvalidRequestError, SamplingParams
 from radixserve.scheduler.process import build_scheduler
 from tests.engine.oracle import GREEDY, GreedyOracle, random_prompts, run_scheduler
 
@@ -70,11 +70,15 @@ def test_eos_ends_the_request_unless_ignored(
     )
     scheduler.requests.eos_token_ids = frozenset({reference[3]})
     stopped = run_scheduler(
-        scheduler, GenerateRequest("stop", prompt, {"temperature": 0, "max_new_tokens": 12})
+        scheduler,
+        GenerateRequest("stop", prompt, SamplingParams.from_dict({"temperature": 0, "max_new_tokens": 12})),
     )
     assert stopped.output_ids == reference[:4]
     assert stopped.finished_reason is not None and stopped.finished_reason.type == "stop"
-    ignored = run_scheduler(scheduler, GenerateRequest("ignore", prompt, {**GREEDY, "max_new_tokens": 12}))
+    ignored = run_scheduler(
+        scheduler,
+        GenerateRequest("ignore", prompt, SamplingParams.from_dict({**GREEDY, "max_new_tokens": 12})),
+    )
     assert ignored.output_ids == reference
     scheduler.check_kv_invariant()
 
@@ -174,7 +178,9 @@ def test_kv_check_waits_for_idle_instead_of_failing(tiny_model_dir: Callable[[st
     scheduler = build_scheduler(
         ServerArgs(model_path=str(tiny_model_dir("llama")), dtype="float32", max_total_tokens=512)
     )
-    scheduler.handle(GenerateRequest("busy", [5, 6, 7], {**GREEDY, "max_new_tokens": 4}))
+    scheduler.handle(
+        GenerateRequest("busy", [5, 6, 7], SamplingParams.from_dict({**GREEDY, "max_new_tokens": 4}))
+    )
     # Asked while a request runs, the check is answered only when the scheduler goes idle.
     assert scheduler.handle(ControlRequest("check", "check_kv_invariant")) == []
     answers = []

@@ -15,6 +15,7 @@ from radixserve.config.server_args import ServerArgs
 from radixserve.models.source import resolve_model_source
 from radixserve.models.tokenizer import load_tokenizer
 from radixserve.protocol.messages import GenerateRequest
+from radixserve.protocol.sampling_params import SamplingParams
 from radixserve.scheduler.process import build_scheduler
 
 PROMPT = "The capital of France is"
@@ -40,7 +41,7 @@ def transformers_logits(smollm2_gguf_path: Path) -> tuple[list[int], torch.Tenso
 
 def first_step_logits(ids: list[int], **args: object) -> torch.Tensor:
     scheduler = build_scheduler(ServerArgs(max_total_tokens=256, log_level="warning", **args))  # type: ignore[arg-type]
-    scheduler.add_request(GenerateRequest("logits", ids, {"max_new_tokens": 1}))
+    scheduler.add_request(GenerateRequest("logits", ids, SamplingParams.from_dict({"max_new_tokens": 1})))
     batch = scheduler._next_batch()
     assert batch is not None
     ours = scheduler.executor.forward(batch.forward)[0][0].float()
@@ -130,7 +131,11 @@ def prompt_logits(dtype: str, prompts: list[list[int]], cpu_kernels: str = "auto
     logits = []
     for index, ids in enumerate(prompts):
         request = GenerateRequest(
-            f"logits-{index}", ids, {"max_new_tokens": 1}, return_logprob=True, logprob_start_len=0
+            f"logits-{index}",
+            ids,
+            SamplingParams.from_dict({"max_new_tokens": 1}),
+            return_logprob=True,
+            logprob_start_len=0,
         )
         scheduler.add_request(request)
         batch = scheduler._next_batch()

@@ -14,6 +14,7 @@ import pytest
 
 from radixserve.config.server_args import ServerArgs
 from radixserve.protocol.messages import GenerateRequest, ReqOutput
+from radixserve.protocol.sampling_params import SamplingParams
 from radixserve.scheduler.grammar import CompileResult
 from radixserve.scheduler.process import build_scheduler
 from tests.engine.oracle import GREEDY
@@ -116,9 +117,17 @@ def test_a_slow_grammar_does_not_hold_up_other_requests(tiny_model_dir: Callable
                 finished[out.rid] = out
 
     run(
-        scheduler.handle(GenerateRequest("slow", [5, 6], {**GREEDY, "max_new_tokens": 3, "regex": "[ab]{3}"}))
+        scheduler.handle(
+            GenerateRequest(
+                "slow", [5, 6], SamplingParams.from_dict({**GREEDY, "max_new_tokens": 3, "regex": "[ab]{3}"})
+            )
+        )
     )
-    run(scheduler.handle(GenerateRequest("plain", [7, 8], {**GREEDY, "max_new_tokens": 3})))
+    run(
+        scheduler.handle(
+            GenerateRequest("plain", [7, 8], SamplingParams.from_dict({**GREEDY, "max_new_tokens": 3}))
+        )
+    )
     while "plain" not in finished:
         run(scheduler.step())
     # The unconstrained request, submitted later, finished while the grammar still compiles.
@@ -128,7 +137,9 @@ def test_a_slow_grammar_does_not_hold_up_other_requests(tiny_model_dir: Callable
     assert finished["slow"].finished_reason is not None and finished["slow"].finished_reason.type == "abort"
     run(
         scheduler.handle(
-            GenerateRequest("slow2", [5, 6], {**GREEDY, "max_new_tokens": 3, "regex": "[ab]{3}"})
+            GenerateRequest(
+                "slow2", [5, 6], SamplingParams.from_dict({**GREEDY, "max_new_tokens": 3, "regex": "[ab]{3}"})
+            )
         )
     )
     release.set()

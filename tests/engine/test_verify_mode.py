@@ -13,6 +13,7 @@ from radixserve.attention.cpu_native import CpuDecodeMetadata
 from radixserve.config.server_args import ServerArgs
 from radixserve.forward.draft_tree import DraftTree
 from radixserve.protocol.messages import GenerateRequest
+from radixserve.protocol.sampling_params import SamplingParams
 from radixserve.scheduler.batch import build_verify_batch
 from radixserve.scheduler.process import build_scheduler
 from tests.conftest import native_kernels_or_skip
@@ -34,7 +35,9 @@ def test_a_verify_step_matches_the_greedy_continuation(
     scheduler = build_scheduler(args)
     prompts = random_prompts(2, [9, 23], seed=50)
     for i, prompt in enumerate(prompts):
-        scheduler.add_request(GenerateRequest(f"r{i}", prompt, {**GREEDY, "max_new_tokens": 32}))
+        scheduler.add_request(
+            GenerateRequest(f"r{i}", prompt, SamplingParams.from_dict({**GREEDY, "max_new_tokens": 32}))
+        )
     scheduler.step()  # both prompts prefilled; each has its first output token, not yet in the pool
     reqs = list(scheduler.queues.running)
     assert [len(r.output_ids) for r in reqs] == [1, 1]
@@ -88,7 +91,9 @@ def test_a_bf16_verify_runs_in_the_fused_loop_and_agrees_with_the_per_layer_path
         pytest.skip("no fused decode loop on this machine's kernels")
     prompts = random_prompts(3, [9, 23, 14], seed=51)
     for i, prompt in enumerate(prompts):
-        scheduler.add_request(GenerateRequest(f"r{i}", prompt, {**GREEDY, "max_new_tokens": 32}))
+        scheduler.add_request(
+            GenerateRequest(f"r{i}", prompt, SamplingParams.from_dict({**GREEDY, "max_new_tokens": 32}))
+        )
     scheduler.step()
     reqs = list(scheduler.queues.running)
     expected = [oracle("llama").continue_(p, K + 1) for p in prompts]

@@ -14,6 +14,7 @@ import radixserve.models.llama as llama
 from radixserve.config.server_args import ServerArgs
 from radixserve.kernels.cpu_ops import CpuKernels
 from radixserve.protocol.messages import GenerateRequest
+from radixserve.protocol.sampling_params import SamplingParams
 from radixserve.scheduler.process import build_scheduler
 
 
@@ -49,7 +50,7 @@ def _run(
         for i in range(4):
             ids = shared + [rng.randrange(200, 40000) for _ in range(5 + 3 * i)]
             params = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
-            scheduler.add_request(GenerateRequest(f"w{wave}-{i}", ids, params))
+            scheduler.add_request(GenerateRequest(f"w{wave}-{i}", ids, SamplingParams.from_dict(params)))
         while not scheduler.is_idle:
             scheduler.step()
     scheduler.check_kv_invariant()

@@ -4,6 +4,7 @@ and merging the replicas' answers to a control command."""
 from __future__ import annotations
 
 from radixserve.protocol.messages import GenerateRequest
+from radixserve.protocol.sampling_params import SamplingParams
 from radixserve.runtime.dp_router import BALANCE_ABS, PREFIX_BLOCK, Router, merge_replica_payloads
 
 
@@ -11,7 +12,9 @@ def request(
     rid: str, prompt_len: int = 10, max_new: int = 10, first: int = 1, session: str | None = None
 ) -> GenerateRequest:
     ids = [first + i for i in range(prompt_len)]
-    return GenerateRequest(rid, ids, {"max_new_tokens": max_new}, session_id=session)
+    return GenerateRequest(
+        rid, ids, SamplingParams.from_dict({"max_new_tokens": max_new}), session_id=session
+    )
 
 
 def test_round_robin_takes_turns() -> None:
@@ -41,10 +44,17 @@ def test_cache_aware_sends_shared_prefixes_to_one_replica() -> None:
     assert first != other  # no shared prefix: the least loaded replica
     # Same first 2 blocks as "a", then different tokens: "a"'s replica, however loaded.
     shared = GenerateRequest(
-        "c", list(range(1000, 1000 + 2 * PREFIX_BLOCK)) + [7] * 30, {"max_new_tokens": 5}
+        "c",
+        list(range(1000, 1000 + 2 * PREFIX_BLOCK)) + [7] * 30,
+        SamplingParams.from_dict({"max_new_tokens": 5}),
     )
     for i in range(3):
-        assert router.pick(GenerateRequest(f"c{i}", shared.input_ids, {"max_new_tokens": 5})) == first
+        assert (
+            router.pick(
+                GenerateRequest(f"c{i}", shared.input_ids, SamplingParams.from_dict({"max_new_tokens": 5}))
+            )
+            == first
+        )
 
 
 def test_a_session_stays_on_its_replica() -> None:
@@ -87,7 +97,10 @@ def test_replica_answers_merge() -> None:
 def test_cache_aware_spills_over_when_one_replica_is_far_ahead() -> None:
     router = Router(2, "cache_aware")
     shared = list(range(100, 100 + 512))
-    picks = [router.pick(GenerateRequest(f"w{i}", [*shared, i], {"max_new_tokens": 32})) for i in range(32)]
+    picks = [
+        router.pick(GenerateRequest(f"w{i}", [*shared, i], SamplingParams.from_dict({"max_new_tokens": 32})))
+        for i in range(32)
+    ]
     # All share a prefix, but past BALANCE_ABS tokens of lead the other replica takes some, and
     # from then on both replicas hold the prefix.
     assert picks[:7] == [0] * 7 and 1 in picks

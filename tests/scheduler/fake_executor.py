@@ -34,6 +34,7 @@ from radixserve.protocol.messages import (
     ReqOutput,
     SchedulerOutput,
 )
+from radixserve.protocol.sampling_params import SamplingParams
 from radixserve.scheduler.request import Req
 from radixserve.scheduler.scheduler import Scheduler
 
@@ -482,7 +483,11 @@ class Results:
 def submit(
     scheduler: Scheduler, results: Results, rid: str, prompt: list[int], max_new_tokens: int, **params: Any
 ) -> None:
-    results.take(scheduler.handle(GenerateRequest(rid, prompt, greedy(max_new_tokens, **params))))
+    results.take(
+        scheduler.handle(
+            GenerateRequest(rid, prompt, SamplingParams.from_dict(greedy(max_new_tokens, **params)))
+        )
+    )
 
 
 def check_kv_accounting(scheduler: Scheduler) -> None:

@@ -15,6 +15,7 @@ from radixserve.protocol.messages import (
     SchedulerOutput,
     ShutdownRequest,
 )
+from radixserve.protocol.sampling_params import SamplingParams
 from radixserve.scheduler.event_loop import run_event_loop
 from tests.scheduler.fake_executor import (
     FakeExecutor,
@@ -119,8 +120,11 @@ def test_the_event_loop_stamps_requests_an_idle_scheduler_took_at_once() -> None
     request trace); one taken while the scheduler is busy has its own, marked busy."""
     scheduler = make_scheduler(FakeExecutor(vocab_size=VOCAB))
     inbox: list[list[SchedulerInput]] = [
-        [GenerateRequest("a", [1, 2, 3], greedy(3)), GenerateRequest("b", [4, 5], greedy(3))],
-        [GenerateRequest("c", [6, 7], greedy(2))],  # arrives while a and b run
+        [
+            GenerateRequest("a", [1, 2, 3], SamplingParams.from_dict(greedy(3))),
+            GenerateRequest("b", [4, 5], SamplingParams.from_dict(greedy(3))),
+        ],
+        [GenerateRequest("c", [6, 7], SamplingParams.from_dict(greedy(2)))],  # arrives while a and b run
         [],
         [],
         [],
@@ -174,3 +178,21 @@ def test_the_scheduler_times_itself_before_each_plain_decode_step(monkeypatch: p
     # pause of the test process (a garbage collection) would be left out, so not all are required.
     assert 0 < host["steps"] <= len(executor.decodes)
     scheduler.check_kv_invariant()
+
+
+def test_the_scheduler_takes_sampling_params_as_they_come(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request's sampling parameters are checked once, where the request is made: the scheduler
+    never parses them again (and clips its own copy of the output budget)."""
+    params = SamplingParams.from_dict(greedy(5))
+    message = GenerateRequest("once", [1, 2, 3], params)
+
+    def parsed_again(*_: object) -> SamplingParams:
+        raise AssertionError("SamplingParams.from_dict ran in the scheduler")
+
+    monkeypatch.setattr(SamplingParams, "from_dict", parsed_again)
+    scheduler = make_scheduler(FakeExecutor(vocab_size=VOCAB, context_len=6))
+    results = Results()
+    results.take(scheduler.handle(message))
+    run_until_idle(scheduler, results)
+    assert len(results.tokens["once"]) == 3  # the context holds 3 more tokens
+    assert params.max_new_tokens == 5  # the caller's object is not the one clipped

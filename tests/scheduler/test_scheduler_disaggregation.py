@@ -15,6 +15,7 @@ import torch
 
 from radixserve.executor.base import KVLayout
 from radixserve.protocol.messages import BootstrapInfo, GenerateRequest
+from radixserve.protocol.sampling_params import SamplingParams
 from radixserve.scheduler.disaggregation.decode import PREFILL_FAILED_STATUS, PREFILL_TIMEOUT_STATUS
 from radixserve.scheduler.scheduler import Scheduler
 from tests.ports import free_port
@@ -59,10 +60,14 @@ class Pair:
     def submit(self, rid: str, prompt: list[int], max_new: int, room: int, to: str = "both") -> None:
         """As sglang-router does: the same request, with the same room, to both servers."""
         if to in ("both", "prefill"):
-            msg = GenerateRequest(rid, prompt, greedy(max_new), bootstrap=self.bootstrap(room))
+            msg = GenerateRequest(
+                rid, prompt, SamplingParams.from_dict(greedy(max_new)), bootstrap=self.bootstrap(room)
+            )
             self.prefill_results.take(self.prefill.handle(msg))
         if to in ("both", "decode"):
-            msg = GenerateRequest(rid, prompt, greedy(max_new), bootstrap=self.bootstrap(room))
+            msg = GenerateRequest(
+                rid, prompt, SamplingParams.from_dict(greedy(max_new)), bootstrap=self.bootstrap(room)
+            )
             self.decode_results.take(self.decode.handle(msg))
 
     def step(self) -> None:
@@ -205,7 +210,9 @@ def test_a_prefill_server_that_never_sends_times_out_on_the_decode_side() -> Non
 def test_requests_without_bootstrap_fields_are_refused_by_either_half(pair: Pair) -> None:
     for scheduler, mode in ((pair.prefill, "prefill"), (pair.decode, "decode")):
         results = Results()
-        results.take(scheduler.handle(GenerateRequest("plain", [1, 2, 3], greedy(4))))
+        results.take(
+            scheduler.handle(GenerateRequest("plain", [1, 2, 3], SamplingParams.from_dict(greedy(4))))
+        )
         finish = results.finish["plain"]
         assert finish.type == "abort" and f"this is a {mode} server" in (finish.message or "")
         assert scheduler.is_idle
@@ -229,7 +236,11 @@ def test_a_decode_server_of_another_model_is_refused_at_the_bootstrap() -> None:
     try:
         results = Results()
         bootstrap = BootstrapInfo("127.0.0.1", port, 1)
-        results.take(decode.handle(GenerateRequest("r", [1, 2, 3], greedy(4), bootstrap=bootstrap)))
+        results.take(
+            decode.handle(
+                GenerateRequest("r", [1, 2, 3], SamplingParams.from_dict(greedy(4)), bootstrap=bootstrap)
+            )
+        )
         deadline = time.monotonic() + DEADLINE_S
         while "r" not in results.finish:
             assert time.monotonic() < deadline

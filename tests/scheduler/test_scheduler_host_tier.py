@@ -15,6 +15,7 @@ from radixserve.cache.host_storage import FORCE_HOST_POOL_ENV, HostKVStorage
 from radixserve.cache.storage import PageOrigin, StorageFingerprint
 from radixserve.cache.tiers import DeviceOnlyTier
 from radixserve.protocol.messages import GenerateRequest, ReqOutput
+from radixserve.protocol.sampling_params import SamplingParams
 from radixserve.scheduler.scheduler import Scheduler
 from tests.scheduler.fake_executor import FakeExecutor, greedy, make_scheduler
 from tests.scheduler.test_scheduler_storage_tier import (
@@ -92,7 +93,10 @@ def test_a_turn_whose_prefix_is_all_in_l2_is_admitted_in_the_step_that_first_see
     scheduler.tree_cache.evict(POOL)  # the device tree is empty: each returning prefix is in L2 alone
     second = _second_turns(first, first_out)
     for rid, prompt in second.items():
-        outputs = [*scheduler.handle(GenerateRequest(rid, prompt, greedy(MAX_NEW))), *scheduler.step()]
+        outputs = [
+            *scheduler.handle(GenerateRequest(rid, prompt, SamplingParams.from_dict(greedy(MAX_NEW)))),
+            *scheduler.step(),
+        ]
         first_token = [o for o in outputs if isinstance(o, ReqOutput) and o.rid == rid and o.new_token_ids]
         assert first_token, f"{rid} waited for its load"
         stored = (len(prompt) - 1) // STORAGE_PAGE * STORAGE_PAGE

@@ -10,6 +10,7 @@ import pytest
 
 from radixserve.models.config import VisionConfig
 from radixserve.protocol.messages import GenerateRequest, ImageInput, image_digest
+from radixserve.protocol.sampling_params import SamplingParams
 from radixserve.scheduler.images import stand_in_ids
 from radixserve.scheduler.request import IMAGE_ID_BASE
 from radixserve.scheduler.scheduler import Scheduler
@@ -72,7 +73,11 @@ def run(
     scheduler: Scheduler, rid: str, prompt: list[int], images: list[ImageInput], max_new: int = 6
 ) -> Results:
     results = Results()
-    results.take(scheduler.handle(GenerateRequest(rid, list(prompt), greedy(max_new), images=images)))
+    results.take(
+        scheduler.handle(
+            GenerateRequest(rid, list(prompt), SamplingParams.from_dict(greedy(max_new)), images=images)
+        )
+    )
     run_until_idle(scheduler, results)
     return results
 

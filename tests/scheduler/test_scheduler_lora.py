@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from radixserve.protocol.messages import ControlRequest, GenerateRequest
+from radixserve.protocol.sampling_params import SamplingParams
 from radixserve.scheduler.scheduler import Scheduler
 from tests.scheduler.fake_executor import (
     FakeExecutor,
@@ -40,7 +41,11 @@ def lora_scheduler(slots: int, stages: int = 1, **args: object) -> tuple[Schedul
 def submit_with(
     scheduler: Scheduler, results: Results, rid: str, prompt: list[int], max_new: int, adapter: str | None
 ) -> None:
-    results.take(scheduler.handle(GenerateRequest(rid, prompt, greedy(max_new), lora_path=adapter)))
+    results.take(
+        scheduler.handle(
+            GenerateRequest(rid, prompt, SamplingParams.from_dict(greedy(max_new)), lora_path=adapter)
+        )
+    )
 
 
 @pytest.mark.parametrize(("slots", "stages"), [(3, 1), (2, 1), (1, 1), (2, 2)])

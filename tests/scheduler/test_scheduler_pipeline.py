@@ -9,6 +9,7 @@ import random
 import pytest
 
 from radixserve.protocol.messages import GenerateRequest, ReqOutput
+from radixserve.protocol.sampling_params import SamplingParams
 from radixserve.scheduler.scheduler import Scheduler
 from tests.scheduler.fake_executor import (
     FakeExecutor,
@@ -162,7 +163,9 @@ def test_a_prompt_wanting_per_chunk_results_gets_one_stages(wants: str) -> None:
         if wants == "input_logprobs"
         else {"return_hidden_states": True}
     )
-    request = GenerateRequest("r", prompt, {"max_new_tokens": 4, "temperature": 0.0}, **fields)
+    request = GenerateRequest(
+        "r", prompt, SamplingParams.from_dict({"max_new_tokens": 4, "temperature": 0.0}), **fields
+    )
     one, two = outputs_of(1, request), outputs_of(2, request)
     assert [o.new_token_ids for o in two] == [o.new_token_ids for o in one]
     assert [getattr(o, wants) for o in two] == [getattr(o, wants) for o in one]

@@ -10,6 +10,7 @@ import pytest
 
 from radixserve.forward.batch import ForwardMode
 from radixserve.protocol.messages import GenerateRequest
+from radixserve.protocol.sampling_params import SamplingParams
 from radixserve.scheduler.scheduler import Scheduler
 from tests.scheduler.fake_executor import (
     FakeExecutor,
@@ -159,7 +160,7 @@ def test_logprobs_one_per_token_and_hidden_state_requests_decode_normally() -> N
     run_until_idle(scheduler, results)
     outputs = []
     for rid, extra in (("logprobs", {"return_logprob": True}), ("hidden", {"return_hidden_states": True})):
-        message = GenerateRequest(rid, prompt, greedy(MAX_NEW), **extra)
+        message = GenerateRequest(rid, prompt, SamplingParams.from_dict(greedy(MAX_NEW)), **extra)
         outputs += scheduler.handle(message)
     while not scheduler.is_idle:
         outputs += scheduler.step()

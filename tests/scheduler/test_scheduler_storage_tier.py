@@ -20,6 +20,7 @@ from radixserve.cache.storage import FileKVStorage, StorageFingerprint
 from radixserve.cache.storage_tier import StorageTier
 from radixserve.config.server_args import ServerArgs
 from radixserve.protocol.messages import GenerateRequest, ReqOutput
+from radixserve.protocol.sampling_params import SamplingParams
 from radixserve.scheduler.scheduler import Scheduler
 from tests.cache.test_kv_events import tree_blocks
 from tests.kv_event_client import follow, replay
@@ -67,7 +68,7 @@ def _serve(scheduler: Scheduler, prompts: dict[str, list[int]]) -> dict[str, tup
     the cached_tokens it reported; the KV accounting checked after every step."""
     found: dict[str, tuple[list[int], int]] = {}
     for rid, prompt in prompts.items():
-        outputs = scheduler.handle(GenerateRequest(rid, prompt, greedy(MAX_NEW)))
+        outputs = scheduler.handle(GenerateRequest(rid, prompt, SamplingParams.from_dict(greedy(MAX_NEW))))
         tokens: list[int] = []
         for _ in range(1000):
             for out in outputs:
@@ -298,7 +299,7 @@ def test_retracted_requests_resume_exactly_with_the_tier_below(tmp_path: Path) -
     long_new = 40
     finished: dict[str, list[int]] = {}
     for rid, prompt in prompts.items():  # all at once: their outputs outgrow the pool
-        scheduler.handle(GenerateRequest(rid, prompt, greedy(long_new)))
+        scheduler.handle(GenerateRequest(rid, prompt, SamplingParams.from_dict(greedy(long_new))))
     for _ in range(5000):
         check_kv_accounting(scheduler)
         if scheduler.is_idle:

@@ -22,6 +22,7 @@ import torch
 from radixserve.config.server_args import ServerArgs
 from radixserve.forward.batch import ForwardBatch
 from radixserve.protocol.messages import GenerateRequest
+from radixserve.protocol.sampling_params import SamplingParams
 from radixserve.scheduler.scheduler import Scheduler
 from tests.scheduler.fake_executor import HIDDEN_SIZE, FakeExecutor, Results, run_until_idle
 
@@ -90,7 +91,9 @@ def _draw(algorithm: str | None, params: dict[str, Any]) -> tuple[list[tuple[int
     results = Results()
     for seed in range(DRAWS):
         sampling = {"max_new_tokens": NEW_TOKENS, "ignore_eos": True, "seed": seed, **params}
-        results.take(scheduler.handle(GenerateRequest(f"r{seed}", PROMPT, sampling)))
+        results.take(
+            scheduler.handle(GenerateRequest(f"r{seed}", PROMPT, SamplingParams.from_dict(sampling)))
+        )
     run_until_idle(scheduler, results)
     scheduler.check_kv_invariant()
     return [tuple(results.tokens[f"r{seed}"]) for seed in range(DRAWS)], scheduler.stats

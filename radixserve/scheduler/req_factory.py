@@ -1,9 +1,12 @@
-"""Turning a GenerateRequest into a Req: its sampling parameters parsed and checked, its prompt
-(ids, or vectors with stand-in ids) validated, its output budget clipped to what fits, and its
-logprob, seed and logit-processor state set up. Refusals are InvalidRequestError (a 400)."""
+"""Turning a GenerateRequest into a Req: its prompt (ids, or vectors with stand-in ids) checked
+against the scheduler's own state (request ids in use, the pool), its output budget clipped to
+what fits, and its logprob, seed and logit-processor state set up. Its sampling parameters come
+checked (where the request was made: runtime/request_builder.py, or SamplingParams.from_dict for a
+caller that drives the scheduler itself). Refusals are InvalidRequestError (a 400)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Container
 from typing import Any
 
@@ -12,14 +15,14 @@ import torch
 from radixserve.executor.base import ExecutorInfo
 from radixserve.protocol.messages import GenerateRequest, TokenLogprobs
 from radixserve.protocol.prompts import PromptLimits
-from radixserve.protocol.sampling_params import InvalidRequestError, SamplingParams
+from radixserve.protocol.sampling_params import InvalidRequestError
 from radixserve.scheduler.images import ImageEncoder
 from radixserve.scheduler.logit_processors import ProcessorRegistry
 from radixserve.scheduler.lora import LoraManager
 from radixserve.scheduler.request import Req
 
 
-class RequestBuilder:
+class ReqFactory:
     def __init__(
         self,
         info: ExecutorInfo,
@@ -42,8 +45,8 @@ class RequestBuilder:
     def build(self, msg: GenerateRequest, root: Any, in_use: Container[str]) -> Req:
         """The request, its cache walk starting at root; in_use: the request ids taken."""
         info, ids, vectors = self.info, list(msg.input_ids), None
-        params = SamplingParams.from_dict(msg.sampling_params)
-        params.check_vocab(self.config.vocab_size)
+        # A copy: the budget below is clipped per request.
+        params = dataclasses.replace(msg.sampling_params)
         processor = None
         if msg.custom_logit_processor is not None:
             processor = self.logit_processors.get(msg.custom_logit_processor)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 from tqdm import tqdm
 
 from radixserve_tools.bench.serving_datasets import (
@@ -172,14 +173,9 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def percentile(sorted_values: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default) on an ascending list."""
-    if not sorted_values:
-        return 0.0
-    pos = (len(sorted_values) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+def percentile(values: list[float], q: float) -> float:
+    """numpy's percentile (linear between the closest ranks); 0 for no values."""
+    return float(np.percentile(values, q)) if values else 0.0
 
 
 def compute_metrics(results: list[RequestResult], duration_s: float) -> ServingMetrics:

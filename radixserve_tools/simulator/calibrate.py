@@ -13,7 +13,7 @@ did not use).
    one of them again after the engine idled.
 3. The fit: the scheduler's batching of a batch that all arrives at once does not depend on time,
    so each run's forwards are recorded once (the zero-cost executor) and the profile's
-   efficiencies and overheads are searched (a grid, a pattern search, then Levenberg-Marquardt)
+   efficiencies and overheads are searched (a grid, a pattern search, then scipy's least squares)
    for the least squared log error of sum(forward times) against the measured times, for each
    causal-mask block (and each way compute and memory may combine, where the stack was not
    measured: a profile saved before it was). Where calibrate timed a prompt's attention by its
@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from scipy.optimize import least_squares
 
 from radixserve.models.config import ModelConfig
 from radixserve_tools.simulator.calibration_passes import (
@@ -346,8 +347,8 @@ def _fit_parameters(
 ) -> tuple[np.ndarray, float]:
     """The parameters (as in _PARAMETERS) with the least squared log error, and that error. A
     coarse grid finds the basin, then a pattern search refines every parameter: the grid's steps
-    (17% between efficiencies) alone would leave errors of the size of the 9% target. Last,
-    Levenberg-Marquardt steps move all parameters at once: with ten of them, some trade against
+    (17% between efficiencies) alone would leave errors of the size of the 9% target. Last, a
+    least-squares solver (scipy's) moves all parameters at once: with ten of them, some trade against
     each other (a decode step's fixed cost against its attention), and one-at-a-time moves stall
     in such valleys short of the best fit. The row cost stays at `row_overhead_s` if given."""
 
@@ -366,7 +367,7 @@ def _fit_parameters(
     rows = ROW_OVERHEAD_S
     if row_overhead_s is not None:
         free[_ROW], rows = False, np.array([row_overhead_s])
-    p = _levenberg_marquardt(residuals, _polish(error, _coarse_grid(data, measured, rows), free), free)
+    p = _least_squares(residuals, _polish(error, _coarse_grid(data, measured, rows), free), free)
     return p, float(error(p))
 
 
@@ -430,50 +431,33 @@ def _polish(error: Any, start: np.ndarray, free: np.ndarray, rounds: int = 200) 
     return p
 
 
-# The scale of each fixed cost in the Levenberg-Marquardt coordinates (efficiencies move by their
+# The scale of each fixed cost in the least-squares coordinates (efficiencies move by their
 # logarithms): about the size a fit gives them, so that every coordinate moves by steps near 1.
 _FIXED_SCALES = np.array([1e-3, 1e-3, 1e-5, 1e-7])
 
 
-def _levenberg_marquardt(
-    residuals: Any, start: np.ndarray, free: np.ndarray, iterations: int = 200
-) -> np.ndarray:
-    """Least squares of residuals(p) from `start` over the `free` parameters, within their
-    bounds: Gauss-Newton steps on a forward-difference Jacobian, damped (toward gradient descent)
-    when a step does not lower the error, and clipped to the bounds."""
+def _least_squares(residuals: Any, start: np.ndarray, free: np.ndarray) -> np.ndarray:
+    """Least squares of residuals(p) from `start` over the `free` parameters, within their bounds:
+    scipy's trust-region reflective method, in coordinates where efficiencies move by their
+    logarithms and fixed costs by their scales."""
 
     def params(x: np.ndarray) -> np.ndarray:
-        """The parameters at coordinates `x` (one vector, or a stack of them)."""
-        efficiencies, fixed = np.exp(x[..., :_EFFICIENCIES]), x[..., _EFFICIENCIES:] * _FIXED_SCALES
-        return np.concatenate([efficiencies, fixed], axis=-1)
+        efficiencies, fixed = np.exp(x[:_EFFICIENCIES]), x[_EFFICIENCIES:] * _FIXED_SCALES
+        return np.concatenate([efficiencies, fixed])
 
     efficiencies = np.log(_EFFICIENCY_BOUNDS)
     lo = np.concatenate([np.full(_EFFICIENCIES, efficiencies[0]), _FIXED_BOUNDS[0] / _FIXED_SCALES])
     hi = np.concatenate([np.full(_EFFICIENCIES, efficiencies[1]), _FIXED_BOUNDS[1] / _FIXED_SCALES])
     x = np.concatenate([np.log(start[:_EFFICIENCIES]), start[_EFFICIENCIES:] / _FIXED_SCALES])
-    r = residuals(params(x))
-    cost, damping = float(r @ r), 1e-3
-    for _ in range(iterations):
-        jacobian = np.zeros((len(r), len(x)))  # a held parameter's column stays 0: it never moves
-        moving = np.flatnonzero(free)
-        h = 1e-6 * np.maximum(1.0, np.abs(x[moving]))
-        nudged = np.repeat(x[None, :], len(moving), axis=0)  # one free parameter nudged per row
-        nudged[np.arange(len(moving)), moving] += h
-        jacobian[:, moving] = (residuals(params(nudged)) - r[:, None]) / h
-        normal, gradient = jacobian.T @ jacobian, jacobian.T @ r
-        while damping < 1e10:
-            damped = normal + damping * np.diag(np.diag(normal) + 1e-12) + np.diag(~free)
-            candidate = np.clip(x - np.linalg.solve(damped, gradient), lo, hi)
-            r_new = residuals(params(candidate))
-            if (cost_new := float(r_new @ r_new)) < cost:
-                break
-            damping *= 4
-        else:
-            break  # no step lowers the error: a minimum
-        converged = cost - cost_new < 1e-12 * max(cost, 1e-30)
-        x, r, cost, damping = candidate, r_new, cost_new, max(damping / 3, 1e-9)
-        if converged:
-            break
+    moving = np.flatnonzero(free)
+
+    def moved(values: np.ndarray) -> np.ndarray:
+        point = x.copy()
+        point[moving] = values
+        return np.asarray(residuals(params(point)))
+
+    fit = least_squares(moved, np.clip(x[moving], lo[moving], hi[moving]), bounds=(lo[moving], hi[moving]))
+    x[moving] = fit.x
     return params(x)
 
 

@@ -363,8 +363,9 @@ def test_a_row_cost_the_engine_measured_is_held_and_the_rest_fitted_around_it() 
     """calibrate holds the cost per row at what the engine's scheduler measured of itself. Held at
     the truth's, the fit keeps it to the nanosecond and recovers the rest; held at a wrong value,
     it stays there, and a decode step's linears (and how they combine with memory) take up the
-    difference: one model's runs cannot tell the two apart, which is why the engine measures the
-    row cost instead."""
+    difference, running slower than the truth's: one model's runs cannot tell the two apart, which
+    is why the engine measures the row cost instead. (Held at the truth's, this host-bound decode
+    step hides its linears' efficiency, which any value fits.)"""
     truth = HOST_BOUND
     held, times, predicted = _fit_to(truth, row_overhead_s=200e-6)
     assert held.row_overhead_s == 200e-6
@@ -373,8 +374,8 @@ def test_a_row_cost_the_engine_measured_is_held_and_the_rest_fitted_around_it() 
     wrong, times, predicted = _fit_to(truth, row_overhead_s=0.0)
     assert wrong.row_overhead_s == 0.0
     assert predicted == pytest.approx(times, rel=0.02)
-    assert wrong.decode_flops_efficiency is not None and held.decode_flops_efficiency is not None
-    assert wrong.decode_flops_efficiency < held.decode_flops_efficiency
+    assert wrong.decode_flops_efficiency is not None
+    assert wrong.decode_flops_efficiency < truth.flops_efficiency  # the truth's decode linears
 
 
 def test_calibrate_a_real_engine(

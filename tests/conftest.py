@@ -55,7 +55,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.integration)
 
 
-TINY_ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral")
+TINY_ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "phi3")
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -106,7 +106,7 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def _hf_config(arch: str, vocab_size: int, eos_id: int) -> Any:
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
     common: dict[str, Any] = dict(
         _TINY_SHAPES, vocab_size=vocab_size, bos_token_id=eos_id, eos_token_id=eos_id
@@ -121,6 +121,9 @@ def _hf_config(arch: str, vocab_size: int, eos_id: int) -> Any:
         return Qwen3Config(**common, tie_word_embeddings=False, use_sliding_window=False)
     if arch == "mistral":
         return MistralConfig(**common, tie_word_embeddings=False, sliding_window=None)
+    if arch == "phi3":
+        # Fused qkv_proj and gate_up_proj tensors in the checkpoint.
+        return Phi3Config(**common, tie_word_embeddings=False, pad_token_id=eos_id, sliding_window=None)
     raise ValueError(f"unknown tiny arch {arch!r}; expected one of {TINY_ARCHS}")
 
 
@@ -186,10 +189,11 @@ def build_tiny_model(
 def tiny_model_dir(
     tiny_tokenizer: PreTrainedTokenizerFast, tmp_path_factory: pytest.TempPathFactory
 ) -> Callable[[str], Path]:
-    """Factory: arch in {"llama","qwen2","qwen3","mistral"} -> HF checkpoint dir (cached per arch).
+    """Factory: arch in TINY_ARCHS -> HF checkpoint dir (cached per arch).
 
     llama: tied embeddings + llama3 rope scaling; qwen2: untied, q/k/v bias; qwen3: q/k norm;
-    mistral: no sliding window. All float32, 2 layers, hidden 64, 4 heads / 2 KV heads, head_dim 16.
+    mistral: no sliding window; phi3: fused qkv_proj and gate_up_proj. All float32, 2 layers,
+    hidden 64, 4 heads / 2 KV heads, head_dim 16.
     """
     cache: dict[str, Path] = {}
 

@@ -12,6 +12,7 @@ from typing import Any
 
 __all__ = [
     "ENCODER_ARCHITECTURES",
+    "FUSED_PROJECTION_ARCHITECTURES",
     "MODEL_TYPE_TO_ARCH",
     "SUPPORTED_ARCHITECTURES",
     "VISION_PROJECTOR_ACTIVATIONS",
@@ -37,8 +38,13 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "MistralForCausalLM",
+    "Phi3ForCausalLM",
     "BertModel",
 )
+
+# Checkpoints that store q/k/v as one qkv_proj and gate/up as one gate_up_proj (the loader splits
+# them into the per-projection names every model here loads).
+FUSED_PROJECTION_ARCHITECTURES: frozenset[str] = frozenset({"Phi3ForCausalLM"})
 
 # Bidirectional encoders: they only embed (no generation), with no KV cache to reuse.
 ENCODER_ARCHITECTURES: frozenset[str] = frozenset({"BertModel"})
@@ -50,6 +56,7 @@ MODEL_TYPE_TO_ARCH: dict[str, str] = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
+    "phi3": "Phi3ForCausalLM",
     "bert": "BertModel",
 }
 
@@ -144,7 +151,7 @@ def _parse_sliding_window(d: Mapping[str, Any], arch: str, num_layers: int) -> i
         return None
     if arch == "LlamaForCausalLM":
         return None  # HF Llama ignores the key even if a converted config carries it.
-    if arch == "MistralForCausalLM":
+    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
         sliding_layers = num_layers
     else:
         # Qwen2/Qwen3 carry a (default) sliding_window value even when it is disabled.
@@ -163,6 +170,23 @@ def _parse_sliding_window(d: Mapping[str, Any], arch: str, num_layers: int) -> i
             "radixserve only supports a uniform attention pattern across layers."
         )
     return int(window)
+
+
+def _check_decoder_variant(arch: str, d: Mapping[str, Any]) -> None:
+    """Refuses, naming it, what the decoder does not implement: a rotary embedding over part of
+    each head (Phi-4-mini, Phi-3.5's partial_rotary_factor) and an MLP activation other than SiLU."""
+    params = d.get("rope_parameters")
+    partial = d.get("partial_rotary_factor")
+    if partial is None and isinstance(params, Mapping):
+        partial = params.get("partial_rotary_factor")
+    if partial is not None and float(partial) != 1.0:
+        raise UnsupportedModelError(
+            f"{arch} with partial_rotary_factor={partial}: a rotary embedding over part of each head "
+            "is not implemented"
+        )
+    act = d.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModelError(f"{arch} with hidden_act={act!r}: only silu is implemented")
 
 
 def _required_int(d: Mapping[str, Any], key: str) -> int:
@@ -288,6 +312,7 @@ class ModelConfig:
         # Mistral configs sometimes spell out "head_dim": null.
         head_dim = d.get("head_dim") or hidden // heads
         theta, scaling = _parse_rope(d)
+        _check_decoder_variant(arch, d)
 
         # Qwen2 always has q/k/v bias; its config has no switch for it.
         attention_bias = arch == "Qwen2ForCausalLM" or bool(d.get("attention_bias", False))

@@ -21,7 +21,12 @@ import torch
 from tqdm import tqdm
 
 from radixserve.layers.quantized import KEPT_FORMATS, QuantizedTensor, WeightTensor
-from radixserve.models.config import ModelConfig, ModelLoadError, UnsupportedModelError
+from radixserve.models.config import (
+    FUSED_PROJECTION_ARCHITECTURES,
+    ModelConfig,
+    ModelLoadError,
+    UnsupportedModelError,
+)
 from radixserve.models.source import ModelSource, gguf_architecture, gguf_reader, read_json
 
 __all__ = ["expected_weight_names", "iter_weights", "quantize_linears"]
@@ -97,17 +102,19 @@ def expected_weight_names(config: ModelConfig) -> list[str]:
     """Every HF parameter name a checkpoint for ``config`` must provide, in model order."""
     if config.is_encoder:
         return _encoder_weight_names(config)
+    fused = config.architecture in FUSED_PROJECTION_ARCHITECTURES
     names = ["model.embed_tokens.weight"]
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}"
-        for proj in ("q", "k", "v"):
+        for proj in ("qkv",) if fused else ("q", "k", "v"):
             names.append(f"{p}.self_attn.{proj}_proj.weight")
             if config.attention_bias:
                 names.append(f"{p}.self_attn.{proj}_proj.bias")
         names.append(f"{p}.self_attn.o_proj.weight")
         if config.qk_norm:
             names += [f"{p}.self_attn.q_norm.weight", f"{p}.self_attn.k_norm.weight"]
-        names += [f"{p}.mlp.{proj}_proj.weight" for proj in ("gate", "up", "down")]
+        mlp = ("gate_up", "down") if fused else ("gate", "up", "down")
+        names += [f"{p}.mlp.{proj}_proj.weight" for proj in mlp]
         names += [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
     names.append("model.norm.weight")
     if not config.tie_word_embeddings:
@@ -180,8 +187,39 @@ def iter_weights(
     model's names are validated here (VisionTower.load_weights checks the rest).
     """
     if src.kind == "hf_dir":
-        return _iter_safetensors(src.path, config)
-    return _iter_gguf(src.path, config, keep_quantized)
+        weights = _iter_safetensors(src.path, config)
+    else:
+        weights = _iter_gguf(src.path, config, keep_quantized)
+    return _split_fused(weights, config) if config.architecture in FUSED_PROJECTION_ARCHITECTURES else weights
+
+
+def _split_fused(
+    weights: Iterator[tuple[str, WeightTensor]], config: ModelConfig
+) -> Iterator[tuple[str, WeightTensor]]:
+    """A fused qkv_proj as q_proj, k_proj and v_proj, and a fused gate_up_proj as gate_proj and
+    up_proj: row ranges of the one tensor (views; a quantized one's rows are whole blocks)."""
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    ff = config.intermediate_size
+    splits = {
+        ".self_attn.qkv_proj.": (("self_attn.q_proj", q), ("self_attn.k_proj", kv), ("self_attn.v_proj", kv)),
+        ".mlp.gate_up_proj.": (("mlp.gate_proj", ff), ("mlp.up_proj", ff)),
+    }
+    for name, tensor in weights:
+        key = next((key for key in splits if key in name), None)
+        if key is None:
+            yield name, tensor
+            continue
+        layer, param = name.split(key)
+        parts = splits[key]
+        if tensor.shape[0] != sum(size for _, size in parts):
+            raise ModelLoadError(f"{name} has {tensor.shape[0]} rows, expected {sum(s for _, s in parts)}")
+        start = 0
+        for part, size in parts:
+            if isinstance(tensor, QuantizedTensor):
+                yield f"{layer}.{part}.{param}", tensor.narrow_rows(start, size)
+            else:
+                yield f"{layer}.{part}.{param}", tensor.narrow(0, start, size)
+            start += size
 
 
 def quantize_linears(

@@ -20,6 +20,8 @@ DECODER_MODELS: dict[str, type[CausalLM]] = {
     "MistralForCausalLM": CausalLM,
     "Qwen2ForCausalLM": CausalLM,
     "Qwen3ForCausalLM": CausalLM,
+    # Llama's layers; its fused qkv_proj / gate_up_proj tensors are split at load (models/loader.py).
+    "Phi3ForCausalLM": CausalLM,
 }
 # Bidirectional encoders: embeddings only, no KV cache; torch ops only.
 ENCODER_MODELS: dict[str, type[Encoder]] = {"BertModel": Encoder}

@@ -10,7 +10,7 @@ import pytest
 
 from tests.engine.oracle import GREEDY, GreedyOracle, random_prompts
 
-ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
+ARCHS = ["llama", "qwen2", "qwen3", "mistral", "phi3"]
 MAX_NEW = 12
 
 
@@ -42,7 +42,7 @@ def test_single_prompt(
     _assert_matches(_run(engine, prompts), prompts, oracle(arch))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3"])
 def test_sixteen_mixed_lengths_at_once(
     arch: str,
     tiny_model_dir: Callable[[str], Path],

@@ -29,6 +29,7 @@ ARCH_NAMES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 
 # --------------------------------------------------------------------------------------
@@ -129,6 +130,15 @@ def test_sliding_window_only_when_used() -> None:
     assert ModelConfig.from_hf_dict(_base_dict(**mistral, sliding_window=None)).sliding_window is None
     with pytest.raises(UnsupportedModelError, match="sliding-window"):
         ModelConfig.from_hf_dict(_base_dict(**qwen, use_sliding_window=True, max_window_layers=1))
+
+
+def test_phi3_variants_it_does_not_implement_are_refused_by_name() -> None:
+    phi3 = {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3"}
+    assert ModelConfig.from_hf_dict(_base_dict(**phi3, sliding_window=2047)).sliding_window == 2047
+    with pytest.raises(UnsupportedModelError, match=r"partial_rotary_factor=0\.75"):
+        ModelConfig.from_hf_dict(_base_dict(**phi3, partial_rotary_factor=0.75))
+    with pytest.raises(UnsupportedModelError, match="hidden_act='gelu'"):
+        ModelConfig.from_hf_dict(_base_dict(**phi3, hidden_act="gelu"))
 
 
 def test_unknown_architecture_lists_supported() -> None:

@@ -55,7 +55,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.integration)
 
 
-TINY_ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "phi3")
+TINY_ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "phi3", "phi3_longrope", "qwen3_yarn")
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -124,6 +124,29 @@ def _hf_config(arch: str, vocab_size: int, eos_id: int) -> Any:
     if arch == "phi3":
         # Fused qkv_proj and gate_up_proj tensors in the checkpoint.
         return Phi3Config(**common, tie_word_embeddings=False, pad_token_id=eos_id, sliding_window=None)
+    if arch == "phi3_longrope":
+        # LongRoPE over an original context of 64 (the tests' sequences stay within it).
+        half = common["head_dim"] // 2
+        rope = {
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "short_factor": [1.0 + 0.1 * i for i in range(half)],
+            "long_factor": [2.0 + 0.5 * i for i in range(half)],
+        }
+        return Phi3Config(
+            **{**common, "max_position_embeddings": 256}, original_max_position_embeddings=64,
+            rope_parameters=rope, tie_word_embeddings=False, pad_token_id=eos_id, sliding_window=None,
+        )  # fmt: skip
+    if arch == "qwen3_yarn":
+        rope = {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+        return Qwen3Config(
+            **common, tie_word_embeddings=False, use_sliding_window=False, rope_parameters=rope
+        )
     raise ValueError(f"unknown tiny arch {arch!r}; expected one of {TINY_ARCHS}")
 
 

@@ -19,13 +19,23 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, base: float, scaling: dict[str, Any] | None):
         super().__init__()
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        inv_freq = _apply_rope_scaling(inv_freq, scaling)
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        inv_freq = 1.0 / (base**exponents)
         # The tables stay fp32 whatever the model dtype: far positions need the precision.
         positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq)
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        kind = "default" if not scaling else scaling.get("rope_type", scaling.get("type", "default"))
+        attention_factor = 1.0
+        if kind == "longrope":
+            freqs, attention_factor = _longrope_freqs(positions, base**exponents, scaling or {})
+        else:
+            if kind == "yarn":
+                inv_freq, attention_factor = _yarn(inv_freq, base**exponents, head_dim, base, scaling or {})
+            else:
+                inv_freq = _apply_rope_scaling(inv_freq, scaling)
+            freqs = torch.outer(positions, inv_freq)
+        # YaRN and LongRoPE scale the rotation's magnitude too (a temperature on the attention).
+        self.register_buffer("cos", freqs.cos() * attention_factor, persistent=False)
+        self.register_buffer("sin", freqs.sin() * attention_factor, persistent=False)
         self.cos: torch.Tensor
         self.sin: torch.Tensor
 
@@ -90,4 +100,67 @@ def _apply_rope_scaling(inv_freq: torch.Tensor, scaling: dict[str, Any] | None) 
         blended = (1 - smooth) * scaled / factor + smooth * scaled
         in_band = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(in_band, blended, scaled)
-    raise ValueError(f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3)")
+    raise ValueError(
+        f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3, yarn, longrope)"
+    )
+
+
+def _yarn(
+    inv_freq: torch.Tensor, wavelength_base: torch.Tensor, head_dim: int, base: float, scaling: dict[str, Any]
+) -> tuple[torch.Tensor, float]:
+    """YaRN (Peng et al. 2023): dimensions that turn fewer than beta_slow times over the original
+    context are interpolated (their frequency divided by `factor`), those that turn more than
+    beta_fast times are kept, and a linear ramp blends the ones between; the rotation's magnitude
+    is scaled by 0.1 ln(factor) + 1 (or the ratio of two such terms, DeepSeek's mscale pair)."""
+    original = float(scaling["original_max_position_embeddings"])
+    factor = scaling.get("factor")
+    factor = float(factor) if factor is not None else float(scaling["max_position_embeddings"]) / original
+    fast, slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+
+    def dimension_turning(turns: float) -> float:
+        """The (fractional) rotary dimension whose frequency turns `turns` times over the context."""
+        return head_dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dimension_turning(fast), dimension_turning(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of zero width
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    kept = 1 - ramp
+    interpolated = 1.0 / (factor * wavelength_base)
+    blended = interpolated * (1 - kept) + inv_freq * kept
+
+    def magnitude(scale: float, mscale: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and mscale_all:
+            attention = magnitude(factor, float(mscale)) / magnitude(factor, float(mscale_all))
+        else:
+            attention = magnitude(factor)
+    return blended, float(attention)
+
+
+def _longrope_freqs(
+    positions: torch.Tensor, wavelength_base: torch.Tensor, scaling: dict[str, Any]
+) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3): per-dimension factors stretch each frequency, the short factors within
+    the original context and the long ones past it, and the magnitude grows by
+    sqrt(1 + ln(factor) / ln(original context)). The choice is per position: a cached key keeps
+    the rotation it was stored with. transformers instead rotates a whole sequence by the long
+    factors once it grows past the original context, which a KV cache cannot follow: the two agree
+    on every sequence within it."""
+    original = int(scaling["original_max_position_embeddings"])
+    factor = scaling.get("factor")
+    factor = float(factor) if factor is not None else float(scaling["max_position_embeddings"]) / original
+    short = 1.0 / (torch.tensor(scaling["short_factor"], dtype=torch.float32) * wavelength_base)
+    long = 1.0 / (torch.tensor(scaling["long_factor"], dtype=torch.float32) * wavelength_base)
+    freqs = torch.cat([torch.outer(positions[:original], short), torch.outer(positions[original:], long)])
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return freqs, float(attention)

@@ -142,6 +142,15 @@ def _parse_rope(d: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
         return float(theta), None
     out = {k: v for k, v in scaling.items() if k not in _ROPE_NON_SCALING_KEYS}
     out["rope_type"] = str(rope_type)
+    if rope_type in ("yarn", "longrope"):
+        # Phi-3 keeps the original context beside rope_scaling; without a `factor`, both take the
+        # ratio of the contexts.
+        keys = ["original_max_position_embeddings"] + (
+            ["max_position_embeddings"] if out.get("factor") is None else []
+        )
+        for key in keys:
+            if out.get(key) is None and d.get(key) is not None:
+                out[key] = int(d[key])
     return float(theta), out
 
 

@@ -30,7 +30,11 @@ def _assert_matches(
         assert res["meta_info"]["finish_reason"]["type"] == "length"
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+# RoPE scaling variants (layers/rotary.py): YaRN, and LongRoPE within its original context.
+SCALED_ARCHS = ["qwen3_yarn", "phi3_longrope"]
+
+
+@pytest.mark.parametrize("arch", ARCHS + SCALED_ARCHS)
 def test_single_prompt(
     arch: str,
     tiny_model_dir: Callable[[str], Path],

@@ -55,7 +55,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.integration)
 
 
-TINY_ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "phi3", "phi3_longrope", "qwen3_yarn")
+TINY_ARCHS: tuple[str, ...] = (
+    "llama", "qwen2", "qwen3", "mistral", "phi3", "phi3_longrope", "phi3_partial", "qwen3_yarn",
+)  # fmt: skip
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -136,6 +138,12 @@ def _hf_config(arch: str, vocab_size: int, eos_id: int) -> Any:
         return Phi3Config(
             **{**common, "max_position_embeddings": 256}, original_max_position_embeddings=64,
             rope_parameters=rope, tie_word_embeddings=False, pad_token_id=eos_id, sliding_window=None,
+        )  # fmt: skip
+    if arch == "phi3_partial":
+        # Phi-4-mini's shape: the rotary embedding turns 3/4 of each head.
+        return Phi3Config(
+            **common, partial_rotary_factor=0.75, tie_word_embeddings=True, pad_token_id=eos_id,
+            sliding_window=None,
         )  # fmt: skip
     if arch == "qwen3_yarn":
         rope = {

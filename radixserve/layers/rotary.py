@@ -15,7 +15,9 @@ if TYPE_CHECKING:
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding (half-split "neox" layout, as in HF Llama/Qwen checkpoints)."""
+    """Rotary position embedding (half-split "neox" layout, as in HF Llama/Qwen checkpoints).
+    head_dim: the dimensions it turns (the leading ones of each head; a partial rotary factor
+    leaves the rest unrotated)."""
 
     def __init__(self, head_dim: int, max_positions: int, base: float, scaling: dict[str, Any] | None):
         super().__init__()
@@ -65,14 +67,23 @@ class Rope:
 
     def rotate_(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, head_dim] (query heads, key heads, or both stacked), rotated. The native
-        kernel rotates x in place; the torch path returns a new tensor.
+        kernel rotates x in place; the torch path returns a new tensor. Where the tables cover
+        fewer dimensions than a head (a partial rotary factor), only the leading ones turn, on the
+        torch path (the model passes no kernels then).
 
         (x1, x2) → (x1·cos − x2·sin, x2·cos + x1·sin) in four passes over x instead of seven, and
         bit for bit the same: the sign sits in the table, and a + (−b) rounds as a − b."""
+        rotary = 2 * self.cos_table.shape[1]
+        if rotary < x.shape[-1]:
+            turned = self._turn(x[..., :rotary])
+            return torch.cat((turned, x[..., rotary:]), dim=-1)
         if self.kernels is not None and self.kernels.rotary_(
             x, self.cos_table, self.sin_table, self.positions
         ):
             return x
+        return self._turn(x)
+
+    def _turn(self, x: torch.Tensor) -> torch.Tensor:
         cos, signed_sin = self._rows
         x1, x2 = x.chunk(2, dim=-1)
         return x * cos + torch.cat((x2, x1), dim=-1) * signed_sin

@@ -181,18 +181,16 @@ def _parse_sliding_window(d: Mapping[str, Any], arch: str, num_layers: int) -> i
     return int(window)
 
 
-def _check_decoder_variant(arch: str, d: Mapping[str, Any]) -> None:
-    """Refuses, naming it, what the decoder does not implement: a rotary embedding over part of
-    each head (Phi-4-mini, Phi-3.5's partial_rotary_factor) and an MLP activation other than SiLU."""
+def _partial_rotary_factor(d: Mapping[str, Any]) -> float:
     params = d.get("rope_parameters")
     partial = d.get("partial_rotary_factor")
     if partial is None and isinstance(params, Mapping):
         partial = params.get("partial_rotary_factor")
-    if partial is not None and float(partial) != 1.0:
-        raise UnsupportedModelError(
-            f"{arch} with partial_rotary_factor={partial}: a rotary embedding over part of each head "
-            "is not implemented"
-        )
+    return 1.0 if partial is None else float(partial)
+
+
+def _check_decoder_variant(arch: str, d: Mapping[str, Any]) -> None:
+    """Refuses, naming it, what the decoder does not implement: an MLP activation other than SiLU."""
     act = d.get("hidden_act", "silu")
     if act != "silu":
         raise UnsupportedModelError(f"{arch} with hidden_act={act!r}: only silu is implemented")
@@ -288,6 +286,9 @@ class ModelConfig:
     # carried in rms_norm_eps.
     type_vocab_size: int = 0
     hidden_act: str = "silu"
+    # The share of each head's dimensions the rotary embedding turns (Phi-4-mini: 0.75); the rest
+    # pass through unrotated.
+    partial_rotary_factor: float = 1.0
     # Vision-language models (LLaVA) only: the image encoder in front of the text model.
     vision: VisionConfig | None = None
 
@@ -295,9 +296,19 @@ class ModelConfig:
     def is_encoder(self) -> bool:
         return self.architecture in ENCODER_ARCHITECTURES
 
+    @property
+    def rotary_dim(self) -> int:
+        """The leading dimensions of each head the rotary embedding turns."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(_unsupported_arch_message(self.architecture))
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise ModelLoadError(
+                f"partial_rotary_factor={self.partial_rotary_factor} of head_dim {self.head_dim} leaves "
+                f"{self.rotary_dim} rotary dimensions (an even count up to head_dim is needed)"
+            )
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise ModelLoadError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -353,6 +364,7 @@ class ModelConfig:
             eos_token_ids=merge_eos_ids(d.get("eos_token_id"), gen_eos),
             bos_token_id=int(bos) if bos is not None else None,
             torch_dtype=str(dtype) if dtype is not None else None,
+            partial_rotary_factor=_partial_rotary_factor(d),
         )
 
     @classmethod

@@ -146,7 +146,9 @@ class CausalLM(nn.Module):
         self.stage = stage_layers(config.num_hidden_layers, ctx)
         # What a stage after the first receives its hidden states in (the model is built in it).
         self.activation_dtype = torch.get_default_dtype()
-        self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
+        self.rotary = RotaryEmbedding(
+            config.rotary_dim, max_positions, config.rope_theta, config.rope_scaling
+        )
         needs_embedding = ctx.is_first_stage or (ctx.is_last_stage and config.tie_word_embeddings)
         self.embed_tokens = (
             VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx) if needs_embedding else None
@@ -223,7 +225,9 @@ class CausalLM(nn.Module):
             hidden = self.embed_tokens(batch.input_ids.clamp(max=self.config.vocab_size - 1))
             for row, vectors in batch.input_embeds:
                 hidden[row : row + len(vectors)] = vectors
-        rope = self.rotary.lookup(batch.positions, hidden.dtype, self.kernels)
+        # The native rotary kernel turns whole heads: a partial rotary factor runs on torch ops.
+        full_heads = self.config.rotary_dim == self.config.head_dim
+        rope = self.rotary.lookup(batch.positions, hidden.dtype, self.kernels if full_heads else None)
         fused = self.fused_decode
         # A verify step of chains runs fused too, when the backend planned it as decode rows.
         as_decode = batch.mode is ForwardMode.DECODE or isinstance(attention.metadata, CpuDecodeMetadata)
@@ -267,10 +271,10 @@ class CausalLM(nn.Module):
     def fused_decode_plan(self, kv_dtype: torch.dtype) -> FusedDecodePlan | None:
         """This model's layers for the fused native decode loop (models/fused_decode.py) over a KV
         pool of kv_dtype, or None where it cannot run them: no native linear kernel here, q/k norms
-        (Qwen3), tensor parallelism, a head shape without a compiled decode attention kernel, a pool
-        neither in the activations' dtype nor bf16 under fp32, biases on o_proj/down_proj, or a
-        linear the native kernel declined. Steps whose requests share a prefix run in it where a
-        native prefix attention kernel exists for the head shape."""
+        (Qwen3), a partial rotary factor, tensor parallelism, a head shape without a compiled decode
+        attention kernel, a pool neither in the activations' dtype nor bf16 under fp32, biases on
+        o_proj/down_proj, or a linear the native kernel declined. Steps whose requests share a
+        prefix run in it where a native prefix attention kernel exists for the head shape."""
         kernels, config = self.kernels, self.config
         layers = cast("list[DecoderLayer]", list(self.layers.values()))
         first = layers[0]
@@ -278,7 +282,7 @@ class CausalLM(nn.Module):
         dtype = first.input_layernorm.weight.dtype
         quantized = isinstance(attention.qkv_proj.packed, QuantizedWeight)
         linear_kernel = quantized or (kernels is not None and kernels.linear_kernel is not None)
-        if kernels is None or not linear_kernel or config.qk_norm:
+        if kernels is None or not linear_kernel or config.qk_norm or config.rotary_dim != config.head_dim:
             return None
         if kv_dtype != dtype and (dtype, kv_dtype) != (torch.float32, torch.bfloat16):
             return None

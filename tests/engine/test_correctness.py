@@ -30,8 +30,9 @@ def _assert_matches(
         assert res["meta_info"]["finish_reason"]["type"] == "length"
 
 
-# RoPE scaling variants (layers/rotary.py): YaRN, and LongRoPE within its original context.
-SCALED_ARCHS = ["qwen3_yarn", "phi3_longrope"]
+# RoPE variants (layers/rotary.py): YaRN, LongRoPE within its original context, a partial rotary
+# factor (Phi-4-mini's).
+SCALED_ARCHS = ["qwen3_yarn", "phi3_longrope", "phi3_partial"]
 
 
 @pytest.mark.parametrize("arch", ARCHS + SCALED_ARCHS)

@@ -132,11 +132,13 @@ def test_sliding_window_only_when_used() -> None:
         ModelConfig.from_hf_dict(_base_dict(**qwen, use_sliding_window=True, max_window_layers=1))
 
 
-def test_phi3_variants_it_does_not_implement_are_refused_by_name() -> None:
+def test_phi3_config_fields_and_the_variant_it_refuses() -> None:
     phi3 = {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3"}
     assert ModelConfig.from_hf_dict(_base_dict(**phi3, sliding_window=2047)).sliding_window == 2047
-    with pytest.raises(UnsupportedModelError, match=r"partial_rotary_factor=0\.75"):
-        ModelConfig.from_hf_dict(_base_dict(**phi3, partial_rotary_factor=0.75))
+    partial = ModelConfig.from_hf_dict(_base_dict(**phi3, partial_rotary_factor=0.75))
+    assert partial.rotary_dim == partial.head_dim * 3 // 4
+    with pytest.raises(ModelLoadError, match="an even count up to head_dim"):
+        ModelConfig.from_hf_dict(_base_dict(**phi3, partial_rotary_factor=0.1))
     with pytest.raises(UnsupportedModelError, match="hidden_act='gelu'"):
         ModelConfig.from_hf_dict(_base_dict(**phi3, hidden_act="gelu"))
 

@@ -54,6 +54,7 @@ from radixserve.models.config import ModelConfig, ModelLoadError
 from radixserve.models.llama import CausalLM
 from radixserve.models.loader import iter_weights, quantize_linears
 from radixserve.models.lora_adapter import LoraAdapter, LoraAdapterError, read_adapter_config
+from radixserve.models.moe import SparseMoE
 from radixserve.models.pooling import PoolingConfig, finish_embeddings, pool_segments, read_pooling_config
 from radixserve.models.registry import build_model
 from radixserve.models.source import (
@@ -234,6 +235,8 @@ class ModelRunner:
             problem = "tensor parallelism: the all-reduce splits its sums by the batch's size"
         elif self.attention is None:
             problem = "encoder (embedding) models are not covered: their layers run on torch ops"
+        elif any(isinstance(m, SparseMoE) for m in self.model.modules()):
+            problem = "Mixture-of-Experts layers run on torch matmuls whose sums depend on the row count"
         else:
             linears = [m for m in self.model.modules() if isinstance(m, (ParallelLinear, ParallelLMHead))]
             plain = [m for m in linears if m.packed is None or not m.packed.row_invariant]

@@ -39,6 +39,7 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "Qwen3ForCausalLM",
     "MistralForCausalLM",
     "Phi3ForCausalLM",
+    "Qwen3MoeForCausalLM",
     "BertModel",
 )
 
@@ -57,6 +58,7 @@ MODEL_TYPE_TO_ARCH: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
     "bert": "BertModel",
 }
 
@@ -189,6 +191,25 @@ def _partial_rotary_factor(d: Mapping[str, Any]) -> float:
     return 1.0 if partial is None else float(partial)
 
 
+def _moe_fields(arch: str, d: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
+    """Qwen3-MoE's experts: a layer is sparse unless listed in mlp_only_layers, every
+    decoder_sparse_step-th layer (counting from 1)."""
+    if arch != "Qwen3MoeForCausalLM":
+        return {}
+    # Hub configs name it num_experts; transformers 5 writes num_local_experts.
+    experts = int(d.get("num_experts") or d.get("num_local_experts") or 0)
+    step = int(d.get("decoder_sparse_step") or 1)
+    dense = set(d.get("mlp_only_layers") or [])
+    sparse = tuple(i for i in range(num_layers) if experts > 0 and i not in dense and (i + 1) % step == 0)
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": _required_int(d, "num_experts_per_tok") if experts else 0,
+        "moe_intermediate_size": _required_int(d, "moe_intermediate_size") if experts else 0,
+        "norm_topk_prob": bool(d.get("norm_topk_prob", False)),
+        "sparse_layers": sparse,
+    }
+
+
 def _check_decoder_variant(arch: str, d: Mapping[str, Any]) -> None:
     """Refuses, naming it, what the decoder does not implement: an MLP activation other than SiLU."""
     act = d.get("hidden_act", "silu")
@@ -289,6 +310,14 @@ class ModelConfig:
     # The share of each head's dimensions the rotary embedding turns (Phi-4-mini: 0.75); the rest
     # pass through unrotated.
     partial_rotary_factor: float = 1.0
+    # Mixture of Experts (models/moe.py): the experts of each sparse layer, how many a token takes,
+    # their width, whether the chosen ones' probabilities are renormalized, and which layers are
+    # sparse (the others keep a dense MLP).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    sparse_layers: tuple[int, ...] = ()
     # Vision-language models (LLaVA) only: the image encoder in front of the text model.
     vision: VisionConfig | None = None
 
@@ -359,12 +388,13 @@ class ModelConfig:
             # All four HF config classes default to untied when the key is absent.
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=attention_bias,
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             sliding_window=_parse_sliding_window(d, arch, num_layers),
             eos_token_ids=merge_eos_ids(d.get("eos_token_id"), gen_eos),
             bos_token_id=int(bos) if bos is not None else None,
             torch_dtype=str(dtype) if dtype is not None else None,
             partial_rotary_factor=_partial_rotary_factor(d),
+            **_moe_fields(arch, d, num_layers),
         )
 
     @classmethod

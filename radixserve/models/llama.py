@@ -41,6 +41,7 @@ from radixserve.layers.quantized import QuantizedWeight, WeightTensor
 from radixserve.layers.rotary import Rope, RotaryEmbedding
 from radixserve.models.config import ModelConfig
 from radixserve.models.fused_decode import FusedDecodePlan, FusedLayer
+from radixserve.models.moe import SparseMoE
 
 if TYPE_CHECKING:
     from radixserve.kernels.cpu_ops import CpuKernels
@@ -105,7 +106,8 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, ctx: ParallelContext, kernels: CpuKernels | None):
         super().__init__()
         self.self_attn = Attention(config, layer_id, ctx, kernels)
-        self.mlp = MLP(config, ctx, kernels)
+        sparse = layer_id in config.sparse_layers
+        self.mlp: MLP | SparseMoE = SparseMoE(config, ctx, kernels) if sparse else MLP(config, ctx, kernels)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
 
@@ -125,6 +127,7 @@ _STACKED = {
 }
 _STACKED_NAME = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.")
 _LAYER_INDEX = re.compile(r"^layers\.(\d+)\.")
+_MOE_TENSOR = re.compile(r"^layers\.(\d+)\.mlp\.(gate\.weight|experts\.\d+\.(?:gate|up|down)_proj\.weight)$")
 
 
 class CausalLM(nn.Module):
@@ -284,14 +287,18 @@ class CausalLM(nn.Module):
         linear_kernel = quantized or (kernels is not None and kernels.linear_kernel is not None)
         if kernels is None or not linear_kernel or config.qk_norm or config.rotary_dim != config.head_dim:
             return None
+        mlps = [layer.mlp for layer in layers]
+        if not all(isinstance(mlp, MLP) for mlp in mlps):
+            return None  # the native loop runs dense MLPs only
+        dense = cast("list[MLP]", mlps)
         if kv_dtype != dtype and (dtype, kv_dtype) != (torch.float32, torch.bfloat16):
             return None
         if attention.o_proj.ctx.tp_size != 1 or not kernels.handles_decode_attention(
             attention.num_heads, attention.num_kv_heads, config.head_dim, kv_dtype
         ):
             return None
-        if any(layer.self_attn.o_proj.bias is not None or layer.mlp.down_proj.bias is not None
-               for layer in layers):  # fmt: skip
+        if any(layer.self_attn.o_proj.bias is not None or mlp.down_proj.bias is not None
+               for layer, mlp in zip(layers, dense, strict=True)):  # fmt: skip
             return None
         plan = FusedDecodePlan(
             kernels=kernels,
@@ -303,16 +310,16 @@ class CausalLM(nn.Module):
                     linears=(
                         layer.self_attn.qkv_proj,
                         layer.self_attn.o_proj,
-                        layer.mlp.gate_up_proj,
-                        layer.mlp.down_proj,
+                        mlp.gate_up_proj,
+                        mlp.down_proj,
                     ),
                 )
-                for layer in layers
+                for layer, mlp in zip(layers, dense, strict=True)
             ],
             heads=attention.num_heads,
             kv_heads=attention.num_kv_heads,
             head_dim=config.head_dim,
-            intermediate=first.mlp.down_proj.local_input,
+            intermediate=dense[0].down_proj.local_input,
             eps=first.input_layernorm.eps,
             scale=attention.scale,
             kv_dtype=kv_dtype,
@@ -341,6 +348,11 @@ class CausalLM(nn.Module):
             and getattr(self, path.split(".")[0]) is None
         ):
             return None
+        expert = _MOE_TENSOR.match(path)
+        if expert is not None:
+            moe = getattr(self.layers[expert.group(1)], "mlp", None)
+            if isinstance(moe, SparseMoE):
+                return WeightTarget(f"layers.{expert.group(1)}.mlp", moe, expert.group(2), 0)
         shard = 0
         match = _STACKED_NAME.search(path)
         if match:
@@ -377,4 +389,6 @@ class CausalLM(nn.Module):
                     names |= {f"{module_path}.bias#{s}" for s in shards}
             elif isinstance(module, (RowParallelLinear, VocabParallelEmbedding, RMSNorm)):
                 names.add(f"{module_path}.weight#0")
+            elif isinstance(module, SparseMoE):
+                names |= {f"{module_path}.{n}#0" for n in module.checkpoint_names(self.config.num_experts)}
         return names

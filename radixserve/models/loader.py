@@ -27,6 +27,7 @@ from radixserve.models.config import (
     ModelLoadError,
     UnsupportedModelError,
 )
+from radixserve.models.moe import SparseMoE
 from radixserve.models.source import ModelSource, gguf_architecture, gguf_reader, read_json
 
 __all__ = ["expected_weight_names", "iter_weights", "quantize_linears"]
@@ -114,7 +115,10 @@ def expected_weight_names(config: ModelConfig) -> list[str]:
         if config.qk_norm:
             names += [f"{p}.self_attn.q_norm.weight", f"{p}.self_attn.k_norm.weight"]
         mlp = ("gate_up", "down") if fused else ("gate", "up", "down")
-        names += [f"{p}.mlp.{proj}_proj.weight" for proj in mlp]
+        if i in config.sparse_layers:
+            names += [f"{p}.mlp.{name}" for name in SparseMoE.checkpoint_names(config.num_experts)]
+        else:
+            names += [f"{p}.mlp.{proj}_proj.weight" for proj in mlp]
         names += [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
     names.append("model.norm.weight")
     if not config.tie_word_embeddings:

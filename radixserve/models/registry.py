@@ -22,6 +22,8 @@ DECODER_MODELS: dict[str, type[CausalLM]] = {
     "Qwen3ForCausalLM": CausalLM,
     # Llama's layers; its fused qkv_proj / gate_up_proj tensors are split at load (models/loader.py).
     "Phi3ForCausalLM": CausalLM,
+    # Qwen3's layers with Mixture-of-Experts feed-forwards where the config says (models/moe.py).
+    "Qwen3MoeForCausalLM": CausalLM,
 }
 # Bidirectional encoders: embeddings only, no KV cache; torch ops only.
 ENCODER_MODELS: dict[str, type[Encoder]] = {"BertModel": Encoder}

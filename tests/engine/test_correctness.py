@@ -33,9 +33,11 @@ def _assert_matches(
 # RoPE variants (layers/rotary.py): YaRN, LongRoPE within its original context, a partial rotary
 # factor (Phi-4-mini's).
 SCALED_ARCHS = ["qwen3_yarn", "phi3_longrope", "phi3_partial"]
+# Mixture of Experts (models/moe.py).
+MOE_ARCHS = ["qwen3_moe"]
 
 
-@pytest.mark.parametrize("arch", ARCHS + SCALED_ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + SCALED_ARCHS + MOE_ARCHS)
 def test_single_prompt(
     arch: str,
     tiny_model_dir: Callable[[str], Path],
@@ -47,7 +49,7 @@ def test_single_prompt(
     _assert_matches(_run(engine, prompts), prompts, oracle(arch))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", *MOE_ARCHS])
 def test_sixteen_mixed_lengths_at_once(
     arch: str,
     tiny_model_dir: Callable[[str], Path],

@@ -1,0 +1,82 @@
+"""Mixture-of-Experts feed-forward layers (Qwen3-MoE): a router picks each token's top-k experts,
+and each expert runs once per step on the rows routed to it.
+
+The router's probabilities are a softmax in fp32 over every expert, of which each token keeps its
+top k (renormalized to sum to 1 where the config says so, norm_topk_prob); a token's output is the
+sum of its experts' SwiGLU outputs weighted by those probabilities, added in expert order. Experts
+no row of the step routes to are not read. The experts run on torch ops, with --tp-size 1 (a
+layer split over ranks is not built yet); their weights stay dense (a quantized expert is refused).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixserve.distributed.parallel import ParallelContext
+from radixserve.kernels.cpu_ops import CpuKernels
+from radixserve.layers.activation import silu_and_mul
+from radixserve.layers.linear import ShardingError
+from radixserve.layers.quantized import QuantizationError, QuantizedTensor, WeightTensor
+from radixserve.models.config import ModelConfig
+
+# A checkpoint tensor of the layer, as named under its `mlp.`: the router, or one expert's linear.
+_PARAM = re.compile(r"^(?:gate\.weight|experts\.(\d+)\.(gate|up|down)_proj\.weight)$")
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, kernels: CpuKernels | None):
+        super().__init__()
+        if ctx.tp_size != 1:
+            raise ShardingError("Mixture-of-Experts layers run with --tp-size 1 (no expert sharding yet)")
+        experts, size, hidden = config.num_experts, config.moe_intermediate_size, config.hidden_size
+        self.kernels = kernels
+        self.top_k = config.num_experts_per_tok
+        self.normalize = config.norm_topk_prob
+        self.size = size
+        self.router = nn.Parameter(torch.empty(experts, hidden), requires_grad=False)
+        # Each expert's gate and up rows stacked (gate first, as silu_and_mul takes them), and its down.
+        self.gate_up = nn.Parameter(torch.empty(experts, 2 * size, hidden), requires_grad=False)
+        self.down = nn.Parameter(torch.empty(experts, hidden, size), requires_grad=False)
+
+    @staticmethod
+    def checkpoint_names(num_experts: int) -> list[str]:
+        """The tensors a checkpoint holds for one layer, under its `mlp.`."""
+        names = ["gate.weight"]
+        for e in range(num_experts):
+            names += [f"experts.{e}.{proj}_proj.weight" for proj in ("gate", "up", "down")]
+        return names
+
+    def load(self, name: str, tensor: WeightTensor, shard: int = 0) -> None:
+        match = _PARAM.match(name)
+        if match is None:
+            raise KeyError(f"a Mixture-of-Experts layer has no tensor {name!r}")
+        if isinstance(tensor, QuantizedTensor):
+            raise QuantizationError("Mixture-of-Experts experts are not kept quantized yet")
+        with torch.no_grad():
+            if match.group(1) is None:
+                self.router.copy_(tensor)
+                return
+            expert, proj = int(match.group(1)), match.group(2)
+            if proj == "down":
+                self.down[expert].copy_(tensor)
+            else:
+                first = 0 if proj == "gate" else self.size
+                self.gate_up[expert, first : first + self.size].copy_(tensor)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The layer's output added to residual."""
+        probabilities = torch.softmax(F.linear(x, self.router), dim=-1, dtype=torch.float32)
+        weights, chosen = probabilities.topk(self.top_k, dim=-1)
+        if self.normalize:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        for expert in torch.unique(chosen).tolist():
+            rows, slot = torch.where(chosen == expert)
+            hidden = silu_and_mul(F.linear(x[rows], self.gate_up[expert]), self.kernels)
+            out.index_add_(0, rows, F.linear(hidden, self.down[expert]) * weights[rows, slot, None])
+        return out + residual

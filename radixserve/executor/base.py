@@ -194,6 +194,20 @@ class WeightControl(Protocol):
 
 
 @runtime_checkable
+class ExpertRecording(Protocol):
+    """/start_expert_distribution_record and its stop and dump (a Mixture-of-Experts model)."""
+
+    def record_experts(self, recording: bool) -> None:
+        """Starts counting, from zero, the tokens each layer routes to each expert (True), or
+        stops counting and keeps the counts (False)."""
+        ...
+
+    def expert_counts(self) -> dict[int, list[int]]:
+        """Per sparse layer (its index in the model), the tokens routed to each expert so far."""
+        ...
+
+
+@runtime_checkable
 class DraftExecutor(Executor, MemoryControl, Protocol):
     """A STANDALONE draft model (--speculative-draft-model-path): it runs forwards, and its memory
     is released and resumed with the target's."""

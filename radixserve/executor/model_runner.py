@@ -54,7 +54,7 @@ from radixserve.models.config import ModelConfig, ModelLoadError
 from radixserve.models.llama import CausalLM
 from radixserve.models.loader import iter_weights, quantize_linears
 from radixserve.models.lora_adapter import LoraAdapter, LoraAdapterError, read_adapter_config
-from radixserve.models.moe import SparseMoE
+from radixserve.models.moe import SparseMoE, expert_counts, record_experts
 from radixserve.models.pooling import PoolingConfig, finish_embeddings, pool_segments, read_pooling_config
 from radixserve.models.registry import build_model
 from radixserve.models.source import (
@@ -280,6 +280,12 @@ class ModelRunner:
     @property
     def released(self) -> set[str]:
         return self._released
+
+    def record_experts(self, recording: bool) -> None:
+        record_experts(self.model, recording)
+
+    def expert_counts(self) -> dict[int, list[int]]:
+        return expert_counts(self.model)
 
     def describe(self) -> dict[str, Any]:
         return {

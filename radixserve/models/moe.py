@@ -6,6 +6,9 @@ top k (renormalized to sum to 1 where the config says so, norm_topk_prob); a tok
 sum of its experts' SwiGLU outputs weighted by those probabilities, added in expert order. Experts
 no row of the step routes to are not read. The experts run on torch ops, with --tp-size 1 (a
 layer split over ranks is not built yet); their weights stay dense (a quantized expert is refused).
+
+While recording (/start_expert_distribution_record), each layer counts the tokens routed to each
+expert: a token that picks k experts counts once for each of them.
 """
 
 from __future__ import annotations
@@ -41,6 +44,10 @@ class SparseMoE(nn.Module):
         # Each expert's gate and up rows stacked (gate first, as silu_and_mul takes them), and its down.
         self.gate_up = nn.Parameter(torch.empty(experts, 2 * size, hidden), requires_grad=False)
         self.down = nn.Parameter(torch.empty(experts, hidden, size), requires_grad=False)
+        # Tokens routed to each expert since the recording started (None while not recording), and
+        # the last recording's once it stopped.
+        self.routed: torch.Tensor | None = None
+        self.counted: torch.Tensor | None = None
 
     @staticmethod
     def checkpoint_names(num_experts: int) -> list[str]:
@@ -71,6 +78,8 @@ class SparseMoE(nn.Module):
         """The layer's output added to residual."""
         probabilities = torch.softmax(F.linear(x, self.router), dim=-1, dtype=torch.float32)
         weights, chosen = probabilities.topk(self.top_k, dim=-1)
+        if self.routed is not None:
+            self.routed += torch.bincount(chosen.flatten(), minlength=self.routed.shape[0])
         if self.normalize:
             weights /= weights.sum(dim=-1, keepdim=True)
         weights = weights.to(x.dtype)
@@ -80,3 +89,31 @@ class SparseMoE(nn.Module):
             hidden = silu_and_mul(F.linear(x[rows], self.gate_up[expert]), self.kernels)
             out.index_add_(0, rows, F.linear(hidden, self.down[expert]) * weights[rows, slot, None])
         return out + residual
+
+
+def sparse_layers(model: nn.Module) -> dict[int, SparseMoE]:
+    """The model's Mixture-of-Experts layers by layer index."""
+    found = {}
+    for name, module in model.named_modules():
+        if isinstance(module, SparseMoE):
+            found[int(name.split(".")[-2])] = module
+    return found
+
+
+def record_experts(model: nn.Module, recording: bool) -> None:
+    """Starts counting routed tokens from zero in every sparse layer, or stops (the counts stay)."""
+    for layer in sparse_layers(model).values():
+        if recording:
+            layer.routed = torch.zeros(layer.router.shape[0], dtype=torch.int64, device=layer.router.device)
+        elif layer.routed is not None:
+            layer.counted = layer.routed
+            layer.routed = None
+
+
+def expert_counts(model: nn.Module) -> dict[int, list[int]]:
+    """Per sparse layer, the tokens routed to each expert in the last (or current) recording."""
+    counts = {}
+    for index, layer in sorted(sparse_layers(model).items()):
+        tally = layer.routed if layer.routed is not None else layer.counted
+        counts[index] = [] if tally is None else tally.tolist()
+    return counts

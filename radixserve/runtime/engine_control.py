@@ -73,6 +73,24 @@ class EngineControl(ABC):
     def get_stats(self) -> dict[str, Any]:
         return self.control("get_stats").payload
 
+    def start_expert_distribution_record(self) -> None:
+        """A Mixture-of-Experts model counts, from zero, the tokens each layer routes to each expert."""
+        self._expert_command("start_expert_distribution_record")
+
+    def stop_expert_distribution_record(self) -> None:
+        self._expert_command("stop_expert_distribution_record")
+
+    def dump_expert_distribution_record(self) -> dict[int, list[int]]:
+        """Per sparse layer (by index), the tokens routed to each expert in the last recording."""
+        layers = self._expert_command("dump_expert_distribution_record")["layers"]
+        return {int(layer): counts for layer, counts in layers.items()}
+
+    def _expert_command(self, command: str) -> dict[str, Any]:
+        result = self.control(command)
+        if not result.ok:
+            raise InvalidRequestError(result.error or f"{command} failed")
+        return result.payload
+
     def flush_cache(self) -> bool:
         return self.control("flush_cache").ok
 

@@ -17,6 +17,7 @@ from radixserve.config.server_args import ServerArgs
 from radixserve.executor.base import (
     MEMORY_TAGS,
     Executor,
+    ExpertRecording,
     MemoryControl,
     MemoryReleasedError,
     MissingCapabilityError,
@@ -325,6 +326,32 @@ def stop_profile(scheduler: ControlledScheduler, args: dict[str, Any]) -> Reply:
     return Reply(scheduler.profiler.stop())
 
 
+def _experts(scheduler: ControlledScheduler) -> ExpertRecording:
+    executor = scheduler.executor
+    if not isinstance(executor, ExpertRecording):
+        raise ControlError(str(MissingCapabilityError(executor, ExpertRecording, "recording experts")))
+    if not executor.info.config.sparse_layers:
+        raise ControlError("this model has no Mixture-of-Experts layers to record")
+    return executor
+
+
+def start_expert_record(scheduler: ControlledScheduler, args: dict[str, Any]) -> Reply:
+    """SGLang's /start_expert_distribution_record: counting starts from zero."""
+    _experts(scheduler).record_experts(True)
+    return Reply({"recording": True})
+
+
+def stop_expert_record(scheduler: ControlledScheduler, args: dict[str, Any]) -> Reply:
+    _experts(scheduler).record_experts(False)
+    return Reply({"recording": False})
+
+
+def dump_expert_record(scheduler: ControlledScheduler, args: dict[str, Any]) -> Reply:
+    """Per sparse layer, the tokens routed to each expert in the last (or current) recording."""
+    counts = _experts(scheduler).expert_counts()
+    return Reply({"layers": {str(layer): tally for layer, tally in counts.items()}})
+
+
 def _weights(scheduler: ControlledScheduler) -> WeightControl:
     executor = scheduler.executor
     if not isinstance(executor, WeightControl):
@@ -440,6 +467,9 @@ COMMANDS: dict[str, Callable[[ControlledScheduler, dict[str, Any]], Reply]] = {
     "set_internal_state": set_state,
     "slow_down": slow_down,
     "start_profile": start_profile,
+    "start_expert_distribution_record": start_expert_record,
+    "stop_expert_distribution_record": stop_expert_record,
+    "dump_expert_distribution_record": dump_expert_record,
     "stop_profile": stop_profile,
     "get_weights_by_name": get_weights_by_name,
     "update_weights_from_disk": update_weights_from_disk,

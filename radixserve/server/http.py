@@ -364,6 +364,20 @@ def _add_native_routes(app: FastAPI) -> None:
     async def stop_profile(request: Request) -> JSONResponse:
         return await _control_json(request, "stop_profile", {})
 
+    # SGLang's routes for a Mixture-of-Experts model: count the tokens each layer routes to each
+    # expert from the start to the stop; the dump answers with the counts (SGLang writes a file).
+    @app.post("/start_expert_distribution_record")
+    async def start_expert_distribution_record(request: Request) -> JSONResponse:
+        return await _control_json(request, "start_expert_distribution_record", {})
+
+    @app.post("/stop_expert_distribution_record")
+    async def stop_expert_distribution_record(request: Request) -> JSONResponse:
+        return await _control_json(request, "stop_expert_distribution_record", {})
+
+    @app.post("/dump_expert_distribution_record")
+    async def dump_expert_distribution_record(request: Request) -> JSONResponse:
+        return await _control_json(request, "dump_expert_distribution_record", {})
+
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request) -> JSONResponse:
         """{"model_path": ...}: same architecture and shapes. Requests in flight are aborted."""

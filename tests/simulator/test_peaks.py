@@ -117,7 +117,8 @@ def test_a_prompts_and_an_extends_attention_are_timed_on_the_engines_backend(
     extends = measure_extend_attention(attention, seconds=0.05, shapes=((64, 512), (4, 16)))
     # By the pairs each reads, fewest first: 4 x 20 and 64 x 576.
     assert [pairs for pairs, _ in extends] == [80, 36_864]
-    assert all(seconds > 0 for _, seconds in extends) and extends[-1][1] > extends[0][1]
+    # (Which takes longer is the machine's business: a test holds no figure of its speed.)
+    assert all(seconds > 0 for _, seconds in extends)
     if kernels is not None:
         assert dict(kernels.fallbacks) == declined
 

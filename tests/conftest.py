@@ -57,7 +57,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 TINY_ARCHS: tuple[str, ...] = (
     "llama", "qwen2", "qwen3", "mistral", "phi3", "phi3_longrope", "phi3_partial", "qwen3_yarn",
-    "qwen3_moe",
+    "qwen3_moe", "qwen2_moe",
 )  # fmt: skip
 
 CHATML_TEMPLATE = (
@@ -109,7 +109,15 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def _hf_config(arch: str, vocab_size: int, eos_id: int) -> Any:
-    from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import (
+        LlamaConfig,
+        MistralConfig,
+        Phi3Config,
+        Qwen2Config,
+        Qwen2MoeConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     common: dict[str, Any] = dict(
         _TINY_SHAPES, vocab_size=vocab_size, bos_token_id=eos_id, eos_token_id=eos_id
@@ -151,6 +159,12 @@ def _hf_config(arch: str, vocab_size: int, eos_id: int) -> Any:
         return Qwen3MoeConfig(
             **common, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
             norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[0], tie_word_embeddings=False,
+        )  # fmt: skip
+    if arch == "qwen2_moe":
+        # Every layer sparse; 6 experts, 2 a token, not renormalized; a gated shared expert.
+        return Qwen2MoeConfig(
+            **common, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=48, tie_word_embeddings=False, use_sliding_window=False,
         )  # fmt: skip
     if arch == "qwen3_yarn":
         rope = {

@@ -40,6 +40,7 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "MistralForCausalLM",
     "Phi3ForCausalLM",
     "Qwen3MoeForCausalLM",
+    "Qwen2MoeForCausalLM",
     "BertModel",
 )
 
@@ -59,6 +60,7 @@ MODEL_TYPE_TO_ARCH: dict[str, str] = {
     "mistral": "MistralForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
     "bert": "BertModel",
 }
 
@@ -192,9 +194,9 @@ def _partial_rotary_factor(d: Mapping[str, Any]) -> float:
 
 
 def _moe_fields(arch: str, d: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
-    """Qwen3-MoE's experts: a layer is sparse unless listed in mlp_only_layers, every
-    decoder_sparse_step-th layer (counting from 1)."""
-    if arch != "Qwen3MoeForCausalLM":
+    """Qwen3-MoE's and Qwen2-MoE's experts: a layer is sparse unless listed in mlp_only_layers,
+    every decoder_sparse_step-th layer (counting from 1); Qwen2-MoE adds a shared expert."""
+    if arch not in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
         return {}
     # Hub configs name it num_experts; transformers 5 writes num_local_experts.
     experts = int(d.get("num_experts") or d.get("num_local_experts") or 0)
@@ -207,6 +209,7 @@ def _moe_fields(arch: str, d: Mapping[str, Any], num_layers: int) -> dict[str, A
         "moe_intermediate_size": _required_int(d, "moe_intermediate_size") if experts else 0,
         "norm_topk_prob": bool(d.get("norm_topk_prob", False)),
         "sparse_layers": sparse,
+        "shared_expert_intermediate_size": int(d.get("shared_expert_intermediate_size") or 0),
     }
 
 
@@ -318,6 +321,8 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     sparse_layers: tuple[int, ...] = ()
+    # Qwen2-MoE: a shared expert every token takes, gated by a sigmoid (0: none).
+    shared_expert_intermediate_size: int = 0
     # Vision-language models (LLaVA) only: the image encoder in front of the text model.
     vision: VisionConfig | None = None
 
@@ -363,8 +368,12 @@ class ModelConfig:
         theta, scaling = _parse_rope(d)
         _check_decoder_variant(arch, d)
 
-        # Qwen2 always has q/k/v bias; its config has no switch for it.
-        attention_bias = arch == "Qwen2ForCausalLM" or bool(d.get("attention_bias", False))
+        # Qwen2 always has q/k/v bias; its config has no switch for it (Qwen2-MoE's is qkv_bias).
+        attention_bias = (
+            arch == "Qwen2ForCausalLM"
+            or bool(d.get("attention_bias", False))
+            or bool(d.get("qkv_bias", False))
+        )
 
         gen_eos = generation_config.get("eos_token_id") if generation_config else None
         bos = d.get("bos_token_id")

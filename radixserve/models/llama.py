@@ -127,7 +127,11 @@ _STACKED = {
 }
 _STACKED_NAME = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.")
 _LAYER_INDEX = re.compile(r"^layers\.(\d+)\.")
-_MOE_TENSOR = re.compile(r"^layers\.(\d+)\.mlp\.(gate\.weight|experts\.\d+\.(?:gate|up|down)_proj\.weight)$")
+# A Mixture-of-Experts layer's tensor: its router, an expert's linear, a shared expert's, its gate.
+_MOE_TENSOR = re.compile(
+    r"^layers\.(\d+)\.mlp\.(gate\.weight|experts\.\d+\.(?:gate|up|down)_proj\.weight"
+    r"|shared_expert\.(?:gate|up|down)_proj\.weight|shared_expert_gate\.weight)$"
+)
 
 
 class CausalLM(nn.Module):
@@ -390,5 +394,5 @@ class CausalLM(nn.Module):
             elif isinstance(module, (RowParallelLinear, VocabParallelEmbedding, RMSNorm)):
                 names.add(f"{module_path}.weight#0")
             elif isinstance(module, SparseMoE):
-                names |= {f"{module_path}.{n}#0" for n in module.checkpoint_names(self.config.num_experts)}
+                names |= {f"{module_path}.{n}#0" for n in module.checkpoint_names(self.config)}
         return names

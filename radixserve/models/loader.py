@@ -116,7 +116,7 @@ def expected_weight_names(config: ModelConfig) -> list[str]:
             names += [f"{p}.self_attn.q_norm.weight", f"{p}.self_attn.k_norm.weight"]
         mlp = ("gate_up", "down") if fused else ("gate", "up", "down")
         if i in config.sparse_layers:
-            names += [f"{p}.mlp.{name}" for name in SparseMoE.checkpoint_names(config.num_experts)]
+            names += [f"{p}.mlp.{name}" for name in SparseMoE.checkpoint_names(config)]
         else:
             names += [f"{p}.mlp.{proj}_proj.weight" for proj in mlp]
         names += [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]

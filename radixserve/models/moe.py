@@ -1,5 +1,7 @@
-"""Mixture-of-Experts feed-forward layers (Qwen3-MoE): a router picks each token's top-k experts,
-and each expert runs once per step on the rows routed to it.
+"""Mixture-of-Experts feed-forward layers (Qwen3-MoE, Qwen2-MoE): a router picks each token's top-k
+experts, and each expert runs once per step on the rows routed to it. Qwen2-MoE adds a shared
+expert every token takes, its output scaled by sigmoid(shared_expert_gate · x) and added after the
+routed experts'.
 
 The router's probabilities are a softmax in fp32 over every expert, of which each token keeps its
 top k (renormalized to sum to 1 where the config says so, norm_topk_prob); a token's output is the
@@ -27,7 +29,10 @@ from radixserve.layers.quantized import QuantizationError, QuantizedTensor, Weig
 from radixserve.models.config import ModelConfig
 
 # A checkpoint tensor of the layer, as named under its `mlp.`: the router, or one expert's linear.
-_PARAM = re.compile(r"^(?:gate\.weight|experts\.(\d+)\.(gate|up|down)_proj\.weight)$")
+_PARAM = re.compile(
+    r"^(?:gate\.weight|experts\.(\d+)\.(gate|up|down)_proj\.weight"
+    r"|shared_expert\.(gate|up|down)_proj\.weight|shared_expert_gate\.weight)$"
+)
 
 
 class SparseMoE(nn.Module):
@@ -44,17 +49,24 @@ class SparseMoE(nn.Module):
         # Each expert's gate and up rows stacked (gate first, as silu_and_mul takes them), and its down.
         self.gate_up = nn.Parameter(torch.empty(experts, 2 * size, hidden), requires_grad=False)
         self.down = nn.Parameter(torch.empty(experts, hidden, size), requires_grad=False)
+        self.shared_size = shared = config.shared_expert_intermediate_size
+        self.shared_gate_up = nn.Parameter(torch.empty(2 * shared, hidden), requires_grad=False)
+        self.shared_down = nn.Parameter(torch.empty(hidden, shared), requires_grad=False)
+        self.shared_gate = nn.Parameter(torch.empty(1 if shared else 0, hidden), requires_grad=False)
         # Tokens routed to each expert since the recording started (None while not recording), and
         # the last recording's once it stopped.
         self.routed: torch.Tensor | None = None
         self.counted: torch.Tensor | None = None
 
     @staticmethod
-    def checkpoint_names(num_experts: int) -> list[str]:
-        """The tensors a checkpoint holds for one layer, under its `mlp.`."""
+    def checkpoint_names(config: ModelConfig) -> list[str]:
+        """The tensors a checkpoint holds for one sparse layer, under its `mlp.`."""
         names = ["gate.weight"]
-        for e in range(num_experts):
+        for e in range(config.num_experts):
             names += [f"experts.{e}.{proj}_proj.weight" for proj in ("gate", "up", "down")]
+        if config.shared_expert_intermediate_size:
+            names += [f"shared_expert.{proj}_proj.weight" for proj in ("gate", "up", "down")]
+            names.append("shared_expert_gate.weight")
         return names
 
     def load(self, name: str, tensor: WeightTensor, shard: int = 0) -> None:
@@ -64,6 +76,16 @@ class SparseMoE(nn.Module):
         if isinstance(tensor, QuantizedTensor):
             raise QuantizationError("Mixture-of-Experts experts are not kept quantized yet")
         with torch.no_grad():
+            if name == "shared_expert_gate.weight":
+                self.shared_gate.copy_(tensor)
+                return
+            if match.group(3) is not None:
+                if match.group(3) == "down":
+                    self.shared_down.copy_(tensor)
+                else:
+                    first = 0 if match.group(3) == "gate" else self.shared_size
+                    self.shared_gate_up[first : first + self.shared_size].copy_(tensor)
+                return
             if match.group(1) is None:
                 self.router.copy_(tensor)
                 return
@@ -88,6 +110,9 @@ class SparseMoE(nn.Module):
             rows, slot = torch.where(chosen == expert)
             hidden = silu_and_mul(F.linear(x[rows], self.gate_up[expert]), self.kernels)
             out.index_add_(0, rows, F.linear(hidden, self.down[expert]) * weights[rows, slot, None])
+        if self.shared_size:
+            shared = F.linear(silu_and_mul(F.linear(x, self.shared_gate_up), self.kernels), self.shared_down)
+            out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * shared
         return out + residual
 
 

@@ -24,6 +24,8 @@ DECODER_MODELS: dict[str, type[CausalLM]] = {
     "Phi3ForCausalLM": CausalLM,
     # Qwen3's layers with Mixture-of-Experts feed-forwards where the config says (models/moe.py).
     "Qwen3MoeForCausalLM": CausalLM,
+    # Qwen2's layers (q/k/v bias) with experts and a gated shared expert (models/moe.py).
+    "Qwen2MoeForCausalLM": CausalLM,
 }
 # Bidirectional encoders: embeddings only, no KV cache; torch ops only.
 ENCODER_MODELS: dict[str, type[Encoder]] = {"BertModel": Encoder}

@@ -57,7 +57,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 TINY_ARCHS: tuple[str, ...] = (
     "llama", "qwen2", "qwen3", "mistral", "phi3", "phi3_longrope", "phi3_partial", "qwen3_yarn",
-    "qwen3_moe", "qwen2_moe",
+    "qwen3_moe", "qwen2_moe", "mixtral",
 )  # fmt: skip
 
 CHATML_TEMPLATE = (
@@ -112,6 +112,7 @@ def _hf_config(arch: str, vocab_size: int, eos_id: int) -> Any:
     from transformers import (
         LlamaConfig,
         MistralConfig,
+        MixtralConfig,
         Phi3Config,
         Qwen2Config,
         Qwen2MoeConfig,
@@ -165,6 +166,12 @@ def _hf_config(arch: str, vocab_size: int, eos_id: int) -> Any:
         return Qwen2MoeConfig(
             **common, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
             shared_expert_intermediate_size=48, tie_word_embeddings=False, use_sliding_window=False,
+        )  # fmt: skip
+    if arch == "mixtral":
+        # Every layer sparse: 4 experts of intermediate_size, 2 a token (renormalized).
+        return MixtralConfig(
+            **common, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
+            sliding_window=None,
         )  # fmt: skip
     if arch == "qwen3_yarn":
         rope = {

@@ -41,6 +41,7 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "Phi3ForCausalLM",
     "Qwen3MoeForCausalLM",
     "Qwen2MoeForCausalLM",
+    "MixtralForCausalLM",
     "BertModel",
 )
 
@@ -61,6 +62,7 @@ MODEL_TYPE_TO_ARCH: dict[str, str] = {
     "phi3": "Phi3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
     "bert": "BertModel",
 }
 
@@ -164,7 +166,7 @@ def _parse_sliding_window(d: Mapping[str, Any], arch: str, num_layers: int) -> i
         return None
     if arch == "LlamaForCausalLM":
         return None  # HF Llama ignores the key even if a converted config carries it.
-    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
+    if arch in ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM"):
         sliding_layers = num_layers
     else:
         # Qwen2/Qwen3 carry a (default) sliding_window value even when it is disabled.
@@ -196,6 +198,16 @@ def _partial_rotary_factor(d: Mapping[str, Any]) -> float:
 def _moe_fields(arch: str, d: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
     """Qwen3-MoE's and Qwen2-MoE's experts: a layer is sparse unless listed in mlp_only_layers,
     every decoder_sparse_step-th layer (counting from 1); Qwen2-MoE adds a shared expert."""
+    if arch == "MixtralForCausalLM":
+        # Every layer sparse; the chosen experts' probabilities always renormalized.
+        experts = _required_int(d, "num_local_experts")
+        return {
+            "num_experts": experts,
+            "num_experts_per_tok": _required_int(d, "num_experts_per_tok"),
+            "moe_intermediate_size": _required_int(d, "intermediate_size"),
+            "norm_topk_prob": True,
+            "sparse_layers": tuple(range(num_layers)),
+        }
     if arch not in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
         return {}
     # Hub configs name it num_experts; transformers 5 writes num_local_experts.

@@ -115,7 +115,9 @@ def expected_weight_names(config: ModelConfig) -> list[str]:
         if config.qk_norm:
             names += [f"{p}.self_attn.q_norm.weight", f"{p}.self_attn.k_norm.weight"]
         mlp = ("gate_up", "down") if fused else ("gate", "up", "down")
-        if i in config.sparse_layers:
+        if i in config.sparse_layers and config.architecture == "MixtralForCausalLM":
+            names += [f"{p}.{_mixtral_name(name)}" for name in SparseMoE.checkpoint_names(config)]
+        elif i in config.sparse_layers:
             names += [f"{p}.mlp.{name}" for name in SparseMoE.checkpoint_names(config)]
         else:
             names += [f"{p}.mlp.{proj}_proj.weight" for proj in mlp]
@@ -194,7 +196,30 @@ def iter_weights(
         weights = _iter_safetensors(src.path, config)
     else:
         weights = _iter_gguf(src.path, config, keep_quantized)
+    if config.architecture == "MixtralForCausalLM":
+        return ((_MIXTRAL_TO_OURS.sub(_ours, name), tensor) for name, tensor in weights)
     return _split_fused(weights, config) if config.architecture in FUSED_PROJECTION_ARCHITECTURES else weights
+
+
+# Mixtral's names for a sparse layer's tensors: block_sparse_moe.{gate, experts.E.w1 (gate),
+# w3 (up), w2 (down)}; ours (and Qwen-MoE's): mlp.{gate, experts.E.{gate,up,down}_proj}.
+_MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_MIXTRAL_TO_OURS = re.compile(r"\.block_sparse_moe\.(?:experts\.(\d+)\.(w[123])\.|gate\.)")
+
+
+def _ours(match: re.Match[str]) -> str:
+    if match.group(1) is None:
+        return ".mlp.gate."
+    return f".mlp.experts.{match.group(1)}.{_MIXTRAL_PROJ[match.group(2)]}."
+
+
+def _mixtral_name(ours: str) -> str:
+    """A sparse layer's tensor (as SparseMoE.checkpoint_names names it) as Mixtral names it."""
+    if ours == "gate.weight":
+        return "block_sparse_moe.gate.weight"
+    expert, proj, param = ours.removeprefix("experts.").split(".")
+    mixtral = {v: k for k, v in _MIXTRAL_PROJ.items()}[proj]
+    return f"block_sparse_moe.experts.{expert}.{mixtral}.{param}"
 
 
 def _split_fused(

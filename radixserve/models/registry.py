@@ -26,6 +26,8 @@ DECODER_MODELS: dict[str, type[CausalLM]] = {
     "Qwen3MoeForCausalLM": CausalLM,
     # Qwen2's layers (q/k/v bias) with experts and a gated shared expert (models/moe.py).
     "Qwen2MoeForCausalLM": CausalLM,
+    # Mistral's layers, each with experts (their checkpoint names mapped by models/loader.py).
+    "MixtralForCausalLM": CausalLM,
 }
 # Bidirectional encoders: embeddings only, no KV cache; torch ops only.
 ENCODER_MODELS: dict[str, type[Encoder]] = {"BertModel": Encoder}

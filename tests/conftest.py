@@ -57,7 +57,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 TINY_ARCHS: tuple[str, ...] = (
     "llama", "qwen2", "qwen3", "mistral", "phi3", "phi3_longrope", "phi3_partial", "qwen3_yarn",
-    "qwen3_moe", "qwen2_moe", "mixtral",
+    "qwen3_moe", "qwen2_moe", "mixtral", "olmoe",
 )  # fmt: skip
 
 CHATML_TEMPLATE = (
@@ -113,6 +113,7 @@ def _hf_config(arch: str, vocab_size: int, eos_id: int) -> Any:
         LlamaConfig,
         MistralConfig,
         MixtralConfig,
+        OlmoeConfig,
         Phi3Config,
         Qwen2Config,
         Qwen2MoeConfig,
@@ -172,6 +173,13 @@ def _hf_config(arch: str, vocab_size: int, eos_id: int) -> Any:
         return MixtralConfig(
             **common, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
             sliding_window=None,
+        )  # fmt: skip
+    if arch == "olmoe":
+        # Every layer sparse (8 experts, 2 a token); q/k norms over the whole projection; q, k, v
+        # clamped to [-2, 2].
+        return OlmoeConfig(
+            **{**common, "intermediate_size": 32}, num_experts=8, num_experts_per_tok=2, clip_qkv=2.0,
+            tie_word_embeddings=False, pad_token_id=eos_id,
         )  # fmt: skip
     if arch == "qwen3_yarn":
         rope = {

@@ -42,6 +42,7 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "Qwen3MoeForCausalLM",
     "Qwen2MoeForCausalLM",
     "MixtralForCausalLM",
+    "OlmoeForCausalLM",
     "BertModel",
 )
 
@@ -63,6 +64,7 @@ MODEL_TYPE_TO_ARCH: dict[str, str] = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
     "bert": "BertModel",
 }
 
@@ -208,7 +210,7 @@ def _moe_fields(arch: str, d: Mapping[str, Any], num_layers: int) -> dict[str, A
             "norm_topk_prob": True,
             "sparse_layers": tuple(range(num_layers)),
         }
-    if arch not in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
+    if arch not in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "OlmoeForCausalLM"):
         return {}
     # Hub configs name it num_experts; transformers 5 writes num_local_experts.
     experts = int(d.get("num_experts") or d.get("num_local_experts") or 0)
@@ -218,7 +220,12 @@ def _moe_fields(arch: str, d: Mapping[str, Any], num_layers: int) -> dict[str, A
     return {
         "num_experts": experts,
         "num_experts_per_tok": _required_int(d, "num_experts_per_tok") if experts else 0,
-        "moe_intermediate_size": _required_int(d, "moe_intermediate_size") if experts else 0,
+        # OLMoE's experts are intermediate_size wide (it has no dense MLP).
+        "moe_intermediate_size": (
+            _required_int(d, "intermediate_size" if arch == "OlmoeForCausalLM" else "moe_intermediate_size")
+            if experts
+            else 0
+        ),
         "norm_topk_prob": bool(d.get("norm_topk_prob", False)),
         "sparse_layers": sparse,
         "shared_expert_intermediate_size": int(d.get("shared_expert_intermediate_size") or 0),
@@ -335,6 +342,10 @@ class ModelConfig:
     sparse_layers: tuple[int, ...] = ()
     # Qwen2-MoE: a shared expert every token takes, gated by a sigmoid (0: none).
     shared_expert_intermediate_size: int = 0
+    # OLMoE: the q/k norms span each projection's whole width (not one head), and q, k, v are
+    # clamped to [-clip_qkv, clip_qkv] (None: not clamped).
+    qk_norm_full_width: bool = False
+    clip_qkv: float | None = None
     # Vision-language models (LLaVA) only: the image encoder in front of the text model.
     vision: VisionConfig | None = None
 
@@ -409,7 +420,9 @@ class ModelConfig:
             # All four HF config classes default to untied when the key is absent.
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=attention_bias,
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"),
+            qk_norm_full_width=arch == "OlmoeForCausalLM",
+            clip_qkv=float(d["clip_qkv"]) if arch == "OlmoeForCausalLM" and d.get("clip_qkv") else None,
             sliding_window=_parse_sliding_window(d, arch, num_layers),
             eos_token_ids=merge_eos_ids(d.get("eos_token_id"), gen_eos),
             bos_token_id=int(bos) if bos is not None else None,

@@ -30,6 +30,7 @@ from radixserve.layers.linear import (
     ColumnParallelLinear,
     ParallelLMHead,
     RowParallelLinear,
+    ShardingError,
     VocabParallelEmbedding,
     WeightTarget,
     divide,
@@ -61,8 +62,16 @@ class Attention(nn.Module):
             config.hidden_size, [split_evenly(q_size, ctx), kv, kv], bias=config.attention_bias, ctx=ctx
         )
         self.o_proj = RowParallelLinear(q_size, config.hidden_size, bias=False, ctx=ctx)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels) if config.qk_norm else None
+        # q/k norms per head (Qwen3), or over each projection's whole width (OLMoE), which a
+        # tensor-parallel shard does not hold.
+        self.full_width_norm = config.qk_norm_full_width
+        if self.full_width_norm and ctx.tp_size != 1:
+            raise ShardingError("q/k norms over the whole projection (OLMoE) run with --tp-size 1")
+        q_norm, k_norm = (q_size, kv.local) if self.full_width_norm else (self.head_dim, self.head_dim)
+        self.q_norm = RMSNorm(q_norm, config.rms_norm_eps, kernels) if config.qk_norm else None
+        self.k_norm = RMSNorm(k_norm, config.rms_norm_eps, kernels) if config.qk_norm else None
+        # OLMoE's clip_qkv: q, k and v clamped to [-clip, clip] after their projection (and norm).
+        self.clip = config.clip_qkv
 
     def forward(
         self, hidden: torch.Tensor, attention: AttentionCall, rope: Rope, residual: torch.Tensor
@@ -73,7 +82,14 @@ class Attention(nn.Module):
         kv_size = self.num_kv_heads * self.head_dim
         qkv = self.qkv_proj(hidden)
         v = qkv[:, q_size + kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
+        if self.full_width_norm and self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(qkv[:, :q_size].contiguous()).view(tokens, self.num_heads, self.head_dim)
+            k = self.k_norm(qkv[:, q_size : q_size + kv_size].contiguous())
+            k = k.view(tokens, self.num_kv_heads, self.head_dim)
+            if self.clip is not None:
+                q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
+            q, k = rope.rotate_(q), rope.rotate_(k)
+        elif self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(qkv[:, :q_size].view(tokens, self.num_heads, self.head_dim))
             k = self.k_norm(qkv[:, q_size : q_size + kv_size].view(tokens, self.num_kv_heads, self.head_dim))
             q, k = rope.rotate_(q), rope.rotate_(k)

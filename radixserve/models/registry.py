@@ -28,6 +28,8 @@ DECODER_MODELS: dict[str, type[CausalLM]] = {
     "Qwen2MoeForCausalLM": CausalLM,
     # Mistral's layers, each with experts (their checkpoint names mapped by models/loader.py).
     "MixtralForCausalLM": CausalLM,
+    # Experts in every layer; q/k norms over the whole projection, clip_qkv.
+    "OlmoeForCausalLM": CausalLM,
 }
 # Bidirectional encoders: embeddings only, no KV cache; torch ops only.
 ENCODER_MODELS: dict[str, type[Encoder]] = {"BertModel": Encoder}

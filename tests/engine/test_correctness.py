@@ -34,7 +34,7 @@ def _assert_matches(
 # factor (Phi-4-mini's).
 SCALED_ARCHS = ["qwen3_yarn", "phi3_longrope", "phi3_partial"]
 # Mixture of Experts (models/moe.py).
-MOE_ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral"]
+MOE_ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
 
 
 @pytest.mark.parametrize("arch", ARCHS + SCALED_ARCHS + MOE_ARCHS)

@@ -65,6 +65,8 @@ class ServerArgs:
     # Model
     model_path: str | None = None
     tokenizer_path: str | None = None
+    # A Jinja file, or the template inline, replacing the model's chat template (models/tokenizer.py).
+    chat_template: str | None = None
     dtype: str = "auto"
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
@@ -359,6 +361,10 @@ class ServerArgs:
             help="HF folder, .gguf file or hub id (default: the packaged SmolLM2-135M-Instruct GGUF)",
         )
         model.add_argument("--tokenizer-path", help="tokenizer folder (default: the model's)")
+        model.add_argument(
+            "--chat-template",
+            help="the chat template to use instead of the model's: a Jinja file, or the template inline",
+        )
         model.add_argument(
             "--dtype",
             choices=DTYPES,

@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from radixserve.config.server_args import InvalidArgumentError
 from radixserve.models.config import ModelLoadError
 from radixserve.models.source import ModelSource, gguf_metadata
 from radixserve.paths import cache_dir
@@ -106,3 +107,23 @@ def _save_tokenizer(tokenizer: PreTrainedTokenizerBase, target: Path) -> None:
     finally:
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
+
+
+def set_chat_template(tokenizer: PreTrainedTokenizerBase, value: str) -> None:
+    """--chat-template: a Jinja file, or the template itself inline (vLLM's and SGLang's flag); it
+    replaces the model's own. Checked here, at startup: a value that is neither, or a template
+    Jinja cannot parse, is refused with the reason."""
+    import jinja2
+
+    path = Path(value)
+    if path.is_file():
+        template = path.read_text(encoding="utf-8")
+    elif "{{" in value or "{%" in value:
+        template = value
+    else:
+        raise InvalidArgumentError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+    try:
+        jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise InvalidArgumentError(f"--chat-template does not parse as Jinja: {exc}") from exc
+    tokenizer.chat_template = template

@@ -29,7 +29,7 @@ from radixserve.models.source import (
     resolve_model_source,
     short_model_id,
 )
-from radixserve.models.tokenizer import load_tokenizer
+from radixserve.models.tokenizer import load_tokenizer, set_chat_template
 from radixserve.protocol.messages import (
     AbortRequest,
     ControlRequest,
@@ -98,6 +98,8 @@ class Engine(EngineControl):
         try:
             self.tokenizer = load_tokenizer(tokenizer_source)
             release_gguf_readers()  # this process reads nothing more of a GGUF
+            if self.args.chat_template is not None:
+                set_chat_template(self.tokenizer, self.args.chat_template)
             self.runtime.provide_tokenizer(self.tokenizer)
         except BaseException:
             self._abandon_start()
@@ -341,12 +343,26 @@ class Engine(EngineControl):
         ids: list[int] = self.tokenizer.encode(text)
         return ids
 
-    def tokenize_chat(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int]:
-        """The prompt ids of a chat, through the tokenizer's chat template."""
+    def tokenize_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        **template_kwargs: Any,
+    ) -> list[int]:
+        """The prompt ids of a chat, through the tokenizer's chat template (--chat-template's
+        where given)."""
         if not getattr(self.tokenizer, "chat_template", None):
-            raise InvalidRequestError("this model has no chat template; use the completions API")
+            raise InvalidRequestError(
+                "this model has no chat template; use the completions API or start the server with "
+                "--chat-template"
+            )
         text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True, **template_kwargs
+            messages,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            **template_kwargs,
         )
         # The template already holds any BOS the model wants.
         ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False)

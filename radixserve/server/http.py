@@ -32,11 +32,12 @@ from radixserve.server.bootstrap_fields import bootstrap_infos
 from radixserve.server.dashboard import add_dashboard, dashboard_authorized
 from radixserve.server.embeddings_api import router as embeddings_router
 from radixserve.server.errors import ApiError, error_body, error_response
-from radixserve.server.json_values import BadJsonValue, ParsedJsonRoute, check_body
+from radixserve.server.json_values import BadJsonValue, ParsedJsonRoute, check_body, json_object
 from radixserve.server.limits import check_batch, check_token_ids, parse_sampling_params, per_prompt
 from radixserve.server.lora_api import router as lora_router
 from radixserve.server.openai_api import SSE_DONE, SSE_MEDIA_TYPE, engine_of, router, sse, stream_error
 from radixserve.server.streams import ClientDisconnected, collect, merged_stream
+from radixserve.server.tokenize_api import router as tokenize_router
 
 logger = logging.getLogger(__name__)
 
@@ -224,6 +225,7 @@ def create_app(engine: Engine) -> FastAPI:
     app.include_router(router)
     app.include_router(embeddings_router)
     app.include_router(lora_router)
+    app.include_router(tokenize_router)
     add_dashboard(app, engine)
     _add_native_routes(app)
     return app
@@ -332,7 +334,7 @@ def _add_native_routes(app: FastAPI) -> None:
 
     @app.post("/set_internal_state")
     async def set_internal_state(request: Request) -> JSONResponse:
-        body = await _json_object(request)
+        body = await json_object(request)
         # SGLang nests the knobs under "server_args"; a flat object works too.
         updates = body.get("server_args", body)
         if not isinstance(updates, dict):
@@ -342,7 +344,7 @@ def _add_native_routes(app: FastAPI) -> None:
     @app.post("/slow_down")
     async def slow_down(request: Request) -> JSONResponse:
         """A test hook: every forward step sleeps forward_sleep_time seconds (null: no more)."""
-        body = await _json_object(request)
+        body = await json_object(request)
         delay = body.get("forward_sleep_time")
         if delay is not None and (not isinstance(delay, (int, float)) or delay < 0):
             raise ApiError(400, "forward_sleep_time must be a non-negative number or null")
@@ -355,7 +357,7 @@ def _add_native_routes(app: FastAPI) -> None:
     async def start_profile(request: Request) -> JSONResponse:
         """{"output_dir": ..., "num_steps": N, "profile_by_stage": bool}: record forward steps with
         the torch profiler (by stage: one trace for prefill, one for decode)."""
-        body = await _json_object(request) if await request.body() else {}
+        body = await json_object(request) if await request.body() else {}
         keys = ("output_dir", "num_steps", "profile_by_stage")
         args = {k: body[k] for k in keys if body.get(k) is not None}
         return await _control_json(request, "start_profile", args)
@@ -381,24 +383,24 @@ def _add_native_routes(app: FastAPI) -> None:
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request) -> JSONResponse:
         """{"model_path": ...}: same architecture and shapes. Requests in flight are aborted."""
-        body = await _json_object(request)
+        body = await json_object(request)
         if not isinstance(body.get("model_path"), str):
             raise ApiError(400, 'pass {"model_path": "..."}', param="model_path")
         return await _control_json(request, "update_weights_from_disk", {"model_path": body["model_path"]})
 
     @app.post("/release_memory_occupation")
     async def release_memory_occupation(request: Request) -> JSONResponse:
-        body = await _json_object(request) if await request.body() else {}
+        body = await json_object(request) if await request.body() else {}
         return await _control_json(request, "release_memory_occupation", body)
 
     @app.post("/resume_memory_occupation")
     async def resume_memory_occupation(request: Request) -> JSONResponse:
-        body = await _json_object(request) if await request.body() else {}
+        body = await json_object(request) if await request.body() else {}
         return await _control_json(request, "resume_memory_occupation", body)
 
     @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
     async def get_weights_by_name(request: Request) -> JSONResponse:
-        body = await _json_object(request)
+        body = await json_object(request)
         if not isinstance(body.get("name"), str):
             raise ApiError(400, 'pass {"name": "...", "truncate_size": N}', param="name")
         truncate = body.get("truncate_size", 100)
@@ -409,7 +411,7 @@ def _add_native_routes(app: FastAPI) -> None:
 
     @app.post("/open_session")
     async def open_session(request: Request) -> JSONResponse:
-        body = await _json_object(request) if await request.body() else {}
+        body = await json_object(request) if await request.body() else {}
         session_id = body.get("session_id")
         if session_id is not None and not isinstance(session_id, str):
             raise ApiError(400, "session_id must be a string", param="session_id")
@@ -417,7 +419,7 @@ def _add_native_routes(app: FastAPI) -> None:
 
     @app.post("/close_session")
     async def close_session(request: Request) -> Response:
-        body = await _json_object(request)
+        body = await json_object(request)
         if not isinstance(body.get("session_id"), str):
             raise ApiError(400, 'pass {"session_id": "..."}', param="session_id")
         engine_of(request).close_session(body["session_id"])
@@ -425,7 +427,7 @@ def _add_native_routes(app: FastAPI) -> None:
 
     @app.post("/configure_logging")
     async def configure_logging(request: Request) -> JSONResponse:
-        body = await _json_object(request)
+        body = await json_object(request)
         if not isinstance(body.get("log_requests"), bool):
             raise ApiError(400, 'pass {"log_requests": true or false}')
         engine_of(request).log_requests = body["log_requests"]
@@ -468,7 +470,7 @@ def _add_native_routes(app: FastAPI) -> None:
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:
-        body = await _json_object(request)
+        body = await json_object(request)
         rid, abort_all = body.get("rid"), body.get("abort_all", False)
         if not abort_all and not isinstance(rid, str):
             raise ApiError(400, 'pass {"rid": "..."} or {"abort_all": true}')
@@ -593,13 +595,3 @@ async def _control_json(request: Request, command: str, args: dict[str, Any]) ->
     if not result.ok:
         raise ApiError(400, result.error or f"{command} failed")
     return JSONResponse(result.payload)
-
-
-async def _json_object(request: Request) -> dict[str, Any]:
-    try:
-        body = await request.json()
-    except ValueError:
-        raise ApiError(400, "the request body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    return body

@@ -18,6 +18,8 @@ from typing import Any
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
 
+from radixserve.server.errors import ApiError
+
 # Integers must fit the 64-bit signed range of the IPC format (token ids are checked further,
 # against the vocabulary, by the scheduler).
 INT_MIN, INT_MAX = -(2**63), 2**63 - 1
@@ -99,3 +101,14 @@ def _check_text(path: str, text: str) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError:
         raise BadJsonValue(path, "is not valid Unicode (it holds a lone surrogate)") from None
+
+
+async def json_object(request: Request) -> dict[str, Any]:
+    """The body as a JSON object (a 400 for anything else)."""
+    try:
+        body = await request.json()
+    except ValueError:
+        raise ApiError(400, "the request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return body

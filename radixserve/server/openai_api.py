@@ -274,14 +274,22 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 )  # fmt: skip
 
 
-def _tokenize_chat(engine: Engine, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> list[int]:
+def tokenize_chat(
+    engine: Engine,
+    messages: list[dict[str, Any]],
+    kwargs: dict[str, Any],
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+) -> list[int]:
+    """A chat's prompt ids; chat_template_kwargs (`kwargs`) may not set apply_chat_template's own
+    arguments, and a template that refuses the messages is a 400."""
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs))
     if reserved:
         raise ApiError(
             400, f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs"
         )
     try:
-        return engine.tokenize_chat(messages, **kwargs)
+        return engine.tokenize_chat(messages, add_generation_prompt, continue_final_message, **kwargs)
     except InvalidRequestError:
         raise
     except (TemplateError, TypeError, ValueError, KeyError, IndexError) as exc:
@@ -299,7 +307,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     return_logprob, top = body.logprob_request()
     messages = [m.template_dict(engine.image_token) for m in body.messages]
     images = [url for m in body.messages for url in m.image_urls()]
-    prompt = _tokenize_chat(engine, messages, body.chat_template_kwargs or {})
+    prompt = tokenize_chat(engine, messages, body.chat_template_kwargs or {})
     # Without max_tokens a chat may use the rest of the context; the scheduler clips to it.
     params = body.sampling_params(body.requested_max_tokens, default_max_tokens=engine.context_len)
     reqs = [

@@ -4,13 +4,20 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from transformers import PreTrainedTokenizerFast
 
+from radixserve.config.server_args import InvalidArgumentError
 from radixserve.models.source import ModelSource, load_model_config
-from radixserve.models.tokenizer import load_tokenizer, load_tokenizer_dir, tokenizer_cache_dir
+from radixserve.models.tokenizer import (
+    load_tokenizer,
+    load_tokenizer_dir,
+    set_chat_template,
+    tokenizer_cache_dir,
+)
 
 # Reference ids from transformers' GGUF tokenizer for SmolLM2 (identical to the HF repo's).
 SMOLLM2_FRANCE_IDS = [504, 3575, 282, 4649, 314]
@@ -192,3 +199,16 @@ def test_a_tokenizer_of_another_class_still_loads_through_autotokenizer(minilm_p
     ours = load_tokenizer_dir(minilm_path)
     assert type(ours).__name__.startswith("Bert")
     _same_tokenizer(ours, AutoTokenizer.from_pretrained(str(minilm_path), local_files_only=True))
+
+
+def test_a_chat_template_value_is_a_file_or_jinja(tmp_path: Path) -> None:
+    """--chat-template's check at startup (the template's effect: tests/server/test_chat_template_flag.py)."""
+    tokenizer = SimpleNamespace(chat_template=None)
+    with pytest.raises(InvalidArgumentError, match="neither a file nor a Jinja template"):
+        set_chat_template(tokenizer, "chatml")  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="does not parse as Jinja"):
+        set_chat_template(tokenizer, "{% for m in messages %}")  # type: ignore[arg-type]
+    path = tmp_path / "t.jinja"
+    path.write_text("{{ messages[0]['content'] }}")
+    set_chat_template(tokenizer, str(path))  # type: ignore[arg-type]
+    assert tokenizer.chat_template == "{{ messages[0]['content'] }}"  # type: ignore[attr-defined]

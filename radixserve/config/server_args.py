@@ -35,6 +35,8 @@ QUANTIZATION_CHOICES: tuple[str, ...] = ("none", "q8_0", "q4_0", "q4_1", "q5_0",
 # --kv-cache-dtype (executor/kv_sizing.py): auto is the model's dtype, but bf16 under fp32 activations
 # over quantized weights on a CPU; "bf16" is SGLang's other name for bfloat16.
 KV_CACHE_DTYPE_CHOICES: tuple[str, ...] = ("auto", "bfloat16", "bf16", "float32")
+# --reasoning-parser (server/reasoning.py): how a reasoning model's thinking is told from its answer.
+REASONING_PARSERS: tuple[str, ...] = ("deepseek-r1", "qwen3")
 GRAMMAR_BACKENDS: tuple[str, ...] = ("xgrammar", "none")
 CPU_KERNEL_CHOICES: tuple[str, ...] = ("auto", "native", "torch")
 # --cpu-isa: what the native kernels are built for (kernels/native.py); auto: RADIXSERVE_CPU_ISA's
@@ -67,6 +69,7 @@ class ServerArgs:
     tokenizer_path: str | None = None
     # A Jinja file, or the template inline, replacing the model's chat template (models/tokenizer.py).
     chat_template: str | None = None
+    reasoning_parser: str | None = None
     dtype: str = "auto"
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
@@ -201,6 +204,11 @@ class ServerArgs:
     def validate(self) -> None:
         if self.dtype not in DTYPES:
             raise InvalidArgumentError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            choices = ", ".join(REASONING_PARSERS)
+            raise InvalidArgumentError(
+                f"--reasoning-parser must be one of {choices}, got {self.reasoning_parser!r}"
+            )
         if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
             choices = ", ".join(KV_CACHE_DTYPE_CHOICES)
             asked = self.kv_cache_dtype
@@ -361,6 +369,11 @@ class ServerArgs:
             help="HF folder, .gguf file or hub id (default: the packaged SmolLM2-135M-Instruct GGUF)",
         )
         model.add_argument("--tokenizer-path", help="tokenizer folder (default: the model's)")
+        model.add_argument(
+            "--reasoning-parser",
+            choices=REASONING_PARSERS,
+            help="return a reasoning model's <think> block as reasoning_content, apart from the answer",
+        )
         model.add_argument(
             "--chat-template",
             help="the chat template to use instead of the model's: a Jinja file, or the template inline",

@@ -20,6 +20,7 @@ from radixserve.server.bootstrap_fields import bootstrap_infos
 from radixserve.server.errors import ApiError, sse_error
 from radixserve.server.json_values import ParsedJsonRoute
 from radixserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from radixserve.server.reasoning import ReasoningFormat, reasoning_format
 from radixserve.server.streams import collect, merged_stream, shared_prompt_leaders
 
 router = APIRouter(route_class=ParsedJsonRoute)
@@ -333,12 +334,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     if body.stream:
         reply.object = "chat.completion.chunk"
         stream = merged_stream(engine, reqs, shared_prompt_leaders(1, body.n))
-        return StreamingResponse(_stream_chat(reply, stream, len(reqs)), media_type=SSE_MEDIA_TYPE)
+        parser = engine.args.reasoning_parser
+        fmt = None if parser is None else reasoning_format(parser)
+        return StreamingResponse(_stream_chat(reply, stream, len(reqs), fmt), media_type=SSE_MEDIA_TYPE)
     states = await collect(engine, reqs, request, shared_prompt_leaders(1, body.n))
     choices = [
         {
             "index": i,
-            "message": {"role": "assistant", "content": s.text},
+            "message": {"role": "assistant", **_message_text(engine, s.text)},
             "logprobs": chat_logprobs(reply, s.output_ids, s.logprobs),
             **finish_fields(s.finish_reason),
         }
@@ -347,10 +350,23 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     return JSONResponse(reply.payload(choices, usage=reply.usage(states)))
 
 
+def _message_text(engine: Engine, text: str) -> dict[str, Any]:
+    """A whole answer's fields: `content`, and with --reasoning-parser `reasoning_content`."""
+    if engine.args.reasoning_parser is None:
+        return {"content": text}
+    reasoning, content = reasoning_format(engine.args.reasoning_parser).split(text)
+    return {"content": content, "reasoning_content": reasoning}
+
+
 async def _stream_chat(
-    reply: Reply, stream: AsyncIterator[tuple[int, GenerateOutput]], num_choices: int
+    reply: Reply,
+    stream: AsyncIterator[tuple[int, GenerateOutput]],
+    num_choices: int,
+    fmt: ReasoningFormat | None = None,
 ) -> AsyncIterator[str]:
     finals: dict[int, GenerateOutput] = {}
+    # With --reasoning-parser, each choice's text split as it comes: reasoning and answer deltas.
+    splits = {index: fmt.stream() for index in range(num_choices)} if fmt is not None else {}
     try:
         # OpenAI's first delta of each choice names the role and carries no text.
         for index in range(num_choices):
@@ -359,8 +375,17 @@ async def _stream_chat(
             )
         async for index, state in stream:
             logprobs = chat_logprobs(reply, state.new_token_ids, state.new_logprobs)
-            if state.delta or logprobs is not None:
-                choice = {"index": index, "delta": {"content": state.delta}, "finish_reason": None}
+            content = state.delta
+            if index in splits:
+                reasoning, content = splits[index].feed(state.delta)
+                if state.finished:
+                    held_reasoning, held_content = splits[index].finish()
+                    reasoning, content = reasoning + held_reasoning, content + held_content
+                if reasoning:
+                    delta = {"reasoning_content": reasoning}
+                    yield reply.chunk([{"index": index, "delta": delta, "finish_reason": None}])
+            if content or logprobs is not None:
+                choice = {"index": index, "delta": {"content": content}, "finish_reason": None}
                 yield reply.chunk([{**choice, "logprobs": logprobs}])
             if state.finished:
                 finals[index] = state

@@ -202,38 +202,23 @@ class ServerArgs:
         self.validate()
 
     def validate(self) -> None:
-        if self.dtype not in DTYPES:
-            raise InvalidArgumentError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
-            choices = ", ".join(REASONING_PARSERS)
-            raise InvalidArgumentError(
-                f"--reasoning-parser must be one of {choices}, got {self.reasoning_parser!r}"
-            )
-        if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
-            choices = ", ".join(KV_CACHE_DTYPE_CHOICES)
-            asked = self.kv_cache_dtype
-            raise InvalidArgumentError(f"--kv-cache-dtype must be one of {choices}, got {asked!r}")
-        if self.schedule_policy not in SCHEDULE_POLICIES:
-            choices = ", ".join(SCHEDULE_POLICIES)
-            policy = self.schedule_policy
-            raise InvalidArgumentError(f"--schedule-policy must be one of {choices}, got {policy!r}")
-        if self.quantization is not None and self.quantization not in QUANTIZATION_CHOICES:
-            choices = ", ".join(QUANTIZATION_CHOICES)
-            raise InvalidArgumentError(f"--quantization must be one of {choices}, got {self.quantization!r}")
-        if self.cpu_kernels not in CPU_KERNEL_CHOICES:
-            choices = ", ".join(CPU_KERNEL_CHOICES)
-            raise InvalidArgumentError(f"--cpu-kernels must be one of {choices}, got {self.cpu_kernels!r}")
-        if self.cpu_isa not in CPU_ISA_CHOICES:
-            choices = ", ".join(CPU_ISA_CHOICES)
-            raise InvalidArgumentError(f"--cpu-isa must be one of {choices}, got {self.cpu_isa!r}")
+        for flag, value, choices in (
+            ("--dtype", self.dtype, DTYPES),
+            ("--reasoning-parser", self.reasoning_parser, (None, *REASONING_PARSERS)),
+            ("--kv-cache-dtype", self.kv_cache_dtype, KV_CACHE_DTYPE_CHOICES),
+            ("--schedule-policy", self.schedule_policy, SCHEDULE_POLICIES),
+            ("--quantization", self.quantization, (None, *QUANTIZATION_CHOICES)),
+            ("--cpu-kernels", self.cpu_kernels, CPU_KERNEL_CHOICES),
+            ("--cpu-isa", self.cpu_isa, CPU_ISA_CHOICES),
+            ("--attention-backend", self.attention_backend, ATTENTION_BACKENDS),
+        ):
+            if value not in choices:
+                named = ", ".join(c for c in choices if c is not None)
+                raise InvalidArgumentError(f"{flag} must be one of {named}, got {value!r}")
         if self.cpu_isa != "auto" and self.cpu_kernels == "torch":
             raise InvalidArgumentError(
                 f"--cpu-isa {self.cpu_isa} needs the native kernels, which --cpu-kernels torch never loads"
             )
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            choices = ", ".join(ATTENTION_BACKENDS)
-            backend = self.attention_backend
-            raise InvalidArgumentError(f"--attention-backend must be one of {choices}, got {backend!r}")
         if self.page_size < 1:
             raise InvalidArgumentError(f"--page-size must be >= 1, got {self.page_size}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:

@@ -204,6 +204,7 @@ def iter_weights(
 # Mixtral's names for a sparse layer's tensors: block_sparse_moe.{gate, experts.E.w1 (gate),
 # w3 (up), w2 (down)}; ours (and Qwen-MoE's): mlp.{gate, experts.E.{gate,up,down}_proj}.
 _MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_MIXTRAL_FROM_OURS = {ours: theirs for theirs, ours in _MIXTRAL_PROJ.items()}
 _MIXTRAL_TO_OURS = re.compile(r"\.block_sparse_moe\.(?:experts\.(\d+)\.(w[123])\.|gate\.)")
 
 
@@ -218,7 +219,7 @@ def _mixtral_name(ours: str) -> str:
     if ours == "gate.weight":
         return "block_sparse_moe.gate.weight"
     expert, proj, param = ours.removeprefix("experts.").split(".")
-    mixtral = {v: k for k, v in _MIXTRAL_PROJ.items()}[proj]
+    mixtral = _MIXTRAL_FROM_OURS[proj]
     return f"block_sparse_moe.experts.{expert}.{mixtral}.{param}"
 
 

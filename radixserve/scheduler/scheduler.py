@@ -28,9 +28,9 @@ from radixserve.executor.base import (
     Embeddings,
     Executor,
     KVSlots,
+    MemoryControl,
     MissingCapabilityError,
     PipelineStages,
-    released_memory,
 )
 from radixserve.protocol.messages import (
     AbortRequest,
@@ -133,8 +133,11 @@ class Scheduler(SchedulerAccounting):
         )
         if self.speculator is not None and not isinstance(executor, KVSlots):
             raise MissingCapabilityError(executor, KVSlots, "--speculative-algorithm")
+        # The executor's capabilities the steps use, narrowed once (not per step).
         self.kv_slots = executor if isinstance(executor, KVSlots) else None
-        if self.is_embedding and not isinstance(executor, Embeddings):
+        self.memory = executor if isinstance(executor, MemoryControl) else None
+        self.embedder = executor if isinstance(executor, Embeddings) else None
+        if self.is_embedding and self.embedder is None:
             raise MissingCapabilityError(executor, Embeddings, "an embedding model")
         # --enable-hierarchical-cache: the tier below the device pool (cache/tiers.py). K/V it
         # loads back were written without a draft model, which must not take them as its own.
@@ -243,6 +246,7 @@ class Scheduler(SchedulerAccounting):
                              "embedding models or prefill/decode disaggregation")  # fmt: skip
         if not isinstance(self.executor, PipelineStages):
             raise MissingCapabilityError(self.executor, PipelineStages, "--pp-size")
+        self.stages = self.executor
         return MicroBatchPipeline(stages, self.queues, self.kv, self.prefill, self.decode)
 
     # ------------------------------------------------------------------ requests in
@@ -265,7 +269,7 @@ class Scheduler(SchedulerAccounting):
         raise TypeError(f"unexpected scheduler message {type(msg).__name__}")
 
     def add_request(self, msg: GenerateRequest) -> list[ReqOutput]:
-        if released := released_memory(self.executor):
+        if self.memory is not None and (released := self.memory.released):
             message = f"the {' and '.join(sorted(released))} memory is released; "
             message += "call /resume_memory_occupation first"
             finish = FinishReason("abort", message=message, status_code=503)
@@ -414,8 +418,7 @@ class Scheduler(SchedulerAccounting):
         is_prefill = batch is not None and batch.is_prefill
         self._before_forward(batch, is_prefill)
         forward_started = time.perf_counter()
-        assert isinstance(self.executor, PipelineStages)  # checked when the pipeline was built
-        result = self.executor.forward_pipeline(pipeline.launch(batch))
+        result = self.stages.forward_pipeline(pipeline.launch(batch))
         self.stats.forward_time_s += time.perf_counter() - forward_started
         self._after_forward(batch, is_prefill)
         landed = pipeline.land()
@@ -481,8 +484,8 @@ class Scheduler(SchedulerAccounting):
     def _run_embedding_batch(self, batch: ScheduledBatch) -> list[ReqOutput]:
         """Embedding requests finish with their prompt's pass (a chunk of a long one only fills KV)."""
         self._before_forward(batch, batch.is_prefill)
-        assert isinstance(self.executor, Embeddings)  # checked at startup
-        embeddings = self.executor.embed(batch.forward).tolist()
+        assert self.embedder is not None  # checked at startup
+        embeddings = self.embedder.embed(batch.forward).tolist()
         self._after_forward(batch, batch.is_prefill)
         done = [r for r in batch.reqs if r.kv_len == r.seq_len]
         for req, vector in zip(done, embeddings, strict=True):

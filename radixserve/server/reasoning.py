@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from radixserve.config.server_args import REASONING_PARSERS
+from radixserve.runtime.detokenizer import held_back_length
 
 START, END = "<think>", "</think>"
 
@@ -46,7 +47,8 @@ class ReasoningStream:
     """One output's text, delta by delta, as (reasoning, answer) deltas."""
 
     def __init__(self, fmt: ReasoningFormat):
-        # "open": before any text is known (a leading <think> may come); "reasoning"; "answer".
+        # "open": before any text is known (a leading <think> may come); "reasoning"; "after_end"
+        # (the block closed, its newlines not yet past); "answer".
         self.state = "open"
         self.inside_first = fmt.starts_inside
         self.pending = ""  # text held back: it may be the start of a tag
@@ -65,6 +67,12 @@ class ReasoningStream:
                     return reasoning, content  # still possibly <think>
                 self.state = "reasoning" if self.inside_first else "answer"
                 continue
+            if self.state == "after_end":
+                # The newlines right after </think> belong to neither part, however they arrive.
+                self.pending = self.pending.lstrip("\n")
+                if not self.pending:
+                    return reasoning, content
+                self.state = "answer"
             if self.state == "answer":
                 content += self.pending
                 self.pending = ""
@@ -72,9 +80,9 @@ class ReasoningStream:
             at = self.pending.find(END)
             if at >= 0:
                 reasoning += self.pending[:at]
-                self.pending, self.state = self.pending[at + len(END) :].lstrip("\n"), "answer"
+                self.pending, self.state = self.pending[at + len(END) :], "after_end"
                 continue
-            keep = _partial_suffix(self.pending, END)
+            keep = held_back_length(self.pending, [END])
             reasoning += self.pending[: len(self.pending) - keep]
             self.pending = self.pending[len(self.pending) - keep :]
             return reasoning, content
@@ -85,11 +93,3 @@ class ReasoningStream:
         if self.state == "reasoning" or (self.state == "open" and self.inside_first):
             return held, ""
         return "", held
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """The length of the longest end of text that is a proper start of tag."""
-    for size in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-size:]):
-            return size
-    return 0

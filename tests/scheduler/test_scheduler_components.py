@@ -64,6 +64,7 @@ def test_each_phase_calls_its_hooks_in_order() -> None:
     recorder.calls.clear()
     results.take(scheduler.step())  # nothing to run: idle
     assert recorder.calls == ["receive", "end"]
+    scheduler.check_kv_invariant()
     scheduler.shutdown()
     assert recorder.calls[-1] == "shutdown"
 

@@ -34,7 +34,8 @@ def test_a_file_or_an_inline_template_replaces_the_models(
                 json={"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2},
             )
             assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == len(expected)
-        server.stop()
+        server.assert_idle_and_kv_intact()
+        server.stop()  # one server at a time on 2 cores
 
 
 def test_reasoning_comes_apart_from_the_answer_streamed_or_not(

@@ -30,7 +30,7 @@ def test_a_whole_output_splits_into_reasoning_and_answer(text: str, parser: str)
 PIECES = st.sampled_from(["<think>", "</think>", "<th", "ink>", "</", "a", "bc", "\n", " ", "<", ">"])
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=2000, deadline=None)
 @given(pieces=st.lists(PIECES, max_size=12), cuts=st.lists(st.integers(0, 80), max_size=8))
 def test_stream_deltas_join_up_to_the_split_at_any_cut(pieces: list[str], cuts: list[int]) -> None:
     text = "".join(pieces)

@@ -1,104 +1,98 @@
-"""Self-contained charts for HTML reports: inline SVG, no plotting library, nothing fetched. Used by
-the simulator's page (simulator/report.py) and `radixserve bench --plot` (bench/plots.py).
+"""Charts for the tools' HTML reports: matplotlib figures (Agg canvas), each saved as SVG into the
+page, so a report is one self-contained file that fetches nothing. Used by the simulator's page
+(simulator/report.py) and `radixserve bench --plot` (bench/plots.py).
 
 Two chart kinds (lines from x = 0, grouped bars) and the series they draw: a distribution (cdf), a
-rate over time from timed amounts (binned_rate) and a count of open intervals (in_flight)."""
+rate over time from timed amounts (binned_rate) and a count of open intervals (in_flight). The
+chart functions return the Figure, so a caller (or a test) can read its series before it is saved.
+"""
 
 from __future__ import annotations
 
 import html
+import io
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-WIDTH, HEIGHT, PAD = 640, 200, 36
+if TYPE_CHECKING:
+    # Types only: matplotlib is imported where a chart is drawn (_figure), since every radixserve
+    # command builds the bench parser, which imports this module, and matplotlib takes ~0.4 s.
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
 # A line's legend name, its points and its colour.
 Line = tuple[str, list[tuple[float, float]], str]
 # A bar series' legend name, its value per category (None: no bar there) and its colour.
 Bars = tuple[str, list[float | None], str]
 COLOURS = ("#4f8cff", "#d9a441", "#3fbf7f", "#e5605c", "#9b6bd6", "#4fb6c4")
-# Category labels this many pixels wide per character; longer than their slot, they stand upright.
-_CHAR_PX = 5.5
+# A chart's size in inches: wide and low, one under another down the page.
+WIDTH_IN, HEIGHT_IN = 8.0, 3.0
+# Each line keeps at most this many points: an ITL distribution has one per token of the run, and
+# the page would grow with it for no visible difference.
+MAX_POINTS = 1000
+# Category labels longer than this many characters stand upright, below the bars in a chart made
+# taller by about their length (LABEL_CHAR_IN a character), so the bars keep their height.
+UPRIGHT_LABEL_CHARS = 12
+LABEL_CHAR_IN = 0.08
 
 
-def _svg(title: str, names: list[tuple[str, str]], height: int, body: str) -> str:
-    """The frame every chart shares: white box, title and legend (name, colour) on top."""
-    legend = " ".join(f'<tspan fill="{c}">■ {html.escape(n)}</tspan>' for n, c in names)
-    return (
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" role="img">'
-        f'<rect width="{WIDTH}" height="{height}" fill="#fff" stroke="#ccc"/>'
-        f'<text x="{PAD}" y="20" font-size="13">{html.escape(title)} {legend}</text>{body}</svg>'
-    )
+def _figure(height_in: float = HEIGHT_IN) -> tuple[Figure, Axes]:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    # A Figure with its own Agg canvas, never pyplot's: no global figure registry, no GUI backend.
+    figure = Figure(figsize=(WIDTH_IN, height_in), layout="constrained")
+    FigureCanvasAgg(figure)
+    return figure, figure.add_subplot()
 
 
-def _polyline(points: list[tuple[float, float]], x_max: float, y_max: float, colour: str) -> str:
-    if not points or x_max <= 0 or y_max <= 0:
-        return ""
-    step = max(1, len(points) // 1000)  # at most ~1000 vertices per line
-    coords = " ".join(
-        f"{PAD + x / x_max * (WIDTH - 2 * PAD):.1f},{HEIGHT - PAD - y / y_max * (HEIGHT - 2 * PAD):.1f}"
-        for x, y in points[::step]
-    )
-    return f'<polyline fill="none" stroke="{colour}" stroke-width="1.5" points="{coords}"/>'
+def thinned(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """At most about MAX_POINTS of the points, evenly spaced, always with the last one."""
+    step = max(1, -(-len(points) // MAX_POINTS))
+    kept = points[::step]
+    if points and kept[-1] != points[-1]:
+        kept.append(points[-1])
+    return kept
 
 
-def line_chart(title: str, lines: list[Line], x_label: str, y_max: float) -> str:
-    """One SVG chart: the lines from x = 0 to the largest x, y from 0 to y_max."""
-    x_max = max((max(x for x, _ in p) for _, p, _ in lines if p), default=0.0)
-    body = (
-        f'<text x="{WIDTH - PAD}" y="{HEIGHT - 8}" font-size="11" text-anchor="end">'
-        f"{html.escape(x_label)} (0 to {x_max:,.1f})</text>"
-        f'<text x="4" y="{PAD}" font-size="11">{y_max:,.3g}</text>'
-        + "".join(_polyline(p, x_max, y_max, c) for _, p, c in lines)
-    )
-    return _svg(title, [(n, c) for n, _, c in lines], HEIGHT, body)
+def line_chart(title: str, lines: list[Line], x_label: str, y_max: float) -> Figure:
+    """The lines from x = 0 to the largest x, y from 0 to y_max."""
+    figure, axes = _figure()
+    for name, points, colour in lines:
+        kept = thinned(points)
+        axes.plot([x for x, _ in kept], [y for _, y in kept], color=colour, linewidth=1.5, label=name)
+    x_max = max((x for _, points, _ in lines for x, _ in points), default=0.0)
+    axes.set_xlim(0.0, x_max if x_max > 0 else 1.0)
+    axes.set_ylim(0.0, y_max if y_max > 0 else 1.0)
+    axes.set_title(title)
+    axes.set_xlabel(x_label)
+    if lines:
+        axes.legend(loc="best", fontsize="small")
+    return figure
 
 
-def bar_chart(title: str, categories: list[str], series: list[Bars], y_label: str) -> str:
-    """One SVG chart of grouped bars: per category a bar of each series, y from 0 to the largest
-    value. Each bar's exact value is its tooltip, and its label where the bar is wide enough."""
+def bar_chart(title: str, categories: list[str], series: list[Bars], y_label: str) -> Figure:
+    """Grouped bars: per category a bar of each series that has a value there, each labelled with
+    its value."""
+    longest = max((len(c) for c in categories), default=0)
+    upright = longest > UPRIGHT_LABEL_CHARS
+    figure, axes = _figure(HEIGHT_IN + (longest * LABEL_CHAR_IN if upright else 0.0))
+    width = 0.8 / max(1, len(series))
+    for j, (name, values, colour) in enumerate(series):
+        offset = -0.4 + width * (j + 0.5)
+        placed = [(i + offset, v) for i, v in enumerate(values[: len(categories)]) if v is not None]
+        xs, heights = [x for x, _ in placed], [v for _, v in placed]
+        bars = axes.bar(xs, heights, width * 0.92, color=colour, label=name)
+        axes.bar_label(bars, fmt="{:,.3g}", fontsize="x-small")
+    axes.set_xticks(range(len(categories)), categories, rotation=90 if upright else 0, fontsize="small")
+    # Room above the tallest bar for its value.
     y_max = max((v for _, values, _ in series for v in values if v is not None), default=0.0)
-    slot = (WIDTH - 2 * PAD) / max(1, len(categories))
-    bar_w = slot * 0.8 / max(1, len(series))
-    longest = max((len(c) for c in categories), default=0) * _CHAR_PX
-    upright = longest > slot
-    # Upright labels need the room their length takes below the bars (and never leave the chart's
-    # sides, as slanted ones would).
-    height = HEIGHT + (max(0, int(longest) + 12 - PAD) if upright else 0)
-    base, top = HEIGHT - PAD, PAD + 8
-    parts = [
-        f'<text x="{WIDTH - PAD}" y="{PAD - 4}" font-size="11" text-anchor="end">'
-        f"{html.escape(y_label)} (0 to {y_max:,.1f})</text>",
-        f'<line x1="{PAD}" y1="{base}" x2="{WIDTH - PAD}" y2="{base}" stroke="#999"/>',
-    ]
-    for i, category in enumerate(categories):
-        left = PAD + i * slot + slot * 0.1
-        for j, (name, values, colour) in enumerate(series):
-            value = values[i] if i < len(values) else None
-            if value is None or y_max <= 0:
-                continue
-            h = max(0.0, value) / y_max * (base - top)
-            x = left + j * bar_w
-            tip = html.escape(f"{name}, {category}: {value:,.4g}")
-            parts.append(
-                f'<rect x="{x:.1f}" y="{base - h:.1f}" width="{bar_w * 0.92:.1f}" height="{h:.1f}" '
-                f'fill="{colour}"><title>{tip}</title></rect>'
-            )
-            if bar_w >= 28:
-                parts.append(
-                    f'<text x="{x + bar_w / 2:.1f}" y="{base - h - 3:.1f}" font-size="9" '
-                    f'text-anchor="middle">{value:,.3g}</text>'
-                )
-        centre, label = left + slot * 0.4, html.escape(category)
-        if upright:
-            parts.append(
-                f'<text x="{centre + 3:.1f}" y="{base + 6}" font-size="10" text-anchor="end" '
-                f'transform="rotate(-90 {centre + 3:.1f} {base + 6})">{label}</text>'
-            )
-        else:
-            parts.append(
-                f'<text x="{centre:.1f}" y="{base + 14}" font-size="10" text-anchor="middle">{label}</text>'
-            )
-    return _svg(title, [(n, c) for n, _, c in series], height, "".join(parts))
+    axes.set_ylim(0.0, y_max * 1.15 if y_max > 0 else 1.0)
+    axes.set_title(title)
+    axes.set_ylabel(y_label)
+    if series:
+        axes.legend(loc="best", fontsize="small")
+    return figure
 
 
 def cdf(values: list[float]) -> list[tuple[float, float]]:
@@ -135,12 +129,25 @@ def in_flight(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]
     return points
 
 
-def html_page(title: str, charts: list[str], summary: dict[str, Any] | None = None) -> str:
+def svg(figure: Figure) -> str:
+    """The figure as an <svg> element to inline in a page: text kept as text (smaller, searchable),
+    no metadata block, ids the same from run to run."""
+    from matplotlib import rc_context
+
+    out = io.StringIO()
+    with rc_context({"svg.fonttype": "none", "svg.hashsalt": "radixserve"}):
+        no_metadata = {"Creator": None, "Date": None, "Format": None, "Type": None}
+        figure.savefig(out, format="svg", metadata=no_metadata)
+    text = out.getvalue()
+    return text[text.index("<svg") :]  # without the XML declaration and doctype
+
+
+def html_page(title: str, charts: list[Figure], summary: dict[str, Any] | None = None) -> str:
     """A whole page: the charts, then the summary as JSON."""
     tail = "" if summary is None else f"<pre>{html.escape(json.dumps(summary, indent=2))}</pre>"
     return (
         f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title></head>"
         f"<body style='font-family:system-ui,sans-serif'><h2>{html.escape(title)}</h2>"
-        + "<br>".join(charts)
+        + "<br>".join(svg(chart) for chart in charts)
         + f"{tail}</body></html>"
     )

@@ -219,8 +219,3 @@ class MissingCapabilityError(ValueError):
     def __init__(self, executor: object, capability: type, wanted_by: str):
         name = type(executor).__name__
         super().__init__(f"{wanted_by} needs an executor with {capability.__name__}, which {name} lacks")
-
-
-def released_memory(executor: Executor) -> set[str]:
-    """The memory tags released now (none for an executor without MemoryControl)."""
-    return executor.released if isinstance(executor, MemoryControl) else set()

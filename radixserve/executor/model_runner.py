@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ from radixserve.distributed.parallel import (
 from radixserve.executor.base import ExecutorInfo, KVLayout, LoraAdapterInfo, MemoryReleasedError
 from radixserve.executor.kv_sizing import kv_cache_dtype, kv_capacity, staging_tokens
 from radixserve.executor.lora_pool import LoraPool
+from radixserve.executor.model_loading import WeightLayout, load_model
 from radixserve.executor.runner_config import RunnerConfig
 from radixserve.executor.weight_formats import keeps_quantized, quantized_kernel_name, weight_bytes
 from radixserve.forward.batch import ForwardBatch
@@ -43,28 +44,21 @@ from radixserve.layers.linear import (
     ParallelLMHead,
     quantized_storage,
     split_kv_heads,
-    use_native_fp32_linears,
-    use_quantized_weights,
 )
 from radixserve.layers.packed_weights import PackedWeight, WeightPacking, cpu_packing_supported
-from radixserve.layers.quantized import WeightTensor
 from radixserve.layers.sampler import SamplingBatch, sample
 from radixserve.models.bert import Encoder
 from radixserve.models.config import ModelConfig, ModelLoadError
 from radixserve.models.llama import CausalLM
-from radixserve.models.loader import iter_weights, quantize_linears
 from radixserve.models.lora_adapter import LoraAdapter, LoraAdapterError, read_adapter_config
 from radixserve.models.moe import SparseMoE, expert_counts, record_experts
 from radixserve.models.pooling import PoolingConfig, finish_embeddings, pool_segments, read_pooling_config
-from radixserve.models.registry import build_model
 from radixserve.models.source import (
     ModelSource,
     load_model_config,
-    release_gguf_readers,
     resolve_model_source,
 )
-from radixserve.models.vision import VisionTower
-from radixserve.models.weight_updates import WeightStash, read_weight, repack, update_weights
+from radixserve.models.weight_updates import WeightStash, read_weight, update_weights
 
 logger = logging.getLogger(__name__)
 
@@ -101,17 +95,6 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def _lora_info(adapter: LoraAdapter) -> LoraAdapterInfo:
     return LoraAdapterInfo(adapter.name, adapter.path, adapter.rank, adapter.fingerprint)
-
-
-def _diverting(
-    weights: Iterator[tuple[str, WeightTensor]], prefix: str, into: list[tuple[str, torch.Tensor]]
-) -> Iterator[tuple[str, WeightTensor]]:
-    """weights without those named prefix* (never quantized), which go to `into` (without the prefix)."""
-    for name, tensor in weights:
-        if name.startswith(prefix) and isinstance(tensor, torch.Tensor):
-            into.append((name.removeprefix(prefix), tensor))
-        else:
-            yield name, tensor
 
 
 class ModelRunner:
@@ -225,6 +208,7 @@ class ModelRunner:
             kernels=self.kernels,
             decode_staging_tokens=staging_tokens,
             batch_invariant=self.runner_config.enable_deterministic_inference,
+            sliding_window=self.config.sliding_window,
         )
 
     def _check_batch_invariant(self) -> None:
@@ -345,9 +329,6 @@ class ModelRunner:
     @staticmethod
     def _context_len(config: ModelConfig, args: RunnerConfig) -> int:
         limit = config.max_position_embeddings
-        if config.sliding_window is not None:
-            # Attention here is full; past the window the model would see more than it was trained on.
-            limit = min(limit, config.sliding_window)
         if args.context_length is not None:
             if args.context_length > limit:
                 raise InvalidArgumentError(
@@ -357,57 +338,20 @@ class ModelRunner:
         return limit
 
     def _load_model(self) -> CausalLM | Encoder:
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-        try:
-            with torch.device(self.device):
-                model = build_model(self.config, self.context_len, self.parallel, self.kernels)
-        finally:
-            torch.set_default_dtype(previous)
-        # A vision-language checkpoint's vision tower and projector ("vision.*", models/loader.py)
-        # load apart, once the text model has streamed its tensors.
-        vision: list[tuple[str, torch.Tensor]] = []
-        if isinstance(model, Encoder):
-            model.load_weights(iter_weights(self.source, self.config))
-        else:
-            weights = iter_weights(self.source, self.config, keep_quantized=self.quantized_weights)
-            method = self.runner_config.quantization
-            if self.quantized_weights and method is not None:
-                weights = quantize_linears(weights, method)
-            model.load_weights(_diverting(weights, "vision.", vision))
-        self.vision = self._load_vision(vision)
-        if self.quantized_weights:
-            assert self.kernels is not None and self.kernels.quant is not None
-            self.quantized_bytes = use_quantized_weights(model, self.kernels.quant)
-            logger.info(
-                "quantized weights (%s kernel): %s",
-                self.kernels.quant.isa,
-                ", ".join(
-                    f"{name} {size / 2**20:.1f} MiB" for name, size in sorted(self.quantized_bytes.items())
-                ),
-            )
-        if self.packing is not None:
-            repack(model.modules(), self.packing)
-        if self.native_fp32_linears:
-            assert self.kernels is not None
-            use_native_fp32_linears(model, self.kernels)
-        release_gguf_readers()  # the weights keep the file's mapping; its parsed metadata can go
-        return model.eval()
-
-    def _load_vision(self, weights: list[tuple[str, torch.Tensor]]) -> VisionTower | None:
-        """A vision-language model's vision tower and projector (replicated on every rank: each
-        rank's scheduler encodes its requests' images itself)."""
-        if self.config.vision is None:
-            return None
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-        try:
-            with torch.device(self.device):
-                tower = VisionTower(self.config.vision)
-        finally:
-            torch.set_default_dtype(previous)
-        tower.load_weights(weights)
-        return tower.eval()
+        """Builds the model and loads the source's weights (model_loading.py); the vision tower and
+        the quantized weights' sizes come with them."""
+        layout = WeightLayout(
+            dtype=self.dtype,
+            device=self.device,
+            kernels=self.kernels,
+            quantized=self.quantized_weights,
+            quantization=self.runner_config.quantization,
+            packing=self.packing,
+            native_fp32_linears=self.native_fp32_linears,
+        )
+        loaded = load_model(self.source, self.config, self.context_len, self.parallel, layout)
+        self.vision, self.quantized_bytes = loaded.vision, loaded.quantized_bytes
+        return loaded.model
 
     def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
         if self.vision is None:

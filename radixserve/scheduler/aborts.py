@@ -3,7 +3,7 @@ server's K/V, mid-chunk or running. Called between steps, when no forward is in 
 
 from __future__ import annotations
 
-from typing import Protocol
+from dataclasses import dataclass
 
 from radixserve.cache.radix_cache import PrefixCache
 from radixserve.protocol.messages import ReqOutput
@@ -16,9 +16,10 @@ from radixserve.scheduler.state import RequestQueues, release_kv
 from radixserve.scheduler.stats import SchedulerStats
 
 
-class AbortingScheduler(Protocol):
-    """What an abort changes of the scheduler (scheduler.py's Scheduler). A Protocol, because the
-    scheduler imports this module: importing it back would close a cycle."""
+@dataclass(frozen=True)
+class AbortParts:
+    """What an abort changes: the scheduler's parts, built once by the scheduler (scheduler.py),
+    so this module never needs the scheduler itself (which imports it)."""
 
     reqs: dict[str, Req]
     stats: SchedulerStats
@@ -41,26 +42,26 @@ def abort_targets(reqs: dict[str, Req], rid: str | None, abort_all: bool, exact:
 
 
 def abort_requests(
-    scheduler: AbortingScheduler, targets: list[Req], message: str, status_code: int | None
+    parts: AbortParts, targets: list[Req], message: str, status_code: int | None
 ) -> list[ReqOutput]:
     """Finishes each target as aborted and gives back what it holds; its final output each."""
-    queues, outputs = scheduler.queues, []
+    queues, outputs = parts.queues, []
     for req in targets:
         req.abort(message, status_code)
-        scheduler.stats.aborted_reqs += 1
-        if scheduler.prefill_handoffs is not None:
-            scheduler.prefill_handoffs.finished(req)  # the decode side stops waiting for it
+        parts.stats.aborted_reqs += 1
+        if parts.prefill_handoffs is not None:
+            parts.prefill_handoffs.finished(req)  # the decode side stops waiting for it
         if req in queues.waiting:
             queues.waiting.remove(req)
-        elif scheduler.decode_handoffs is not None and scheduler.decode_handoffs.abort(req):
+        elif parts.decode_handoffs is not None and parts.decode_handoffs.abort(req):
             pass  # it waited for K/V, which it gave back
-        elif not scheduler.grammar_queue.remove(req):  # one still compiling holds nothing yet
+        elif not parts.grammar_queue.remove(req):  # one still compiling holds nothing yet
             # Between steps no forward is in flight, so the KV can be released right away.
-            release_kv(scheduler.tree_cache, req)
+            release_kv(parts.tree_cache, req)
             if req is queues.chunked_req:
                 queues.chunked_req = None
             if req in queues.running:
                 queues.running.remove(req)
-        scheduler.reqs.pop(req.rid, None)
-        outputs.append(scheduler.outputs.final(req))
+        parts.reqs.pop(req.rid, None)
+        outputs.append(parts.outputs.final(req))
     return outputs

@@ -1,67 +1,69 @@
-"""What the scheduler reports of its KV and its parts, and its self-check when it goes idle.
+"""The scheduler's KV accounting: how much of the pool is in use, the invariant that holds whenever
+the scheduler is idle, and the self-check that tests it once per idle spell.
 
-A mixin of Scheduler (scheduler.py): it reads the state the scheduler builds; kept apart so that
-scheduler.py holds the steps.
+Plain objects over the parts they read (the scheduler builds them once, scheduler.py): the control
+commands (control.py) report and check the same accounting without reaching into the scheduler.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
 
-from radixserve.cache.radix_cache import KVLeakError, PrefixCache
+from radixserve.cache.radix_cache import KVLeakError
 from radixserve.cache.tiers import CacheTier
 from radixserve.executor.base import Executor
 from radixserve.scheduler.batch import KVContext
-from radixserve.scheduler.disaggregation.decode import DecodeHandoffs
-from radixserve.scheduler.disaggregation.prefill import PrefillHandoffs
-from radixserve.scheduler.kv_events import KVEventPublisher
-from radixserve.scheduler.pipeline import MicroBatchPipeline
 from radixserve.scheduler.speculative.worker import Speculator
 from radixserve.scheduler.state import token_usage
 
 
-class SchedulerAccounting:
+@dataclass(frozen=True)
+class KVAccounting:
+    """The request slots, the device pool's KV slots, the radix cache over them and the tier below."""
+
     kv: KVContext
-    max_total_tokens: int
-    executor: Executor
-    speculator: Speculator | None
-    tree_cache: PrefixCache
     cache_tier: CacheTier
-    kv_events: KVEventPublisher | None
-    pipeline: MicroBatchPipeline | None
-    prefill_handoffs: PrefillHandoffs | None
-    decode_handoffs: DecodeHandoffs | None
-    # Set when a request arrives; the idle self-check runs once per idle spell.
-    _idle_checked: bool
-
-    def pipeline_stats(self) -> dict[str, Any]:
-        return {"stages": 1} if self.pipeline is None else self.pipeline.stats()
-
-    def disaggregation_stats(self) -> dict[str, Any]:
-        handoffs = self.prefill_handoffs or self.decode_handoffs
-        return {"mode": "null"} if handoffs is None else handoffs.stats()
+    max_total_tokens: int
 
     def token_usage(self) -> float:
         return token_usage(self.kv, self.max_total_tokens)
 
-    def _check_idle(self) -> None:
-        if self._idle_checked:
-            return
-        self.executor.idle()
-        if self.speculator is not None:
-            self.speculator.idle()
-        self.check_kv_invariant()
-        self._idle_checked = True
-
-    def check_kv_invariant(self) -> None:
+    def check_invariant(self) -> None:
         """Raises KVLeakError unless every KV slot is free or evictable and every request slot is
-        free, and the tier below keeps its own accounting."""
-        self.tree_cache.check_invariant()
+        free, and the tier below keeps its own accounting. Only an idle scheduler can pass."""
+        self.kv.tree_cache.check_invariant()
         problems = self.cache_tier.check_invariant()
         if problems:
             raise KVLeakError("; ".join(problems))
 
-    @property
-    def kv_events_pending(self) -> bool:
-        """KV events recorded and not yet published: an idle scheduler steps once to send them."""
-        return self.kv_events is not None and self.kv_events.recorder.pending
+    def describe_invariant(self) -> str:
+        """ "ok", or what leaked (get_stats reports it rather than failing)."""
+        try:
+            self.check_invariant()
+        except KVLeakError as exc:
+            return f"violated: {exc}"
+        return "ok"
+
+
+@dataclass
+class IdleSelfCheck:
+    """When the scheduler goes idle: the executor and the speculator give back the memory they keep
+    between steps, and the KV invariant is checked (a leak fails loudly, near its cause)."""
+
+    executor: Executor
+    speculator: Speculator | None
+    accounting: KVAccounting
+    # Once per idle spell: a request's arrival makes the next one due.
+    due: bool = False
+
+    def request_arrived(self) -> None:
+        self.due = True
+
+    def run(self) -> None:
+        if not self.due:
+            return
+        self.executor.idle()
+        if self.speculator is not None:
+            self.speculator.idle()
+        self.accounting.check_invariant()
+        self.due = False

@@ -1,6 +1,6 @@
 """From requests to ReqOutput messages, and the overlap of publishing them with the next forward.
 
-A step's results are handled in two parts. Deciding (scheduler.py) appends each sampled token,
+A step's results are handled in two parts. Deciding (results.py) appends each sampled token,
 advances grammars, checks stops and updates the running list: the next batch depends on it.
 Publishing (here) releases the KV of finished requests into the cache and builds the outputs:
 nothing in the next batch depends on it, so with the overlap schedule it runs in a helper thread

@@ -6,7 +6,9 @@ forward → process results (append tokens, finish requests, stream outputs) →
 nothing to run, idle. Features that act at these phases (grammars compiling, the cache tier, PD
 handoffs, KV events, speculation, the profiler) are components the step walks (components.py).
 It owns the request queues (state.py), the radix cache and the KV pools; choosing a prefill batch
-is PrefillManager's job (prefill.py), a decode batch and retraction DecodeManager's (decode.py).
+is PrefillManager's job (prefill.py), a decode batch and retraction DecodeManager's (decode.py),
+what the new tokens do to their requests StepResults' (results.py). Control commands (control.py),
+aborts (aborts.py) and the KV accounting (accounting.py) get the parts they use, built here once.
 """
 
 from __future__ import annotations
@@ -14,10 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
 from typing import Any
-
-import torch
 
 from radixserve.cache.pools import KVSlotAllocator, ReqToTokenPool
 from radixserve.cache.radix_cache import ChunkCache, PrefixCache, RadixCache
@@ -27,10 +26,12 @@ from radixserve.distributed.parallel import SINGLE, ParallelContext
 from radixserve.executor.base import (
     Embeddings,
     Executor,
+    ExpertRecording,
     KVSlots,
     MemoryControl,
     MissingCapabilityError,
     PipelineStages,
+    WeightControl,
 )
 from radixserve.protocol.messages import (
     AbortRequest,
@@ -42,8 +43,8 @@ from radixserve.protocol.messages import (
     SchedulerOutput,
 )
 from radixserve.protocol.sampling_params import InvalidRequestError
-from radixserve.scheduler.aborts import abort_requests, abort_targets
-from radixserve.scheduler.accounting import SchedulerAccounting
+from radixserve.scheduler.aborts import AbortParts, abort_requests, abort_targets
+from radixserve.scheduler.accounting import IdleSelfCheck, KVAccounting
 from radixserve.scheduler.batch import KVContext
 from radixserve.scheduler.cache_tier import build_cache_tier
 from radixserve.scheduler.components import (
@@ -56,7 +57,7 @@ from radixserve.scheduler.components import (
     StepComponent,
     TierLoads,
 )
-from radixserve.scheduler.control import handle_control
+from radixserve.scheduler.control import ControlParts, Controls, ForwardDelay
 from radixserve.scheduler.decode import DecodeManager
 from radixserve.scheduler.disaggregation.build import build_handoffs
 from radixserve.scheduler.grammar import InvalidGrammarError, grammar_key
@@ -64,9 +65,7 @@ from radixserve.scheduler.grammar_queue import GrammarQueue
 from radixserve.scheduler.images import image_support
 from radixserve.scheduler.kv_events import KVEventPublisher
 from radixserve.scheduler.logit_processors import ProcessorRegistry
-from radixserve.scheduler.logprobs import record_input_logprobs
 from radixserve.scheduler.lora import LoraManager
-from radixserve.scheduler.next_tokens import pick_next_tokens, record_prompt_hidden_states
 from radixserve.scheduler.outputs import Decided, OutputBuilder, OverlappedPublisher, overlap_enabled
 from radixserve.scheduler.pipeline import MicroBatchPipeline
 from radixserve.scheduler.policy import SchedulePolicy
@@ -75,8 +74,9 @@ from radixserve.scheduler.profiler import StepProfiler
 from radixserve.scheduler.rank_sync import RankSync
 from radixserve.scheduler.req_factory import ReqFactory
 from radixserve.scheduler.request import Req
+from radixserve.scheduler.results import StepResults
 from radixserve.scheduler.speculative.build import build_speculator
-from radixserve.scheduler.state import RequestQueues, ScheduledBatch, release_kv
+from radixserve.scheduler.state import RequestQueues, ScheduledBatch
 from radixserve.scheduler.stats import SchedulerStats
 from radixserve.scheduler.tokenizer_access import SchedulerTokenizer
 
@@ -88,7 +88,7 @@ DEFAULT_MAX_RUNNING_REQUESTS = 256
 IDLE_POLL_S = 0.01
 
 
-class Scheduler(SchedulerAccounting):
+class Scheduler:
     def __init__(
         self,
         args: ServerArgs,
@@ -204,6 +204,31 @@ class Scheduler(SchedulerAccounting):
         )
         self.reqs: dict[str, Req] = {}
         self.outputs = OutputBuilder()
+        # Deciding and publishing a step's results (results.py); aborting requests (aborts.py).
+        self.results = StepResults(
+            args,
+            executor,
+            self.queues,
+            self.reqs,
+            self.kv,
+            self.stats,
+            self.outputs,
+            self.tokenizer,
+            self.grammar_queue,
+            self.speculator,
+            self.kv_slots,
+            self.prefill_handoffs,
+        )
+        self._aborts = AbortParts(
+            self.reqs,
+            self.stats,
+            self.queues,
+            self.tree_cache,
+            self.grammar_queue,
+            self.outputs,
+            self.prefill_handoffs,
+            self.decode_handoffs,
+        )
         # --enable/--disable-overlap-schedule: publish a step's results during the next forward.
         # A pipeline overlaps its own way: the publishing runs between its ticks.
         overlap = overlap_enabled(args, device) and self.pipeline is None
@@ -212,23 +237,23 @@ class Scheduler(SchedulerAccounting):
         self._unpublished: Decided | None = None
 
         # Test hook (/slow_down): sleep this long before every forward.
-        self.forward_sleep_s = 0.0
+        self.forward_delay = ForwardDelay()
         # When the forward step now running began (None between steps): what the watchdog checks.
         self.step_started: float | None = None
         self.profiler = StepProfiler()
-        self._idle_checked = True
-        self.idle_waiters: list[ControlRequest] = []
+        self.accounting = KVAccounting(self.kv, self.cache_tier, self.max_total_tokens)
+        self.idle_check = IdleSelfCheck(executor, self.speculator, self.accounting)
         self.components = self._components()
+        self.controls = Controls(self._control_parts())
 
     def _components(self) -> list[StepComponent]:
         """The features that act at the step's phases, in the order the step calls them."""
-        self.grammar_arrivals = GrammarArrivals(self.grammar_queue, self._enqueue, self._finish)
+        finish = self.results.finish
+        self.grammar_arrivals = GrammarArrivals(self.grammar_queue, self._enqueue, finish)
         components: list[StepComponent] = [self.grammar_arrivals, TierLoads(self.cache_tier)]
         if self.decode_handoffs is not None:
-            start = self._start_handed_over
-            components.append(
-                HandoffArrivals(self.decode_handoffs, self.queues, self.stats, start, self._finish)
-            )
+            start = self.results.handed_over
+            components.append(HandoffArrivals(self.decode_handoffs, self.queues, self.stats, start, finish))
         if self.prefill_handoffs is not None:
             components.append(PrefillHandoffsClose(self.prefill_handoffs))
         if self.kv_events is not None:
@@ -237,6 +262,41 @@ class Scheduler(SchedulerAccounting):
             components.append(SpeculatorHooks(self.speculator))
         components.append(ProfilerHooks(self.profiler))
         return components
+
+    def _control_parts(self) -> ControlParts:
+        """What the control commands use (control.py), handed over once; the executor's optional
+        capabilities narrowed here, not per command."""
+        executor = self.executor
+        return ControlParts(
+            args=self.args,
+            max_total_tokens=self.max_total_tokens,
+            context_len=self.context_len,
+            queues=self.queues,
+            reqs=self.reqs,
+            kv=self.kv,
+            accounting=self.accounting,
+            prefill=self.prefill,
+            decode=self.decode,
+            grammar_queue=self.grammar_queue,
+            stats=self.stats,
+            profiler=self.profiler,
+            cache_tier=self.cache_tier,
+            delay=self.forward_delay,
+            executor=executor,
+            memory=self.memory,
+            weights=executor if isinstance(executor, WeightControl) else None,
+            experts=executor if isinstance(executor, ExpertRecording) else None,
+            overlap_schedule=self.publisher is not None,
+            kv_events=self.kv_events,
+            speculator=self.speculator,
+            lora=self.lora,
+            images=self.images,
+            pipeline=self.pipeline,
+            handoffs=self.prefill_handoffs or self.decode_handoffs,
+            is_idle=lambda: self.is_idle,
+            flush_cache=self.flush_cache,
+            abort_all_and_flush=self.abort_all_and_flush,
+        )
 
     def _pipeline(self, stages: int) -> MicroBatchPipeline | None:
         if stages == 1:
@@ -265,7 +325,7 @@ class Scheduler(SchedulerAccounting):
         if isinstance(msg, ControlRequest):
             # Control messages find every request at rest: none in a pipeline stage's hands.
             drained: list[SchedulerOutput] = list(self._drain_pipeline())
-            return drained + handle_control(self, msg)
+            return drained + self.controls.handle(msg)
         raise TypeError(f"unexpected scheduler message {type(msg).__name__}")
 
     def add_request(self, msg: GenerateRequest) -> list[ReqOutput]:
@@ -290,7 +350,7 @@ class Scheduler(SchedulerAccounting):
         if (error := self._admit_handoff(req, msg)) is not None:
             return [self.outputs.error(msg.rid, prompt_len, error, status_code=400)]
         self.reqs[req.rid] = req
-        self._idle_checked = False
+        self.idle_check.request_arrived()
         if (key := grammar_key(params)) is not None:
             try:
                 self.grammar_queue.add(req, key)
@@ -338,7 +398,7 @@ class Scheduler(SchedulerAccounting):
         # First every micro-batch in flight lands: nothing a pipeline stage still writes is freed.
         outputs = self._drain_pipeline()
         targets = abort_targets(self.reqs, rid, abort_all, exact)
-        return outputs + abort_requests(self, targets, message, status_code)
+        return outputs + abort_requests(self._aborts, targets, message, status_code)
 
     # ------------------------------------------------------------------ one step
 
@@ -364,7 +424,7 @@ class Scheduler(SchedulerAccounting):
         spinning; else the idle self-check."""
         published = self._publish_unpublished()
         if not any(component.wait(IDLE_POLL_S) for component in self.components):
-            self._check_idle()
+            self.idle_check.run()
         return published
 
     def _end_step(self, started: float, steps: int) -> list[SchedulerOutput]:
@@ -372,12 +432,7 @@ class Scheduler(SchedulerAccounting):
             component.end_step()
         if self.stats.forward_steps > steps:
             self.stats.step_time_s += time.perf_counter() - started
-        outputs: list[SchedulerOutput] = []
-        if self.idle_waiters and self.is_idle:
-            waiters, self.idle_waiters = self.idle_waiters, []
-            for msg in waiters:
-                outputs += handle_control(self, msg)
-        return outputs
+        return self.controls.answer_idle_waiters()
 
     def _run_batch(self, batch: ScheduledBatch) -> list[ReqOutput]:
         """A generation step: its forward, then its results decided and published (with the overlap
@@ -386,7 +441,7 @@ class Scheduler(SchedulerAccounting):
         unpublished, self._unpublished = self._unpublished, None
         publishing = None
         if unpublished is not None and self.publisher is not None:
-            publishing = self.publisher.start(lambda: self._publish(unpublished))
+            publishing = self.publisher.start(lambda: self.results.publish(unpublished))
             self.stats.overlapped_steps += 1
         forward_started = time.perf_counter()
         decode_rows = len(batch.reqs) if not batch.is_prefill and batch.verify is None else None
@@ -401,14 +456,14 @@ class Scheduler(SchedulerAccounting):
         self.stats.decode_host_time.forward_ended(forward_ended)
         self._after_forward(batch, batch.is_prefill)
         if batch.verify is not None:
-            decided = self._decide_verified(batch, logits, hidden)
+            decided = self.results.verified(batch, logits, hidden)
         else:
-            decided = self._decide_sampled(batch, logits, hidden)
+            decided = self.results.sampled(batch, logits, hidden)
         seconds = time.perf_counter() - forward_started
         for component in self.components:
             component.after_results(batch, batch.is_prefill, seconds)
         if self.publisher is None:
-            return published + self._publish(decided)
+            return published + self.results.publish(decided)
         self._unpublished = decided
         return published
 
@@ -425,13 +480,13 @@ class Scheduler(SchedulerAccounting):
         if landed is None:
             return []
         assert result is not None, "the executor returned nothing for the micro-batch that landed"
-        return self._publish(self._decide_sampled(landed, *result))
+        return self.results.publish(self.results.sampled(landed, *result))
 
     def _before_forward(self, batch: ScheduledBatch | None, is_prefill: bool) -> None:
         self.stats.forward_steps += 1
         self.step_started = time.monotonic()
-        if self.forward_sleep_s:
-            time.sleep(self.forward_sleep_s)
+        if self.forward_delay.seconds:
+            time.sleep(self.forward_delay.seconds)
         for component in self.components:
             component.before_forward(batch, is_prefill)
 
@@ -440,46 +495,12 @@ class Scheduler(SchedulerAccounting):
         for component in self.components:
             component.after_forward(batch, is_prefill)
 
-    def _start_handed_over(self, reqs: list[Req], first_tokens: list[int]) -> list[ReqOutput]:
-        """Requests whose prompt's K/V a prefill server handed over: their first token, the prefill
-        server's, is decided as a prefill's is, and they join the running batch."""
-        decided = self._decide(reqs, [True] * len(reqs), True, [(token,) for token in first_tokens])
-        return self._publish(decided)
-
     def _drain_pipeline(self) -> list[ReqOutput]:
         """Runs ticks without launching until no micro-batch is in flight."""
         outputs: list[ReqOutput] = []
         while self.pipeline is not None and self.pipeline.in_flight:
             outputs += self._run_tick(self.pipeline, None)
         return outputs
-
-    def _decide_sampled(self, batch: ScheduledBatch, logits: torch.Tensor, hidden: torch.Tensor) -> Decided:
-        """A prefill or decode step's results: one token for each request that samples."""
-        sampling_reqs = [r for r, samples in zip(batch.reqs, batch.samples, strict=True) if samples]
-        if batch.forward.logprob_rows is not None:
-            record_input_logprobs(batch.reqs, logits[len(sampling_reqs) :])
-            logits = logits[: len(sampling_reqs)]
-        if batch.forward.hidden_rows is not None:
-            record_prompt_hidden_states(batch.reqs, hidden[len(hidden) - len(batch.forward.hidden_rows) :])
-        next_ids: list[int] = []
-        if sampling_reqs:
-            vocab, sample = self.config.vocab_size, self.executor.sample
-            next_ids = pick_next_tokens(sampling_reqs, logits, hidden, vocab, sample, self._grammar_mask)
-        return self._decide(batch.reqs, batch.samples, batch.is_prefill, [(token,) for token in next_ids])
-
-    def _decide_verified(self, batch: ScheduledBatch, logits: torch.Tensor, hidden: torch.Tensor) -> Decided:
-        """A verify step's results: each request's accepted drafts and one token of the model's."""
-        plan, reqs, speculator = batch.verify, batch.reqs, self.speculator
-        assert plan is not None and speculator is not None
-        vocab, sample = self.config.vocab_size, self.executor.sample
-        verified = speculator.verify(reqs, plan, logits, hidden, vocab, sample, self._grammar_mask)
-        assert self.kv_slots is not None  # checked when the speculator was built
-        speculator.commit(reqs, plan, verified, self.kv, self.kv_slots.move_kv)
-        before = [len(r.output_ids) for r in reqs]
-        decided = self._decide(batch.reqs, batch.samples, batch.is_prefill, [v.tokens for v in verified])
-        kept = [len(r.output_ids) - n for r, n in zip(reqs, before, strict=True)]
-        speculator.record(reqs, plan, verified, kept, logits, self.kv, self.stats)
-        return decided
 
     def _run_embedding_batch(self, batch: ScheduledBatch) -> list[ReqOutput]:
         """Embedding requests finish with their prompt's pass (a chunk of a long one only fills KV)."""
@@ -491,12 +512,8 @@ class Scheduler(SchedulerAccounting):
         for req, vector in zip(done, embeddings, strict=True):
             req.embedding = vector
         # An embedding samples no token.
-        return self._publish(self._decide(batch.reqs, batch.samples, batch.is_prefill, [()] * len(done)))
-
-    def _grammar_mask(self, reqs: list[Req], device: torch.device) -> torch.Tensor | None:
-        if all(r.grammar is None for r in reqs):
-            return None
-        return self.grammar_queue.backend.bitmask([r.grammar for r in reqs], device)
+        decided = self.results.decide(batch.reqs, batch.samples, batch.is_prefill, [()] * len(done))
+        return self.results.publish(decided)
 
     @property
     def is_idle(self) -> bool:
@@ -520,95 +537,22 @@ class Scheduler(SchedulerAccounting):
             return self.decode.next_batch(self.speculator)
         return None
 
-    # ------------------------------------------------------------------ results out
-
-    def _decide(
-        self, reqs: list[Req], samples: Sequence[bool], prefill: bool, next_ids: Sequence[Sequence[int]]
-    ) -> Decided:
-        """Everything about a step's results that the next batch depends on (outputs.py).
-        samples: per request, whether it samples (not a chunk of its prompt); prefill: whether
-        requests not yet running join the running list. next_ids: the new tokens of each request
-        that samples, in order (several after a verify step; those after one that finishes the
-        request are dropped)."""
-        decided = Decided()
-        queues = self.queues
-        # Sets, not list scans, and finished_reason rather than the property: this runs for every
-        # request on every step. Only a prefill adds to the running list (a decode needs no set).
-        running = {id(r) for r in queues.running} if prefill else set()
-        finished: set[int] = set()
-        generated = 0
-        # Every request that sampled has an unsent token, so with an interval of 1 all of them
-        # publish: no need to ask the builder per request.
-        interval = self.args.stream_interval
-        unsent_tokens = self.outputs.unsent_tokens
-        append_token, publish = self._append_token, decided.reqs.append
-        sampled = iter(next_ids)
-        for req, sampling in zip(reqs, samples, strict=True):
-            if not sampling:
-                # A chunk of a long prompt: publish the computed part so later requests can share it.
-                self.tree_cache.cache_unfinished_req(req, req.cache_ids)
-                continue
-            tokens = next(sampled)
-            if req.sampling_params.max_new_tokens == 0:
-                # Prefilled only for its prompt logprobs (a scoring request): nothing to output.
-                req.finished_reason = FinishReason("length")
-            else:
-                for token in tokens:
-                    append_token(req, token)
-                    generated += 1
-                    if req.finished_reason is not None:
-                        break
-            if req.finished_reason is not None:
-                if self.speculator is not None:
-                    self.speculator.observe(req)  # its whole text, for later requests to draft from
-                # Out of reach of aborts now; its KV is released when it is published.
-                self.reqs.pop(req.rid, None)
-                finished.add(id(req))
-                publish((req, True))
-                continue
-            if prefill and id(req) not in running:
-                self.tree_cache.cache_unfinished_req(req, req.cache_ids)
-                queues.running.append(req)
-            if interval == 1 or unsent_tokens(req) >= interval:
-                publish((req, False))
-        if finished:
-            queues.running = [r for r in queues.running if id(r) not in finished]
-        self.stats.generated_tokens += generated
-        return decided
-
-    def _append_token(self, req: Req, token: int) -> None:
-        req.output_ids.append(token)
-        if len(req.output_ids) == 1:
-            self.stats.record_first_token(time.monotonic() - req.arrival_time)
-        if req.grammar is not None:
-            req.grammar.accept(token)
-            if req.grammar.terminated:
-                req.finished_reason = FinishReason("stop", matched=token)
-        req.check_finished(self.context_len, self.tokenizer.decode if req.sampling_params.stop else None)
-
-    def _publish(self, decided: Decided) -> list[ReqOutput]:
-        """Releases finished requests' KV into the cache and builds the outputs (outputs.py)."""
-        outputs: list[ReqOutput] = []
-        output, progress = outputs.append, self.outputs.progress  # hoisted: once per request
-        for req, finished in decided.reqs:
-            if finished:
-                if self.prefill_handoffs is not None:
-                    self.prefill_handoffs.finished(req)  # copies its prompt's K/V out first
-                release_kv(self.tree_cache, req)
-                output(self.outputs.final(req))
-            else:
-                output(progress(req))
-        return outputs
+    # ------------------------------------------------------------------ results out (results.py)
 
     def _publish_unpublished(self) -> list[ReqOutput]:
         unpublished, self._unpublished = self._unpublished, None
-        return [] if unpublished is None else self._publish(unpublished)
+        return [] if unpublished is None else self.results.publish(unpublished)
 
-    def _finish(self, req: Req) -> ReqOutput:
-        self.reqs.pop(req.rid, None)
-        return self.outputs.final(req)
+    # ------------------------------------------------------------------ the KV
 
-    # ------------------------------------------------------------------ accounting
+    def check_kv_invariant(self) -> None:
+        """Raises KVLeakError unless the KV accounting holds (accounting.py); only idle can pass."""
+        self.accounting.check_invariant()
+
+    @property
+    def kv_events_pending(self) -> bool:
+        """KV events recorded and not yet published: an idle scheduler steps once to send them."""
+        return self.kv_events is not None and self.kv_events.recorder.pending
 
     def flush_cache(self) -> bool:
         if not self.is_idle:

@@ -1,5 +1,5 @@
 """`radixserve bench ... --plot`: an HTML page of charts next to the bench's JSON (same name,
-.html), drawn with radixserve_tools/plots.py (inline SVG, nothing fetched).
+.html), drawn with radixserve_tools/plots.py (matplotlib figures inlined as SVG, nothing fetched).
 
 Each bench plots what its run measured:
 - serving: per request timings, so the TTFT, ITL and E2E distributions and, over the run, the
@@ -31,6 +31,8 @@ from radixserve_tools.plots import (
 )
 
 if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
     # Types only: bench/serving.py imports httpx and tqdm, which a page of charts needs neither of.
     from radixserve_tools.bench.serving import RequestResult
     from radixserve_tools.bench.soak_report import SoakReport
@@ -50,7 +52,7 @@ def _token_times(r: RequestResult) -> list[tuple[float, float]]:
     return [(t, r.output_tokens / len(times)) for t in times]
 
 
-def serving_charts(results: list[RequestResult]) -> list[str]:
+def serving_charts(results: list[RequestResult]) -> list[Figure]:
     """`bench serving`, over the requests that succeeded."""
     ok = [r for r in results if r.success]
     ttft = [r.ttft_s * 1000 for r in ok]
@@ -77,7 +79,7 @@ def serving_charts(results: list[RequestResult]) -> list[str]:
     ]
 
 
-def multiturn_charts(report: dict[str, Any]) -> list[str]:
+def multiturn_charts(report: dict[str, Any]) -> list[Figure]:
     """`bench multiturn`: every setting's TTFT distribution on one chart, and its output rate."""
     rows = report["rows"]
     lines: list[Line] = [(row["setting"], cdf(row["ttft_ms"]), _colour(i)) for i, row in enumerate(rows)]
@@ -88,7 +90,7 @@ def multiturn_charts(report: dict[str, Any]) -> list[str]:
     ]
 
 
-def offline_charts(report: dict[str, Any]) -> list[str]:
+def offline_charts(report: dict[str, Any]) -> list[Figure]:
     """`bench offline`: each workload's median throughput, radixserve beside transformers (no bar
     where the baseline did not run). Total tok/s is (input + output) / wall; output tok/s leaves
     out the prompts."""
@@ -104,7 +106,7 @@ def offline_charts(report: dict[str, Any]) -> list[str]:
     return charts
 
 
-def speculative_charts(report: dict[str, Any]) -> list[str]:
+def speculative_charts(report: dict[str, Any]) -> list[Figure]:
     """`bench speculative`: each case's median decode tok/s, a bar per speculation setting."""
     rows = report["rows"]
     cases = list(dict.fromkeys(f"{row['workload']}, {row['mode']}" for row in rows))
@@ -117,7 +119,7 @@ def speculative_charts(report: dict[str, Any]) -> list[str]:
     return [bar_chart("decode throughput (median)", cases, series, "decode tok/s")]
 
 
-def soak_charts(report: SoakReport) -> list[str]:
+def soak_charts(report: SoakReport) -> list[Figure]:
     """`bench soak`: how the requests ended, overall and per kind; the latency of those that
     completed; the server's RSS at each sample (with --server-pid)."""
     outcomes = [name for name, count in report.outcomes.items() if count]
@@ -151,7 +153,9 @@ def plot_path(json_path: str) -> Path:
     return path.with_suffix(".plots.html" if path.suffix == ".html" else ".html")
 
 
-def write_plot(json_path: str, title: str, charts: list[str], summary: dict[str, Any] | None = None) -> Path:
+def write_plot(
+    json_path: str, title: str, charts: list[Figure], summary: dict[str, Any] | None = None
+) -> Path:
     """Writes the page beside the JSON and returns where."""
     path = plot_path(json_path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -178,7 +182,7 @@ def plot_without_out(args: argparse.Namespace, out: str | None, out_flag: str) -
 
 
 def write_plot_if_asked(
-    args: argparse.Namespace, out: str | None, title: str, charts: Callable[[], list[str]]
+    args: argparse.Namespace, out: str | None, title: str, charts: Callable[[], list[Figure]]
 ) -> None:
     """With --plot: the page beside the JSON at `out` (charts are drawn only then)."""
     if args.plot and out:

@@ -1,15 +1,18 @@
-"""The simulator's outputs: a Markdown table, JSON, and one self-contained HTML page with inline SVG
-plots (KV usage and cache hit rate over time, the TTFT distribution)."""
+"""The simulator's outputs: a Markdown table, JSON, and one self-contained HTML page of charts
+(KV usage and cache hit rate over time, the TTFT distribution; radixserve_tools/plots.py)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from radixserve_tools.plots import cdf, line_chart
 from radixserve_tools.plots import html_page as page
 from radixserve_tools.simulator.simulate import SimResult
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 def table(result: SimResult, title: str) -> str:
@@ -37,10 +40,10 @@ def table(result: SimResult, title: str) -> str:
     return "\n".join(lines)
 
 
-def html_page(result: SimResult, title: str) -> str:
+def charts(result: SimResult) -> list[Figure]:
     kv_used = [(t, float(u)) for t, u, _ in result.kv_timeline]
     kv_cached = [(t, float(c)) for t, _, c in result.kv_timeline]
-    charts = [
+    return [
         line_chart(
             "KV slots",
             [("in use", kv_used, "#4f8cff"), ("evictable cache", kv_cached, "#d9a441")],
@@ -60,7 +63,10 @@ def html_page(result: SimResult, title: str) -> str:
             1.0,
         ),
     ]
-    return page(title, charts, result.summary())
+
+
+def html_page(result: SimResult, title: str) -> str:
+    return page(title, charts(result), result.summary())
 
 
 def write_outputs(result: SimResult, title: str, out_dir: Path) -> list[Path]:

@@ -484,7 +484,8 @@ def test_cli_runs_and_writes_json(
     assert "Serving Benchmark Result" in printed and "Median TTFT (ms):" in printed
     assert json.loads(out.read_text())["completed"] == 3
     page = tmp_path / "r.html"
-    assert f"wrote {page}" in printed and page.read_text().count("<polyline") == 5
+    assert f"wrote {page}" in printed and page.read_text().count("<svg") == 5
+    assert "TTFT distribution" in page.read_text() and "requests in flight" in page.read_text()
 
     assert main(["bench", "serving", "--dataset", "sharegpt", "--disable-tqdm"]) == 2
     assert "--dataset-path" in capsys.readouterr().err

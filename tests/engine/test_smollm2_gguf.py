@@ -45,7 +45,8 @@ def first_step_logits(ids: list[int], **args: object) -> torch.Tensor:
     batch = scheduler._next_batch()
     assert batch is not None
     ours = scheduler.executor.forward(batch.forward)[0][0].float()
-    scheduler._publish(scheduler._decide(batch.reqs, batch.samples, batch.is_prefill, [[int(ours.argmax())]]))
+    results = scheduler.results
+    results.publish(results.decide(batch.reqs, batch.samples, batch.is_prefill, [[int(ours.argmax())]]))
     scheduler.check_kv_invariant()
     return ours
 
@@ -143,7 +144,9 @@ def prompt_logits(dtype: str, prompts: list[list[int]], cpu_kernels: str = "auto
         rows = scheduler.executor.forward(batch.forward)[0].float()
         assert rows.shape[0] == len(ids)
         chosen = [[int(rows[0].argmax())]]
-        scheduler._publish(scheduler._decide(batch.reqs, batch.samples, batch.is_prefill, chosen))
+        scheduler.results.publish(
+            scheduler.results.decide(batch.reqs, batch.samples, batch.is_prefill, chosen)
+        )
         logits.append(rows)
     scheduler.check_kv_invariant()
     return logits

@@ -85,7 +85,7 @@ def test_control_commands_read_the_scheduler_through_its_managers() -> None:
     assert scheduler.handle(ControlRequest("k", "check_kv_invariant")) == []
     run_until_idle(scheduler, results)
     assert [(c.rid, c.ok) for c in results.controls] == [("k", True)]
-    assert scheduler.idle_waiters == []
+    assert scheduler.controls.idle_waiters == []
     assert scheduler.flush_cache()
     scheduler.check_kv_invariant()
 

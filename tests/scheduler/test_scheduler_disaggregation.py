@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from radixserve.executor.base import KVLayout
-from radixserve.protocol.messages import BootstrapInfo, GenerateRequest
+from radixserve.protocol.messages import BootstrapInfo, ControlRequest, ControlResult, GenerateRequest
 from radixserve.protocol.sampling_params import SamplingParams
 from radixserve.scheduler.disaggregation.decode import PREFILL_FAILED_STATUS, PREFILL_TIMEOUT_STATUS
 from radixserve.scheduler.scheduler import Scheduler
@@ -112,6 +112,15 @@ def _prompts(count: int, length: int = 20) -> dict[str, list[int]]:
     return {f"r{i}": [(7 * i + 3 * j + 1) % VOCAB for j in range(length + i)] for i in range(count)}
 
 
+def _handoff_stats(scheduler: Scheduler) -> dict[str, Any]:
+    """This half's handoffs as get_stats reports them (asked of the commands directly: through
+    Scheduler.handle, the outputs it publishes first would be lost to the pair)."""
+    (reply,) = scheduler.controls.handle(ControlRequest("stats", "get_stats"))
+    assert isinstance(reply, ControlResult) and reply.ok, reply
+    stats: dict[str, Any] = reply.payload["disaggregation"]
+    return stats
+
+
 def _wait_for(condition: Any, pair: Pair) -> None:
     deadline = time.monotonic() + DEADLINE_S
     while not condition():
@@ -143,10 +152,10 @@ def _outputs_equal_one_server(pair: Pair) -> None:
         # The prefill server answers with the first token only.
         assert pair.prefill_results.tokens[rid] == expected[:1]
     # A handoff is counted once its last send returns, which can be after the receiver has it.
-    _wait_for(lambda: pair.prefill.disaggregation_stats()["waiting_for_claim"] == 0, pair)
-    stats = pair.prefill.disaggregation_stats()
-    assert stats["handoffs"] == len(prompts) and stats["failed"] == 0
-    assert pair.decode.disaggregation_stats()["handoffs"] == len(prompts)
+    _wait_for(lambda: _handoff_stats(pair.prefill)["waiting_for_claim"] == 0, pair)
+    stats = _handoff_stats(pair.prefill)
+    assert stats["mode"] == "prefill" and stats["handoffs"] == len(prompts) and stats["failed"] == 0
+    assert _handoff_stats(pair.decode)["handoffs"] == len(prompts)
     # Radix caching stays on the prefill side: the same prompt again is a cache hit there.
     rid, prompt = "again", prompts["r0"]
     pair.submit(rid, prompt, 9, 99)
@@ -178,7 +187,7 @@ def test_an_abort_on_the_decode_side_before_the_kv_comes_leaks_nothing_on_either
     assert pair.decode_results.finish["gone"].type == "abort"
     # The prefill side gets the request late: it computes it, then drops it unclaimed.
     pair.submit("gone", prompt, 9, 5, to="prefill")
-    _wait_for(lambda: pair.prefill.disaggregation_stats()["waiting_for_claim"] == 0 and pair.idle, pair)
+    _wait_for(lambda: _handoff_stats(pair.prefill)["waiting_for_claim"] == 0 and pair.idle, pair)
     # Nothing arrived for a request that is gone; a new request in the same room works.
     pair.submit("next", prompt, 9, 5)
     pair.run({"next"})

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from radixserve.protocol.messages import GenerateRequest, ReqOutput
+from radixserve.protocol.messages import ControlRequest, ControlResult, GenerateRequest, ReqOutput
 from radixserve.protocol.sampling_params import SamplingParams
 from radixserve.scheduler.scheduler import Scheduler
 from tests.scheduler.fake_executor import (
@@ -63,7 +63,9 @@ def test_micro_batches_give_one_stages_outputs_and_keep_every_stage_busy(stages:
     # Every stage had a micro-batch at once, and decode micro-batches split the running requests.
     assert executor.most_in_flight == stages
     assert max(len(b.extend_lens) for b in executor.decodes) <= -(-12 // stages)
-    stats = scheduler.pipeline_stats()
+    (reply,) = scheduler.handle(ControlRequest("stats", "get_stats"))
+    assert isinstance(reply, ControlResult) and reply.ok
+    stats = reply.payload["pipeline"]
     assert stats["stages"] == stages and stats["ticks"] == executor.ticks
     assert 0 < stats["utilization"] <= 1
     scheduler.check_kv_invariant()

@@ -15,6 +15,7 @@ from radixserve.cli import main
 from radixserve.models.config import ModelConfig
 from radixserve_tools.simulator.hardware import BUILTIN_PROFILES
 from radixserve_tools.simulator.model_configs import load_config
+from radixserve_tools.simulator.report import charts
 from radixserve_tools.simulator.simulate import kv_capacity, simulate
 from radixserve_tools.simulator.trace import SyntheticTrace, TraceRequest, ready_times, synthetic
 from tests.simulator.test_cost_model import LLAMA_8B
@@ -100,7 +101,32 @@ def test_cli_writes_table_json_and_html(tmp_path: Path, capsys: pytest.CaptureFi
     summary = json.loads((out / "simulation.json").read_text())
     assert summary["requests"] == 20 and summary["output_tok_s"] > 0
     page = (out / "simulation.html").read_text()
-    assert page.count("<svg") == 3 and "<polyline" in page
+    assert page.startswith("<!DOCTYPE html>") and page.count("<svg") == 3
+    assert "KV slots" in page and "cache hit rate" in page and "TTFT distribution" in page
+
+
+def test_report_charts_plot_kv_use_hit_rate_and_ttft() -> None:
+    trace = synthetic(SyntheticTrace(num_requests=24, input_len=(64, 128), output_len=(4, 16), seed=3))
+    result = simulate(CONFIG, BUILTIN_PROFILES["H100"], trace, 4_000)
+    kv, hits, ttft = charts(result)
+    kv_axes, hits_axes, ttft_axes = kv.axes[0], hits.axes[0], ttft.axes[0]
+    assert [a.get_title() for a in (kv_axes, hits_axes, ttft_axes)] == [
+        "KV slots",
+        "cache hit rate",
+        "TTFT distribution",
+    ]
+    lines = {str(line.get_label()): line for line in kv_axes.get_lines()}
+    assert set(lines) == {"in use", "evictable cache"}
+    # Short enough to keep every point: the lines are the timeline's, on a pool-sized y axis.
+    assert len(result.kv_timeline) > 1
+    assert list(lines["in use"].get_xdata()) == [t for t, _, _ in result.kv_timeline]
+    assert list(lines["in use"].get_ydata()) == [float(u) for _, u, _ in result.kv_timeline]
+    assert list(lines["evictable cache"].get_ydata()) == [float(c) for _, _, c in result.kv_timeline]
+    assert kv_axes.get_ylim() == (0.0, float(result.max_total_tokens))
+    (hit_line,) = hits_axes.get_lines()
+    assert list(hit_line.get_ydata()) == [rate for _, rate in result.hit_timeline]
+    (ttft_line,) = ttft_axes.get_lines()
+    assert sorted(ttft_line.get_xdata()) == sorted(result.ttft_values_ms) and ttft_line.get_ydata()[-1] == 1.0
 
 
 def test_cli_takes_a_built_in_model_shape_and_refuses_an_unknown_one(

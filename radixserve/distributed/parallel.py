@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from radixserve.config.server_args import parse_host_port
+from radixserve.config.parallel_args import parse_host_port
 
 # How long a rank waits in a collective for the others. Rank 0 broadcasts at least every idle
 # wake-up (seconds apart), and a forward step is far shorter than this; it bounds a hang instead.

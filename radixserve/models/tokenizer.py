@@ -109,15 +109,21 @@ def _save_tokenizer(tokenizer: PreTrainedTokenizerBase, target: Path) -> None:
             shutil.rmtree(scratch, ignore_errors=True)
 
 
+def _is_file(value: str) -> bool:
+    try:
+        return Path(value).is_file()
+    except OSError:
+        return False  # an inline template longer than a file name may be
+
+
 def set_chat_template(tokenizer: PreTrainedTokenizerBase, value: str) -> None:
     """--chat-template: a Jinja file, or the template itself inline (vLLM's and SGLang's flag); it
     replaces the model's own. Checked here, at startup: a value that is neither, or a template
     Jinja cannot parse, is refused with the reason."""
     import jinja2
 
-    path = Path(value)
-    if path.is_file():
-        template = path.read_text(encoding="utf-8")
+    if _is_file(value):
+        template = Path(value).read_text(encoding="utf-8")
     elif "{{" in value or "{%" in value:
         template = value
     else:

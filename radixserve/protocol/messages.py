@@ -78,6 +78,8 @@ class GenerateRequest:
     # Vision-language models: the prompt's images, in order; each one's tokens sit in input_ids as
     # the model's image token id (the scheduler keys them by the image's digest).
     images: list[ImageInput] | None = None
+    # SGLang's `priority` (None: the default, 0); used under --enable-priority-scheduling.
+    priority: int | None = None
 
 
 @dataclass

@@ -24,7 +24,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from radixserve.config.server_args import LOAD_BALANCE_METHODS
+from radixserve.config.parallel_args import LOAD_BALANCE_METHODS
 from radixserve.protocol.messages import GenerateRequest
 
 PREFIX_BLOCK = 64

@@ -428,6 +428,7 @@ class Engine(EngineControl):
         custom_logit_processor: str | None = None,
         lora_path: str | list[str | None] | None = None,
         image_data: Any = None,
+        priority: int | list[int | None] | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """Blocking generation. One prompt gives one result dict; a list gives a list, in order.
         With return_logprob, meta_info holds output_token_logprobs and output_top_logprobs, and
@@ -441,7 +442,8 @@ class Engine(EngineControl):
         or one per prompt; None: the base model). image_data gives a vision-language model's
         images (data: URLs, base64, allowed paths or URLs; see runtime/images.py): for one prompt
         one image or a list, for a batch one entry per prompt; each image fills one image token of
-        its prompt."""
+        its prompt. priority (one, or one per prompt) orders admission under
+        enable_priority_scheduling."""
         reqs, single = self.requests.build_batch(
             prompt,
             input_ids,
@@ -456,6 +458,11 @@ class Engine(EngineControl):
             lora_path=lora_path,
             image_data=image_data,
         )
+        priorities = priority if isinstance(priority, list) else [priority] * len(reqs)
+        if len(priorities) != len(reqs):
+            raise InvalidRequestError("priority list must have one entry per prompt")
+        for req, value in zip(reqs, priorities, strict=True):
+            req.priority = value
         return self._run_blocking(reqs, single)
 
     def encode(

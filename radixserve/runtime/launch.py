@@ -30,7 +30,8 @@ from typing import Any
 
 import zmq
 
-from radixserve.config.server_args import ServerArgs, parse_host_port
+from radixserve.config.parallel_args import parse_host_port
+from radixserve.config.server_args import ServerArgs
 from radixserve.protocol.ipc import PARENT_CHECK_MS, SLEEP_ON_IDLE_CHECK_MS, Channel, IpcDir
 from radixserve.protocol.messages import SchedulerFailed, SchedulerInput, SchedulerReady, ShutdownRequest
 

@@ -125,6 +125,23 @@ class DecodeManager:
             self.new_token_ratio,
         )
 
+    def preempt(self, victims: list[Req], by: Req) -> None:
+        """Sends running requests back to the queue for a waiting request that outranks them
+        (--enable-priority-scheduling), as a retraction does."""
+        sent_back: list[Req] = []
+        for victim in victims:
+            self._send_back(victim, sent_back)
+        gone = {id(r) for r in victims}
+        self.queues.running = [r for r in self.queues.running if id(r) not in gone]
+        self.queues.waiting.extend(sent_back)
+        self.stats.retracted_reqs += len(sent_back)
+        logger.info(
+            "Preempted %d running request(s) for request %s (priority %d)",
+            len(sent_back),
+            by.rid,
+            by.priority,
+        )
+
     def _send_back(self, victim: Req, retracted: list[Req]) -> None:
         release_kv(self.kv.tree_cache, victim)
         victim.retractions += 1

@@ -25,22 +25,56 @@ IN_BATCH_PREFIX_TOKENS = 32
 _ARRIVAL = attrgetter("arrival")
 
 
+@dataclass(frozen=True)
+class PriorityRule:
+    """--enable-priority-scheduling: requests' `priority` values, ranked as SGLang ranks them (a
+    higher value first, unless --schedule-low-priority-values-first)."""
+
+    low_values_first: bool = False
+    # A waiting request may preempt a running one only when it outranks it by more than this.
+    preemption_threshold: int = 10
+
+    def rank(self, req: Req) -> int:
+        """Sorts ascending: the request to serve first has the lowest rank."""
+        return req.priority if self.low_values_first else -req.priority
+
+    def may_preempt(self, req: Req, running: Req) -> bool:
+        return self.rank(running) - self.rank(req) > self.preemption_threshold
+
+    def victims(self, req: Req, running: list[Req]) -> list[Req]:
+        """The running requests `req` may preempt, in the order to take them: the lowest-ranked
+        first, and among equals the one with the fewest outputs (the least work to redo)."""
+        outranked = [r for r in running if self.may_preempt(req, r)]
+        return sorted(outranked, key=lambda r: (-self.rank(r), len(r.output_ids), -r.arrival))
+
+
 class SchedulePolicy:
-    def __init__(self, policy: str, tree_cache: PrefixCache, seed: int = 0):
+    def __init__(
+        self, policy: str, tree_cache: PrefixCache, seed: int = 0, priority: PriorityRule | None = None
+    ):
         self.policy = policy
         self.tree_cache = tree_cache
         self.rng = random.Random(seed)
+        # None: priorities are not looked at (SGLang ignores them unless enabled).
+        self.priority = priority
 
     @property
     def cache_aware(self) -> bool:
         return self.policy in ("lpm", "dfs-weight") and not self.tree_cache.disabled
 
     def order(self, queue: list[Req]) -> list[Req]:
-        """Returns the requests the prefill adder should try this round, in order.
+        """Returns the requests the prefill adder should try this round, in order: by priority
+        first when priorities are on, then by the policy.
 
         Cache-aware policies leave out requests whose prefix another request of this round will
         compute: they stay queued and reuse its KV next round.
         """
+        ordered = self._policy_order(queue)
+        if self.priority is None:
+            return ordered
+        return sorted(ordered, key=self.priority.rank)  # stable: the policy orders each priority
+
+    def _policy_order(self, queue: list[Req]) -> list[Req]:
         policy = self.policy
         if policy in ("lpm", "dfs-weight") and (not self.cache_aware or len(queue) > LPM_MAX_QUEUE):
             policy = "fcfs"
@@ -141,6 +175,14 @@ class PrefillAdder:
         if self.chunk_budget is not None:
             self.chunk_budget -= size
         return req if size < remaining else None
+
+    def kv_shortfall(self, req: Req) -> float:
+        """How many more KV slots than the budget holds `req` needs to be admitted (<= 0: none)."""
+        match = self.tree_cache.match_prefix(req.prefix_match_ids())
+        needed = (
+            req.seq_len - len(match.kv_indices) + min(req.remaining_new_tokens, CLIP_MAX_NEW_TOKENS_ESTIMATE)
+        )
+        return needed - (self.remaining_kv() - _unlocked_path_size(match.last_node))
 
     def add_one_req(self, req: Req, has_chunked_req: bool) -> AddResult:
         match = self.tree_cache.match_prefix(req.prefix_match_ids())

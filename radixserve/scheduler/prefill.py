@@ -14,7 +14,13 @@ from radixserve.scheduler.batch import KVContext, build_extend_batch
 from radixserve.scheduler.decode import DecodeManager
 from radixserve.scheduler.images import ImageEncoder
 from radixserve.scheduler.lora import LoraManager
-from radixserve.scheduler.policy import AddResult, PrefillAdder, SchedulePolicy
+from radixserve.scheduler.policy import (
+    CLIP_MAX_NEW_TOKENS_ESTIMATE,
+    AddResult,
+    PrefillAdder,
+    PriorityRule,
+    SchedulePolicy,
+)
 from radixserve.scheduler.request import Req
 from radixserve.scheduler.state import RequestQueues, ScheduledBatch, token_usage
 from radixserve.scheduler.stats import SchedulerStats
@@ -42,7 +48,14 @@ class PrefillManager:
         # Running requests at most; a request prefilled in chunks is not counted until it runs.
         self.max_running = max_running
         self.max_total_tokens = max_total_tokens
-        self.policy = SchedulePolicy(args.schedule_policy, kv.tree_cache, args.random_seed)
+        priority = (
+            PriorityRule(
+                args.schedule_low_priority_values_first, args.priority_scheduling_preemption_threshold
+            )
+            if args.enable_priority_scheduling
+            else None
+        )
+        self.policy = SchedulePolicy(args.schedule_policy, kv.tree_cache, args.random_seed, priority)
         # --enable-lora: a batch's adapters, with the running requests', must fit in its slots.
         self.lora = lora
         # Vision-language models: encodes the images a batch computes the tokens of.
@@ -112,6 +125,8 @@ class PrefillManager:
             if lora is not None and not lora.fits(req, adapters):
                 continue  # its adapter would be one too many for this batch: it waits its turn
             result = adder.add_one_req(req, has_chunked_req=has_chunked_req)
+            if result is AddResult.NO_TOKEN and self._preempt_for(req, adder, decode_tokens):
+                result = adder.add_one_req(req, has_chunked_req=has_chunked_req)
             if req.lora_name is not None and adder.can_run and adder.can_run[-1] is req:
                 adapters.add(req.lora_name)
             if result is not AddResult.CONTINUE:
@@ -146,6 +161,31 @@ class PrefillManager:
             len(queues.waiting),
         )
         return ScheduledBatch(reqs, forward, is_prefill=True)
+
+    def _preempt_for(self, req: Req, adder: PrefillAdder, decode_tokens: int) -> bool:
+        """--enable-priority-scheduling: when `req` does not fit, sends running requests it outranks
+        back to the queue (a retraction: they resume exactly from what the cache keeps), the least
+        ranked first, if together they free enough; then the budget is taken again. Whether any went."""
+        rule = self.policy.priority
+        if rule is None:
+            return False
+        shortfall = adder.kv_shortfall(req)
+        chosen: list[Req] = []
+        freed = 0.0
+        ratio = self.decode.new_token_ratio
+        for victim in rule.victims(req, self.queues.running):
+            if freed >= shortfall:
+                break
+            chosen.append(victim)
+            # Its own K/V goes to the cache as evictable, and its reserve is no longer held back.
+            reserve = min(victim.remaining_new_tokens, CLIP_MAX_NEW_TOKENS_ESTIMATE) * ratio
+            freed += victim.kv_len - victim.cached_len + reserve
+        if not chosen or freed < shortfall:
+            return False  # preempting would not make room: nothing is sent back in vain
+        self.decode.preempt(chosen, req)
+        adder.available_slots = self.kv.allocator.available_size()
+        adder.running_reserved = self.decode.running_reserve() + decode_tokens
+        return True
 
 
 def _remove_admitted(waiting: list[Req], admitted: list[Req]) -> None:

@@ -79,6 +79,7 @@ class ReqFactory:
             input_embeds=vectors,
             return_hidden_states=msg.return_hidden_states,
             logit_processor=processor,
+            priority=msg.priority or 0,
         )
         if self.lora is not None:
             self.lora.attach(req, msg.lora_path)

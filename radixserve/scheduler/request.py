@@ -113,6 +113,8 @@ class Req:
     received_at: float | None = None
     received_idle: bool = False
     finished_reason: FinishReason | None = None
+    # The request's `priority` (0 when it gave none); only --enable-priority-scheduling reads it.
+    priority: int = 0
 
     # KV ownership (see cache/radix_cache.py): positions [0, cached_len) belong to the radix tree
     # and are locked through last_node; [cached_len, kv_len) belong to this request.

@@ -154,6 +154,8 @@ class GenerateBody(BaseModel):
     custom_logit_processor: str | None = None
     # --enable-lora: the LoRA adapter's name (SGLang's field), or one per prompt (None: the base).
     lora_path: str | list[str | None] | None = None
+    # --enable-priority-scheduling: the request's priority (SGLang's field), or one per prompt.
+    priority: int | list[int | None] | None = None
     # Vision-language models: an image (data: URL, base64, allowed path or URL) or a list of them
     # for one prompt; for a batch, one such entry (or null) per prompt. Each fills an image token.
     image_data: str | list[str | list[str] | None] | None = None
@@ -549,8 +551,9 @@ def _native_requests(engine: Engine, batch: PromptBatch, body: GenerateBody) -> 
             strict=True,
         )
     ]
-    for req, info in zip(reqs, bootstraps, strict=True):
-        req.bootstrap = info
+    priorities = per_prompt(body.priority, count, "priority")
+    for req, info, priority in zip(reqs, bootstraps, priorities, strict=True):
+        req.bootstrap, req.priority = info, priority
     return reqs
 
 

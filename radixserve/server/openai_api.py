@@ -17,11 +17,13 @@ from radixserve.protocol.messages import FinishReason, GenerateRequest, TokenLog
 from radixserve.protocol.sampling_params import InvalidRequestError, choice_params
 from radixserve.runtime.engine import Engine, EngineDeadError, GenerateOutput, QueueFullError
 from radixserve.server.bootstrap_fields import bootstrap_infos
+from radixserve.server.chat_reply import ReplyFormat
 from radixserve.server.errors import ApiError, sse_error
 from radixserve.server.json_values import ParsedJsonRoute
 from radixserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from radixserve.server.reasoning import ReasoningFormat, reasoning_format
 from radixserve.server.streams import collect, merged_stream, shared_prompt_leaders
+from radixserve.server.tool_calls import ToolPlan, plan_tools
 
 router = APIRouter(route_class=ParsedJsonRoute)
 
@@ -92,8 +94,13 @@ class Reply:
         return str(self.engine.tokenizer.decode([token]))
 
 
-def finish_fields(finish: FinishReason | None) -> dict[str, Any]:
-    fields: dict[str, Any] = {"finish_reason": None if finish is None else finish.type}
+def finish_fields(finish: FinishReason | None, made_calls: bool = False) -> dict[str, Any]:
+    """A choice's finish: a reply that stopped on its own after making tool calls finishes with
+    "tool_calls", as OpenAI's do."""
+    reason: str | None = None if finish is None else finish.type
+    if made_calls and reason == "stop":
+        reason = "tool_calls"
+    fields: dict[str, Any] = {"finish_reason": reason}
     if finish is not None:
         # SGLang's extra: which stop string or token ended the choice.
         fields["matched_stop"] = finish.matched
@@ -166,10 +173,13 @@ def completion_logprobs(
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 
-def attach_bootstrap(body: CompletionRequest | ChatCompletionRequest, reqs: list[GenerateRequest]) -> None:
+def attach_request_fields(
+    body: CompletionRequest | ChatCompletionRequest, reqs: list[GenerateRequest]
+) -> None:
+    """The body's per-call fields that are not sampling: the PD bootstrap, the priority."""
     infos = bootstrap_infos(body.bootstrap_host, body.bootstrap_port, body.bootstrap_room, len(reqs))
     for req, info in zip(reqs, infos, strict=True):
-        req.bootstrap = info
+        req.bootstrap, req.priority = info, body.priority
 
 
 @router.post("/v1/completions", response_model=None)
@@ -188,7 +198,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         for ids in prompts
         for j in range(body.n)
     ]
-    attach_bootstrap(body, reqs)
+    attach_request_fields(body, reqs)
     echoes = [str(engine.tokenizer.decode(r.input_ids)) if body.echo else "" for r in reqs]
     prompt_tokens = sum(len(reqs[i * body.n].input_ids) for i in range(len(prompts)))
     reply = Reply(engine, "text_completion", prompt_tokens, body.include_usage, id=f"cmpl-{uuid.uuid4().hex}")
@@ -270,7 +280,7 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
     {
         "conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
         "chat_template", "return_dict", "return_tensors", "return_assistant_tokens_mask", "padding",
-        "truncation", "max_length", "tokenizer_kwargs",
+        "truncation", "max_length", "tokenizer_kwargs", "tools",
     }
 )  # fmt: skip
 
@@ -281,15 +291,19 @@ def tokenize_chat(
     kwargs: dict[str, Any],
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """A chat's prompt ids; chat_template_kwargs (`kwargs`) may not set apply_chat_template's own
-    arguments, and a template that refuses the messages is a 400."""
+    arguments, and a template that refuses the messages is a 400. tools: passed to the template
+    as transformers passes them."""
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs))
     if reserved:
         raise ApiError(
             400, f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs"
         )
     try:
+        if tools is not None:
+            kwargs = {**kwargs, "tools": tools}
         return engine.tokenize_chat(messages, add_generation_prompt, continue_final_message, **kwargs)
     except InvalidRequestError:
         raise
@@ -308,9 +322,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     return_logprob, top = body.logprob_request()
     messages = [m.template_dict(engine.image_token) for m in body.messages]
     images = [url for m in body.messages for url in m.image_urls()]
-    prompt = tokenize_chat(engine, messages, body.chat_template_kwargs or {})
+    plan = plan_tools(body, engine.args.tool_call_parser)
+    kwargs = body.chat_template_kwargs or {}
+    prompt = tokenize_chat(engine, messages, kwargs, tools=plan.template_tools())
     # Without max_tokens a chat may use the rest of the context; the scheduler clips to it.
-    params = body.sampling_params(body.requested_max_tokens, default_max_tokens=engine.context_len)
+    params = body.sampling_params(
+        body.requested_max_tokens, default_max_tokens=engine.context_len, tool_grammar=plan.grammar()
+    )
+    reply_format = ReplyFormat(_reasoning(engine, kwargs, plan), plan)
     reqs = [
         engine.requests.build(
             prompt,
@@ -322,7 +341,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         )
         for j in range(body.n)
     ]
-    attach_bootstrap(body, reqs)
+    attach_request_fields(body, reqs)
     # The prompt as it runs: each image counted as the tokens it takes.
     reply = Reply(
         engine,
@@ -334,39 +353,36 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     if body.stream:
         reply.object = "chat.completion.chunk"
         stream = merged_stream(engine, reqs, shared_prompt_leaders(1, body.n))
-        parser = engine.args.reasoning_parser
-        fmt = None if parser is None else reasoning_format(parser)
-        return StreamingResponse(_stream_chat(reply, stream, len(reqs), fmt), media_type=SSE_MEDIA_TYPE)
+        return StreamingResponse(
+            _stream_chat(reply, stream, len(reqs), reply_format), media_type=SSE_MEDIA_TYPE
+        )
     states = await collect(engine, reqs, request, shared_prompt_leaders(1, body.n))
-    choices = [
-        {
-            "index": i,
-            "message": {"role": "assistant", **_message_text(engine, s.text)},
-            "logprobs": chat_logprobs(reply, s.output_ids, s.logprobs),
-            **finish_fields(s.finish_reason),
-        }
-        for i, s in enumerate(states)
-    ]
+    choices = []
+    for i, s in enumerate(states):
+        message = {"role": "assistant", **reply_format.message_fields(s.text)}
+        choice = {"index": i, "message": message, "logprobs": chat_logprobs(reply, s.output_ids, s.logprobs)}
+        choices.append({**choice, **finish_fields(s.finish_reason, "tool_calls" in message)})
     return JSONResponse(reply.payload(choices, usage=reply.usage(states)))
 
 
-def _message_text(engine: Engine, text: str) -> dict[str, Any]:
-    """A whole answer's fields: `content`, and with --reasoning-parser `reasoning_content`."""
-    if engine.args.reasoning_parser is None:
-        return {"content": text}
-    reasoning, content = reasoning_format(engine.args.reasoning_parser).split(text)
-    return {"content": content, "reasoning_content": reasoning}
+def _reasoning(engine: Engine, template_kwargs: dict[str, Any], plan: ToolPlan) -> ReasoningFormat | None:
+    """The reasoning format a reply is split by: --reasoning-parser's, unless the request turned
+    thinking off (chat_template_kwargs enable_thinking: false) or a grammar makes it a call."""
+    parser = engine.args.reasoning_parser
+    if parser is None or template_kwargs.get("enable_thinking") is False or plan.constrained:
+        return None
+    return reasoning_format(parser)
 
 
 async def _stream_chat(
     reply: Reply,
     stream: AsyncIterator[tuple[int, GenerateOutput]],
     num_choices: int,
-    fmt: ReasoningFormat | None = None,
+    reply_format: ReplyFormat,
 ) -> AsyncIterator[str]:
     finals: dict[int, GenerateOutput] = {}
-    # With --reasoning-parser, each choice's text split as it comes: reasoning and answer deltas.
-    splits = {index: fmt.stream() for index in range(num_choices)} if fmt is not None else {}
+    # Each choice's text split as it comes: reasoning, answer and tool-call deltas.
+    splits = {index: reply_format.stream() for index in range(num_choices)}
     try:
         # OpenAI's first delta of each choice names the role and carries no text.
         for index in range(num_choices):
@@ -375,21 +391,21 @@ async def _stream_chat(
             )
         async for index, state in stream:
             logprobs = chat_logprobs(reply, state.new_token_ids, state.new_logprobs)
-            content = state.delta
-            if index in splits:
-                reasoning, content = splits[index].feed(state.delta)
-                if state.finished:
-                    held_reasoning, held_content = splits[index].finish()
-                    reasoning, content = reasoning + held_reasoning, content + held_content
-                if reasoning:
-                    delta = {"reasoning_content": reasoning}
-                    yield reply.chunk([{"index": index, "delta": delta, "finish_reason": None}])
-            if content or logprobs is not None:
-                choice = {"index": index, "delta": {"content": content}, "finish_reason": None}
+            split = splits[index]
+            part = split.feed(state.delta, state.finished)
+            if part.reasoning:
+                delta = {"reasoning_content": part.reasoning}
+                yield reply.chunk([{"index": index, "delta": delta, "finish_reason": None}])
+            if part.content or logprobs is not None:
+                choice = {"index": index, "delta": {"content": part.content}, "finish_reason": None}
                 yield reply.chunk([{**choice, "logprobs": logprobs}])
+            if part.calls:
+                calls = {"tool_calls": split.call_chunks(part.calls)}
+                yield reply.chunk([{"index": index, "delta": calls, "finish_reason": None}])
             if state.finished:
                 finals[index] = state
-                yield reply.chunk([{"index": index, "delta": {}, **finish_fields(state.finish_reason)}])
+                finish = finish_fields(state.finish_reason, split.made_calls)
+                yield reply.chunk([{"index": index, "delta": {}, **finish}])
         if reply.include_usage:
             yield reply.chunk([], reply.usage(list(finals.values())))
     except Exception as exc:

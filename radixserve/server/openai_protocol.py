@@ -1,8 +1,8 @@
 """Request bodies of the OpenAI-compatible API, and how they become sampling parameters.
 
-Unknown fields are ignored, as OpenAI's own SDKs may send newer ones. Fields that other parts of
-the roadmap will implement (tools, non-text message parts) are refused with a clear 400 when set,
-never silently ignored.
+Unknown fields are ignored, as OpenAI's own SDKs may send newer ones. Fields radixserve does not
+implement (`suffix`, `best_of` other than n, non-text message parts) are refused with a clear 400
+when set, never silently ignored.
 """
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ class _SamplingFields(BaseModel):
     bootstrap_host: str | list[str] | None = None
     bootstrap_port: int | list[int | None] | None = None
     bootstrap_room: int | list[int] | None = None
+    # --enable-priority-scheduling: SGLang's request priority (ignored without the flag).
+    priority: int | None = None
     min_p: float | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
@@ -73,8 +75,12 @@ class _SamplingFields(BaseModel):
         if self.n > MAX_N:
             raise ApiError(400, f"n must be <= {MAX_N}, got {self.n}", param="n")
 
-    def sampling_params(self, max_tokens: int | None, default_max_tokens: int) -> SamplingParams:
-        """The native sampling parameters; SamplingParams validates the values."""
+    def sampling_params(
+        self, max_tokens: int | None, default_max_tokens: int, tool_grammar: dict[str, str] | None = None
+    ) -> SamplingParams:
+        """The native sampling parameters; SamplingParams validates the values. tool_grammar: the
+        grammar that enforces a required or named tool call (server/tool_calls.py), which no
+        grammar of the request's own may join."""
         params: dict[str, Any] = {
             "max_new_tokens": default_max_tokens if max_tokens is None else max_tokens,
             "temperature": 1.0 if self.temperature is None else self.temperature,
@@ -96,6 +102,16 @@ class _SamplingFields(BaseModel):
             if value is not None:
                 params[name] = value
         params.update(self._response_format_grammar())
+        if tool_grammar:
+            own = [name for name in ("regex", "json_schema", "ebnf") if name in params]
+            if own:
+                raise ApiError(
+                    400,
+                    "tool_choice 'required' or a named function is enforced by a grammar, which "
+                    f"cannot be combined with the request's own ({own[0]} or response_format)",
+                    param="tool_choice",
+                )
+            params.update(tool_grammar)
         return parse_sampling_params(params, "", _OPENAI_NAMES)
 
     def _response_format_grammar(self) -> dict[str, str]:
@@ -178,12 +194,38 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallMessage(BaseModel):
+    """An assistant message's tool call, as clients send it back in the history."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def template_dict(self) -> dict[str, Any]:
+        # Chat templates (Qwen2.5's, Llama 3's, Mistral's) render arguments as a mapping (tojson).
+        try:
+            arguments: Any = json.loads(self.function.arguments)
+        except json.JSONDecodeError:
+            arguments = self.function.arguments
+        call = {"name": self.function.name, "arguments": arguments}
+        return {"id": self.id, "type": "function", "function": call}
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None
+    tool_call_id: str | None = None
 
     def image_urls(self) -> list[str]:
         """The urls of this message's image_url parts, in order."""
@@ -218,7 +260,37 @@ class ChatMessage(BaseModel):
             content = "".join(texts)
         # Chat templates know "system"; OpenAI's newer "developer" role means the same.
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+        message: dict[str, Any] = {"role": role, "content": content or ""}
+        if self.tool_calls:
+            message["tool_calls"] = [call.template_dict() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(min_length=1)
+    description: str | None = None
+    # A JSON schema of the arguments object (None: any object).
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ChosenFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: ChosenFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -227,14 +299,11 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    # "none", "auto", "required", or {"type": "function", "function": {"name": ...}} (tool_calls.py).
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-
-    def refuse_unsupported(self) -> None:
-        super().refuse_unsupported()
-        if self.tools:
-            raise ApiError(400, "'tools' is not supported yet by radixserve", param="tools")
 
     def logprob_request(self) -> tuple[bool, int]:
         """(return logprobs, top alternatives per token)."""

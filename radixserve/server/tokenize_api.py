@@ -1,10 +1,10 @@
 """/tokenize and /detokenize, with vLLM's request and response shapes.
 
-/tokenize takes a `prompt` (text; `add_special_tokens` defaults to true) or chat `messages` (through
-the chat template, as /v1/chat/completions renders them; `add_special_tokens` defaults to false,
-the template holding any the model wants) and answers the ids, their count, the served context
-length and, with `return_token_strs`, each id's token string. /detokenize turns `tokens` back into
-text."""
+/tokenize takes a `prompt` (text; `add_special_tokens` defaults to true) or chat `messages` and
+optional `tools` (through the chat template, as /v1/chat/completions renders them;
+`add_special_tokens` defaults to false, the template holding any the model wants) and answers the
+ids, their count, the served context length and, with `return_token_strs`, each id's token string.
+/detokenize turns `tokens` back into text."""
 
 from __future__ import annotations
 
@@ -13,13 +13,17 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
+from pydantic import TypeAdapter, ValidationError
 
 from radixserve.server.errors import ApiError
 from radixserve.server.json_values import json_object
 from radixserve.server.limits import check_token_ids
 from radixserve.server.openai_api import engine_of, tokenize_chat
+from radixserve.server.openai_protocol import ChatMessage, Tool
 
 router = APIRouter()
+_MESSAGES = TypeAdapter(list[ChatMessage])
+_TOOLS = TypeAdapter(list[Tool] | None)
 
 
 def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
@@ -39,8 +43,14 @@ async def tokenize(request: Request) -> JSONResponse:
     if (prompt is None) == (messages is None):
         raise ApiError(400, 'pass either "prompt" (text) or "messages" (a chat)', param="prompt")
     if messages is not None:
-        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-            raise ApiError(400, "messages must be a list of message objects", param="messages")
+        try:
+            chat = _MESSAGES.validate_python(messages)
+        except ValidationError as error:
+            raise ApiError(400, f"messages: {error.errors()[0]['msg']}", param="messages") from None
+        try:
+            tools = _TOOLS.validate_python(body.get("tools"))
+        except ValidationError as error:
+            raise ApiError(400, f"tools: {error.errors()[0]['msg']}", param="tools") from None
         kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict):
             raise ApiError(400, "chat_template_kwargs must be an object", param="chat_template_kwargs")
@@ -48,7 +58,9 @@ async def tokenize(request: Request) -> JSONResponse:
             _flag(body, "add_generation_prompt", True),
             _flag(body, "continue_final_message", False),
         )
-        ids = tokenize_chat(engine, messages, kwargs, generation, final)
+        rendered = [m.template_dict(engine.image_token) for m in chat]
+        tool_dicts = None if tools is None else [t.model_dump(exclude_none=True) for t in tools]
+        ids = tokenize_chat(engine, rendered, kwargs, generation, final, tool_dicts)
         if _flag(body, "add_special_tokens", False):
             ids = engine.tokenizer.build_inputs_with_special_tokens(ids)
     else:

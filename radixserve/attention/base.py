@@ -50,12 +50,18 @@ class AttentionSpec:
     # its own context alone (no cascade over a prefix shared with other requests, no splits sized
     # from the batch, extend and decode through one kernel). Backends that cannot refuse it.
     batch_invariant: bool = False
+    # The window of the model's sliding-window layers (ModelConfig.sliding_window), None where every
+    # layer sees its whole context. Each such layer's calls carry it (LayerInputs.window); backends
+    # that cannot honour it refuse the model.
+    sliding_window: int | None = None
 
 
 @dataclass
 class LayerInputs:
     """One layer's attention inputs: the new tokens' q ([T, H, D]) and k, v ([T, Hkv, D], already
-    written to the pool), and the layer's pool buffers ([slots, Hkv, D])."""
+    written to the pool), and the layer's pool buffers ([slots, Hkv, D]). window: a sliding layer's
+    window (a query at position p sees the keys at positions p - window < position <= p), None for a
+    layer that sees its whole context."""
 
     layer_id: int
     q: torch.Tensor
@@ -64,6 +70,7 @@ class LayerInputs:
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     scale: float
+    window: int | None = None
 
 
 @dataclass
@@ -136,7 +143,7 @@ class AttentionBackend(ABC):
         overrides this."""
         if isinstance(metadata, TreeVerifyMetadata):
             return tree_attention(
-                x.q, x.k, x.v, x.k_cache, x.v_cache, metadata.segments, metadata.masks, x.scale
+                x.q, x.k, x.v, x.k_cache, x.v_cache, metadata.segments, metadata.masks, x.scale, x.window
             )
         return self.extend(x, metadata)
 
@@ -177,12 +184,19 @@ class AttentionCall:
     out_cache_loc: torch.Tensor  # the KV slot of each new token
 
     def __call__(
-        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
+        """window: the layer's sliding window, None where it sees its whole context."""
         activations = q.dtype
         if self.kv_pool.dtype != activations:
             q, k, v = (t.to(self.kv_pool.dtype) for t in (q, k, v))
         self.kv_pool.write(layer_id, self.out_cache_loc, k, v)
         k_cache, v_cache = self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id]
-        out = self.backend.forward(LayerInputs(layer_id, q, k, v, k_cache, v_cache, scale), self.metadata)
-        return out.to(activations)
+        inputs = LayerInputs(layer_id, q, k, v, k_cache, v_cache, scale, window)
+        return self.backend.forward(inputs, self.metadata).to(activations)

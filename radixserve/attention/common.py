@@ -66,6 +66,17 @@ def rows_of(segments: list[ExtendSegment]) -> slice | torch.Tensor:
     return torch.cat([torch.arange(s.q_start, s.q_start + s.q_len) for s in segments])
 
 
+def visible_keys(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[queries, keys]: True where a query sees a key: at or before its own position, and, for a
+    sliding layer, within its window: a query at position p sees positions p - window < j <= p
+    (transformers' convention: the window counts the query's own position)."""
+    keys, queries = key_pos.unsqueeze(0), query_pos.unsqueeze(1)
+    seen = keys <= queries
+    if window is not None:
+        seen &= keys > queries - window
+    return seen
+
+
 def merge_by_lse(
     out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
 ) -> torch.Tensor:

@@ -72,6 +72,11 @@ class CpuNativeBackend(AttentionBackend):
             raise AttentionBackendUnavailable(
                 "cpu_native needs the native CPU kernels on a CPU (--cpu-kernels auto or native)"
             )
+        if spec.sliding_window is not None:
+            raise AttentionBackendUnavailable(
+                f"the native attention kernels take no sliding window (this model's sliding layers see "
+                f"{spec.sliding_window} tokens); torch_native runs it"
+            )
         if not kernels.handles_decode_attention(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.dtype):
             per_kv = spec.num_heads // max(spec.num_kv_heads, 1)
             raise AttentionBackendUnavailable(
@@ -114,6 +119,12 @@ class CpuNativeBackend(AttentionBackend):
             loop = "fused native decode loop (every layer in one call; steps with a shared prefix per layer)"
             path = f"{loop}: {path}"
         return path
+
+    def forward(self, x: LayerInputs, metadata: AttentionMetadata) -> torch.Tensor:
+        if x.window is not None:
+            # check_available refuses such a model: a layer with a window means a caller bypassed it.
+            raise RuntimeError("cpu_native takes no sliding window (check_available refuses such models)")
+        return super().forward(x, metadata)
 
     def plan(self, batch: ForwardBatch) -> AttentionMetadata:
         if batch.mode is ForwardMode.VERIFY and self.fused_decode:

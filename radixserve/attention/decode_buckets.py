@@ -9,7 +9,7 @@ of the queries per context token and was far slower on a CPU (docs/architecture.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,6 +35,25 @@ class DecodeBucket:
     max_len: int
     own_lens: torch.Tensor  # [size] context length of each row after the shared prefix
     shared_slots: torch.Tensor | None = None  # [shared_len] slots every request's context starts with
+    shortest: int = 0  # the shortest own_lens entry (0: not known)
+    # window_view's result per sliding window, made once per forward.
+    _windowed: dict[int, tuple[int, torch.Tensor | None]] = field(default_factory=dict, repr=False)
+
+    def window_view(self, window: int) -> tuple[int, torch.Tensor | None]:
+        """A sliding layer's part of the bucket: the first column of kv_slots any row's query sees
+        (its own last `window` positions), and the mask over the columns from there ([size, 1, 1,
+        max_len - start], None when nothing is masked). Only without a shared prefix, whose keys
+        each row would see a different part of."""
+        assert self.shared_slots is None, "a sliding layer's decode takes no shared prefix"
+        if window not in self._windowed:
+            start = max(0, self.shortest - window)
+            mask = self.mask if self.mask is None else self.mask[..., start:]
+            if self.max_len - window > start:  # some row's window leaves out a column from start on
+                columns = torch.arange(start, self.max_len, device=self.own_lens.device).unsqueeze(0)
+                lens = self.own_lens.unsqueeze(1)
+                mask = ((columns < lens) & (columns >= lens - window)).view(self.size, 1, 1, -1)
+            self._windowed[window] = (start, mask)
+        return self._windowed[window]
 
 
 def build_buckets(
@@ -82,6 +101,7 @@ def build_buckets(
                 max_len=max_len,
                 own_lens=group_lens,
                 shared_slots=shared_slots,
+                shortest=lens[group[-1]] - shared,
             )
         )
     return buckets

@@ -74,8 +74,9 @@ class TorchNativeBackend(AttentionBackend):
             # Flash and memory-efficient attention take any length as it comes.
             torch.backends.cuda.enable_cudnn_sdp(False)
             logger.info("attention: SDPA's cuDNN kernels off (they are rebuilt for every new length)")
-        # The cascade needs the log-sum-exp that torch's CPU flash kernel returns.
-        self.cascade = spec.device.type == "cpu"
+        # The cascade needs the log-sum-exp that torch's CPU flash kernel returns. A sliding layer's
+        # queries each see a different part of a shared prefix: with any, decode takes no cascade.
+        self.cascade = spec.device.type == "cpu" and spec.sliding_window is None
         varlen_missing = varlen_flash_available(spec.device, spec.dtype, spec.head_dim)
         self.varlen_extend = varlen_missing is None
         if spec.device.type == "cuda":
@@ -118,10 +119,11 @@ class TorchNativeBackend(AttentionBackend):
         return ExtendMetadata(mode, segments)
 
     def extend(self, x: LayerInputs, metadata: AttentionMetadata) -> torch.Tensor:
-        if isinstance(metadata, VarlenExtendMetadata):
+        if isinstance(metadata, VarlenExtendMetadata) and x.window is None:
             return varlen_extend_attention(x.q, x.k_cache, x.v_cache, metadata, x.scale)
         assert isinstance(metadata, ExtendMetadata)
-        return extend_attention(x.q, x.k, x.v, x.k_cache, x.v_cache, metadata.segments, x.scale)
+        segments = metadata.segments
+        return extend_attention(x.q, x.k, x.v, x.k_cache, x.v_cache, segments, x.scale, window=x.window)
 
     def decode(self, x: LayerInputs, metadata: AttentionMetadata) -> torch.Tensor:
         """q: [B, H, D], one query per request; k, v: [B, Hkv, D], the new tokens' (already in the
@@ -153,13 +155,23 @@ class TorchNativeBackend(AttentionBackend):
 def _bucket_attention(x: LayerInputs, bucket: DecodeBucket, staged: StagedBucket | None) -> torch.Tensor:
     keys, values = bucket_kv(bucket, staged, x.layer_id, x.k_cache, x.v_cache, x.k, x.v)
     if bucket.shared_slots is not None:
+        if x.window is not None:
+            raise RuntimeError(
+                "a sliding-window layer reached a decode bucket planned with a shared prefix: the backend "
+                "was built without the model's window (AttentionSpec.sliding_window)"
+            )
         return _cascade_attention(x, keys, values, bucket, staged)
+    mask = bucket.mask
+    if x.window is not None:
+        # Only the columns some row's window reaches; the mask leaves out the rest of each row.
+        start, mask = bucket.window_view(x.window)
+        keys, values = keys[:, :, start:], values[:, :, start:]
     size, heads, dim = x.q.shape
     kv_heads = x.k_cache.shape[1]
     # Queries grouped by their K/V head, [B, Hkv, G, D], as G query rows over the same keys: one
     # pass over each K/V head instead of one per query head (faster than enable_gqa here).
     grouped = x.q.view(size, kv_heads, heads // kv_heads, dim)
-    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=bucket.mask, scale=x.scale)
+    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=x.scale)
     return out.reshape(size, heads, dim)
 
 

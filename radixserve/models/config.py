@@ -10,10 +10,22 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixserve.models.config_fields import (
+    GEMMA3_DEFAULTS,
+    check_decoder_variant,
+    moe_fields,
+    parse_rope,
+    parse_sliding_window,
+    partial_rotary_factor,
+    required_int,
+)
+from radixserve.models.errors import ModelLoadError, UnsupportedModelError
+
 __all__ = [
     "ENCODER_ARCHITECTURES",
     "FUSED_PROJECTION_ARCHITECTURES",
     "MODEL_TYPE_TO_ARCH",
+    "SANDWICH_NORM_ARCHITECTURES",
     "SUPPORTED_ARCHITECTURES",
     "VISION_PROJECTOR_ACTIVATIONS",
     "VISION_TOWER_ACTIVATIONS",
@@ -23,14 +35,6 @@ __all__ = [
     "VisionConfig",
     "merge_eos_ids",
 ]
-
-
-class ModelLoadError(Exception):
-    """A model could not be located, parsed or loaded."""
-
-
-class UnsupportedModelError(ModelLoadError):
-    """The checkpoint is readable but uses an architecture or feature we do not implement."""
 
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
@@ -43,12 +47,16 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "Qwen2MoeForCausalLM",
     "MixtralForCausalLM",
     "OlmoeForCausalLM",
+    "Gemma3ForCausalLM",
     "BertModel",
 )
 
 # Checkpoints that store q/k/v as one qkv_proj and gate/up as one gate_up_proj (the loader splits
 # them into the per-projection names every model here loads).
 FUSED_PROJECTION_ARCHITECTURES: frozenset[str] = frozenset({"Phi3ForCausalLM"})
+
+# Norms before and after both the attention and the MLP of every layer (four per layer).
+SANDWICH_NORM_ARCHITECTURES: frozenset[str] = frozenset({"Gemma3ForCausalLM"})
 
 # Bidirectional encoders: they only embed (no generation), with no KV cache to reuse.
 ENCODER_ARCHITECTURES: frozenset[str] = frozenset({"BertModel"})
@@ -65,6 +73,7 @@ MODEL_TYPE_TO_ARCH: dict[str, str] = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
     "bert": "BertModel",
 }
 
@@ -76,9 +85,6 @@ _LLAVA_MODEL_TYPE = "llava"
 # Activations the native vision tower implements (radixserve/models/vision.py).
 VISION_TOWER_ACTIVATIONS = frozenset({"quick_gelu", "gelu", "gelu_pytorch_tanh"})
 VISION_PROJECTOR_ACTIVATIONS = frozenset({"gelu", "gelu_pytorch_tanh", "quick_gelu", "relu", "silu"})
-
-# Keys inside a transformers-5 ``rope_parameters`` dict that are not scaling parameters.
-_ROPE_NON_SCALING_KEYS = frozenset({"rope_theta", "rope_type", "type", "partial_rotary_factor"})
 
 
 def _unsupported_arch_message(found: str) -> str:
@@ -118,132 +124,6 @@ def _resolve_architecture(d: Mapping[str, Any]) -> str:
     if model_type in MODEL_TYPE_TO_ARCH:
         return MODEL_TYPE_TO_ARCH[str(model_type)]
     raise UnsupportedModelError(_unsupported_arch_message(f"model_type={model_type!r}"))
-
-
-def _parse_rope(d: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """Return (rope_theta, HF-style rope_scaling or None) from either config layout.
-
-    transformers<5 writes top-level ``rope_theta`` + ``rope_scaling``; transformers 5 folds
-    both into ``rope_parameters`` (with ``rope_type: "default"`` meaning no scaling).
-    """
-    params = d.get("rope_parameters")
-    if isinstance(params, Mapping) and params and all(isinstance(v, Mapping) for v in params.values()):
-        # Per-layer-type rope (e.g. {"full_attention": {...}, "sliding_attention": {...}}): we
-        # only run uniform-attention models, so the full-attention entry is the relevant one.
-        params = params.get("full_attention") or next(iter(params.values()))
-    scaling: Mapping[str, Any] | None = None
-    theta: Any = d.get("rope_theta")
-    if isinstance(params, Mapping):
-        theta = params.get("rope_theta", theta)
-        scaling = params
-    legacy = d.get("rope_scaling")
-    if isinstance(legacy, Mapping) and legacy:
-        scaling = legacy
-        theta = legacy.get("rope_theta", theta)
-    if theta is None:
-        theta = 10000.0
-
-    if scaling is None:
-        return float(theta), None
-    rope_type = scaling.get("rope_type", scaling.get("type"))
-    if rope_type in (None, "default"):
-        return float(theta), None
-    out = {k: v for k, v in scaling.items() if k not in _ROPE_NON_SCALING_KEYS}
-    out["rope_type"] = str(rope_type)
-    if rope_type in ("yarn", "longrope"):
-        # Phi-3 keeps the original context beside rope_scaling; without a `factor`, both take the
-        # ratio of the contexts.
-        keys = ["original_max_position_embeddings"] + (
-            ["max_position_embeddings"] if out.get("factor") is None else []
-        )
-        for key in keys:
-            if out.get(key) is None and d.get(key) is not None:
-                out[key] = int(d[key])
-    return float(theta), out
-
-
-def _parse_sliding_window(d: Mapping[str, Any], arch: str, num_layers: int) -> int | None:
-    window = d.get("sliding_window")
-    if window is None:
-        return None
-    if arch == "LlamaForCausalLM":
-        return None  # HF Llama ignores the key even if a converted config carries it.
-    if arch in ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM"):
-        sliding_layers = num_layers
-    else:
-        # Qwen2/Qwen3 carry a (default) sliding_window value even when it is disabled.
-        if not d.get("use_sliding_window", False):
-            return None
-        layer_types = d.get("layer_types")
-        if isinstance(layer_types, list) and len(layer_types) == num_layers:
-            sliding_layers = sum(1 for t in layer_types if t == "sliding_attention")
-        else:
-            sliding_layers = max(0, num_layers - int(d.get("max_window_layers") or 0))
-    if sliding_layers == 0:
-        return None
-    if sliding_layers != num_layers:
-        raise UnsupportedModelError(
-            f"{arch} uses sliding-window attention on only {sliding_layers}/{num_layers} layers; "
-            "radixserve only supports a uniform attention pattern across layers."
-        )
-    return int(window)
-
-
-def _partial_rotary_factor(d: Mapping[str, Any]) -> float:
-    params = d.get("rope_parameters")
-    partial = d.get("partial_rotary_factor")
-    if partial is None and isinstance(params, Mapping):
-        partial = params.get("partial_rotary_factor")
-    return 1.0 if partial is None else float(partial)
-
-
-def _moe_fields(arch: str, d: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
-    """Qwen3-MoE's and Qwen2-MoE's experts: a layer is sparse unless listed in mlp_only_layers,
-    every decoder_sparse_step-th layer (counting from 1); Qwen2-MoE adds a shared expert."""
-    if arch == "MixtralForCausalLM":
-        # Every layer sparse; the chosen experts' probabilities always renormalized.
-        experts = _required_int(d, "num_local_experts")
-        return {
-            "num_experts": experts,
-            "num_experts_per_tok": _required_int(d, "num_experts_per_tok"),
-            "moe_intermediate_size": _required_int(d, "intermediate_size"),
-            "norm_topk_prob": True,
-            "sparse_layers": tuple(range(num_layers)),
-        }
-    if arch not in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "OlmoeForCausalLM"):
-        return {}
-    # Hub configs name it num_experts; transformers 5 writes num_local_experts.
-    experts = int(d.get("num_experts") or d.get("num_local_experts") or 0)
-    step = int(d.get("decoder_sparse_step") or 1)
-    dense = set(d.get("mlp_only_layers") or [])
-    sparse = tuple(i for i in range(num_layers) if experts > 0 and i not in dense and (i + 1) % step == 0)
-    return {
-        "num_experts": experts,
-        "num_experts_per_tok": _required_int(d, "num_experts_per_tok") if experts else 0,
-        # OLMoE's experts are intermediate_size wide (it has no dense MLP).
-        "moe_intermediate_size": (
-            _required_int(d, "intermediate_size" if arch == "OlmoeForCausalLM" else "moe_intermediate_size")
-            if experts
-            else 0
-        ),
-        "norm_topk_prob": bool(d.get("norm_topk_prob", False)),
-        "sparse_layers": sparse,
-        "shared_expert_intermediate_size": int(d.get("shared_expert_intermediate_size") or 0),
-    }
-
-
-def _check_decoder_variant(arch: str, d: Mapping[str, Any]) -> None:
-    """Refuses, naming it, what the decoder does not implement: an MLP activation other than SiLU."""
-    act = d.get("hidden_act", "silu")
-    if act != "silu":
-        raise UnsupportedModelError(f"{arch} with hidden_act={act!r}: only silu is implemented")
-
-
-def _required_int(d: Mapping[str, Any], key: str) -> int:
-    val = d.get(key)
-    if val is None:
-        raise ModelLoadError(f"config.json is missing required field {key!r}")
-    return int(val)
 
 
 @dataclass(frozen=True)
@@ -321,7 +201,11 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     qk_norm: bool
+    # The window of the layers that attend through a sliding window (a query at position p sees keys
+    # at positions p - window < position <= p), and which layers those are, by checkpoint index;
+    # None and () where every layer sees its whole context.
     sliding_window: int | None
+    sliding_layers: tuple[int, ...] = ()
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     torch_dtype: str | None = None
@@ -346,12 +230,28 @@ class ModelConfig:
     # clamped to [-clip_qkv, clip_qkv] (None: not clamped).
     qk_norm_full_width: bool = False
     clip_qkv: float | None = None
+    # Gemma 3: the sliding layers' own rotary base and scaling (None: the same rotary as every
+    # layer), and the attention's scale as query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5).
+    sliding_rope_theta: float | None = None
+    sliding_rope_scaling: dict[str, Any] | None = None
+    query_pre_attn_scalar: float | None = None
     # Vision-language models (LLaVA) only: the image encoder in front of the text model.
     vision: VisionConfig | None = None
 
     @property
     def is_encoder(self) -> bool:
         return self.architecture in ENCODER_ARCHITECTURES
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of a layer (checkpoint index), or None where it sees its whole context."""
+        return self.sliding_window if layer in self.sliding_layers else None
+
+    @property
+    def attention_scale(self) -> float:
+        """What the attention multiplies q·k by (the reference's `scalar ** -0.5`, to the bit)."""
+        scalar = self.head_dim if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar
+        scale: float = scalar**-0.5
+        return scale
 
     @property
     def rotary_dim(self) -> int:
@@ -365,6 +265,17 @@ class ModelConfig:
             raise ModelLoadError(
                 f"partial_rotary_factor={self.partial_rotary_factor} of head_dim {self.head_dim} leaves "
                 f"{self.rotary_dim} rotary dimensions (an even count up to head_dim is needed)"
+            )
+        if (self.sliding_window is None) != (not self.sliding_layers):
+            raise ModelLoadError(
+                f"sliding_window={self.sliding_window} with sliding layers {self.sliding_layers}: a window "
+                "needs the layers it applies to, and those layers a window"
+            )
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ModelLoadError(f"sliding_window={self.sliding_window} must be at least 1")
+        if any(not 0 <= layer < self.num_hidden_layers for layer in self.sliding_layers):
+            raise ModelLoadError(
+                f"sliding layers {self.sliding_layers} outside the model's {self.num_hidden_layers}"
             )
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise ModelLoadError(
@@ -382,14 +293,27 @@ class ModelConfig:
         arch = _resolve_architecture(d)
         if arch in ENCODER_ARCHITECTURES:
             return cls._encoder_from_hf_dict(arch, d)
-        hidden = _required_int(d, "hidden_size")
-        heads = _required_int(d, "num_attention_heads")
-        num_layers = _required_int(d, "num_hidden_layers")
+        gemma3 = arch == "Gemma3ForCausalLM"
+        if gemma3:
+            d = {**GEMMA3_DEFAULTS, **{k: v for k, v in d.items() if v is not None or k == "sliding_window"}}
+        hidden = required_int(d, "hidden_size")
+        heads = required_int(d, "num_attention_heads")
+        num_layers = required_int(d, "num_hidden_layers")
         kv_heads = d.get("num_key_value_heads")
         # Mistral configs sometimes spell out "head_dim": null.
         head_dim = d.get("head_dim") or hidden // heads
-        theta, scaling = _parse_rope(d)
-        _check_decoder_variant(arch, d)
+        theta, scaling = parse_rope(d, default_theta=1_000_000.0 if gemma3 else 10000.0)
+        check_decoder_variant(arch, d)
+        window, sliding_layers = parse_sliding_window(d, arch, num_layers)
+        gemma: dict[str, Any] = {}
+        if gemma3:
+            local_theta, local_scaling = parse_rope(d, "sliding_attention", "rope_local_base_freq")
+            gemma = {
+                "sliding_rope_theta": local_theta,
+                "sliding_rope_scaling": local_scaling,
+                "query_pre_attn_scalar": float(d["query_pre_attn_scalar"]),
+                "hidden_act": str(d["hidden_activation"]),
+            }
 
         # Qwen2 always has q/k/v bias; its config has no switch for it (Qwen2-MoE's is qkv_bias).
         attention_bias = (
@@ -406,9 +330,9 @@ class ModelConfig:
 
         return cls(
             architecture=arch,
-            vocab_size=_required_int(d, "vocab_size"),
+            vocab_size=required_int(d, "vocab_size"),
             hidden_size=hidden,
-            intermediate_size=_required_int(d, "intermediate_size"),
+            intermediate_size=required_int(d, "intermediate_size"),
             num_hidden_layers=num_layers,
             num_attention_heads=heads,
             num_key_value_heads=int(kv_heads) if kv_heads is not None else heads,
@@ -420,21 +344,24 @@ class ModelConfig:
             # All four HF config classes default to untied when the key is absent.
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=attention_bias,
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"),
+            qk_norm=arch
+            in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM", "Gemma3ForCausalLM"),
             qk_norm_full_width=arch == "OlmoeForCausalLM",
             clip_qkv=float(d["clip_qkv"]) if arch == "OlmoeForCausalLM" and d.get("clip_qkv") else None,
-            sliding_window=_parse_sliding_window(d, arch, num_layers),
+            sliding_window=window,
+            sliding_layers=sliding_layers,
             eos_token_ids=merge_eos_ids(d.get("eos_token_id"), gen_eos),
             bos_token_id=int(bos) if bos is not None else None,
             torch_dtype=str(dtype) if dtype is not None else None,
-            partial_rotary_factor=_partial_rotary_factor(d),
-            **_moe_fields(arch, d, num_layers),
+            partial_rotary_factor=partial_rotary_factor(d),
+            **moe_fields(arch, d, num_layers),
+            **gemma,
         )
 
     @classmethod
     def _encoder_from_hf_dict(cls, arch: str, d: Mapping[str, Any]) -> ModelConfig:
-        hidden = _required_int(d, "hidden_size")
-        heads = _required_int(d, "num_attention_heads")
+        hidden = required_int(d, "hidden_size")
+        heads = required_int(d, "num_attention_heads")
         if d.get("position_embedding_type", "absolute") != "absolute":
             raise UnsupportedModelError(
                 f"{arch} with position_embedding_type={d.get('position_embedding_type')!r} is not "
@@ -446,10 +373,10 @@ class ModelConfig:
         dtype = d.get("torch_dtype", d.get("dtype"))
         return cls(
             architecture=arch,
-            vocab_size=_required_int(d, "vocab_size"),
+            vocab_size=required_int(d, "vocab_size"),
             hidden_size=hidden,
-            intermediate_size=_required_int(d, "intermediate_size"),
-            num_hidden_layers=_required_int(d, "num_hidden_layers"),
+            intermediate_size=required_int(d, "intermediate_size"),
+            num_hidden_layers=required_int(d, "num_hidden_layers"),
             num_attention_heads=heads,
             num_key_value_heads=heads,
             head_dim=hidden // heads,

@@ -49,12 +49,23 @@ if TYPE_CHECKING:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, ctx: ParallelContext, kernels: CpuKernels | None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        ctx: ParallelContext,
+        kernels: CpuKernels | None,
+        window: int | None = None,
+        norm: type[RMSNorm] = RMSNorm,
+    ):
+        """layer_id: the layer's place in this stage's KV pool; window: its sliding window (None:
+        it sees its whole context); norm: the q/k norms' class (Gemma's scales by 1 + weight)."""
         super().__init__()
         self.layer_id = layer_id
+        self.window = window
         self.head_dim = config.head_dim
         self.num_heads = divide(config.num_attention_heads, ctx.tp_size, "num_attention_heads")
-        self.scale = self.head_dim**-0.5
+        self.scale = config.attention_scale
         q_size = config.num_attention_heads * self.head_dim
         kv = split_kv_heads(config.num_key_value_heads, self.head_dim, ctx)
         self.num_kv_heads = kv.local // self.head_dim
@@ -68,15 +79,15 @@ class Attention(nn.Module):
         if self.full_width_norm and ctx.tp_size != 1:
             raise ShardingError("q/k norms over the whole projection (OLMoE) run with --tp-size 1")
         q_norm, k_norm = (q_size, kv.local) if self.full_width_norm else (self.head_dim, self.head_dim)
-        self.q_norm = RMSNorm(q_norm, config.rms_norm_eps, kernels) if config.qk_norm else None
-        self.k_norm = RMSNorm(k_norm, config.rms_norm_eps, kernels) if config.qk_norm else None
+        self.q_norm = norm(q_norm, config.rms_norm_eps, kernels) if config.qk_norm else None
+        self.k_norm = norm(k_norm, config.rms_norm_eps, kernels) if config.qk_norm else None
         # OLMoE's clip_qkv: q, k and v clamped to [-clip, clip] after their projection (and norm).
         self.clip = config.clip_qkv
 
     def forward(
-        self, hidden: torch.Tensor, attention: AttentionCall, rope: Rope, residual: torch.Tensor
+        self, hidden: torch.Tensor, attention: AttentionCall, rope: Rope, residual: torch.Tensor | None
     ) -> torch.Tensor:
-        """The attention's output added to residual."""
+        """The attention's output added to residual (if any)."""
         tokens = hidden.shape[0]
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
@@ -99,7 +110,7 @@ class Attention(nn.Module):
             qk = rope.rotate_(qk)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
 
-        out = attention(self.layer_id, q, k, v, self.scale)
+        out = attention(self.layer_id, q, k, v, self.scale, self.window)
         projected: torch.Tensor = self.o_proj(out.reshape(tokens, q_size), residual)
         return projected
 
@@ -119,9 +130,16 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, ctx: ParallelContext, kernels: CpuKernels | None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        ctx: ParallelContext,
+        kernels: CpuKernels | None,
+        window: int | None = None,
+    ):
         super().__init__()
-        self.self_attn = Attention(config, layer_id, ctx, kernels)
+        self.self_attn = Attention(config, layer_id, ctx, kernels, window)
         sparse = layer_id in config.sparse_layers
         self.mlp: MLP | SparseMoE = SparseMoE(config, ctx, kernels) if sparse else MLP(config, ctx, kernels)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
@@ -177,9 +195,11 @@ class CausalLM(nn.Module):
             VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx) if needs_embedding else None
         )
         self.layers = nn.ModuleDict(
-            {str(i): DecoderLayer(config, local, ctx, kernels) for local, i in enumerate(self.stage)}
+            {str(i): self.make_layer(config, local, i, ctx, kernels) for local, i in enumerate(self.stage)}
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels) if ctx.is_last_stage else None
+        self.norm = (
+            self.norm_class(config.hidden_size, config.rms_norm_eps, kernels) if ctx.is_last_stage else None
+        )
         self.lm_head = (
             ParallelLMHead(config.vocab_size, config.hidden_size, ctx) if ctx.is_last_stage else None
         )
@@ -190,6 +210,28 @@ class CausalLM(nn.Module):
         # pipeline_tick's send of its last output, in flight until the next tick (and the tensor
         # it reads from, kept alive until then).
         self._pending_send: tuple[Any, torch.Tensor] | None = None
+
+    # The final norm's class (a family with another norm overrides it, as make_layer).
+    norm_class: type[RMSNorm] = RMSNorm
+
+    def make_layer(
+        self, config: ModelConfig, local: int, index: int, ctx: ParallelContext, kernels: CpuKernels | None
+    ) -> nn.Module:
+        """Decoder layer `index` (checkpoint numbering), the `local`-th of this stage (its KV pool
+        index). Its forward takes (hidden, attention, what rope() returns) and gives the new hidden."""
+        return DecoderLayer(config, local, ctx, kernels, config.layer_window(index))
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> Any:
+        """The rotation of one forward's positions that each layer takes."""
+        # The native rotary kernel turns whole heads: a partial rotary factor runs on torch ops.
+        full_heads = self.config.rotary_dim == self.config.head_dim
+        return self.rotary.lookup(positions, dtype, self.kernels if full_heads else None)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings of ids (the first stage)."""
+        assert self.embed_tokens is not None
+        out: torch.Tensor = self.embed_tokens(ids)
+        return out
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, attention: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
@@ -242,15 +284,13 @@ class CausalLM(nn.Module):
             empty = torch.empty(shape, dtype=self.activation_dtype, device=batch.input_ids.device)
             hidden = receive_from_previous_stage(empty, self.ctx)
         elif batch.input_embeds is None:
-            hidden = self.embed_tokens(batch.input_ids)
+            hidden = self.embed(batch.input_ids)
         else:
             # Rows with given vectors carry stand-in ids outside the vocabulary.
-            hidden = self.embed_tokens(batch.input_ids.clamp(max=self.config.vocab_size - 1))
+            hidden = self.embed(batch.input_ids.clamp(max=self.config.vocab_size - 1))
             for row, vectors in batch.input_embeds:
                 hidden[row : row + len(vectors)] = vectors
-        # The native rotary kernel turns whole heads: a partial rotary factor runs on torch ops.
-        full_heads = self.config.rotary_dim == self.config.head_dim
-        rope = self.rotary.lookup(batch.positions, hidden.dtype, self.kernels if full_heads else None)
+        rope = self.rope(batch.positions, hidden.dtype)
         fused = self.fused_decode
         # A verify step of chains runs fused too, when the backend planned it as decode rows.
         as_decode = batch.mode is ForwardMode.DECODE or isinstance(attention.metadata, CpuDecodeMetadata)
@@ -296,9 +336,12 @@ class CausalLM(nn.Module):
         pool of kv_dtype, or None where it cannot run them: no native linear kernel here, q/k norms
         (Qwen3), a partial rotary factor, tensor parallelism, a head shape without a compiled decode
         attention kernel, a pool neither in the activations' dtype nor bf16 under fp32, biases on
-        o_proj/down_proj, or a linear the native kernel declined. Steps whose requests share a
-        prefix run in it where a native prefix attention kernel exists for the head shape."""
+        o_proj/down_proj, a sliding-window layer (the native attention takes no window), or a linear
+        the native kernel declined. Steps whose requests share a prefix run in it where a native
+        prefix attention kernel exists for the head shape."""
         kernels, config = self.kernels, self.config
+        if config.sliding_layers:
+            return None
         layers = cast("list[DecoderLayer]", list(self.layers.values()))
         first = layers[0]
         attention = first.self_attn

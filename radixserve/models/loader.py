@@ -23,6 +23,7 @@ from tqdm import tqdm
 from radixserve.layers.quantized import KEPT_FORMATS, QuantizedTensor, WeightTensor
 from radixserve.models.config import (
     FUSED_PROJECTION_ARCHITECTURES,
+    SANDWICH_NORM_ARCHITECTURES,
     ModelConfig,
     ModelLoadError,
     UnsupportedModelError,
@@ -52,6 +53,13 @@ _GGUF_BLOCK_TO_HF: dict[str, str] = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+}
+# Gemma 3's four norms per layer: llama.cpp's ffn_norm is the one before its MLP there.
+_GGUF_GEMMA3_BLOCK_TO_HF: dict[str, str] = {
+    **_GGUF_BLOCK_TO_HF,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 _GGUF_GLOBAL_TO_HF: dict[str, str] = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -122,6 +130,8 @@ def expected_weight_names(config: ModelConfig) -> list[str]:
         else:
             names += [f"{p}.mlp.{proj}_proj.weight" for proj in mlp]
         names += [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
+        if config.architecture in SANDWICH_NORM_ARCHITECTURES:
+            names += [f"{p}.pre_feedforward_layernorm.weight", f"{p}.post_feedforward_layernorm.weight"]
     names.append("model.norm.weight")
     if not config.tie_word_embeddings:
         names.append("lm_head.weight")
@@ -336,13 +346,14 @@ def _iter_safetensors(path: Path, config: ModelConfig) -> Iterator[tuple[str, We
                     bar.update(1)
 
 
-def _gguf_to_hf_name(name: str) -> str | None:
+def _gguf_to_hf_name(name: str, arch: str) -> str | None:
     if name in _GGUF_GLOBAL_TO_HF:
         return _GGUF_GLOBAL_TO_HF[name]
+    blocks = _GGUF_GEMMA3_BLOCK_TO_HF if arch == "gemma3" else _GGUF_BLOCK_TO_HF
     m = _GGUF_BLOCK_RE.match(name)
-    if m is None or m.group(2) not in _GGUF_BLOCK_TO_HF:
+    if m is None or m.group(2) not in blocks:
         return None
-    return f"model.layers.{m.group(1)}.{_GGUF_BLOCK_TO_HF[m.group(2)]}.{m.group(3)}"
+    return f"model.layers.{m.group(1)}.{blocks[m.group(2)]}.{m.group(3)}"
 
 
 def _unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -368,7 +379,7 @@ def _iter_gguf(path: Path, config: ModelConfig, keep_quantized: bool) -> Iterato
     for tensor in reader.tensors:
         if tensor.name in _GGUF_CONFIG_TENSORS:
             continue
-        hf_name = _gguf_to_hf_name(tensor.name)
+        hf_name = _gguf_to_hf_name(tensor.name, arch)
         if hf_name is None:
             unknown.append(tensor.name)
         else:
@@ -414,5 +425,10 @@ def _iter_gguf(path: Path, config: ModelConfig, keep_quantized: bool) -> Iterato
             else:
                 # Copy: the data may be a read-only view into the memory-mapped file.
                 data = _unpermute_qk(data, heads) if permuted else data
-                yield hf_name, torch.from_numpy(np.array(data, copy=True))
+                weight = torch.from_numpy(np.array(data, copy=True))
+                if arch == "gemma3" and hf_name.endswith("norm.weight"):
+                    # llama.cpp stores Gemma's norm weights with the 1 its norm adds folded in
+                    # (as transformers, which takes it out again on reading the file).
+                    weight -= 1
+                yield hf_name, weight
             bar.update(1)

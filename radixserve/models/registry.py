@@ -12,6 +12,7 @@ from radixserve.distributed.parallel import ParallelContext
 from radixserve.kernels.cpu_ops import CpuKernels
 from radixserve.models.bert import Encoder
 from radixserve.models.config import ModelConfig, UnsupportedModelError
+from radixserve.models.gemma3 import Gemma3CausalLM
 from radixserve.models.llama import CausalLM
 
 # Decoders: built with the native CPU kernels they may use.
@@ -30,6 +31,8 @@ DECODER_MODELS: dict[str, type[CausalLM]] = {
     "MixtralForCausalLM": CausalLM,
     # Experts in every layer; q/k norms over the whole projection, clip_qkv.
     "OlmoeForCausalLM": CausalLM,
+    # Four norms per layer, GELU, sliding and global layers with a rotary base each (models/gemma3.py).
+    "Gemma3ForCausalLM": Gemma3CausalLM,
 }
 # Bidirectional encoders: embeddings only, no KV cache; torch ops only.
 ENCODER_MODELS: dict[str, type[Encoder]] = {"BertModel": Encoder}

@@ -71,7 +71,14 @@ _GGUF_ARCH_TO_HF: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
+# llama.cpp's Gemma 3: every sixth layer global, the others sliding over a rotary base of their own;
+# the file records neither (llama.cpp builds them in, and transformers' defaults agree).
+_GEMMA3_GLOBAL_EVERY = 6
+_GEMMA3_SLIDING_ROPE_THETA = 10000.0
+# The end of a chat turn, which llama.cpp ends generation on too (the file names only <eos>).
+_GEMMA3_END_OF_TURN = "<end_of_turn>"
 
 _GGUF_FILE_TYPE_DTYPE = {0: "float32", 1: "float16", 32: "bfloat16"}
 
@@ -340,13 +347,30 @@ def _gguf_config(reader: GGUFReader) -> ModelConfig:
     tensor_names = {t.name for t in reader.tensors}
     window = _gguf_meta(reader, f"{arch}.attention.sliding_window")
     bos = _gguf_meta(reader, "tokenizer.ggml.bos_token_id")
+    layers = int(need("block_count"))
+    sliding_layers = tuple(range(layers)) if window else ()
+    eos = merge_eos_ids(
+        _gguf_meta(reader, "tokenizer.ggml.eos_token_id"), _gguf_meta(reader, "tokenizer.ggml.eot_token_id")
+    )
+    gemma: dict[str, Any] = {}
+    if arch == "gemma3":
+        sliding_layers = tuple(i for i in range(layers) if (i + 1) % _GEMMA3_GLOBAL_EVERY) if window else ()
+        gemma = {
+            "sliding_rope_theta": _GEMMA3_SLIDING_ROPE_THETA,
+            # As llama.cpp scales Gemma 3's queries: by the head size, but Gemma 3 27B's (62 layers) by
+            # hidden_size / heads, as its published query_pre_attn_scalar does.
+            "query_pre_attn_scalar": float(hidden // heads if layers == 62 else head_dim),
+            "hidden_act": "gelu_pytorch_tanh",
+        }
+        if tokens and _GEMMA3_END_OF_TURN in tokens:
+            eos = merge_eos_ids(eos, tokens.index(_GEMMA3_END_OF_TURN))
 
     return ModelConfig(
         architecture=hf_arch,
         vocab_size=int(vocab_size),
         hidden_size=hidden,
         intermediate_size=int(need("feed_forward_length")),
-        num_hidden_layers=int(need("block_count")),
+        num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
@@ -357,13 +381,12 @@ def _gguf_config(reader: GGUFReader) -> ModelConfig:
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
-        sliding_window=int(window) if window else None,
-        eos_token_ids=merge_eos_ids(
-            _gguf_meta(reader, "tokenizer.ggml.eos_token_id"),
-            _gguf_meta(reader, "tokenizer.ggml.eot_token_id"),
-        ),
+        sliding_window=int(window) if sliding_layers else None,
+        sliding_layers=sliding_layers,
+        eos_token_ids=eos,
         bos_token_id=int(bos) if bos is not None else None,
         torch_dtype=_GGUF_FILE_TYPE_DTYPE.get(_gguf_meta(reader, "general.file_type", -1)),
+        **gemma,
     )
 
 

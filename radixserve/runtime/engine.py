@@ -457,12 +457,8 @@ class Engine(EngineControl):
             custom_logit_processor=custom_logit_processor,
             lora_path=lora_path,
             image_data=image_data,
+            priority=priority,
         )
-        priorities = priority if isinstance(priority, list) else [priority] * len(reqs)
-        if len(priorities) != len(reqs):
-            raise InvalidRequestError("priority list must have one entry per prompt")
-        for req, value in zip(reqs, priorities, strict=True):
-            req.priority = value
         return self._run_blocking(reqs, single)
 
     def encode(

@@ -186,19 +186,16 @@ class RequestBuilder:
         custom_logit_processor: str | None = None,
         lora_path: str | list[str | None] | None = None,
         image_data: Any = None,
+        priority: int | list[int | None] | None = None,
     ) -> tuple[list[GenerateRequest], bool]:
-        """lora_path: one adapter name for every prompt, or a list with one per prompt (SGLang's).
+        """lora_path and priority: one for every prompt, or a list with one per prompt (SGLang's).
         image_data: for one prompt an image or a list of them; for a batch, one entry (an image, a
         list, or None) per prompt (SGLang's shape)."""
         batch = split_prompts(prompt, input_ids, input_embeds, self.tokenize)
         batch_ids, batch_embeds, single = batch.ids, batch.embeds, batch.single
         per_prompt_images = images_per_prompt(image_data, single, len(batch_ids))
-        if isinstance(lora_path, list):
-            if len(lora_path) != len(batch_ids):
-                raise InvalidRequestError("lora_path list must have one entry per prompt")
-            adapters = lora_path
-        else:
-            adapters = [lora_path] * len(batch_ids)
+        adapters = _per_prompt(lora_path, len(batch_ids), "lora_path")
+        priorities = _per_prompt(priority, len(batch_ids), "priority")
         if isinstance(sampling_params, list):
             if len(sampling_params) != len(batch_ids):
                 raise InvalidRequestError("sampling_params list must have one entry per prompt")
@@ -225,7 +222,17 @@ class RequestBuilder:
                 batch_ids, params, batch_embeds, adapters, per_prompt_images, strict=True
             )
         ]
+        for req, value in zip(reqs, priorities, strict=True):
+            req.priority = value
         return reqs, single
+
+
+def _per_prompt(value: Any, count: int, name: str) -> list[Any]:
+    if not isinstance(value, list):
+        return [value] * count
+    if len(value) != count:
+        raise InvalidRequestError(f"{name} list must have one entry per prompt")
+    return value
 
 
 def images_per_prompt(image_data: Any, single: bool, num_prompts: int) -> list[list[Any] | None]:

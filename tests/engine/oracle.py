@@ -27,11 +27,22 @@ def random_prompts(
 class GreedyOracle:
     """Greedy continuation with transformers on the same weights, in fp32, one prompt at a time."""
 
-    def __init__(self, model_dir: Path, lora_dir: Path | None = None):
-        """lora_dir: a PEFT adapter applied on top (peft's own LoRA layers, unmerged)."""
+    def __init__(
+        self,
+        model_dir: Path,
+        lora_dir: Path | None = None,
+        gguf_file: str | None = None,
+        last_logits_only: bool = False,
+    ):
+        """lora_dir: a PEFT adapter applied on top (peft's own LoRA layers, unmerged); gguf_file: a
+        GGUF file in model_dir to load (transformers dequantizes it); last_logits_only: the LM head
+        over a prompt's last position only (a large vocabulary's head over every position of a
+        long prompt costs seconds)."""
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        kwargs: dict[str, Any] = {} if gguf_file is None else {"gguf_file": gguf_file}
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **kwargs).eval()
+        self._keep: dict[str, Any] = {"logits_to_keep": 1} if last_logits_only else {}
         if lora_dir is not None:
             from peft import PeftModel
 
@@ -42,7 +53,7 @@ class GreedyOracle:
     def continue_(self, prompt: list[int], max_new_tokens: int) -> list[int]:
         key = (tuple(prompt), max_new_tokens)
         if key not in self._memo:
-            out = self.model(input_ids=torch.tensor([prompt]), use_cache=True)
+            out = self.model(input_ids=torch.tensor([prompt]), use_cache=True, **self._keep)
             past, tokens = out.past_key_values, []
             for _ in range(max_new_tokens):
                 token = int(out.logits[0, -1].argmax())
@@ -92,10 +103,18 @@ def assert_greedy_matches(
     """The engine's greedy tokens for the prompts, batched, equal transformers'."""
     results = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": max_new})
     assert isinstance(results, list)
+    assert_results_match(results, prompts, oracle, max_new)
+
+
+def assert_results_match(
+    results: list[dict[str, Any]], prompts: list[list[int]], oracle: GreedyOracle, max_new: int
+) -> None:
+    """Each result's tokens equal transformers' greedy continuation of its prompt, to the length."""
     for i, (res, prompt) in enumerate(zip(results, prompts, strict=True)):
         assert res["output_ids"] == oracle.continue_(prompt, max_new), (
             f"prompt {i} (len {len(prompt)}) differs"
         )
+        assert res["meta_info"]["finish_reason"]["type"] == "length"
 
 
 def assert_batched_and_cached_match(engine: Engine, oracle: GreedyOracle, max_new: int) -> None:

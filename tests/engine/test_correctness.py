@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tests.engine.oracle import GREEDY, GreedyOracle, random_prompts
+from tests.engine.oracle import GREEDY, GreedyOracle, assert_results_match, random_prompts
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral", "phi3"]
 MAX_NEW = 12
@@ -18,16 +18,6 @@ def _run(engine: Any, prompts: list[list[int]], max_new: int = MAX_NEW) -> list[
     results = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": max_new})
     assert isinstance(results, list)
     return results
-
-
-def _assert_matches(
-    results: list[dict[str, Any]], prompts: list[list[int]], oracle: GreedyOracle, max_new: int = MAX_NEW
-) -> None:
-    for i, (res, prompt) in enumerate(zip(results, prompts, strict=True)):
-        assert res["output_ids"] == oracle.continue_(prompt, max_new), (
-            f"prompt {i} (len {len(prompt)}) differs"
-        )
-        assert res["meta_info"]["finish_reason"]["type"] == "length"
 
 
 # RoPE variants (layers/rotary.py): YaRN, LongRoPE within its original context, a partial rotary
@@ -46,7 +36,7 @@ def test_single_prompt(
 ) -> None:
     engine = make_engine(tiny_model_dir(arch))
     prompts = random_prompts(1, [17])
-    _assert_matches(_run(engine, prompts), prompts, oracle(arch))
+    assert_results_match(_run(engine, prompts), prompts, oracle(arch), MAX_NEW)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", *MOE_ARCHS])
@@ -58,7 +48,7 @@ def test_sixteen_mixed_lengths_at_once(
 ) -> None:
     engine = make_engine(tiny_model_dir(arch))
     prompts = random_prompts(16, seed=1)
-    _assert_matches(_run(engine, prompts), prompts, oracle(arch))
+    assert_results_match(_run(engine, prompts), prompts, oracle(arch), MAX_NEW)
 
 
 def _shared_prefix_prompts(n: int, prefix_len: int = 64, seed: int = 2) -> list[list[int]]:
@@ -77,7 +67,7 @@ def test_shared_prefix_together_and_sequential(
     engine = make_engine(tiny_model_dir(arch), schedule_policy="lpm")
     prompts = _shared_prefix_prompts(8)
     together = _run(engine, prompts)
-    _assert_matches(together, prompts, oracle(arch))
+    assert_results_match(together, prompts, oracle(arch), MAX_NEW)
     # In-batch deduplication: one request computes the prefix, the rest reuse it.
     assert sum(r["meta_info"]["cached_tokens"] > 0 for r in together) >= len(prompts) - 1
 
@@ -112,7 +102,7 @@ def test_chunked_prefill(
 ) -> None:
     engine = make_engine(tiny_model_dir(arch), chunked_prefill_size=16)
     prompts = random_prompts(3, [200, 200, 77], seed=3)
-    _assert_matches(_run(engine, prompts), prompts, oracle(arch))
+    assert_results_match(_run(engine, prompts), prompts, oracle(arch), MAX_NEW)
     assert engine.get_stats()["prefill_batches"] >= 200 // 16
 
 
@@ -123,7 +113,7 @@ def test_mixed_chunk(
 ) -> None:
     engine = make_engine(tiny_model_dir("llama"), chunked_prefill_size=16, enable_mixed_chunk=True)
     prompts = random_prompts(6, [5, 90, 130, 7, 64, 200], seed=4)
-    _assert_matches(_run(engine, prompts, 20), prompts, oracle("llama"), 20)
+    assert_results_match(_run(engine, prompts, 20), prompts, oracle("llama"), 20)
 
 
 @pytest.mark.parametrize(("page_size", "cpu_kernels"), [(1, "auto"), (4, "auto"), (1, "torch")])
@@ -143,7 +133,7 @@ def test_retraction_under_a_tiny_kv_pool(
     )
     prompts = random_prompts(8, [20, 25, 30, 18, 22, 27, 31, 19], seed=5)
     max_new = 40
-    _assert_matches(_run(engine, prompts, max_new), prompts, oracle("llama"), max_new)
+    assert_results_match(_run(engine, prompts, max_new), prompts, oracle("llama"), max_new)
     stats = engine.get_stats()
     assert stats["retracted_reqs"] > 0
     if cpu_kernels == "torch":
@@ -164,7 +154,7 @@ def test_decode_attention_without_staging(
         tiny_model_dir("llama"), decode_staging_tokens=0, schedule_policy="lpm", cpu_kernels="torch"
     )
     prompts = random_prompts(8, seed=1) + _shared_prefix_prompts(4)
-    _assert_matches(_run(engine, prompts), prompts, oracle("llama"))
+    assert_results_match(_run(engine, prompts), prompts, oracle("llama"), MAX_NEW)
     stats = engine.get_stats()
     assert stats["decode_staging_appends"] == stats["decode_staging_refills"] == 0
 
@@ -178,7 +168,7 @@ def test_each_policy(
 ) -> None:
     engine = make_engine(tiny_model_dir("qwen3"), schedule_policy=policy, max_prefill_tokens=128)
     prompts = _shared_prefix_prompts(5, prefix_len=40, seed=6) + random_prompts(5, seed=7)
-    _assert_matches(_run(engine, prompts), prompts, oracle("qwen3"))
+    assert_results_match(_run(engine, prompts), prompts, oracle("qwen3"), MAX_NEW)
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
@@ -190,7 +180,7 @@ def test_page_size(
 ) -> None:
     engine = make_engine(tiny_model_dir("llama"), page_size=page_size, chunked_prefill_size=16)
     prompts = _shared_prefix_prompts(6, prefix_len=37, seed=8) + random_prompts(4, seed=10)
-    _assert_matches(_run(engine, prompts), prompts, oracle("llama"))
+    assert_results_match(_run(engine, prompts), prompts, oracle("llama"), MAX_NEW)
     (again,) = _run(engine, [prompts[0]])
     cached = again["meta_info"]["cached_tokens"]
     assert cached > 0 and cached % page_size == 0
@@ -205,7 +195,7 @@ def test_disable_radix_cache(
     engine = make_engine(tiny_model_dir("llama"), disable_radix_cache=True, chunked_prefill_size=16)
     prompts = _shared_prefix_prompts(4, seed=11)
     results = _run(engine, prompts)
-    _assert_matches(results, prompts, oracle("llama"))
+    assert_results_match(results, prompts, oracle("llama"), MAX_NEW)
     assert all(r["meta_info"]["cached_tokens"] == 0 for r in results)
 
 
@@ -213,4 +203,4 @@ def test_sharded_checkpoint(tiny_model_sharded_dir: Path, make_engine: Callable[
     oracle = GreedyOracle(tiny_model_sharded_dir)
     engine = make_engine(tiny_model_sharded_dir)
     prompts = random_prompts(2, seed=12)
-    _assert_matches(_run(engine, prompts), prompts, oracle)
+    assert_results_match(_run(engine, prompts), prompts, oracle, MAX_NEW)

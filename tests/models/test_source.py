@@ -127,9 +127,12 @@ def test_sliding_window_only_when_used() -> None:
     assert on.sliding_window == 4096
     mistral = {"architectures": ["MistralForCausalLM"], "model_type": "mistral"}
     assert ModelConfig.from_hf_dict(_base_dict(**mistral, sliding_window=4096)).sliding_window == 4096
+    assert ModelConfig.from_hf_dict(_base_dict(**mistral, sliding_window=4096)).sliding_layers == (0, 1)
     assert ModelConfig.from_hf_dict(_base_dict(**mistral, sliding_window=None)).sliding_window is None
-    with pytest.raises(UnsupportedModelError, match="sliding-window"):
-        ModelConfig.from_hf_dict(_base_dict(**qwen, use_sliding_window=True, max_window_layers=1))
+    # Qwen2's layers from max_window_layers on slide, the ones before it see their whole context.
+    some = ModelConfig.from_hf_dict(_base_dict(**qwen, use_sliding_window=True, max_window_layers=1))
+    assert (some.sliding_window, some.sliding_layers) == (4096, (1,))
+    assert (some.layer_window(0), some.layer_window(1)) == (None, 4096)
 
 
 def test_phi3_config_fields_and_the_variant_it_refuses() -> None:

@@ -13,10 +13,10 @@ from tests.scheduler.fake_executor import (
     Results,
     expected_output,
     make_scheduler,
-    probe_steps,
     run_until_idle,
     submit,
 )
+from tests.scheduler.probes import probe_steps
 
 VOCAB = 1024
 

@@ -18,15 +18,13 @@ from radixserve.scheduler.request import Req
 from radixserve.scheduler.scheduler import Scheduler
 from tests.scheduler.fake_executor import (
     FakeExecutor,
-    ReqView,
     Results,
-    StepProbe,
     expected_output,
     make_scheduler,
-    probe_steps,
     run_until_idle,
     submit,
 )
+from tests.scheduler.probes import ReqView, StepProbe, probe_steps
 
 VOCAB = 1024
 CONSERVATIVENESS = 0.05

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -113,6 +114,7 @@ class ModelRunner:
         self._stash: WeightStash | None = None
         self.config: ModelConfig = load_model_config(self.source)
         self.context_len = self._context_len(self.config, config)
+        self.config = _without_idle_window(self.config, self.context_len)
         # An embedding model answers embedding requests only (like SGLang's --is-embedding).
         self.is_embedding = config.is_embedding or self.config.is_encoder
         if self.config.is_encoder and parallel.world_size > 1:
@@ -370,9 +372,10 @@ class ModelRunner:
         model is built beside the old one, so a failure (bad path, other shapes) leaves the old one
         serving; the memory of both is needed for a moment."""
         source = resolve_model_source(model_path)
-        config = load_model_config(source)
+        config = _without_idle_window(load_model_config(source), self.context_len)
         fields = ("architecture", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                  "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size")  # fmt: skip
+                  "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size",
+                  "sliding_window")  # fmt: skip
         different = [f for f in fields if getattr(config, f) != getattr(self.config, f)]
         if different:
             raise ModelLoadError(f"{model_path} differs from the served model in {', '.join(different)}")
@@ -562,3 +565,12 @@ class ModelRunner:
         else:
             tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
         return broadcast_from_leader(tokens, self.parallel)
+
+
+def _without_idle_window(config: ModelConfig, context_len: int) -> ModelConfig:
+    """A sliding window no shorter than the context masks nothing: such a model runs as full
+    attention, and so on the native paths, which take no window."""
+    if config.sliding_window is None or config.sliding_window < context_len:
+        return config
+    logger.info("sliding window %d >= context %d: full attention", config.sliding_window, context_len)
+    return dataclasses.replace(config, sliding_window=None, sliding_layers=())

@@ -66,6 +66,12 @@ def test_the_runner_takes_torch_native_and_no_fused_loop(
     assert isinstance(runner.model, CausalLM) and runner.model.fused_decode is None
     with pytest.raises(InvalidArgumentError, match=r"--attention-backend cpu_native: .*sliding window"):
         ModelRunner(RunnerConfig.from_server_args(ServerArgs(**args, attention_backend="cpu_native")))
+    # A context no longer than the window masks nothing: full attention, on the native paths.
+    within = ModelRunner(
+        RunnerConfig.from_server_args(ServerArgs(**args, dtype="bfloat16", context_length=TINY_WINDOW))
+    )
+    assert within.config.sliding_window is None
+    assert within.describe()["attention_backend"] == "cpu_native"
 
 
 @pytest.mark.parametrize("chunk", [5, 32])

@@ -18,6 +18,7 @@ from radixserve.attention.cpu_native import CpuDecodeMetadata
 from radixserve.distributed.parallel import (
     SINGLE,
     ParallelContext,
+    all_reduce,
     broadcast_from_last_stage,
     receive_from_previous_stage,
     send_to_next_stage,
@@ -30,7 +31,6 @@ from radixserve.layers.linear import (
     ColumnParallelLinear,
     ParallelLMHead,
     RowParallelLinear,
-    ShardingError,
     VocabParallelEmbedding,
     WeightTarget,
     divide,
@@ -73,12 +73,12 @@ class Attention(nn.Module):
             config.hidden_size, [split_evenly(q_size, ctx), kv, kv], bias=config.attention_bias, ctx=ctx
         )
         self.o_proj = RowParallelLinear(q_size, config.hidden_size, bias=False, ctx=ctx)
-        # q/k norms per head (Qwen3), or over each projection's whole width (OLMoE), which a
-        # tensor-parallel shard does not hold.
+        # q/k norms per head (Qwen3), or over each projection's whole width (OLMoE). Their weights
+        # are whole on every rank (as every norm's); a tensor-parallel rank scales its own columns.
         self.full_width_norm = config.qk_norm_full_width
-        if self.full_width_norm and ctx.tp_size != 1:
-            raise ShardingError("q/k norms over the whole projection (OLMoE) run with --tp-size 1")
-        q_norm, k_norm = (q_size, kv.local) if self.full_width_norm else (self.head_dim, self.head_dim)
+        self.ctx = ctx
+        self.q_start, self.k_start = ctx.tp_rank * (q_size // ctx.tp_size), kv.start
+        q_norm, k_norm = (q_size, kv.full) if self.full_width_norm else (self.head_dim, self.head_dim)
         self.q_norm = norm(q_norm, config.rms_norm_eps, kernels) if config.qk_norm else None
         self.k_norm = norm(k_norm, config.rms_norm_eps, kernels) if config.qk_norm else None
         # OLMoE's clip_qkv: q, k and v clamped to [-clip, clip] after their projection (and norm).
@@ -93,9 +93,9 @@ class Attention(nn.Module):
         kv_size = self.num_kv_heads * self.head_dim
         qkv = self.qkv_proj(hidden)
         v = qkv[:, q_size + kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
-        if self.full_width_norm and self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(qkv[:, :q_size].contiguous()).view(tokens, self.num_heads, self.head_dim)
-            k = self.k_norm(qkv[:, q_size : q_size + kv_size].contiguous())
+        if self.full_width_norm:
+            q, k = self._full_width_norms(qkv[:, :q_size], qkv[:, q_size : q_size + kv_size])
+            q = q.view(tokens, self.num_heads, self.head_dim)
             k = k.view(tokens, self.num_kv_heads, self.head_dim)
             if self.clip is not None:
                 q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
@@ -113,6 +113,27 @@ class Attention(nn.Module):
         out = attention(self.layer_id, q, k, v, self.scale, self.window)
         projected: torch.Tensor = self.o_proj(out.reshape(tokens, q_size), residual)
         return projected
+
+    def _full_width_norms(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """OLMoE's RMSNorms over the whole q and k projections. Under tensor parallelism a rank
+        holds only its heads' columns: the ranks' sums of squares are added in one all-reduce (for
+        q and k together). Every rank holds as many columns of each, and K heads copied to several
+        ranks are each held by as many, so the mean square is that sum over tp_size times them."""
+        assert self.q_norm is not None and self.k_norm is not None
+        if self.ctx.tp_size == 1:
+            return self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
+        q32, k32 = q.float(), k.float()
+        sums = all_reduce(torch.stack([q32.square().sum(-1), k32.square().sum(-1)], dim=-1), self.ctx)
+        eps = self.q_norm.eps
+        normed = []
+        for x, x32, sum_sq, norm, start in (
+            (q, q32, sums[:, :1], self.q_norm, self.q_start),
+            (k, k32, sums[:, 1:], self.k_norm, self.k_start),
+        ):
+            width = x.shape[-1]
+            scaled = x32 * torch.rsqrt(sum_sq / (width * self.ctx.tp_size) + eps)
+            normed.append(norm.weight[start : start + width] * scaled.to(x.dtype))
+        return normed[0], normed[1]
 
 
 class MLP(nn.Module):

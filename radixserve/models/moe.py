@@ -6,11 +6,20 @@ routed experts'.
 The router's probabilities are a softmax in fp32 over every expert, of which each token keeps its
 top k (renormalized to sum to 1 where the config says so, norm_topk_prob); a token's output is the
 sum of its experts' SwiGLU outputs weighted by those probabilities, added in expert order. Experts
-no row of the step routes to are not read. The experts run on torch ops, with --tp-size 1 (a
-layer split over ranks is not built yet); their weights stay dense (a quantized expert is refused).
+no row of the step routes to are not read. The experts run on torch ops; their weights stay dense
+(a quantized expert is refused).
+
+With --tp-size N every rank holds every expert, each cut along its intermediate dimension: its
+gate_up keeps this rank's slice of the gate rows, then the same slice of the up rows (gate first,
+as silu_and_mul takes them), its down the same slice of the columns; the shared expert is cut
+alike. The router and the shared expert's gate are copied to every rank, so every rank routes
+every token the same way. Each rank sums its slices' outputs (routed and shared), and one
+all-reduce per layer adds the ranks' partial sums, as the dense MLP's row-parallel down does.
+The intermediate sizes must divide by N.
 
 While recording (/start_expert_distribution_record), each layer counts the tokens routed to each
-expert: a token that picks k experts counts once for each of them.
+expert: a token that picks k experts counts once for each of them. Under tensor parallelism every
+rank counts the same routing; the counts answered are rank 0's (control answers are), not a sum.
 """
 
 from __future__ import annotations
@@ -21,10 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixserve.distributed.parallel import ParallelContext
+from radixserve.distributed.parallel import ParallelContext, all_reduce
 from radixserve.kernels.cpu_ops import CpuKernels
 from radixserve.layers.activation import silu_and_mul
-from radixserve.layers.linear import ShardingError
+from radixserve.layers.linear import copy_checked, divide
 from radixserve.layers.quantized import QuantizationError, QuantizedTensor, WeightTensor
 from radixserve.models.config import ModelConfig
 
@@ -38,9 +47,13 @@ _PARAM = re.compile(
 class SparseMoE(nn.Module):
     def __init__(self, config: ModelConfig, ctx: ParallelContext, kernels: CpuKernels | None):
         super().__init__()
-        if ctx.tp_size != 1:
-            raise ShardingError("Mixture-of-Experts layers run with --tp-size 1 (no expert sharding yet)")
-        experts, size, hidden = config.num_experts, config.moe_intermediate_size, config.hidden_size
+        experts, hidden = config.num_experts, config.hidden_size
+        # This rank's slice of each expert's (and the shared expert's) intermediate dimension.
+        size = divide(config.moe_intermediate_size, ctx.tp_size, "the experts' intermediate size")
+        shared = divide(
+            config.shared_expert_intermediate_size, ctx.tp_size, "the shared expert's intermediate size"
+        )
+        self.ctx = ctx
         self.kernels = kernels
         self.top_k = config.num_experts_per_tok
         self.normalize = config.norm_topk_prob
@@ -49,7 +62,7 @@ class SparseMoE(nn.Module):
         # Each expert's gate and up rows stacked (gate first, as silu_and_mul takes them), and its down.
         self.gate_up = nn.Parameter(torch.empty(experts, 2 * size, hidden), requires_grad=False)
         self.down = nn.Parameter(torch.empty(experts, hidden, size), requires_grad=False)
-        self.shared_size = shared = config.shared_expert_intermediate_size
+        self.shared_size = shared
         self.shared_gate_up = nn.Parameter(torch.empty(2 * shared, hidden), requires_grad=False)
         self.shared_down = nn.Parameter(torch.empty(hidden, shared), requires_grad=False)
         self.shared_gate = nn.Parameter(torch.empty(1 if shared else 0, hidden), requires_grad=False)
@@ -70,6 +83,7 @@ class SparseMoE(nn.Module):
         return names
 
     def load(self, name: str, tensor: WeightTensor, shard: int = 0) -> None:
+        """A checkpoint tensor (whole, as the checkpoint holds it): this rank copies out its slice."""
         match = _PARAM.match(name)
         if match is None:
             raise KeyError(f"a Mixture-of-Experts layer has no tensor {name!r}")
@@ -77,24 +91,34 @@ class SparseMoE(nn.Module):
             raise QuantizationError("Mixture-of-Experts experts are not kept quantized yet")
         with torch.no_grad():
             if name == "shared_expert_gate.weight":
-                self.shared_gate.copy_(tensor)
-                return
-            if match.group(3) is not None:
-                if match.group(3) == "down":
-                    self.shared_down.copy_(tensor)
-                else:
-                    first = 0 if match.group(3) == "gate" else self.shared_size
-                    self.shared_gate_up[first : first + self.shared_size].copy_(tensor)
-                return
-            if match.group(1) is None:
-                self.router.copy_(tensor)
-                return
-            expert, proj = int(match.group(1)), match.group(2)
-            if proj == "down":
-                self.down[expert].copy_(tensor)
+                copy_checked(self.shared_gate.data, tensor, name)
+            elif match.group(1) is None and match.group(3) is None:
+                copy_checked(self.router.data, tensor, name)
+            elif match.group(3) is not None:
+                self._load_slice(
+                    self.shared_gate_up.data, self.shared_down.data, match.group(3), tensor, name
+                )
             else:
-                first = 0 if proj == "gate" else self.size
-                self.gate_up[expert, first : first + self.size].copy_(tensor)
+                expert = int(match.group(1))
+                self._load_slice(
+                    self.gate_up.data[expert], self.down.data[expert], match.group(2), tensor, name
+                )
+
+    def _load_slice(
+        self, gate_up: torch.Tensor, down: torch.Tensor, proj: str, tensor: torch.Tensor, name: str
+    ) -> None:
+        """This rank's slice of one expert's gate, up (rows) or down (columns) projection."""
+        local = down.shape[1]
+        full, start = local * self.ctx.tp_size, local * self.ctx.tp_rank
+        hidden = self.router.shape[1]
+        expected = (hidden, full) if proj == "down" else (full, hidden)
+        if tuple(tensor.shape) != expected:
+            raise ValueError(f"{name}: expected shape {expected}, got {tuple(tensor.shape)}")
+        if proj == "down":
+            copy_checked(down, tensor.narrow(1, start, local), name)
+        else:
+            first = 0 if proj == "gate" else local
+            copy_checked(gate_up[first : first + local], tensor.narrow(0, start, local), name)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """The layer's output added to residual."""
@@ -113,7 +137,8 @@ class SparseMoE(nn.Module):
         if self.shared_size:
             shared = F.linear(silu_and_mul(F.linear(x, self.shared_gate_up), self.kernels), self.shared_down)
             out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * shared
-        return out + residual
+        # This rank's slices' share of the output: the ranks' shares summed (one collective a layer).
+        return all_reduce(out, self.ctx) + residual
 
 
 def sparse_layers(model: nn.Module) -> dict[int, SparseMoE]:

@@ -51,6 +51,7 @@ from radixserve.layers.sampler import SamplingBatch, sample
 from radixserve.models.bert import Encoder
 from radixserve.models.config import ModelConfig, ModelLoadError
 from radixserve.models.llama import CausalLM
+from radixserve.models.loader import model_name
 from radixserve.models.lora_adapter import LoraAdapter, LoraAdapterError, read_adapter_config
 from radixserve.models.moe import SparseMoE, expert_counts, record_experts
 from radixserve.models.pooling import PoolingConfig, finish_embeddings, pool_segments, read_pooling_config
@@ -392,7 +393,8 @@ class ModelRunner:
 
     def weight_slice(self, name: str, truncate_size: int) -> list[float]:
         """The first truncate_size values of a weight, by its checkpoint name."""
-        values: list[float] = read_weight(self.model, name).flatten()[:truncate_size].float().tolist()
+        weight = read_weight(self.model, model_name(self.config, name))
+        values: list[float] = weight.flatten()[:truncate_size].float().tolist()
         return values
 
     def update_weights_from_tensors(self, named: list[tuple[str, torch.Tensor]]) -> int:

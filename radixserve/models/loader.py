@@ -207,7 +207,7 @@ def iter_weights(
     else:
         weights = _iter_gguf(src.path, config, keep_quantized)
     if config.architecture == "MixtralForCausalLM":
-        return ((_MIXTRAL_TO_OURS.sub(_ours, name), tensor) for name, tensor in weights)
+        return ((model_name(config, name), tensor) for name, tensor in weights)
     return _split_fused(weights, config) if config.architecture in FUSED_PROJECTION_ARCHITECTURES else weights
 
 
@@ -216,6 +216,13 @@ def iter_weights(
 _MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _MIXTRAL_FROM_OURS = {ours: theirs for theirs, ours in _MIXTRAL_PROJ.items()}
 _MIXTRAL_TO_OURS = re.compile(r"\.block_sparse_moe\.(?:experts\.(\d+)\.(w[123])\.|gate\.)")
+
+
+def model_name(config: ModelConfig, name: str) -> str:
+    """A checkpoint tensor's name as the model resolves it (Mixtral's sparse layers renamed)."""
+    if config.architecture == "MixtralForCausalLM":
+        return _MIXTRAL_TO_OURS.sub(_ours, name)
+    return name
 
 
 def _ours(match: re.Match[str]) -> str:

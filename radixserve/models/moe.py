@@ -15,7 +15,8 @@ as silu_and_mul takes them), its down the same slice of the columns; the shared 
 alike. The router and the shared expert's gate are copied to every rank, so every rank routes
 every token the same way. Each rank sums its slices' outputs (routed and shared), and one
 all-reduce per layer adds the ranks' partial sums, as the dense MLP's row-parallel down does.
-The intermediate sizes must divide by N.
+The intermediate sizes must divide by N. /get_weights_by_name reads an expert's tensor whole
+(the ranks' slices gathered), under the checkpoint's name.
 
 While recording (/start_expert_distribution_record), each layer counts the tokens routed to each
 expert: a token that picks k experts counts once for each of them. Under tensor parallelism every
@@ -30,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixserve.distributed.parallel import ParallelContext, all_reduce
+from radixserve.distributed.parallel import ParallelContext, all_reduce, gather_shards
 from radixserve.kernels.cpu_ops import CpuKernels
 from radixserve.layers.activation import silu_and_mul
 from radixserve.layers.linear import copy_checked, divide
@@ -119,6 +120,34 @@ class SparseMoE(nn.Module):
         else:
             first = 0 if proj == "gate" else local
             copy_checked(gate_up[first : first + local], tensor.narrow(0, start, local), name)
+
+    def read(self, name: str) -> torch.Tensor:
+        """A checkpoint tensor as the checkpoint holds it (/get_weights_by_name): under tensor
+        parallelism every rank calls this together, and the ranks' slices are gathered."""
+        match = _PARAM.match(name)
+        if match is None:
+            raise KeyError(f"a Mixture-of-Experts layer has no tensor {name!r}")
+        if name == "shared_expert_gate.weight":
+            return self.shared_gate.detach()
+        if match.group(1) is None and match.group(3) is None:
+            return self.router.detach()
+        proj = match.group(3) or match.group(2)
+        gate_up: torch.Tensor
+        down: torch.Tensor
+        if match.group(3) is not None:
+            gate_up, down = self.shared_gate_up, self.shared_down
+        else:
+            gate_up, down = self.gate_up[int(match.group(1))], self.down[int(match.group(1))]
+        local = down.shape[1]
+        part: torch.Tensor
+        if proj == "down":
+            part, dim = down, 1
+        else:
+            part, dim = gate_up[(0 if proj == "gate" else local) :][:local], 0
+        if self.ctx.tp_size == 1:
+            return part.detach()
+        ctx = self.ctx
+        return gather_shards(part.contiguous(), dim, local * ctx.tp_rank, local * ctx.tp_size, ctx).detach()
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """The layer's output added to residual."""

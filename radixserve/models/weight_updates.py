@@ -30,6 +30,7 @@ from radixserve.layers.linear import (
 )
 from radixserve.layers.packed_weights import WeightPacking
 from radixserve.layers.quantized import QuantizedWeight
+from radixserve.models.moe import SparseMoE
 
 Packable = ParallelLinear | ParallelLMHead
 
@@ -96,6 +97,8 @@ def read_weight(model: ResolvingModel, name: str) -> torch.Tensor:
             f"{name} is not stored separately here (tied to another weight, or on another pipeline stage)"
         )
     module = target.module
+    if isinstance(module, SparseMoE):
+        return module.read(target.param)
     tensor = getattr(module, target.param)
     if isinstance(module, (ParallelLinear, VocabParallelEmbedding)) and target.param == "weight":
         tensor = module.dense_weight()

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from radixserve.distributed.parallel import ParallelContext
 from radixserve.layers.linear import ShardingError
@@ -74,6 +75,18 @@ def test_two_ranks_give_transformers_tokens_and_counts(
         (res,) = results
         assert res["output_ids"] == oracle(arch).continue_(prefix + tail, MAX_NEW)
     assert res["meta_info"]["cached_tokens"] >= len(prefix)
+
+    # /get_weights_by_name gathers an expert's slices (and the router) into the checkpoint's tensor.
+    checked = 0
+    for path in tiny_model_dir(arch).glob("*.safetensors"):
+        with safe_open(str(path), "pt") as stored:
+            for name in stored.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if ".experts.1." in name or name.endswith(("mlp.gate.weight", "moe.gate.weight")):
+                    got = engine.get_weights_by_name(name, truncate_size=10_000)
+                    expected = stored.get_tensor(name).float().flatten()[: len(got)].tolist()
+                    assert got == pytest.approx(expected, abs=1e-6), name
+                    checked += 1
+    assert checked >= 4  # a router and an expert's three projections at least
 
 
 def test_two_ranks_count_what_one_rank_counts(

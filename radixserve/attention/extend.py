@@ -240,7 +240,7 @@ def _causal_sdpa(
         # New tokens sit at the end of the sequence: query i sees keys up to prefix_len + i.
         key_pos = torch.arange(prefix_len + q_len, device=q.device)
         query_pos = torch.arange(q_len, device=q.device) + prefix_len
-        mask = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)
+        mask = visible_keys(query_pos, key_pos, None)
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.squeeze(0).transpose(0, 1)
 

@@ -47,7 +47,7 @@ class ToolPlan:
 
     mode: str
     tools: list[Tool] = field(default_factory=list)
-    parser: ToolCallFormat | None = None
+    parser: ToolCallFormat | None = None  # set for auto only
     named: str | None = None
     parallel: bool = True
 
@@ -98,8 +98,7 @@ class ToolPlan:
         if self.mode == "required":
             calls = _required_calls(text)
             return (text, []) if calls is None else (None, calls)
-        if self.parser is None:
-            return text, []
+        assert self.parser is not None  # plan_tools gives auto a parser
         content, calls = self.parser.parse(text)
         return (content or None) if calls else content, calls
 
@@ -131,7 +130,7 @@ class ToolCallDeltas:
 
     def __init__(self, plan: ToolPlan):
         self.plan = plan
-        self.parser_stream = plan.parser.stream() if plan.mode == "auto" and plan.parser else None
+        self.parser_stream = plan.parser.stream() if plan.parser is not None else None
         self.held = ""
         self.named_started = False
 
@@ -148,8 +147,7 @@ class ToolCallDeltas:
         if plan.mode == "required":
             self.held += delta
             return "", []
-        if self.parser_stream is None:
-            return delta, []
+        assert self.parser_stream is not None  # auto: plan_tools gave it a parser
         return self.parser_stream.feed(delta)
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
@@ -164,8 +162,7 @@ class ToolCallDeltas:
             for index, call in enumerate(calls):
                 deltas += [ToolCallDelta(index, call.name, ""), ToolCallDelta(index, None, call.arguments)]
             return "", deltas
-        if self.parser_stream is None:
-            return "", []
+        assert self.parser_stream is not None
         return self.parser_stream.finish()
 
 
@@ -203,7 +200,8 @@ def plan_tools(body: ChatCompletionRequest, parser_name: str | None) -> ToolPlan
             "'required' and a named function work without it",
             param="tool_choice",
         )
-    parser = tool_call_parser(parser_name) if parser_name is not None else None
+    # Only auto reads the reply with the parser.
+    parser = tool_call_parser(parser_name) if mode == "auto" and parser_name is not None else None
     return ToolPlan(mode, tools, parser, parallel=body.parallel_tool_calls)
 
 

@@ -66,3 +66,4 @@ def test_reasoning_comes_apart_from_the_answer_streamed_or_not(
         message = client.post("/v1/chat/completions", json=off).json()["choices"][0]["message"]
         assert message["content"] == f"<think>{reasoning}</think>{content}"
         assert "reasoning_content" not in message
+    server.assert_idle_and_kv_intact()

@@ -82,7 +82,7 @@ def main() -> None:
         rates.append(_weights_rate(engine))
         runs = timer.runs()
         config = load_model_config(engine.source)
-        server_args = scheduler_args(engine.args)
+        server_args = scheduler_args(engine.args, pick_device(engine.args.device).type)
         limit = engine.max_total_tokens
     now = {run.shape.label: run.seconds for run in reference.runs()}
     drift = statistics.median(now[label] / then[label]["measured_s"] for label in REFERENCE)

@@ -143,7 +143,8 @@ def _print_forwards(title: str, groups: list[ForwardGroup]) -> None:
 
 def _model(path: Path, max_total_tokens: int) -> tuple[ModelConfig, dict[str, Any]]:
     args = ServerArgs(model_path=str(path), dtype="bfloat16", max_total_tokens=max_total_tokens)
-    return load_model_config(resolve_model_source(str(path))), scheduler_args(args)
+    # The runs it refits were timed on this machine's CPU.
+    return load_model_config(resolve_model_source(str(path))), scheduler_args(args, "cpu")
 
 
 if __name__ == "__main__":

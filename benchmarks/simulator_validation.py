@@ -159,7 +159,7 @@ def main() -> None:
         profiles.append((ROUND_PROFILE, by_round))
         if args.hardware:
             profiles.append((args.hardware, [load_profile(args.hardware)] * args.repeats))
-        sched = scheduler_args(engine.args)
+        sched = scheduler_args(engine.args, pick_device(engine.args.device).type)
         # What the fits held the cost per row at (the scheduler's own time, cli.engine_row_cost).
         host_time = engine.get_stats()["decode_host_time"]
         print(f"the engine's scheduler between decode steps: {host_time}")

@@ -47,6 +47,18 @@ CPU_KERNEL_CHOICES: tuple[str, ...] = ("auto", "native", "torch")
 CPU_ISA_CHOICES: tuple[str, ...] = ("auto", "amx", "avx512_bf16", "avx512", "avx2")
 # "torch" is accepted as another name for torch_native (attention/registry.py).
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch_native", "cpu_native", "torch")
+# --chunked-prefill-size when not given, per device type. A CPU's matmuls reach full speed well
+# below 512 rows, and a smaller chunk keeps a long prompt's activations in less memory and lets
+# decode steps in between sooner; a GPU wants more rows per forward to fill its units.
+DEFAULT_CHUNKED_PREFILL_SIZE: dict[str, int] = {"cpu": 512, "cuda": 2048}
+
+
+def chunked_prefill_tokens(size: int | None, device_type: str) -> int | None:
+    """--chunked-prefill-size resolved for a device: the prompt tokens of one prefill chunk, or
+    None when chunking is off (size -1)."""
+    if size is None:
+        return DEFAULT_CHUNKED_PREFILL_SIZE.get(device_type, DEFAULT_CHUNKED_PREFILL_SIZE["cuda"])
+    return size if size > 0 else None
 
 
 class InvalidArgumentError(ValueError):
@@ -94,7 +106,9 @@ class ServerArgs:
     schedule_policy: str = "fcfs"
     schedule_conservativeness: float = 1.0
     max_prefill_tokens: int = 16384
-    chunked_prefill_size: int | None = 2048
+    # Prompt tokens per prefill chunk. None: the device's default (chunked_prefill_tokens); -1 (or
+    # any value <= 0, as SGLang takes it): off.
+    chunked_prefill_size: int | None = None
     enable_mixed_chunk: bool = False
     disable_radix_cache: bool = False
     # Request priorities (scheduler/policy.py, PriorityRule), under SGLang's flags: by default a
@@ -230,9 +244,8 @@ class ServerArgs:
         if self.decode_staging_tokens is not None and self.decode_staging_tokens < 0:
             raise InvalidArgumentError("--decode-staging-tokens must be >= 0 (0 turns staging off)")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size <= 0:
-            # SGLang uses -1 to switch chunking off.
-            self.chunked_prefill_size = None
-        if self.chunked_prefill_size is not None and self.chunked_prefill_size < self.page_size:
+            self.chunked_prefill_size = -1  # SGLang's "off"
+        if self.chunked_prefill_size is not None and 0 < self.chunked_prefill_size < self.page_size:
             raise InvalidArgumentError("--chunked-prefill-size must be at least --page-size")
         if self.max_prefill_tokens < 1:
             raise InvalidArgumentError("--max-prefill-tokens must be >= 1")
@@ -406,7 +419,13 @@ class ServerArgs:
             help="higher reserves more KV for running requests (fewer retractions)",
         )
         sched.add_argument("--max-prefill-tokens", type=int)
-        sched.add_argument("--chunked-prefill-size", type=int, help="-1 disables chunking")
+        sched.add_argument(
+            "--chunked-prefill-size",
+            type=int,
+            help="prompt tokens per prefill chunk; -1 disables chunking (default: "
+            f"{DEFAULT_CHUNKED_PREFILL_SIZE['cpu']} on a CPU, "
+            f"{DEFAULT_CHUNKED_PREFILL_SIZE['cuda']} on CUDA)",
+        )
         sched.add_argument("--enable-mixed-chunk", action="store_true")
         sched.add_argument("--disable-radix-cache", action="store_true")
         sched.add_argument(

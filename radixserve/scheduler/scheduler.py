@@ -21,7 +21,7 @@ from typing import Any
 from radixserve.cache.pools import KVSlotAllocator, ReqToTokenPool
 from radixserve.cache.radix_cache import ChunkCache, PrefixCache, RadixCache
 from radixserve.config.kv_events_args import parse_kv_events_config
-from radixserve.config.server_args import ServerArgs
+from radixserve.config.server_args import ServerArgs, chunked_prefill_tokens
 from radixserve.distributed.parallel import SINGLE, ParallelContext
 from radixserve.executor.base import (
     Embeddings,
@@ -108,6 +108,9 @@ class Scheduler:
         info = executor.info
         self.is_embedding = info.is_embedding
         self.rank_sync = RankSync(parallel)
+        # From here on args hold the chunk size resolved for the device: a size, or None when off.
+        chunk = chunked_prefill_tokens(args.chunked_prefill_size, info.device.type)
+        args = dataclasses.replace(args, chunked_prefill_size=chunk)
         if info.config.is_encoder:
             # Bidirectional attention: a text runs whole, and its K/V cannot serve another text.
             args = dataclasses.replace(args, chunked_prefill_size=None, disable_radix_cache=True)

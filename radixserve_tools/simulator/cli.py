@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from radixserve.config.arg_types import positive_int
-from radixserve.config.server_args import ServerArgs
+from radixserve.config.server_args import ServerArgs, chunked_prefill_tokens
 
 if TYPE_CHECKING:
     from radixserve_tools.simulator.hardware import HardwareProfile
@@ -54,7 +54,12 @@ def add_simulate_parser(sub: Any) -> None:
     trace.add_argument("--seed", type=int, default=0, help="seeds the trace and the draws of forward times")
     sched = sim.add_argument_group("scheduler (ServerArgs)")
     sched.add_argument("--schedule-policy", default=ServerArgs.schedule_policy)
-    sched.add_argument("--chunked-prefill-size", type=int, default=ServerArgs.chunked_prefill_size)
+    sched.add_argument(
+        "--chunked-prefill-size",
+        type=int,
+        default=ServerArgs.chunked_prefill_size,
+        help="-1: off; default: what a server takes on the modelled device",
+    )
     sched.add_argument("--max-prefill-tokens", type=int, default=ServerArgs.max_prefill_tokens)
     sched.add_argument("--max-running-requests", type=int, default=None)
     sched.add_argument("--schedule-conservativeness", type=float, default=1.0)
@@ -113,7 +118,8 @@ def _simulate(args: argparse.Namespace) -> int:
             args.seed,
         )
         trace = synthetic(spec)
-    result = simulate(config, profile, trace, capacity, seed=args.seed, **scheduler_args(args))
+    device_type = "cuda" if profile is None else profile.device_type
+    result = simulate(config, profile, trace, capacity, seed=args.seed, **scheduler_args(args, device_type))
     title = f"{config.architecture} on {args.hardware}, {len(trace)} requests"
     print(table(result, title))
     if args.out is not None:
@@ -199,6 +205,7 @@ def measure_engine_peaks(engine: Any, name: str) -> Any:
         flops,
         weights_bandwidth(overlap, dtype),
         memory,
+        device_type=device.type,
         # The calibration model's own width beside the usual ones: the rate is not smooth in the
         # width (docs/simulator.md), and the fitted efficiencies are shares of the rate there.
         linear_rates=measure_linear_rates(device, dtype=dtype, packing=packing, widths=linear_widths(config)),
@@ -213,12 +220,13 @@ def fit_engine(engine: Any, peaks: Any, runs: list[Any]) -> tuple[Any, list[tupl
     """calibrate.fit on this engine's model and attention, from measured `peaks` and timed `runs`,
     with the cost per row held at what the engine's scheduler measured of its own time; with each
     run's predicted seconds."""
+    from radixserve.executor.model_runner import pick_device
     from radixserve.models.source import load_model_config
     from radixserve_tools.simulator.calibrate import fit, predicted_seconds, recorded_forwards
     from radixserve_tools.simulator.calibration_passes import calibration_runs
 
     config = load_model_config(engine.source)
-    server_args = scheduler_args(engine.args)
+    server_args = scheduler_args(engine.args, pick_device(engine.args.device).type)
     recorded = [
         recorded_forwards(config, shape, i, engine.max_total_tokens, **server_args)
         for i, shape in enumerate(calibration_runs(engine.context_len))
@@ -249,12 +257,15 @@ def engine_cascades(engine: Any) -> bool:
     return "shared-prefix cascade" in engine.get_stats().get("decode_path", "")
 
 
-def scheduler_args(args: ServerArgs | argparse.Namespace) -> dict[str, Any]:
+def scheduler_args(args: ServerArgs | argparse.Namespace, device_type: str) -> dict[str, Any]:
     """The flags that decide how a server batches, for a simulation of it (from a server's args or
-    simulate's, which take the same names)."""
+    simulate's, which take the same names), with the prefill chunk resolved as the server's
+    scheduler resolves it on a device of `device_type`: the simulator's own scheduler runs on the
+    CPU whatever device it models."""
+    chunk = chunked_prefill_tokens(args.chunked_prefill_size, device_type)
     return {
         "schedule_policy": args.schedule_policy,
-        "chunked_prefill_size": args.chunked_prefill_size,
+        "chunked_prefill_size": -1 if chunk is None else chunk,
         "max_prefill_tokens": args.max_prefill_tokens,
         "max_running_requests": args.max_running_requests,
         "schedule_conservativeness": args.schedule_conservativeness,

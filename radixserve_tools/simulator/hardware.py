@@ -50,6 +50,9 @@ class HardwareProfile:
     forward_overhead_s: float = 30e-6
     token_overhead_s: float = 0.0
     note: str = ""
+    # The kind of device the profile describes ("cuda", "cpu"): the defaults a server takes there,
+    # such as its prefill chunk, are the simulation's too.
+    device_type: str = "cuda"
     # Attention's share of peak FLOP/s, where it differs from the linears' (None: the same).
     attention_efficiency: float | None = None
     # A decode step's fixed cost, where it differs from a prefill forward's (None: the same). On a
@@ -150,6 +153,7 @@ class HardwareProfile:
             self.peak_flops,
             self.memory_bandwidth,
             self.memory_bytes,
+            device_type=self.device_type,
             linear_rates=self.linear_rates,
             pointwise=self.pointwise,
             decode_overlap=self.decode_overlap,

@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from radixserve.config.server_args import ServerArgs
+from radixserve.config.server_args import ServerArgs, chunked_prefill_tokens
 from radixserve.models.config import ModelConfig
 from radixserve.protocol.messages import GenerateRequest, ReqOutput
 from radixserve.protocol.sampling_params import SamplingParams
@@ -124,6 +124,11 @@ def simulate(
         config, max_total_tokens, profile, clock, count_shared_reads=count_shared_reads, seed=seed
     )
     server_args.setdefault("log_level", "warning")
+    if server_args.get("chunked_prefill_size") is None:
+        # The scheduler here runs on the CPU whatever device the profile models: the chunk a
+        # server takes on that device (no profile: a GPU's).
+        device_type = "cuda" if profile is None else profile.device_type
+        server_args["chunked_prefill_size"] = chunked_prefill_tokens(None, device_type)
     scheduler = Scheduler(ServerArgs(**server_args), executor)
     return drive(scheduler, executor.records, trace, clock, max_total_tokens)
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from radixserve.config.server_args import DEFAULT_CHUNKED_PREFILL_SIZE, chunked_prefill_tokens
 from radixserve.protocol.messages import ControlRequest, ControlResult
 from tests.scheduler.fake_executor import (
     FakeExecutor,
@@ -39,6 +40,30 @@ def _run(prompts: dict[str, list[int]], max_new: int, **server_args: Any) -> tup
 # ---------------------------------------------------------------- chunked prefill
 
 
+def test_the_default_chunk_is_the_devices_and_minus_one_turns_chunking_off() -> None:
+    """No --chunked-prefill-size: the scheduler takes its device's default (the fake executor's
+    device is the CPU), and a 1,200-token prompt runs in 512-token chunks; -1 (or 0, as SGLang
+    takes it) runs it whole."""
+    prompt = _prompt(1, 1200)
+    executor = FakeExecutor(vocab_size=2048, max_total_tokens=2048, context_len=2048)
+    scheduler = make_scheduler(executor)
+    assert scheduler.args.chunked_prefill_size == DEFAULT_CHUNKED_PREFILL_SIZE["cpu"] == 512
+    results = Results()
+    submit(scheduler, results, "long", prompt, 2)
+    run_until_idle(scheduler, results)
+    assert [b.extend_lens for b in executor.prefills] == [[512], [512], [176]]
+    scheduler.check_kv_invariant()
+    for off in (-1, 0):
+        executor = FakeExecutor(vocab_size=2048, max_total_tokens=2048, context_len=2048)
+        scheduler = make_scheduler(executor, chunked_prefill_size=off)
+        assert scheduler.args.chunked_prefill_size is None
+        submit(scheduler, results, f"whole{off}", prompt, 2)
+        run_until_idle(scheduler, results)
+        assert [b.extend_lens for b in executor.prefills] == [[1200]]
+        scheduler.check_kv_invariant()
+    assert chunked_prefill_tokens(None, "cuda") == 2048
+
+
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_a_long_prompt_is_prefilled_in_chunks_of_the_chunk_size(page_size: int) -> None:
     chunk, prompt = 16, _prompt(1, 50)
@@ -60,7 +85,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_of_the_chunk_size(page_size: int) 
     assert [t for b in prefills for t in b.segments[0]] == prompt
     assert scheduler.queues.chunked_req is None
 
-    unchunked, unchunked_executor = _run({"long": prompt}, 6, chunked_prefill_size=None, page_size=page_size)
+    unchunked, unchunked_executor = _run({"long": prompt}, 6, chunked_prefill_size=-1, page_size=page_size)
     assert [b.extend_lens for b in unchunked_executor.prefills] == [[50]]
     assert results.tokens == unchunked.tokens
     assert results.tokens["long"] == expected_output(prompt, 6, VOCAB)
@@ -73,7 +98,7 @@ def test_the_last_chunk_shares_its_batch_with_a_short_request() -> None:
     results, executor = _run(prompts, 4, chunked_prefill_size=16)
     assert [b.extend_lens for b in executor.prefills] == [[16], [16], [16], [2, 5]]
     assert executor.prefills[-1].segments[1] == prompts["short"]
-    reference, _ = _run(prompts, 4, chunked_prefill_size=None)
+    reference, _ = _run(prompts, 4, chunked_prefill_size=-1)
     assert results.tokens == reference.tokens
 
 
@@ -186,6 +211,6 @@ def test_max_prefill_tokens_bounds_each_prefill_batch() -> None:
 
 def test_a_prompt_over_max_prefill_tokens_still_runs_alone() -> None:
     prompts = {"big": _prompt(1, 30), "small": _prompt(100, 4)}
-    results, executor = _run(prompts, 2, max_prefill_tokens=20, chunked_prefill_size=None)
+    results, executor = _run(prompts, 2, max_prefill_tokens=20, chunked_prefill_size=-1)
     assert [b.extend_lens for b in executor.prefills] == [[30], [4]]
     assert results.tokens["big"] == expected_output(prompts["big"], 2, VOCAB)

@@ -3,7 +3,8 @@ models/tokenizer.py).
 
 Two on-disk formats are supported: HF directories (safetensors) and single-file GGUF. Either way,
 weights come out under HF Llama/Qwen parameter names so the model code has a single naming scheme
-to deal with.
+to deal with: a GGUF's stacked experts (one 3-D tensor per projection and layer) as one tensor per
+expert, Phi-3's fused projections split as a safetensors' are.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from radixserve.layers.quantized import KEPT_FORMATS, QuantizedTensor, WeightTensor
+from radixserve.layers.quantized import KEPT_FORMATS, QuantFormat, QuantizedTensor, WeightTensor
 from radixserve.models.config import (
     FUSED_PROJECTION_ARCHITECTURES,
     SANDWICH_NORM_ARCHITECTURES,
@@ -47,28 +48,51 @@ _GGUF_BLOCK_TO_HF: dict[str, str] = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
+    "attn_qkv": "self_attn.qkv_proj",
     "attn_output": "self_attn.o_proj",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # Qwen2-MoE's shared expert and its gate (a sparse layer's router: _gguf_targets).
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
-# Gemma 3's four norms per layer: llama.cpp's ffn_norm is the one before its MLP there.
-_GGUF_GEMMA3_BLOCK_TO_HF: dict[str, str] = {
-    **_GGUF_BLOCK_TO_HF,
-    "post_attention_norm": "post_attention_layernorm",
-    "ffn_norm": "pre_feedforward_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
+# Per architecture, where llama.cpp's names mean something else: Gemma 3's four norms per layer
+# (its ffn_norm is the one before the MLP), and Phi-3's ffn_up, which holds gate's rows then up's.
+_GGUF_ARCH_BLOCK_TO_HF: dict[str, dict[str, str]] = {
+    "gemma3": {
+        **_GGUF_BLOCK_TO_HF,
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+    "phi3": {**_GGUF_BLOCK_TO_HF, "ffn_up": "mlp.gate_up_proj"},
 }
+# A sparse layer's experts, each projection stacked into one 3-D tensor [expert, rows, cols]
+# (numpy's order): yielded as one 2-D tensor per expert.
+_GGUF_EXPERTS: dict[str, str] = {
+    "ffn_gate_exps": "gate_proj",
+    "ffn_up_exps": "up_proj",
+    "ffn_down_exps": "down_proj",
+}
+# The routers stay dense whatever the file's type: a few rows each, which llama.cpp's quantizer
+# leaves unquantized too.
+_GGUF_ALWAYS_DENSE = frozenset({"ffn_gate_inp", "ffn_gate_inp_shexp"})
 _GGUF_GLOBAL_TO_HF: dict[str, str] = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
 _GGUF_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
-# Consumed into ModelConfig.rope_scaling rather than yielded as a parameter.
-_GGUF_CONFIG_TENSORS = frozenset({"rope_freqs.weight"})
+# Consumed into ModelConfig.rope_scaling (llama3's and Phi-3's LongRoPE factors) rather than
+# yielded as parameters.
+_GGUF_CONFIG_TENSORS = frozenset(
+    {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
+)
 
 # Non-parameter buffers that some older HF checkpoints persisted.
 _HF_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -354,13 +378,34 @@ def _iter_safetensors(path: Path, config: ModelConfig) -> Iterator[tuple[str, We
 
 
 def _gguf_to_hf_name(name: str, arch: str) -> str | None:
+    """A GGUF tensor's HF name (None: not one of the plain tensors; experts: _gguf_targets)."""
     if name in _GGUF_GLOBAL_TO_HF:
         return _GGUF_GLOBAL_TO_HF[name]
-    blocks = _GGUF_GEMMA3_BLOCK_TO_HF if arch == "gemma3" else _GGUF_BLOCK_TO_HF
+    blocks = _GGUF_ARCH_BLOCK_TO_HF.get(arch, _GGUF_BLOCK_TO_HF)
     m = _GGUF_BLOCK_RE.match(name)
     if m is None or m.group(2) not in blocks:
         return None
     return f"model.layers.{m.group(1)}.{blocks[m.group(2)]}.{m.group(3)}"
+
+
+def _gguf_targets(name: str, shape: tuple[int, ...], arch: str, config: ModelConfig) -> list[str] | None:
+    """The HF names a GGUF tensor is yielded under: one, or a stacked expert tensor's one per
+    expert (in order); None for a tensor with no place. A Mixtral's sparse layers take Mixtral's
+    checkpoint names (block_sparse_moe.*), which iter_weights renames as it does a safetensors'."""
+    m = _GGUF_BLOCK_RE.match(name)
+    if m is not None and m.group(2) in _GGUF_EXPERTS and m.group(3) == "weight":
+        if len(shape) != 3:
+            raise ModelLoadError(f"{name} has shape {shape}; stacked experts are [expert, rows, cols]")
+        sparse = [f"experts.{e}.{_GGUF_EXPERTS[m.group(2)]}.weight" for e in range(shape[0])]
+    elif m is not None and m.group(2) == "ffn_gate_inp" and m.group(3) == "weight":
+        sparse = ["gate.weight"]
+    else:
+        hf_name = _gguf_to_hf_name(name, arch)
+        return None if hf_name is None else [hf_name]
+    layer = f"model.layers.{m.group(1)}"
+    if config.architecture == "MixtralForCausalLM":
+        return [f"{layer}.{_mixtral_name(n)}" for n in sparse]
+    return [f"{layer}.mlp.{n}" for n in sparse]
 
 
 def _unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -381,61 +426,89 @@ def _iter_gguf(path: Path, config: ModelConfig, keep_quantized: bool) -> Iterato
 
     reader = gguf_reader(path)
     arch, _ = gguf_architecture(reader)
-    plan: list[tuple[Any, str]] = []
+    # Per file tensor: its row-major shape (ggml lists dims fastest-first) and the names it yields.
+    plan: list[tuple[Any, tuple[int, ...], list[str]]] = []
     unknown: list[str] = []
     for tensor in reader.tensors:
         if tensor.name in _GGUF_CONFIG_TENSORS:
             continue
-        hf_name = _gguf_to_hf_name(tensor.name, arch)
-        if hf_name is None:
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        names = _gguf_targets(tensor.name, shape, arch, config)
+        if names is None:
             unknown.append(tensor.name)
         else:
-            plan.append((tensor, hf_name))
+            plan.append((tensor, shape, names))
     if unknown:
         raise UnsupportedModelError(
             f"{path.name} has GGUF tensors radixserve cannot map: {', '.join(unknown[:5])}"
         )
-    _check_names({name for _, name in plan}, config, path)
+    _check_names({name for _, _, names in plan for name in names}, config, path)
     if keep_quantized:
-        others = sorted({t.tensor_type.name for t, _ in plan} - set(KEPT_FORMATS) - _GGUF_PLAIN_TYPES)
+        others = sorted({t.tensor_type.name for t, _, _ in plan} - set(KEPT_FORMATS) - _GGUF_PLAIN_TYPES)
         if others:
             logger.info(
                 "%s: %s tensors are dequantized at load: radixserve has no kernel for them (it keeps %s)",
                 path.name, ", ".join(others), ", ".join(KEPT_FORMATS),
             )  # fmt: skip
 
-    with _progress(len(plan), "Loading GGUF") as bar:
-        for tensor, hf_name in plan:
-            # ggml lists dims fastest-first; the row-major (HF) shape is the reverse.
-            shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-            kept = KEPT_FORMATS.get(tensor.tensor_type.name) if keep_quantized and len(shape) == 2 else None
-            data: np.ndarray[Any, Any]
+    with _progress(sum(len(names) for _, _, names in plan), "Loading GGUF") as bar:
+        for tensor, shape, names in plan:
+            stem = m.group(2) if (m := _GGUF_BLOCK_RE.match(tensor.name)) else ""
+            stacked = stem in _GGUF_EXPERTS
+            matrix = len(shape) == (3 if stacked else 2) and stem not in _GGUF_ALWAYS_DENSE
+            kept = KEPT_FORMATS.get(tensor.tensor_type.name) if keep_quantized and matrix else None
             if kept is not None:
-                # The blocks as stored: [rows, row bytes].
-                data = np.asarray(tensor.data, dtype=np.uint8).reshape(shape[0], -1)
-            else:
-                data = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(
-                    shape
+                # The blocks as stored, [rows, row bytes] (an expert's: a slice of the stack): views
+                # of the memory-mapped file, from which the kernel's packed copy is made, and whose
+                # pages serve reading the weights back (and embedding lookups).
+                blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(*shape[:-1], -1)
+                for index, hf_name in enumerate(names):
+                    part = blocks[index] if stacked else blocks
+                    yield hf_name, _kept_block_view(part, kept, shape[-1], hf_name, arch, config)
+                    bar.update(1)
+                continue
+            values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
+            for index, hf_name in enumerate(names):
+                yield (
+                    hf_name,
+                    _dense_weight(values[index] if stacked else values, stem, hf_name, arch, config),
                 )
-            permuted = arch == "llama" and (
-                ".self_attn.q_proj." in hf_name or ".self_attn.k_proj." in hf_name
-            )
-            heads = config.num_attention_heads if ".q_proj." in hf_name else config.num_key_value_heads
-            if kept is not None:
-                # A view of the memory-mapped file: the kernel's packed copy is made from it, and
-                # the file's pages serve reading the weights back (and embedding lookups). Rows
-                # are independent, so permuted q/k rows are read in the HF order, not copied.
-                order = torch.from_numpy(_unpermute_qk(np.arange(shape[0]), heads)) if permuted else None
-                with warnings.catch_warnings():
-                    warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-                    yield hf_name, QuantizedTensor(kept, torch.from_numpy(data), shape[1], True, order)
-            else:
-                # Copy: the data may be a read-only view into the memory-mapped file.
-                data = _unpermute_qk(data, heads) if permuted else data
-                weight = torch.from_numpy(np.array(data, copy=True))
-                if arch == "gemma3" and hf_name.endswith("norm.weight"):
-                    # llama.cpp stores Gemma's norm weights with the 1 its norm adds folded in
-                    # (as transformers, which takes it out again on reading the file).
-                    weight -= 1
-                yield hf_name, weight
-            bar.update(1)
+                bar.update(1)
+
+
+def _is_permuted(hf_name: str, arch: str) -> bool:
+    """llama.cpp's arch "llama" stores q/k with each head's rotary halves interleaved."""
+    return arch == "llama" and (".self_attn.q_proj." in hf_name or ".self_attn.k_proj." in hf_name)
+
+
+def _heads(hf_name: str, config: ModelConfig) -> int:
+    return config.num_attention_heads if ".q_proj." in hf_name else config.num_key_value_heads
+
+
+def _kept_block_view(
+    blocks: np.ndarray, kept: QuantFormat, cols: int, hf_name: str, arch: str, config: ModelConfig
+) -> QuantizedTensor:
+    """A matrix in the file's blocks, read in place: rows are independent, so permuted q/k rows
+    are read in the HF order (row_order), not copied."""
+    order = None
+    if _is_permuted(hf_name, arch):
+        order = torch.from_numpy(_unpermute_qk(np.arange(blocks.shape[0]), _heads(hf_name, config)))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return QuantizedTensor(kept, torch.from_numpy(blocks), cols, True, order)
+
+
+def _dense_weight(
+    values: np.ndarray, stem: str, hf_name: str, arch: str, config: ModelConfig
+) -> torch.Tensor:
+    """A tensor as the model takes it, copied: values may be a read-only view of the mapped file."""
+    if _is_permuted(hf_name, arch):
+        values = _unpermute_qk(values, _heads(hf_name, config))
+    weight = torch.from_numpy(np.array(values, copy=True))
+    if stem == "ffn_gate_inp_shexp":
+        weight = weight.reshape(1, -1)  # one row, which the file keeps as a vector
+    if arch == "gemma3" and hf_name.endswith("norm.weight"):
+        # llama.cpp stores Gemma's norm weights with the 1 its norm adds folded in (as transformers,
+        # which takes it out again on reading the file).
+        weight -= 1
+    return weight

@@ -1,22 +1,32 @@
-"""Mixture-of-Experts feed-forward layers (Qwen3-MoE, Qwen2-MoE): a router picks each token's top-k
-experts, and each expert runs once per step on the rows routed to it. Qwen2-MoE adds a shared
-expert every token takes, its output scaled by sigmoid(shared_expert_gate · x) and added after the
-routed experts'.
+"""Mixture-of-Experts feed-forward layers (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE): a router picks
+each token's top-k experts, and each expert runs once per step on the rows routed to it. Qwen2-MoE
+adds a shared expert every token takes, its output scaled by sigmoid(shared_expert_gate · x) and
+added after the routed experts'.
 
 The router's probabilities are a softmax in fp32 over every expert, of which each token keeps its
 top k (renormalized to sum to 1 where the config says so, norm_topk_prob); a token's output is the
 sum of its experts' SwiGLU outputs weighted by those probabilities, added in expert order. Experts
-no row of the step routes to are not read. The experts run on torch ops; their weights stay dense
-(a quantized expert is refused).
+no row of the step routes to are not read.
+
+Dense experts are stacked per layer and run on torch ops. An expert whose gate, up and down come in
+GGUF blocks (a GGUF, or --quantization) keeps them (models/moe_experts.py): its gate and up rows as
+one quantized weight of two parts, each in its own format (gate first, as silu_and_mul takes them),
+its down as another, each packed once for the native quantized kernel, which multiplies the rows
+routed to it; the shared expert alike. A stacked tensor whose every expert is quantized is freed.
+A weight one of whose parts comes dense (a format without a kernel, dequantized at load) is held
+dense, the other part dequantized; so is one a dense tensor replaces (/update_weights_from_tensor),
+as a dense linear is after an update. The router and the shared expert's gate stay dense. Without
+the quantized kernel (a CUDA device, --cpu-kernels torch) quantized tensors are dequantized at load.
 
 With --tp-size N every rank holds every expert, each cut along its intermediate dimension: its
-gate_up keeps this rank's slice of the gate rows, then the same slice of the up rows (gate first,
-as silu_and_mul takes them), its down the same slice of the columns; the shared expert is cut
-alike. The router and the shared expert's gate are copied to every rank, so every rank routes
-every token the same way. Each rank sums its slices' outputs (routed and shared), and one
-all-reduce per layer adds the ranks' partial sums, as the dense MLP's row-parallel down does.
-The intermediate sizes must divide by N. /get_weights_by_name reads an expert's tensor whole
-(the ranks' slices gathered), under the checkpoint's name.
+gate_up keeps this rank's slice of the gate rows, then the same slice of the up rows, its down the
+same slice of the columns; the shared expert is cut alike. A quantized down is cut along whole
+blocks of its format only (32 or 256 columns), else loading fails with QuantizationError. The
+router and the shared expert's gate are copied to every rank, so every rank routes every token the
+same way. Each rank sums its slices' outputs (routed and shared), and one all-reduce per layer adds
+the ranks' partial sums, as the dense MLP's row-parallel down does. The intermediate sizes must
+divide by N. /get_weights_by_name reads an expert's tensor whole (the ranks' slices gathered,
+quantized ones dequantized), under the checkpoint's name.
 
 While recording (/start_expert_distribution_record), each layer counts the tokens routed to each
 expert: a token that picks k experts counts once for each of them. Under tensor parallelism every
@@ -35,8 +45,9 @@ from radixserve.distributed.parallel import ParallelContext, all_reduce, gather_
 from radixserve.kernels.cpu_ops import CpuKernels
 from radixserve.layers.activation import silu_and_mul
 from radixserve.layers.linear import copy_checked, divide
-from radixserve.layers.quantized import QuantizationError, QuantizedTensor, WeightTensor
+from radixserve.layers.quantized import QuantizedTensor, WeightTensor
 from radixserve.models.config import ModelConfig
+from radixserve.models.moe_experts import ExpertStore
 
 # A checkpoint tensor of the layer, as named under its `mlp.`: the router, or one expert's linear.
 _PARAM = re.compile(
@@ -67,6 +78,9 @@ class SparseMoE(nn.Module):
         self.shared_gate_up = nn.Parameter(torch.empty(2 * shared, hidden), requires_grad=False)
         self.shared_down = nn.Parameter(torch.empty(hidden, shared), requires_grad=False)
         self.shared_gate = nn.Parameter(torch.empty(1 if shared else 0, hidden), requires_grad=False)
+        # The experts kept in GGUF blocks, and how many of each stacked tensor's (by its name).
+        self.held = ExpertStore(kernels.quant if kernels is not None else None, self.router.dtype)
+        self.quantized_count: dict[str, int] = {}
         # Tokens routed to each expert since the recording started (None while not recording), and
         # the last recording's once it stopped.
         self.routed: torch.Tensor | None = None
@@ -88,38 +102,50 @@ class SparseMoE(nn.Module):
         match = _PARAM.match(name)
         if match is None:
             raise KeyError(f"a Mixture-of-Experts layer has no tensor {name!r}")
-        if isinstance(tensor, QuantizedTensor):
-            raise QuantizationError("Mixture-of-Experts experts are not kept quantized yet")
         with torch.no_grad():
-            if name == "shared_expert_gate.weight":
-                copy_checked(self.shared_gate.data, tensor, name)
-            elif match.group(1) is None and match.group(3) is None:
-                copy_checked(self.router.data, tensor, name)
+            if match.group(1) is None and match.group(3) is None:
+                # The router and the shared expert's gate are never kept quantized.
+                plain = tensor.dequantize() if isinstance(tensor, QuantizedTensor) else tensor
+                target = self.shared_gate if name == "shared_expert_gate.weight" else self.router
+                copy_checked(target.data, plain, name)
             elif match.group(3) is not None:
-                self._load_slice(
-                    self.shared_gate_up.data, self.shared_down.data, match.group(3), tensor, name
-                )
+                self._load_slice(None, match.group(3), tensor, name)
             else:
-                expert = int(match.group(1))
-                self._load_slice(
-                    self.gate_up.data[expert], self.down.data[expert], match.group(2), tensor, name
-                )
+                self._load_slice(int(match.group(1)), match.group(2), tensor, name)
 
-    def _load_slice(
-        self, gate_up: torch.Tensor, down: torch.Tensor, proj: str, tensor: torch.Tensor, name: str
-    ) -> None:
-        """This rank's slice of one expert's gate, up (rows) or down (columns) projection."""
-        local = down.shape[1]
+    def _load_slice(self, expert: int | None, proj: str, tensor: WeightTensor, name: str) -> None:
+        """This rank's slice of one expert's gate, up (rows) or down (columns) projection (expert
+        None: the shared expert's), copied into the stacked dense tensors or kept quantized."""
+        local = self.size if expert is not None else self.shared_size
         full, start = local * self.ctx.tp_size, local * self.ctx.tp_rank
         hidden = self.router.shape[1]
         expected = (hidden, full) if proj == "down" else (full, hidden)
         if tuple(tensor.shape) != expected:
             raise ValueError(f"{name}: expected shape {expected}, got {tuple(tensor.shape)}")
-        if proj == "down":
-            copy_checked(down, tensor.narrow(1, start, local), name)
+        piece: WeightTensor
+        if isinstance(tensor, QuantizedTensor) and self.held.kernels is not None:
+            # A down shard along whole blocks only (QuantizationError says so otherwise).
+            piece = tensor.narrow_cols(start, local) if proj == "down" else tensor.narrow_rows(start, local)
         else:
-            first = 0 if proj == "gate" else local
-            copy_checked(gate_up[first : first + local], tensor.narrow(0, start, local), name)
+            plain = tensor.dequantize() if isinstance(tensor, QuantizedTensor) else tensor
+            piece = plain.narrow(1 if proj == "down" else 0, start, local)
+        kind = "down" if proj == "down" else "gate_up"
+        stacked = kind if expert is not None else f"shared_{kind}"
+        key = stacked if expert is None else f"{kind}_{expert}"
+        part, count = (0, 1) if proj == "down" else (0 if proj == "gate" else 1, 2)
+
+        def dense(index: int) -> torch.Tensor:
+            """Where part `index` goes in the stacked dense tensor."""
+            slot: torch.Tensor = getattr(self, stacked).data
+            slot = slot if expert is None else slot[expert]
+            return slot if count == 1 else slot[index * local : (index + 1) * local]
+
+        if self.held.take(key, part, count, piece, dense, name):
+            # Every expert of the stacked tensor quantized: its dense copy is not read again.
+            self.quantized_count[stacked] = self.quantized_count.get(stacked, 0) + 1
+            if self.quantized_count[stacked] == (self.router.shape[0] if expert is not None else 1):
+                dtype = getattr(self, stacked).dtype
+                setattr(self, stacked, nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False))
 
     def read(self, name: str) -> torch.Tensor:
         """A checkpoint tensor as the checkpoint holds it (/get_weights_by_name): under tensor
@@ -131,19 +157,24 @@ class SparseMoE(nn.Module):
             return self.shared_gate.detach()
         if match.group(1) is None and match.group(3) is None:
             return self.router.detach()
+        if self.router.numel() == 0:
+            raise KeyError(f"{name} is not in memory now (released by /release_memory_occupation)")
         proj = match.group(3) or match.group(2)
-        gate_up: torch.Tensor
-        down: torch.Tensor
-        if match.group(3) is not None:
-            gate_up, down = self.shared_gate_up, self.shared_down
+        expert = None if match.group(3) is not None else int(match.group(1))
+        kind = "down" if proj == "down" else "gate_up"
+        held = self.held.get(f"shared_{kind}" if expert is None else f"{kind}_{expert}")
+        weight: torch.Tensor
+        if held is not None:
+            weight = held.dense_weight()
         else:
-            gate_up, down = self.gate_up[int(match.group(1))], self.down[int(match.group(1))]
-        local = down.shape[1]
+            weight = getattr(self, kind if expert is not None else f"shared_{kind}")
+            weight = weight if expert is None else weight[expert]
+        local = self.size if expert is not None else self.shared_size
         part: torch.Tensor
         if proj == "down":
-            part, dim = down, 1
+            part, dim = weight, 1
         else:
-            part, dim = gate_up[(0 if proj == "gate" else local) :][:local], 0
+            part, dim = weight[(0 if proj == "gate" else local) :][:local], 0
         if self.ctx.tp_size == 1:
             return part.detach()
         ctx = self.ctx
@@ -159,12 +190,20 @@ class SparseMoE(nn.Module):
             weights /= weights.sum(dim=-1, keepdim=True)
         weights = weights.to(x.dtype)
         out = torch.zeros_like(x)
+        held = self.held
         for expert in torch.unique(chosen).tolist():
             rows, slot = torch.where(chosen == expert)
-            hidden = silu_and_mul(F.linear(x[rows], self.gate_up[expert]), self.kernels)
-            out.index_add_(0, rows, F.linear(hidden, self.down[expert]) * weights[rows, slot, None])
+            gate_up, down = held.get(f"gate_up_{expert}"), held.get(f"down_{expert}")
+            picked = x[rows]
+            up = F.linear(picked, self.gate_up[expert]) if gate_up is None else gate_up(picked)
+            hidden = silu_and_mul(up, self.kernels)
+            result = F.linear(hidden, self.down[expert]) if down is None else down(hidden)
+            out.index_add_(0, rows, result * weights[rows, slot, None])
         if self.shared_size:
-            shared = F.linear(silu_and_mul(F.linear(x, self.shared_gate_up), self.kernels), self.shared_down)
+            gate_up, down = held.get("shared_gate_up"), held.get("shared_down")
+            up = F.linear(x, self.shared_gate_up) if gate_up is None else gate_up(x)
+            hidden = silu_and_mul(up, self.kernels)
+            shared = F.linear(hidden, self.shared_down) if down is None else down(hidden)
             out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * shared
         # This rank's slices' share of the output: the ranks' shares summed (one collective a layer).
         return all_reduce(out, self.ctx) + residual

@@ -72,7 +72,18 @@ _GGUF_ARCH_TO_HF: dict[str, str] = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
+# llama.cpp writes Mixtral as arch "llama" with experts ({arch}.expert_count > 0).
+_GGUF_LLAMA_WITH_EXPERTS = "MixtralForCausalLM"
+# Whether a token's chosen experts' probabilities are renormalized, where the file does not say
+# ({arch}.expert_weights_norm, which these converters do not write): llama.cpp builds it into
+# each architecture, and transformers' GGUF config defaults agree (Qwen3-MoE: true).
+_GGUF_NORM_TOPK_PROB = {"qwen2moe": False, "qwen3moe": True, "llama": True}
+# gguf's ExpertGatingFuncType: the router's probabilities as a softmax (the only one served).
+_GGUF_GATING_SOFTMAX = 1
 # llama.cpp's Gemma 3: every sixth layer global, the others sliding over a rotary base of their own;
 # the file records neither (llama.cpp builds them in, and transformers' defaults agree).
 _GEMMA3_GLOBAL_EVERY = 6
@@ -254,6 +265,8 @@ def gguf_architecture(reader: GGUFReader) -> tuple[str, str]:
             f"Unsupported GGUF architecture {arch!r}; supported GGUF architectures: "
             f"{', '.join(_GGUF_ARCH_TO_HF)} (HF: {', '.join(SUPPORTED)})."
         )
+    if arch == "llama" and int(_gguf_meta(reader, "llama.expert_count", 0) or 0) > 0:
+        return "llama", _GGUF_LLAMA_WITH_EXPERTS
     return str(arch), _GGUF_ARCH_TO_HF[str(arch)]
 
 
@@ -282,6 +295,37 @@ def _llama3_params_from_freq_factors(
                 "original_max_position_embeddings": orig,
             }
     return None
+
+
+def _gguf_longrope(reader: GGUFReader, arch: str, context: int) -> dict[str, Any] | None:
+    """Phi-3's LongRoPE, as HF's rope_scaling: llama.cpp keeps its per-dimension factors as the
+    tensors rope_factors_long / rope_factors_short, and the original context beside them."""
+    tensors = {t.name: t for t in reader.tensors}
+    long, short = tensors.get("rope_factors_long.weight"), tensors.get("rope_factors_short.weight")
+    if long is None and short is None:
+        return None
+    original = _gguf_meta(reader, f"{arch}.rope.scaling.original_context_length")
+    if long is None or short is None or original is None:
+        raise ModelLoadError(
+            "GGUF LongRoPE needs rope_factors_long, rope_factors_short and "
+            f"{arch}.rope.scaling.original_context_length"
+        )
+    from gguf.quants import dequantize
+
+    def factors(tensor: Any) -> list[float]:
+        return [float(f) for f in np.asarray(dequantize(tensor.data, tensor.tensor_type)).reshape(-1)]
+
+    out: dict[str, Any] = {
+        "rope_type": "longrope",
+        "long_factor": factors(long),
+        "short_factor": factors(short),
+        "original_max_position_embeddings": int(original),
+        "max_position_embeddings": context,
+    }
+    attention = _gguf_meta(reader, f"{arch}.rope.scaling.attn_factor")
+    if attention is not None:
+        out["attention_factor"] = float(attention)
+    return out
 
 
 def _gguf_rope_scaling(reader: GGUFReader, arch: str, head_dim: int, theta: float) -> dict[str, Any] | None:
@@ -365,19 +409,22 @@ def _gguf_config(reader: GGUFReader) -> ModelConfig:
         if tokens and _GEMMA3_END_OF_TURN in tokens:
             eos = merge_eos_ids(eos, tokens.index(_GEMMA3_END_OF_TURN))
 
+    ffn = int(need("feed_forward_length"))
+    context = int(_gguf_meta(reader, f"{arch}.context_length", 2048))
+    rope_scaling = _gguf_longrope(reader, arch, context) or _gguf_rope_scaling(reader, arch, head_dim, theta)
     return ModelConfig(
         architecture=hf_arch,
         vocab_size=int(vocab_size),
         hidden_size=hidden,
-        intermediate_size=int(need("feed_forward_length")),
+        intermediate_size=ffn,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
         rms_norm_eps=float(_gguf_meta(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=theta,
-        rope_scaling=_gguf_rope_scaling(reader, arch, head_dim, theta),
-        max_position_embeddings=int(_gguf_meta(reader, f"{arch}.context_length", 2048)),
+        rope_scaling=rope_scaling,
+        max_position_embeddings=context,
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
@@ -386,8 +433,58 @@ def _gguf_config(reader: GGUFReader) -> ModelConfig:
         eos_token_ids=eos,
         bos_token_id=int(bos) if bos is not None else None,
         torch_dtype=_GGUF_FILE_TYPE_DTYPE.get(_gguf_meta(reader, "general.file_type", -1)),
+        partial_rotary_factor=_gguf_partial_rotary(reader, arch, head_dim),
+        **_gguf_moe_fields(reader, arch, layers, ffn),
         **gemma,
     )
+
+
+def _gguf_partial_rotary(reader: GGUFReader, arch: str, head_dim: int) -> float:
+    """The share of each head the rotary embedding turns: llama.cpp states it as a count of
+    dimensions (Phi-4-mini: 96 of 128)."""
+    dims = _gguf_meta(reader, f"{arch}.rope.dimension_count")
+    if dims is None or int(dims) == head_dim:
+        return 1.0
+    factor = int(dims) / head_dim
+    # ModelConfig.rotary_dim truncates head_dim * factor, which can fall an ulp short of dims.
+    return factor if int(head_dim * factor) == int(dims) else math.nextafter(factor, math.inf)
+
+
+def _gguf_moe_fields(reader: GGUFReader, arch: str, layers: int, ffn: int) -> dict[str, Any]:
+    """Mixture-of-Experts fields (ModelConfig's). A layer is sparse where the file has its router
+    (blk.N.ffn_gate_inp): the file records no mlp_only_layers or decoder_sparse_step, and a dense
+    layer keeps its plain ffn_* tensors."""
+    experts = int(_gguf_meta(reader, f"{arch}.expert_count", 0) or 0)
+    if experts == 0:
+        return {}
+    if arch not in _GGUF_NORM_TOPK_PROB:
+        raise UnsupportedModelError(f"GGUF architecture {arch!r} with experts is not supported")
+    gating = _gguf_meta(reader, f"{arch}.expert_gating_func")
+    if gating is not None and int(gating) != _GGUF_GATING_SOFTMAX:
+        raise UnsupportedModelError(f"GGUF expert gating function {gating}: only softmax routing is served")
+    used = _gguf_meta(reader, f"{arch}.expert_used_count")
+    if used is None:
+        raise ModelLoadError(f"GGUF metadata is missing {arch}.expert_used_count")
+    tensors = {t.name: t for t in reader.tensors}
+    sparse = tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in tensors)
+    shared = 0
+    shared_gate = next(
+        (tensors[n] for i in sparse if (n := f"blk.{i}.ffn_gate_shexp.weight") in tensors), None
+    )
+    if shared_gate is not None:
+        # Its rows, where the converter left out expert_shared_feed_forward_length.
+        rows = int(shared_gate.shape[-1])
+        shared = int(_gguf_meta(reader, f"{arch}.expert_shared_feed_forward_length", rows))
+    norm = _gguf_meta(reader, f"{arch}.expert_weights_norm")
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": int(used),
+        # Mixtral's experts are the file's feed_forward_length wide (its converter writes no other).
+        "moe_intermediate_size": int(_gguf_meta(reader, f"{arch}.expert_feed_forward_length", ffn)),
+        "norm_topk_prob": bool(norm) if norm is not None else _GGUF_NORM_TOPK_PROB[arch],
+        "sparse_layers": sparse,
+        "shared_expert_intermediate_size": shared,
+    }
 
 
 def gguf_metadata(path: Path, key: str) -> Any:

@@ -49,6 +49,28 @@ LLAMA_1B_CONFIG: dict[str, Any] = {
     "initializer_range": 0.02,
 }
 
+# Qwen3-30B-A3B's layer shape (128 experts of which 8 per token, 768 wide; 32 query heads of 128 over
+# 4 KV heads), with 4 of its 48 layers so that it fits the benchmark machines' memory, and
+# SmolLM2's vocabulary.
+QWEN3_MOE_CONFIG: dict[str, Any] = {
+    **SMOLLM2_135M_CONFIG,
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "num_hidden_layers": 4,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "rope_theta": 1000000.0,
+    "initializer_range": 0.02,
+    "tie_word_embeddings": False,
+}
+
 MODEL_DIR_NAMES: dict[str, str] = {
     "float32": "smollm2-135m-random",
     "bfloat16": "smollm2-135m-random-bf16",
@@ -142,18 +164,37 @@ def ensure_random_llama_1b(out_dir: Path, build_device: str = "cpu") -> Path:
     """bf16 random weights in Llama-3.2-1B's shape (its vocabulary aside): a model large enough
     that a GPU's forwards are bound by FLOPs and bytes rather than by kernel launches. Built on
     `build_device` (a GPU initializes 1.2B parameters in a moment)."""
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import LlamaConfig
 
-    final = out_dir / "llama-1b-shape-random-bf16"
+    config = LlamaConfig(**LLAMA_1B_CONFIG)
+    shape_of = "meta-llama/Llama-3.2-1B (vocabulary: SmolLM2's)"
+    return _ensure_random(out_dir / "llama-1b-shape-random-bf16", config, shape_of, build_device)
+
+
+def ensure_random_qwen3_moe(out_dir: Path) -> Path:
+    """bf16 random weights in Qwen3-30B-A3B's layer shape, 4 layers (QWEN3_MOE_CONFIG): an MoE
+    whose step reads 8 of each layer's 128 experts, for llama.cpp's tools to convert and quantize."""
+    from transformers import Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(**QWEN3_MOE_CONFIG)
+    shape_of = "Qwen/Qwen3-30B-A3B, 4 of 48 layers (vocabulary: SmolLM2's)"
+    return _ensure_random(out_dir / "qwen3-moe-a3b-shape-4l-random-bf16", config, shape_of, "cpu")
+
+
+def _ensure_random(final: Path, config: Any, shape_of: str, build_device: str) -> Path:
+    """bf16 random weights (seed 0) of `config` with the local tokenizer at `final`, unless a
+    complete build is already there."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     if _is_complete(final):
         return final
-    out_dir.mkdir(parents=True, exist_ok=True)
+    final.parent.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer()
     torch.manual_seed(0)
     with torch.device(build_device):
-        model = AutoModelForCausalLM.from_config(LlamaConfig(**LLAMA_1B_CONFIG), dtype=torch.bfloat16)
-    _save_model(model.eval(), tokenizer, final, "meta-llama/Llama-3.2-1B (vocabulary: SmolLM2's)")
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    _save_model(model.eval(), tokenizer, final, shape_of)
     return final
 
 

@@ -23,12 +23,18 @@ GREEDY = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
 # Against the fp32 oracle the KV cache is fp32 too: by default it is bf16 under quantized weights
 # (executor/kv_sizing.py), whose rounding no oracle reproduces token for token.
 EXACT_KV = "float32"
-LINEAR_SUFFIXES = tuple(f"{p}_proj.weight" for p in ("q", "k", "v", "o", "gate", "up", "down"))
+# The weights --quantization quantizes: the linears', Mixture-of-Experts experts' and shared
+# experts' among them (Mixtral's experts are w1, w2, w3), never a router (`mlp.gate.weight`).
+LINEAR_SUFFIXES = (
+    *(f"{p}_proj.weight" for p in ("q", "k", "v", "o", "gate", "up", "down")),
+    *(f".w{i}.weight" for i in (1, 2, 3)),
+)
 
 
 def dequantized_copy(model_dir: Path, fmt: str, out: Path) -> Path:
     """model_dir with its linear weights quantized into `fmt` by gguf and dequantized again: the
-    weights a quantized server multiplies with, for transformers to run in fp32."""
+    weights a quantized server multiplies with, for transformers to run in fp32. A weight whose
+    inputs do not fill whole blocks stays as it is, as --quantization leaves it."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
 
@@ -37,9 +43,10 @@ def dequantized_copy(model_dir: Path, fmt: str, out: Path) -> Path:
         if item.name != "model.safetensors":
             (out / item.name).write_bytes(item.read_bytes())
     tensors = load_file(model_dir / "model.safetensors")
-    kind = GGMLQuantizationType(KEPT_FORMATS[fmt.upper()].type_id)
+    kept = KEPT_FORMATS[fmt.upper()]
+    kind = GGMLQuantizationType(kept.type_id)
     for name, tensor in tensors.items():
-        if name.endswith(LINEAR_SUFFIXES):
+        if name.endswith(LINEAR_SUFFIXES) and tensor.shape[-1] % kept.block == 0:
             blocks = quantize(tensor.float().numpy(), kind)
             values = np.asarray(dequantize(blocks, kind), dtype=np.float32).reshape(tensor.shape)
             tensors[name] = torch.from_numpy(values).to(tensor.dtype)

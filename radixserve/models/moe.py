@@ -147,6 +147,16 @@ class SparseMoE(nn.Module):
                 dtype = getattr(self, stacked).dtype
                 setattr(self, stacked, nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False))
 
+    def held_linears(self, name: str) -> list[nn.Module]:
+        """The quantized expert linear a checkpoint tensor of the layer writes into, if it is held
+        so: an update turns it dense first, so that a failed update can put its values back."""
+        match = _PARAM.match(name)
+        if match is None or (match.group(1) is None and match.group(3) is None):
+            return []
+        kind = "down" if (match.group(3) or match.group(2)) == "down" else "gate_up"
+        held = self.held.get(f"shared_{kind}" if match.group(3) is not None else f"{kind}_{match.group(1)}")
+        return [] if held is None else [held]
+
     def read(self, name: str) -> torch.Tensor:
         """A checkpoint tensor as the checkpoint holds it (/get_weights_by_name): under tensor
         parallelism every rank calls this together, and the ranks' slices are gathered."""

@@ -71,6 +71,10 @@ def update_weights(
             "(/update_weights_from_disk); linear layers take named tensors (and hold them dense after)"
         )
     modules += [m for m in _tied_heads(model, modules) if m not in modules]
+    # A quantized expert an update writes into is a linear of its own, under its layer.
+    sparse = [(t.module, t.param) for t, _ in targets if isinstance(t.module, SparseMoE)]
+    experts = [e for layer, name in sparse for e in layer.held_linears(name)]
+    modules += [e for e in {id(e): e for e in experts}.values() if e not in modules]
     for module in modules:
         if isinstance(module, (ParallelLinear, ParallelLMHead)):
             module.unpack()

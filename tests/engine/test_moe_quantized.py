@@ -152,6 +152,12 @@ def test_counts_and_an_expert_replaced_by_a_dense_tensor(
     engine.update_weights_from_tensor([(gate, originals[gate]), (shared, originals[shared])])
     _assert_reads(engine, originals, [gate, shared])
     _assert_reads(engine, reference.tensors, [up, shared.replace("up_proj", "gate_proj")])
+    # All or nothing: a later tensor of the wrong shape leaves the expert written before it as it was.
+    down = "model.layers.1.mlp.experts.5.down_proj.weight"
+    with pytest.raises(ValueError):
+        engine.update_weights_from_tensor([(down, originals[down]), (gate, originals[gate][:, :3])])
+    _assert_reads(engine, reference.tensors, [down])
+    _assert_reads(engine, originals, [gate])
     # The dequantized values back (now dense): the tokens are transformers' again.
     engine.update_weights_from_tensor([(n, reference.tensors[n]) for n in (gate, shared)])
     again = engine.generate(input_ids=prompts, sampling_params=GREEDY)

@@ -28,6 +28,7 @@ class QuantKernels:
         self._rows = library.quant_dequantize_rows
         self._packed_bytes = library.quant_packed_bytes
         self._pack = library.quant_pack
+        self._experts = library.quant_experts
 
     @property
     def available(self) -> bool:
@@ -93,6 +94,29 @@ class QuantKernels:
         )  # fmt: skip
         if not done:
             raise ValueError("a part of this quantized weight has no kernel in this build")
+        return out
+
+    def experts(
+        self, gate_up: torch.Tensor, down: torch.Tensor, offsets: torch.Tensor, x: torch.Tensor, inter: int
+    ) -> torch.Tensor:
+        """A Mixture-of-Experts layer's routed experts in one call: x [rows, K] holds each expert's
+        rows in turn (expert e's from offsets[e] to offsets[e + 1]); gate_up and down are the
+        experts' parts_layout() rows stacked ([experts, layout]), gate_up's parts `inter` gate rows
+        then `inter` up rows. Returns down_e(silu(gate_e x) * up_e x) per row, [rows, K] in x's
+        dtype: each row as linear() and silu_and_mul give it."""
+        if x.dtype not in _DTYPES or x.dim() != 2 or x.device.type != "cpu":
+            raise ValueError(f"expected fp32 or bf16 [rows, k] on the CPU, got {x.dtype} {tuple(x.shape)}")
+        x = x.contiguous()
+        offsets = offsets.to(torch.int64).contiguous()
+        gate_up, down = gate_up.contiguous(), down.contiguous()
+        m, k = x.shape
+        out = torch.empty((m, k), dtype=x.dtype)
+        done = self._experts(
+            gate_up.data_ptr(), down.data_ptr(), gate_up.shape[0], offsets.data_ptr(), x.data_ptr(),
+            int(x.dtype == torch.bfloat16), k, inter, out.data_ptr(), k,
+        )  # fmt: skip
+        if not done:
+            raise ValueError("a part of these experts has no kernel in this build")
         return out
 
     def rows(self, type_id: int, weight: torch.Tensor, ids: torch.Tensor, cols: int) -> torch.Tensor:

@@ -12,7 +12,9 @@ Dense experts are stacked per layer and run on torch ops. An expert whose gate, 
 GGUF blocks (a GGUF, or --quantization) keeps them (models/moe_experts.py): its gate and up rows as
 one quantized weight of two parts, each in its own format (gate first, as silu_and_mul takes them),
 its down as another, each packed once for the native quantized kernel, which multiplies the rows
-routed to it; the shared expert alike. A stacked tensor whose every expert is quantized is freed.
+routed to it; the shared expert alike. When every expert a step routes to is held so, one native
+call runs them all (QuantKernels.experts: one parallel region per projection for the step, not one
+per matmul), with the numbers each row would get from its expert alone. A stacked tensor whose every expert is quantized is freed.
 A weight one of whose parts comes dense (a format without a kernel, dequantized at load) is held
 dense, the other part dequantized; so is one a dense tensor replaces (/update_weights_from_tensor),
 as a dense linear is after an update. The router and the shared expert's gate stay dense. Without
@@ -201,14 +203,26 @@ class SparseMoE(nn.Module):
         weights = weights.to(x.dtype)
         out = torch.zeros_like(x)
         held = self.held
-        for expert in torch.unique(chosen).tolist():
-            rows, slot = torch.where(chosen == expert)
-            gate_up, down = held.get(f"gate_up_{expert}"), held.get(f"down_{expert}")
-            picked = x[rows]
-            up = F.linear(picked, self.gate_up[expert]) if gate_up is None else gate_up(picked)
-            hidden = silu_and_mul(up, self.kernels)
-            result = F.linear(hidden, self.down[expert]) if down is None else down(hidden)
-            out.index_add_(0, rows, result * weights[rows, slot, None])
+        # Rows grouped by expert, experts ascending, each expert's rows in order.
+        order = torch.argsort(chosen.flatten(), stable=True)
+        experts, counts = torch.unique_consecutive(chosen.flatten()[order], return_counts=True)
+        layouts = held.layouts(experts.tolist())
+        if layouts is not None:
+            # Every routed expert in blocks: one native call runs them all, each on its rows.
+            rows = order // self.top_k
+            offsets = F.pad(counts.cumsum(0), (1, 0))
+            assert held.kernels is not None
+            routed = held.kernels.experts(*layouts, offsets, x[rows], self.size)
+            out.index_add_(0, rows, routed * weights.flatten()[order, None])
+        else:
+            for expert in experts.tolist():
+                rows, slot = torch.where(chosen == expert)
+                gate_up, down = held.get(f"gate_up_{expert}"), held.get(f"down_{expert}")
+                picked = x[rows]
+                up = F.linear(picked, self.gate_up[expert]) if gate_up is None else gate_up(picked)
+                hidden = silu_and_mul(up, self.kernels)
+                result = F.linear(hidden, self.down[expert]) if down is None else down(hidden)
+                out.index_add_(0, rows, result * weights[rows, slot, None])
         if self.shared_size:
             gate_up, down = held.get("shared_gate_up"), held.get("shared_down")
             up = F.linear(x, self.shared_gate_up) if gate_up is None else gate_up(x)

@@ -68,6 +68,18 @@ class ExpertStore(nn.Module):
         assert isinstance(linear, ExpertLinear)
         return linear
 
+    def layouts(self, experts: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The kernel's layouts of these experts' gate_up and down, stacked, when every one of them
+        is held in blocks (QuantKernels.experts runs them); None otherwise."""
+        stacked: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        for expert in experts:
+            for kind, into in (("gate_up", stacked[0]), ("down", stacked[1])):
+                linear = self.get(f"{kind}_{expert}")
+                if linear is None or not isinstance(linear.packed, QuantizedWeight):
+                    return None
+                into.append(linear.packed.layout)
+        return torch.stack(stacked[0]), torch.stack(stacked[1])
+
     def take(
         self,
         key: str,

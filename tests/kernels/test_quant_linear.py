@@ -139,3 +139,44 @@ def test_zero_activations_and_an_outlier_block(quant: QuantKernels) -> None:
     got = quant.linear(x, layout, 20)
     error = (got.double() - reference(x, weight)).abs()
     assert bool((error <= tolerance(x, weight)).all()), float(error.max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_experts_in_one_call_equal_each_expert_alone(
+    quant: QuantKernels, native_kernels: CpuKernels, dtype: torch.dtype
+) -> None:
+    """QuantKernels.experts (a Mixture-of-Experts layer's routed experts, models/moe.py): each
+    expert's rows, bit for bit, what its gate_up matmul, silu_and_mul and down matmul give them one
+    expert at a time; gate and up of different formats, an expert with no rows, odd row counts."""
+    hidden, inter = 256, 512
+    formats = [
+        ("Q4_K", "Q6_K", "Q8_0"),
+        ("Q4_0", "Q4_0", "Q5_K"),
+        ("Q8_0", "Q5_1", "Q4_1"),
+        ("Q6_K", "Q4_K", "Q6_K"),
+    ]
+    experts = []
+    for e, (gate, up, down) in enumerate(formats):
+        gate_up = QuantizedWeight(
+            [random_quantized(gate, inter, hidden, 10 * e), random_quantized(up, inter, hidden, 10 * e + 1)],
+            quant,
+        )
+        experts.append((gate_up, QuantizedWeight([random_quantized(down, hidden, inter, 10 * e + 2)], quant)))
+    counts = [5, 0, 1, 9]
+    offsets = torch.tensor([0, *np.cumsum(counts)])
+    x = torch.randn(sum(counts), hidden, generator=torch.Generator().manual_seed(0)).to(dtype)
+    got = quant.experts(
+        torch.stack([g.layout for g, _ in experts]),
+        torch.stack([d.layout for _, d in experts]),
+        offsets,
+        x,
+        inter,
+    )
+    assert got.dtype == dtype
+    for e, (gate_up, down) in enumerate(experts):
+        rows = x[int(offsets[e]) : int(offsets[e + 1])]
+        if not len(rows):
+            continue
+        hidden_values = native_kernels.silu_and_mul(gate_up.matmul(rows))
+        assert hidden_values is not None
+        assert torch.equal(got[int(offsets[e]) : int(offsets[e + 1])], down.matmul(hidden_values)), e

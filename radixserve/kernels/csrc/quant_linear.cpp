@@ -375,6 +375,17 @@ struct MatmulOp {
     }
 };
 
+// Column groups [first, last) of one packed weight for rows [row, row + rows) of `a`.
+template <class F>
+struct GroupsOp {
+    static void run(const uint8_t *packed, int64_t first, int64_t last, int64_t row, int64_t rows,
+                    const Activations *a, const Output *o) {
+        const int64_t stride = group_bytes<F>(a->k);
+        for (int64_t r = row; r < row + rows; r += kRowBlock)
+            groups<F>(packed, stride, first, last, r, std::min(kRowBlock, row + rows - r), *a, *o);
+    }
+};
+
 template <class F>
 struct PackedBytesOp {
     static void run(int64_t n, int64_t k, int64_t *bytes) {
@@ -476,6 +487,92 @@ extern "C" int quant_linear_parts(const int64_t *parts_layout, const void *x, in
         offset += parts.rows[p];
     }
     return 1;
+}
+
+extern "C" {
+void silu_and_mul_bf16(const uint16_t *x, int64_t x_stride, uint16_t *out, int64_t rows, int64_t size);
+void silu_and_mul_f32(const float *x, int64_t x_stride, float *out, int64_t rows, int64_t size);
+}
+
+namespace {
+
+constexpr int64_t kLayoutWords = 1 + 3 * kMaxParts;  // one weight's parts layout, in int64s
+constexpr int64_t kExpertGroups = 4;                 // column groups per work item of an expert pass
+
+struct ExpertItem {
+    int64_t expert, part, first, last;
+};
+
+// Each expert's weight (layouts: kLayoutWords int64s each) on its rows [offsets[e], offsets[e + 1]) of
+// `a`, into out (rows out_stride apart), the parts side by side: every expert's column groups are
+// work items of one parallel region. False for a layout without a kernel.
+bool expert_pass(const int64_t *layouts, int64_t experts, const int64_t *offsets, const Activations &a, bool bf16,
+                 void *out, int64_t out_stride) {
+    std::vector<QuantParts> weights(experts);
+    std::vector<ExpertItem> items;
+    int64_t bytes = 0;
+    for (int64_t e = 0; e < experts; ++e) {
+        QuantParts &w = weights[e];
+        memcpy(&w, layouts + e * kLayoutWords, sizeof(w));
+        if (w.count < 1 || w.count > kMaxParts) return false;
+        for (int64_t p = 0; p < w.count; ++p) {
+            if (!dispatch<PackedBytesOp>(static_cast<int>(w.type[p]), w.rows[p], a.k, &bytes)) return false;
+            if (offsets[e + 1] == offsets[e]) continue;
+            const int64_t count = (w.rows[p] + kColumns - 1) / kColumns;
+            for (int64_t first = 0; first < count; first += kExpertGroups)
+                items.push_back({e, p, first, std::min(count, first + kExpertGroups)});
+        }
+    }
+    const int64_t size = bf16 ? 2 : 4;
+#pragma omp parallel for schedule(dynamic)
+    for (size_t i = 0; i < items.size(); ++i) {
+        const ExpertItem &item = items[i];
+        const QuantParts &w = weights[item.expert];
+        int64_t offset = 0;
+        for (int64_t p = 0; p < item.part; ++p) offset += w.rows[p];
+        const Output o{static_cast<char *>(out) + offset * size, out_stride, bf16, nullptr, nullptr, 0,
+                       w.rows[item.part]};
+        const int64_t row = offsets[item.expert], rows = offsets[item.expert + 1] - row;
+        dispatch<GroupsOp>(static_cast<int>(w.type[item.part]), w.data[item.part], item.first, item.last, row, rows,
+                           &a, &o);
+    }
+    return true;
+}
+
+}  // namespace
+
+// A Mixture-of-Experts layer's routed experts (models/moe.py): x [rows, k] holds the rows routed to
+// each expert, grouped by expert (expert e's from offsets[e] to offsets[e + 1]); gate_up and down
+// are the experts' parts layouts (kLayoutWords int64s each; gate_up's rows: inter gate rows, then
+// inter up rows). out [rows, hidden] = down_e(silu(gate_e x) * up_e x), in x's dtype (bf16 when
+// bf16). Each row's numbers are those quant_linear_parts and silu_and_mul give it alone, as the
+// kernel is row-invariant; what this adds is one parallel region per projection for all the experts
+// of a step, in place of one per matmul of each expert. Returns 0 for a layout without a kernel.
+extern "C" int quant_experts(const int64_t *gate_up, const int64_t *down, int64_t experts, const int64_t *offsets,
+                             const void *x, int bf16, int64_t k, int64_t inter, void *out, int64_t hidden) {
+    if (!RADIXSERVE_QUANT_ISA || experts < 1) return 0;
+    const int64_t m = offsets[experts], size = bf16 ? 2 : 4;
+    if (m <= 0) return 1;
+    static thread_local std::vector<uint8_t> x_blocks, h_blocks;
+    static thread_local std::vector<char> up, hidden_values;
+    x_blocks.resize(std::max<size_t>(x_blocks.size(), static_cast<size_t>(Activations::bytes(m, k))));
+    h_blocks.resize(std::max<size_t>(h_blocks.size(), static_cast<size_t>(Activations::bytes(m, inter))));
+    up.resize(std::max<size_t>(up.size(), static_cast<size_t>(m * 2 * inter * size)));
+    hidden_values.resize(std::max<size_t>(hidden_values.size(), static_cast<size_t>(m * inter * size)));
+    prepare_activations(x, k, bf16, m, k, x_blocks.data());
+    if (!expert_pass(gate_up, experts, offsets, Activations::in(x_blocks.data(), m, k), bf16 != 0, up.data(),
+                     2 * inter))
+        return 0;
+    if (bf16)
+        silu_and_mul_bf16(reinterpret_cast<const uint16_t *>(up.data()), 2 * inter,
+                          reinterpret_cast<uint16_t *>(hidden_values.data()), m, inter);
+    else
+        silu_and_mul_f32(reinterpret_cast<const float *>(up.data()), 2 * inter,
+                         reinterpret_cast<float *>(hidden_values.data()), m, inter);
+    prepare_activations(hidden_values.data(), inter, bf16, m, inter, h_blocks.data());
+    return expert_pass(down, experts, offsets, Activations::in(h_blocks.data(), m, inter), bf16 != 0, out, hidden)
+               ? 1
+               : 0;
 }
 
 // out [count, k] fp32 = rows `rows` of W (ggml type `type`, rows row_bytes apart, as the file holds

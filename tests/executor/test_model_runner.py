@@ -14,7 +14,6 @@ from radixserve.config.server_args import InvalidArgumentError, ServerArgs
 from radixserve.executor.model_runner import ModelRunner
 from radixserve.executor.runner_config import RunnerConfig
 from radixserve.kernels.native import executable_isas
-from radixserve.layers.quantized import QuantizationError
 
 
 def _runner(model_dir: Path, **overrides: Any) -> ModelRunner:
@@ -72,15 +71,13 @@ def test_what_cannot_be_batch_invariant_is_refused_at_startup(
         _runner(tiny_model_dir("llama"), enable_deterministic_inference=True, **overrides)
 
 
-def test_what_mixture_of_experts_layers_do_not_run_yet_is_refused_at_startup(
+def test_batch_invariant_inference_refuses_mixture_of_experts_layers(
     tiny_model_dir: Callable[[str], Path], native_kernels: object
 ) -> None:
-    """Their experts' matmuls are torch's (not batch-invariant) and dense (not quantized)."""
+    """Their router (and dense experts) run on torch matmuls, which are not batch-invariant."""
     moe = tiny_model_dir("qwen3_moe")
     with pytest.raises(InvalidArgumentError, match="Mixture-of-Experts layers run on torch matmuls"):
         _runner(moe, dtype="bfloat16", enable_deterministic_inference=True)
-    with pytest.raises(QuantizationError, match="experts are not kept quantized"):
-        _runner(moe, quantization="q8_0")
 
 
 def test_batch_invariant_bf16_names_its_decode_path(

@@ -108,6 +108,19 @@ def test_greedy_text_equals_transformers(
     assert _generate(scheduler, prompts) == reference
 
 
+def test_the_saved_tokenizer_loads_as_the_fast_class_alone(
+    gemma3_gguf_path: Path, prompts: list[list[int]]
+) -> None:
+    """The converted tokenizer, saved, loads as PreTrainedTokenizerFast (not GemmaTokenizer, which
+    holds the 262k-token vocabulary a second time) and encodes as the conversion did."""
+    from transformers import PreTrainedTokenizerFast
+
+    saved = load_tokenizer(resolve_model_source(gemma3_gguf_path))
+    assert type(saved) is PreTrainedTokenizerFast
+    assert [saved(text).input_ids for text in [*PROMPTS, LONG_PROMPT]] == prompts
+    assert saved.eos_token_id == 1 and saved.bos_token_id == 2
+
+
 def test_the_config_and_tokens_come_from_the_file(gemma3_gguf_path: Path, one_parse: None) -> None:
     """llama.cpp's Gemma 3 as transformers reads it: every sixth layer global, the sliding ones on
     rotary base 10000; chat turns end on <end_of_turn> as well as <eos>."""

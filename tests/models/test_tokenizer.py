@@ -128,6 +128,10 @@ def test_a_gguf_tokenizer_is_converted_once_and_then_loaded_as_saved(
     second = load_tokenizer(gguf_src)
     assert calls == ["gguf", "saved"]
     assert [p.name for p in (tmp_path / "tokenizers").iterdir() if p.name.startswith(".")] == []
+    # Saved under the fast class whatever the converted one's: nothing but tokenizer.json to load.
+    from transformers import PreTrainedTokenizerFast
+
+    assert type(second) is PreTrainedTokenizerFast
     chat = [{"role": "user", "content": "Hi"}]
     assert second("The capital of France is").input_ids == SMOLLM2_FRANCE_IDS
     assert second.get_vocab() == first.get_vocab()

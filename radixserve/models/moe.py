@@ -14,11 +14,12 @@ one quantized weight of two parts, each in its own format (gate first, as silu_a
 its down as another, each packed once for the native quantized kernel, which multiplies the rows
 routed to it; the shared expert alike. When every expert a step routes to is held so, one native
 call runs them all (QuantKernels.experts: one parallel region per projection for the step, not one
-per matmul), with the numbers each row would get from its expert alone. A stacked tensor whose every expert is quantized is freed.
-A weight one of whose parts comes dense (a format without a kernel, dequantized at load) is held
-dense, the other part dequantized; so is one a dense tensor replaces (/update_weights_from_tensor),
-as a dense linear is after an update. The router and the shared expert's gate stay dense. Without
-the quantized kernel (a CUDA device, --cpu-kernels torch) quantized tensors are dequantized at load.
+per matmul), with the numbers each row would get from its expert alone. A stacked tensor whose
+every expert is quantized is freed. A weight one of whose parts comes dense (a format without a
+kernel, dequantized at load) is held dense, the other part dequantized; so is one a dense tensor
+replaces (/update_weights_from_tensor), as a dense linear is after an update. The router and the
+shared expert's gate stay dense. Without the quantized kernel (a CUDA device, --cpu-kernels torch)
+quantized tensors are dequantized at load.
 
 With --tp-size N every rank holds every expert, each cut along its intermediate dimension: its
 gate_up keeps this rank's slice of the gate rows, then the same slice of the up rows, its down the

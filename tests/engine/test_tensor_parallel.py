@@ -70,13 +70,15 @@ def test_two_ranks_retract_under_a_tiny_kv_pool(
 
 
 @pytest.mark.parametrize("split", SPLITS, ids=["tp2", "pp2"])
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
-def test_two_ranks_with_biases_qk_norms_and_an_untied_head(
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma3"])
+def test_two_ranks_on_the_other_architectures(
     arch: str,
     split: dict[str, int],
     tiny_model_dir: Callable[[str], Path],
     oracle: Callable[[str], GreedyOracle],
     make_engine: Callable[..., Engine],
 ) -> None:
+    """q/k/v biases and an untied head (Qwen2), q/k norms (Qwen3), and Gemma 3's four norms a layer
+    with sliding layers, its prompts running past their window."""
     engine = make_engine(tiny_model_dir(arch), **split)
     assert_greedy_matches(engine, random_prompts(8, seed=6), oracle(arch), MAX_NEW)

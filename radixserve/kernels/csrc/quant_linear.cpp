@@ -221,63 +221,44 @@ inline void tile(const uint8_t *packed, int64_t stride, int64_t g, int64_t row, 
             for (int j = 0; j < NG; ++j) s[j] = sub_scales<F>(h[j], sub);
             const uint8_t *q[NG];
             for (int j = 0; j < NG; ++j) q[j] = h[j] + F::kHeader + sub * sub_bytes<F>();
-            if constexpr (F::kSplit) {
-                // Q6_K: the sub-block's two halves have scales of their own, so two sums each.
-                Ints lo[MR][NG], hi[MR][NG];
+            // Exact integer sums per column: one over the whole sub-block where its halves share a
+            // scale (half the accumulator registers of two, so a tile holds more rows), one per half
+            // for Q6_K, whose halves have scales of their own.
+            constexpr int kSums = F::kSplit ? 2 : 1;
+            Ints sum[MR][NG][kSums];
+            for (int r = 0; r < MR; ++r) {
+                const int32_t *sums = a.row_sums(row + r) + 2 * ab;
+                for (int j = 0; j < NG; ++j) {
+                    if constexpr (F::kSplit) {
+                        sum[r][j][0] = set_i32(-F::kIntOffset * sums[0]);
+                        sum[r][j][1] = set_i32(-F::kIntOffset * sums[1]);
+                    } else {
+                        sum[r][j][0] = set_i32(-F::kIntOffset * (sums[0] + sums[1]));
+                    }
+                }
+            }
+            for (int t = 0; t < 8; ++t) {
+                Ints wl[NG], wh[NG];
+                for (int j = 0; j < NG; ++j) unpack_steps<F>(q[j], t, wl[j], wh[j]);
                 for (int r = 0; r < MR; ++r) {
-                    const int32_t *sums = a.row_sums(row + r) + 2 * ab;
+                    const int16_t *x = a.row_values(row + r) + 32 * ab + 2 * t;
+                    const Ints pl = pair_at(x), ph = pair_at(x + 16);
                     for (int j = 0; j < NG; ++j) {
-                        lo[r][j] = set_i32(-F::kIntOffset * sums[0]);
-                        hi[r][j] = set_i32(-F::kIntOffset * sums[1]);
+                        sum[r][j][0] = dot(sum[r][j][0], wl[j], pl);
+                        sum[r][j][kSums - 1] = dot(sum[r][j][kSums - 1], wh[j], ph);
                     }
                 }
-                for (int t = 0; t < 8; ++t) {
-                    Ints wl[NG], wh[NG];
-                    for (int j = 0; j < NG; ++j) unpack_steps<F>(q[j], t, wl[j], wh[j]);
-                    for (int r = 0; r < MR; ++r) {
-                        const int16_t *x = a.row_values(row + r) + 32 * ab + 2 * t;
-                        const Ints pl = pair_at(x), ph = pair_at(x + 16);
-                        for (int j = 0; j < NG; ++j) {
-                            lo[r][j] = dot(lo[r][j], wl[j], pl);
-                            hi[r][j] = dot(hi[r][j], wh[j], ph);
-                        }
-                    }
-                }
-                for (int r = 0; r < MR; ++r) {
-                    const Floats dx = set_f(a.row_scales(row + r)[ab]);
-                    for (int j = 0; j < NG; ++j) {
-                        acc[r][j] = fma(to_float(lo[r][j]), mul(s[j].lo, dx), acc[r][j]);
-                        acc[r][j] = fma(to_float(hi[r][j]), mul(s[j].hi, dx), acc[r][j]);
-                    }
-                }
-            } else {
-                // One exact integer sum per column over the whole sub-block (its halves share a
-                // scale): half the accumulator registers of two, so a tile holds more rows.
-                Ints sum[MR][NG];
-                for (int r = 0; r < MR; ++r) {
-                    const int32_t *sums = a.row_sums(row + r) + 2 * ab;
-                    for (int j = 0; j < NG; ++j) sum[r][j] = set_i32(-F::kIntOffset * (sums[0] + sums[1]));
-                }
-                for (int t = 0; t < 8; ++t) {
-                    Ints wl[NG], wh[NG];
-                    for (int j = 0; j < NG; ++j) unpack_steps<F>(q[j], t, wl[j], wh[j]);
-                    for (int r = 0; r < MR; ++r) {
-                        const int16_t *x = a.row_values(row + r) + 32 * ab + 2 * t;
-                        const Ints pl = pair_at(x), ph = pair_at(x + 16);
-                        for (int j = 0; j < NG; ++j) sum[r][j] = dot(dot(sum[r][j], wl[j], pl), wh[j], ph);
-                    }
-                }
-                for (int r = 0; r < MR; ++r) {
-                    const float scale = a.row_scales(row + r)[ab];
-                    const Floats dx = set_f(scale);
-                    const int32_t *sums = a.row_sums(row + r) + 2 * ab;
-                    // The activations' sum, which a format's minimum multiplies.
-                    const Floats total =
-                        set_f(F::kMinimum ? scale * static_cast<float>(sums[0] + sums[1]) : 0.0f);
-                    for (int j = 0; j < NG; ++j) {
-                        acc[r][j] = fma(to_float(sum[r][j]), mul(s[j].lo, dx), acc[r][j]);
-                        if constexpr (F::kMinimum) acc[r][j] = fma(s[j].offset, total, acc[r][j]);
-                    }
+            }
+            for (int r = 0; r < MR; ++r) {
+                const float scale = a.row_scales(row + r)[ab];
+                const Floats dx = set_f(scale);
+                const int32_t *sums = a.row_sums(row + r) + 2 * ab;
+                // The activations' sum, which a format's minimum multiplies.
+                const Floats total = set_f(F::kMinimum ? scale * static_cast<float>(sums[0] + sums[1]) : 0.0f);
+                for (int j = 0; j < NG; ++j) {
+                    acc[r][j] = fma(to_float(sum[r][j][0]), mul(s[j].lo, dx), acc[r][j]);
+                    if constexpr (F::kSplit) acc[r][j] = fma(to_float(sum[r][j][1]), mul(s[j].hi, dx), acc[r][j]);
+                    if constexpr (F::kMinimum) acc[r][j] = fma(s[j].offset, total, acc[r][j]);
                 }
             }
         }

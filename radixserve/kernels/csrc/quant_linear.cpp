@@ -352,22 +352,6 @@ inline void groups(const uint8_t *packed, int64_t stride, int64_t first, int64_t
     for (; g < last; ++g) pass.template operator()<1>(g);
 }
 
-template <class F>
-void matmul(const uint8_t *packed, int64_t n, const Activations &a, int64_t m, const Output &o) {
-    const int64_t stride = group_bytes<F>(a.k), count = (n + kColumns - 1) / kColumns;
-    // Groups per task: a few tasks per thread balance uneven group counts.
-    const int threads = omp_get_max_threads();
-    const int64_t chunk = std::clamp<int64_t>(count / (4 * threads) / 2 * 2, 2, 16);
-    const int64_t tasks = (count + chunk - 1) / chunk;
-    const bool parallel = m * n * (a.k / 32) >= kParallelWork;
-#pragma omp parallel for schedule(static) if (parallel)
-    for (int64_t task = 0; task < tasks; ++task) {
-        const int64_t first = task * chunk, last = std::min(count, first + chunk);
-        for (int64_t row = 0; row < m; row += kRowBlock)
-            groups<F>(packed, stride, first, last, row, std::min(kRowBlock, m - row), a, o);
-    }
-}
-
 template <template <class> class Op, class... Args>
 bool dispatch(int type, Args... args) {
     switch (type) {
@@ -382,13 +366,6 @@ bool dispatch(int type, Args... args) {
         default: return false;
     }
 }
-
-template <class F>
-struct MatmulOp {
-    static void run(const uint8_t *packed, int64_t n, const Activations *a, int64_t m, const Output *o) {
-        matmul<F>(packed, n, *a, m, *o);
-    }
-};
 
 // Column groups [first, last) of one packed weight for rows [row, row + rows) of `a`.
 template <class F>
@@ -472,6 +449,12 @@ struct QuantParts {
     const uint8_t *data[kMaxParts];
 };
 
+// A run of one part's column groups [first, last), and its weight bytes.
+struct PartTask {
+    int64_t part, first, last;
+    double cost;
+};
+
 // out [m, sum of rows] (rows out_stride apart) = x W^T (+ bias) (+ residual, rows residual_stride
 // apart) for W the stacked parts: x is prepared once (in a per-thread buffer) for every part. x, out,
 // bias and residual are bf16 when bf16, else fp32; bias and residual may be null. Returns 0 for a type
@@ -489,17 +472,44 @@ extern "C" int quant_linear_parts(const int64_t *parts_layout, const void *x, in
     prepare_activations(x, x_stride, bf16, m, k, buffer.data());
     const Activations a = Activations::in(buffer.data(), m, k);
     const int64_t size = bf16 ? 2 : 4;
-    int64_t offset = 0;
+    Output outputs[kMaxParts];
+    // Every part's column groups in runs of a few (tasks), all of one parallel region: each thread
+    // takes consecutive tasks of about equal bytes, so it reads one stream of weights across parts.
+    const int threads = omp_get_max_threads();
+    std::vector<PartTask> tasks;
+    int64_t offset = 0, work = 0;
     for (int64_t p = 0; p < parts.count; ++p) {
-        const Output o{static_cast<char *>(out) + offset * size,
-                       out_stride,
-                       bf16 != 0,
-                       bias ? static_cast<const char *>(bias) + offset * size : nullptr,
-                       residual ? static_cast<const char *>(residual) + offset * size : nullptr,
-                       residual_stride,
-                       parts.rows[p]};
-        if (!dispatch<MatmulOp>(static_cast<int>(parts.type[p]), parts.data[p], parts.rows[p], &a, m, &o)) return 0;
+        outputs[p] = Output{static_cast<char *>(out) + offset * size,
+                            out_stride,
+                            bf16 != 0,
+                            bias ? static_cast<const char *>(bias) + offset * size : nullptr,
+                            residual ? static_cast<const char *>(residual) + offset * size : nullptr,
+                            residual_stride,
+                            parts.rows[p]};
+        int64_t bytes = 0;
+        if (!dispatch<PackedBytesOp>(static_cast<int>(parts.type[p]), parts.rows[p], k, &bytes)) return 0;
+        const int64_t count = (parts.rows[p] + kColumns - 1) / kColumns;
+        const int64_t chunk = std::clamp<int64_t>(count / (4 * threads) / 2 * 2, 2, 16);
+        for (int64_t first = 0; first < count; first += chunk) {
+            const int64_t last = std::min(count, first + chunk);
+            tasks.push_back({p, first, last, static_cast<double>(bytes / count * (last - first))});
+        }
         offset += parts.rows[p];
+        work += parts.rows[p];
+    }
+    std::vector<double> before(tasks.size() + 1, 0.0);
+    for (size_t i = 0; i < tasks.size(); ++i) before[i + 1] = before[i] + tasks[i].cost;
+    const bool parallel = m * work * (k / 32) >= kParallelWork;
+#pragma omp parallel if (parallel)
+    {
+        const double share = before.back() / omp_get_num_threads();
+        const int thread = omp_get_thread_num();
+        for (size_t i = 0; i < tasks.size(); ++i) {
+            if (static_cast<int>((before[i] + tasks[i].cost / 2) / share) != thread) continue;
+            const PartTask &task = tasks[i];
+            dispatch<GroupsOp>(static_cast<int>(parts.type[task.part]), parts.data[task.part], task.first, task.last,
+                               int64_t{0}, m, &a, &outputs[task.part]);
+        }
     }
     return 1;
 }
@@ -516,7 +526,20 @@ constexpr int64_t kExpertGroups = 4;                 // column groups per work i
 
 struct ExpertItem {
     int64_t expert, part, first, last;
+    double cost;  // its weight bytes times (its rows + 2): streaming them, then multiplying
 };
+
+// One work item of expert_pass: a run of one expert part's column groups on the expert's rows.
+void run_expert_item(const ExpertItem &item, const QuantParts &w, const int64_t *offsets, const Activations &a,
+                     bool bf16, void *out, int64_t out_stride) {
+    int64_t offset = 0;
+    for (int64_t p = 0; p < item.part; ++p) offset += w.rows[p];
+    const Output o{static_cast<char *>(out) + offset * (bf16 ? 2 : 4), out_stride, bf16, nullptr, nullptr, 0,
+                   w.rows[item.part]};
+    const int64_t row = offsets[item.expert], rows = offsets[item.expert + 1] - row;
+    dispatch<GroupsOp>(static_cast<int>(w.type[item.part]), w.data[item.part], item.first, item.last, row, rows, &a,
+                       &o);
+}
 
 // Each expert's weight (layouts: kLayoutWords int64s each) on its rows [offsets[e], offsets[e + 1]) of
 // `a`, into out (rows out_stride apart), the parts side by side: every expert's column groups are
@@ -534,22 +557,25 @@ bool expert_pass(const int64_t *layouts, int64_t experts, const int64_t *offsets
             if (!dispatch<PackedBytesOp>(static_cast<int>(w.type[p]), w.rows[p], a.k, &bytes)) return false;
             if (offsets[e + 1] == offsets[e]) continue;
             const int64_t count = (w.rows[p] + kColumns - 1) / kColumns;
-            for (int64_t first = 0; first < count; first += kExpertGroups)
-                items.push_back({e, p, first, std::min(count, first + kExpertGroups)});
+            const double group_cost = static_cast<double>(bytes / count) * (offsets[e + 1] - offsets[e] + 2);
+            for (int64_t first = 0; first < count; first += kExpertGroups) {
+                const int64_t last = std::min(count, first + kExpertGroups);
+                items.push_back({e, p, first, last, group_cost * (last - first)});
+            }
         }
     }
-    const int64_t size = bf16 ? 2 : 4;
-#pragma omp parallel for schedule(dynamic)
-    for (size_t i = 0; i < items.size(); ++i) {
-        const ExpertItem &item = items[i];
-        const QuantParts &w = weights[item.expert];
-        int64_t offset = 0;
-        for (int64_t p = 0; p < item.part; ++p) offset += w.rows[p];
-        const Output o{static_cast<char *>(out) + offset * size, out_stride, bf16, nullptr, nullptr, 0,
-                       w.rows[item.part]};
-        const int64_t row = offsets[item.expert], rows = offsets[item.expert + 1] - row;
-        dispatch<GroupsOp>(static_cast<int>(w.type[item.part]), w.data[item.part], item.first, item.last, row, rows,
-                           &a, &o);
+    // Each thread takes one run of consecutive items of about equal cost: one stream of weights a
+    // thread, as the single matmul reads them (interleaved items restart the prefetch at every one).
+    std::vector<double> before(items.size() + 1, 0.0);
+    for (size_t i = 0; i < items.size(); ++i) before[i + 1] = before[i] + items[i].cost;
+#pragma omp parallel
+    {
+        const double share = before.back() / omp_get_num_threads();
+        const int thread = omp_get_thread_num();
+        for (size_t i = 0; i < items.size(); ++i) {
+            if (static_cast<int>((before[i] + items[i].cost / 2) / share) != thread) continue;
+            run_expert_item(items[i], weights[items[i].expert], offsets, a, bf16, out, out_stride);
+        }
     }
     return true;
 }

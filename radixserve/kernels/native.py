@@ -125,14 +125,17 @@ PLAIN_SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     # GGUF block-quantized weights (csrc/quant_linear.cpp): which variant the build has; the packed
     # layout's size (type, n, k) and packing (type, weight, n, row_bytes, k, out); the matmul (parts
     # layout, x, x_stride, bf16, m, k, out, out_stride, bias, residual, residual_stride); reading rows
-    # back (type, weight, row_bytes, rows, count, k, out); a Mixture-of-Experts layer's routed
-    # experts (gate_up layouts, down layouts, experts, offsets, x, bf16, k, inter, out, hidden)
+    # back (type, weight, row_bytes, rows, count, k, out)
     "quant_linear_isa": (ctypes.c_int, []),
     "quant_packed_bytes": (_I, [ctypes.c_int, _I, _I]),
     "quant_pack": (ctypes.c_int, [ctypes.c_int, _P, _I, _I, _I, _P]),
     "quant_linear_parts": (ctypes.c_int, [_P, _P, _I, ctypes.c_int, _I, _I, _P, _I, _P, _P, _I]),
     "quant_dequantize_rows": (ctypes.c_int, [ctypes.c_int, _P, _I, _P, _I, _I, _P]),
-    "quant_experts": (ctypes.c_int, [_P, _P, _I, _P, _P, ctypes.c_int, _I, _I, _P, _I]),
+    # A Mixture-of-Experts layer (csrc/moe.cpp): routing (logits, rows, experts, top_k, normalize,
+    # chosen, weights), and its experts held in blocks (gate_up table, down table, experts, chosen,
+    # weights, rows, top_k, x, x_stride, bf16, k, inter, out, out_stride)
+    "moe_route": (None, [_P, _I, _I, _I, ctypes.c_int, _P, _P]),
+    "moe_experts": (ctypes.c_int, [_P, _P, _I, _P, _P, _I, _I, _P, _I, ctypes.c_int, _I, _I, _P, _I]),
 }
 
 

@@ -28,7 +28,8 @@ class QuantKernels:
         self._rows = library.quant_dequantize_rows
         self._packed_bytes = library.quant_packed_bytes
         self._pack = library.quant_pack
-        self._experts = library.quant_experts
+        self._moe_route = library.moe_route
+        self._moe_experts = library.moe_experts
 
     @property
     def available(self) -> bool:
@@ -96,24 +97,47 @@ class QuantKernels:
             raise ValueError("a part of this quantized weight has no kernel in this build")
         return out
 
-    def experts(
-        self, gate_up: torch.Tensor, down: torch.Tensor, offsets: torch.Tensor, x: torch.Tensor, inter: int
+    def moe_route(
+        self, logits: torch.Tensor, top_k: int, normalize: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A Mixture-of-Experts router's choice from its fp32 logits [rows, experts]: each row's top_k
+        experts (int64, largest probability first) and their softmax probabilities (fp32),
+        renormalized to sum to 1 when `normalize` (csrc/moe.cpp)."""
+        logits = logits.float().contiguous()
+        rows, experts = logits.shape
+        chosen = torch.empty((rows, top_k), dtype=torch.int64)
+        weights = torch.empty((rows, top_k), dtype=torch.float32)
+        self._moe_route(
+            logits.data_ptr(), rows, experts, top_k, int(normalize), chosen.data_ptr(), weights.data_ptr()
+        )
+        return chosen, weights
+
+    def moe(
+        self,
+        tables: tuple[torch.Tensor, torch.Tensor],
+        chosen: torch.Tensor,
+        weights: torch.Tensor,
+        x: torch.Tensor,
+        inter: int,
     ) -> torch.Tensor:
-        """A Mixture-of-Experts layer's routed experts in one call: x [rows, K] holds each expert's
-        rows in turn (expert e's from offsets[e] to offsets[e + 1]); gate_up and down are the
-        experts' parts_layout() rows stacked ([experts, layout]), gate_up's parts `inter` gate rows
-        then `inter` up rows. Returns down_e(silu(gate_e x) * up_e x) per row, [rows, K] in x's
-        dtype: each row as linear() and silu_and_mul give it."""
+        """A Mixture-of-Experts layer's routed output for x [rows, K]: per row, the sum over its
+        experts (chosen, weights: [rows, top_k] from moe_route) of weight x down_e(silu(gate_e x) *
+        up_e x), added in fp32 in ascending expert order, in x's dtype. tables: every expert's
+        gate_up and down parts_layout() rows ([experts, layout] each), gate_up's parts `inter` gate
+        rows then `inter` up rows. Each expert's numbers are those linear() and silu_and_mul give
+        its rows alone: the experts a step routes to run in one parallel region per projection."""
         if x.dtype not in _DTYPES or x.dim() != 2 or x.device.type != "cpu":
             raise ValueError(f"expected fp32 or bf16 [rows, k] on the CPU, got {x.dtype} {tuple(x.shape)}")
-        x = x.contiguous()
-        offsets = offsets.to(torch.int64).contiguous()
-        gate_up, down = gate_up.contiguous(), down.contiguous()
-        m, k = x.shape
-        out = torch.empty((m, k), dtype=x.dtype)
-        done = self._experts(
-            gate_up.data_ptr(), down.data_ptr(), gate_up.shape[0], offsets.data_ptr(), x.data_ptr(),
-            int(x.dtype == torch.bfloat16), k, inter, out.data_ptr(), k,
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        gate_up, down = (t.contiguous() for t in tables)
+        chosen, weights = chosen.to(torch.int64).contiguous(), weights.float().contiguous()
+        rows, k = x.shape
+        out = torch.empty((rows, k), dtype=x.dtype)
+        done = self._moe_experts(
+            gate_up.data_ptr(), down.data_ptr(), gate_up.shape[0], chosen.data_ptr(), weights.data_ptr(),
+            rows, chosen.shape[1], x.data_ptr(), x.stride(0), int(x.dtype == torch.bfloat16), k, inter,
+            out.data_ptr(), k,
         )  # fmt: skip
         if not done:
             raise ValueError("a part of these experts has no kernel in this build")

@@ -183,6 +183,8 @@ class ParallelLinear(nn.Module):
         """Back to a plain weight, which loading and reading need; pack_for_cpu() packs again (a
         quantized weight comes back dense, in the model's dtype)."""
         if self.packed is not None:
+            if isinstance(self.packed, QuantizedWeight):
+                QuantizedWeight.generation += 1
             self.weight = nn.Parameter(self.dense_weight(), requires_grad=False)
             self.packed = None
 

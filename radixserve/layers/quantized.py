@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 import torch
@@ -138,6 +138,9 @@ class QuantizedWeight:
 
     parts: list[QuantizedTensor]
     kernels: QuantKernels
+    # Counts changes of any quantized weight's layout (packed, refreshed, or turned dense), so that
+    # what caches layouts (models/moe_experts.py) knows when to read them again.
+    generation: ClassVar[int] = 0
 
     def __post_init__(self) -> None:
         self.rows = sum(p.rows for p in self.parts)
@@ -150,6 +153,7 @@ class QuantizedWeight:
     def refresh(self) -> None:
         """The kernel's description of the packed parts: their addresses, read again after their
         storage moved (weights released and resumed)."""
+        QuantizedWeight.generation += 1
         self.layout = self.kernels.parts_layout(
             [(p.format.type_id, p.rows, packed) for p, packed in zip(self.parts, self.packed, strict=True)]
         )

@@ -6,15 +6,18 @@ added after the routed experts'.
 The router's probabilities are a softmax in fp32 over every expert, of which each token keeps its
 top k (renormalized to sum to 1 where the config says so, norm_topk_prob); a token's output is the
 sum of its experts' SwiGLU outputs weighted by those probabilities, added in expert order. Experts
-no row of the step routes to are not read.
+no row of the step routes to are not read. fp32 rows on a CPU with the native kernels are routed
+natively (csrc/moe.cpp: the router on fp32_linear, then softmax and top-k), as the fused decode
+loop routes them (models/fused_decode.py), so that the two agree bit for bit.
 
 Dense experts are stacked per layer and run on torch ops. An expert whose gate, up and down come in
 GGUF blocks (a GGUF, or --quantization) keeps them (models/moe_experts.py): its gate and up rows as
 one quantized weight of two parts, each in its own format (gate first, as silu_and_mul takes them),
 its down as another, each packed once for the native quantized kernel, which multiplies the rows
-routed to it; the shared expert alike. When every expert a step routes to is held so, one native
-call runs them all (QuantKernels.experts: one parallel region per projection for the step, not one
-per matmul), with the numbers each row would get from its expert alone. A stacked tensor whose
+routed to it; the shared expert alike. When every expert of the layer is held so, one native call
+runs a step's (QuantKernels.moe: the rows grouped by expert, one parallel region per projection for
+all of them, and their weighted sum in fp32), with the numbers each row would get from its expert
+alone. A stacked tensor whose
 every expert is quantized is freed. A weight one of whose parts comes dense (a format without a
 kernel, dequantized at load) is held dense, the other part dequantized; so is one a dense tensor
 replaces (/update_weights_from_tensor), as a dense linear is after an update. The router and the
@@ -195,35 +198,18 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """The layer's output added to residual."""
-        probabilities = torch.softmax(F.linear(x, self.router), dim=-1, dtype=torch.float32)
-        weights, chosen = probabilities.topk(self.top_k, dim=-1)
+        chosen, weights = self.route(x)
         if self.routed is not None:
             self.routed += torch.bincount(chosen.flatten(), minlength=self.routed.shape[0])
-        if self.normalize:
-            weights /= weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(x.dtype)
-        out = torch.zeros_like(x)
         held = self.held
-        # Rows grouped by expert, experts ascending, each expert's rows in order.
-        order = torch.argsort(chosen.flatten(), stable=True)
-        experts, counts = torch.unique_consecutive(chosen.flatten()[order], return_counts=True)
-        layouts = held.layouts(experts.tolist())
-        if layouts is not None:
-            # Every routed expert in blocks: one native call runs them all, each on its rows.
-            rows = order // self.top_k
-            offsets = F.pad(counts.cumsum(0), (1, 0))
+        tables = held.tables(self.router.shape[0])
+        if tables is not None:
+            # Every expert in blocks: one native call routes the rows, runs the experts they picked
+            # and adds their weighted outputs.
             assert held.kernels is not None
-            routed = held.kernels.experts(*layouts, offsets, x[rows], self.size)
-            out.index_add_(0, rows, routed * weights.flatten()[order, None])
+            out = held.kernels.moe(tables, chosen, weights, x, self.size)
         else:
-            for expert in experts.tolist():
-                rows, slot = torch.where(chosen == expert)
-                gate_up, down = held.get(f"gate_up_{expert}"), held.get(f"down_{expert}")
-                picked = x[rows]
-                up = F.linear(picked, self.gate_up[expert]) if gate_up is None else gate_up(picked)
-                hidden = silu_and_mul(up, self.kernels)
-                result = F.linear(hidden, self.down[expert]) if down is None else down(hidden)
-                out.index_add_(0, rows, result * weights[rows, slot, None])
+            out = self._experts_one_by_one(x, chosen, weights)
         if self.shared_size:
             gate_up, down = held.get("shared_gate_up"), held.get("shared_down")
             up = F.linear(x, self.shared_gate_up) if gate_up is None else gate_up(x)
@@ -232,6 +218,36 @@ class SparseMoE(nn.Module):
             out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * shared
         # This rank's slices' share of the output: the ranks' shares summed (one collective a layer).
         return all_reduce(out, self.ctx) + residual
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's top-k experts (largest probability first) and their probabilities in fp32:
+        natively for fp32 rows on a CPU with the quantized kernels (csrc/moe.cpp, which the fused
+        decode loop calls too), else on torch ops."""
+        quant = self.held.kernels
+        if quant is not None and self.kernels is not None and x.dtype == torch.float32:
+            return quant.moe_route(self.kernels.fp32_linear(x, self.router), self.top_k, self.normalize)
+        probabilities = torch.softmax(F.linear(x, self.router), dim=-1, dtype=torch.float32)
+        weights, chosen = probabilities.topk(self.top_k, dim=-1)
+        if self.normalize:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        return chosen, weights
+
+    def _experts_one_by_one(
+        self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """The routed output with each expert a matmul of its own (some expert is dense), each
+        row's experts added in ascending order, as QuantKernels.moe adds them (in x's dtype)."""
+        out = torch.zeros_like(x)
+        weights = weights.to(x.dtype)
+        for expert in torch.unique(chosen).tolist():
+            rows, slot = torch.where(chosen == expert)
+            gate_up, down = self.held.get(f"gate_up_{expert}"), self.held.get(f"down_{expert}")
+            picked = x[rows]
+            up = F.linear(picked, self.gate_up[expert]) if gate_up is None else gate_up(picked)
+            hidden = silu_and_mul(up, self.kernels)
+            result = F.linear(hidden, self.down[expert]) if down is None else down(hidden)
+            out.index_add_(0, rows, result * weights[rows, slot, None])
+        return out
 
 
 def sparse_layers(model: nn.Module) -> dict[int, SparseMoE]:

@@ -60,6 +60,8 @@ class ExpertStore(nn.Module):
         self.linears = nn.ModuleDict()
         # Keys without a linear: each part loaded so far, quantized (None: written dense).
         self.loading: dict[str, dict[int, QuantizedTensor | None]] = {}
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._tables_generation = -1
 
     def get(self, key: str) -> ExpertLinear | None:
         if key not in self.linears:
@@ -68,11 +70,18 @@ class ExpertStore(nn.Module):
         assert isinstance(linear, ExpertLinear)
         return linear
 
-    def layouts(self, experts: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The kernel's layouts of these experts' gate_up and down, stacked, when every one of them
-        is held in blocks (QuantKernels.experts runs them); None otherwise."""
+    def tables(self, experts: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The kernel's layouts of every expert's gate_up and down ([experts, layout] each) when all
+        of them are held in blocks (QuantKernels.moe runs them); None otherwise. Read again only
+        after a quantized weight changed: weights released and resumed, or an expert turned dense."""
+        if self._tables_generation != QuantizedWeight.generation:
+            self._tables = self._read_tables(experts)
+            self._tables_generation = QuantizedWeight.generation
+        return self._tables
+
+    def _read_tables(self, experts: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         stacked: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
-        for expert in experts:
+        for expert in range(experts):
             for kind, into in (("gate_up", stacked[0]), ("down", stacked[1])):
                 linear = self.get(f"{kind}_{expert}")
                 if linear is None or not isinstance(linear.packed, QuantizedWeight):

@@ -142,12 +142,13 @@ def test_zero_activations_and_an_outlier_block(quant: QuantKernels) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_experts_in_one_call_equal_each_expert_alone(
+def test_moe_layer_in_one_call_equals_each_expert_alone(
     quant: QuantKernels, native_kernels: CpuKernels, dtype: torch.dtype
 ) -> None:
-    """QuantKernels.experts (a Mixture-of-Experts layer's routed experts, models/moe.py): each
-    expert's rows, bit for bit, what its gate_up matmul, silu_and_mul and down matmul give them one
-    expert at a time; gate and up of different formats, an expert with no rows, odd row counts."""
+    """QuantKernels.moe (a Mixture-of-Experts layer's routed experts, models/moe.py): each row,
+    bit for bit, its experts' gate_up matmul, silu_and_mul and down matmul run on it alone, times
+    their weights, added in fp32 in ascending expert order; gate and up of different formats, an
+    expert no row picks, experts listed in any order within a row."""
     hidden, inter = 256, 512
     formats = [
         ("Q4_K", "Q6_K", "Q8_0"),
@@ -162,21 +163,31 @@ def test_experts_in_one_call_equal_each_expert_alone(
             quant,
         )
         experts.append((gate_up, QuantizedWeight([random_quantized(down, hidden, inter, 10 * e + 2)], quant)))
-    counts = [5, 0, 1, 9]
-    offsets = torch.tensor([0, *np.cumsum(counts)])
-    x = torch.randn(sum(counts), hidden, generator=torch.Generator().manual_seed(0)).to(dtype)
-    got = quant.experts(
-        torch.stack([g.layout for g, _ in experts]),
-        torch.stack([d.layout for _, d in experts]),
-        offsets,
-        x,
-        inter,
-    )
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(9, hidden, generator=generator).to(dtype)
+    chosen = torch.tensor([[3, 0], [0, 2], [2, 3], [0, 3], [3, 2], [2, 0], [0, 2], [3, 0], [2, 3]])
+    weights = torch.rand(9, 2, generator=generator)
+    tables = (torch.stack([g.layout for g, _ in experts]), torch.stack([d.layout for _, d in experts]))
+    got = quant.moe(tables, chosen, weights, x, inter)
     assert got.dtype == dtype
-    for e, (gate_up, down) in enumerate(experts):
-        rows = x[int(offsets[e]) : int(offsets[e + 1])]
-        if not len(rows):
-            continue
-        hidden_values = native_kernels.silu_and_mul(gate_up.matmul(rows))
-        assert hidden_values is not None
-        assert torch.equal(got[int(offsets[e]) : int(offsets[e + 1])], down.matmul(hidden_values)), e
+    for row in range(len(x)):
+        total = torch.zeros(hidden)
+        for e, weight in sorted(zip(chosen[row].tolist(), weights[row].tolist(), strict=True)):
+            gate_up, down = experts[e]
+            hidden_values = native_kernels.silu_and_mul(gate_up.matmul(x[row : row + 1]))
+            assert hidden_values is not None
+            total = total + down.matmul(hidden_values)[0].float() * torch.tensor(weight)
+        assert torch.equal(got[row], total.to(dtype)), row
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_moe_route_is_softmax_then_top_k(quant: QuantKernels, normalize: bool) -> None:
+    """QuantKernels.moe_route against torch's softmax, topk and renormalization: the same experts
+    in the same order, and the same probabilities to a few fp32 steps."""
+    logits = torch.randn(33, 60, generator=torch.Generator().manual_seed(1)) * 3
+    chosen, weights = quant.moe_route(logits, 6, normalize)
+    expected, expected_chosen = torch.softmax(logits, dim=-1).topk(6, dim=-1)
+    if normalize:
+        expected = expected / expected.sum(dim=-1, keepdim=True)
+    assert torch.equal(chosen, expected_chosen)
+    torch.testing.assert_close(weights, expected, rtol=1e-6, atol=1e-7)

@@ -125,13 +125,6 @@ struct Activations {
     }
 };
 
-inline uint16_t float_to_bf16(float x) {
-    uint32_t u;
-    memcpy(&u, &x, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
-    return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
 // One block of 32 inputs: scale = max |x| / 32767, values = round-half-even(x / scale).
 inline void quantize_block(const float *x, int16_t *values, float *scale, int32_t *sums) {
     float amax = 0.0f;
@@ -308,7 +301,7 @@ struct Output {
         if (bias) value += load(bias, col);
         if (residual) value += load(residual, row * residual_stride + col);
         if (bf16)
-            static_cast<uint16_t *>(out)[row * out_stride + col] = float_to_bf16(value);
+            static_cast<uint16_t *>(out)[row * out_stride + col] = radixserve_vec::float_to_bf16(value);
         else
             static_cast<float *>(out)[row * out_stride + col] = value;
     }
@@ -582,8 +575,8 @@ bool expert_pass(const int64_t *layouts, int64_t experts, const int64_t *offsets
 
 }  // namespace
 
-// A Mixture-of-Experts layer's routed experts (models/moe.py): x [rows, k] holds the rows routed to
-// each expert, grouped by expert (expert e's from offsets[e] to offsets[e + 1]); gate_up and down
+// A Mixture-of-Experts layer's routed experts (moe.cpp's moe_experts): x [rows, k] holds the rows
+// routed to each expert, grouped by expert (expert e's from offsets[e] to offsets[e + 1]); gate_up and down
 // are the experts' parts layouts (kLayoutWords int64s each; gate_up's rows: inter gate rows, then
 // inter up rows). out [rows, hidden] = down_e(silu(gate_e x) * up_e x), in x's dtype (bf16 when
 // bf16). Each row's numbers are those quant_linear_parts and silu_and_mul give it alone, as the

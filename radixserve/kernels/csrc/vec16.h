@@ -44,6 +44,13 @@ inline float to_float(uint16_t x) {
     memcpy(&f, &bits, 4);
     return f;
 }
+// x rounded to bf16 (nearest, ties to even; a NaN stays a NaN), as torch's .to() rounds.
+inline uint16_t float_to_bf16(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+    return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
 inline v8f load8(const float *p) {
     v8f f;
     memcpy(&f, p, 32);

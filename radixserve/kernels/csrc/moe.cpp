@@ -1,0 +1,122 @@
+// A Mixture-of-Experts layer's routing and the combination of its experts' outputs, around
+// quant_experts (quant_linear.cpp) for experts held in GGUF blocks (models/moe.py).
+//
+// Why native: at decode, a layer's routing and grouping were ~15 torch calls around one expert
+// call, a large share of a step of a small-active-parameter model. The per-layer path
+// (models/moe.py) and the fused decode loop (fused_decode.cpp) call these same functions, so the two
+// agree bit for bit.
+//
+// Numerics: the router's softmax in fp32 (max subtracted, expf, summed in expert order); the top k
+// picked largest first, the lower expert first on a tie; renormalized (when asked) by their sum in
+// that order. A row's output is its experts' outputs times their weights, added in fp32 in ascending
+// expert order from zero, then rounded once to the activations' dtype.
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "vec16.h"
+
+extern "C" int quant_experts(const int64_t *gate_up, const int64_t *down, int64_t experts, const int64_t *offsets,
+                             const void *x, int bf16, int64_t k, int64_t inter, void *out, int64_t hidden);
+
+namespace {
+
+constexpr int64_t kLayoutWords = 10;  // one weight's parts layout in int64s (quant_linear.cpp)
+
+}  // namespace
+
+// chosen [rows, top_k] and weights [rows, top_k] from router logits [rows, experts] (fp32).
+extern "C" __attribute__((optimize("fp-contract=off"))) void moe_route(const float *logits, int64_t rows,
+                                                                      int64_t experts, int64_t top_k, int normalize,
+                                                                      int64_t *chosen, float *weights) {
+    std::vector<float> probabilities(static_cast<size_t>(experts));
+    std::vector<char> taken(static_cast<size_t>(experts));
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *row = logits + r * experts;
+        float top = row[0];
+        for (int64_t e = 1; e < experts; ++e) top = std::max(top, row[e]);
+        float sum = 0.0f;
+        for (int64_t e = 0; e < experts; ++e) sum += probabilities[e] = expf(row[e] - top);
+        for (int64_t e = 0; e < experts; ++e) probabilities[e] /= sum;
+        std::fill(taken.begin(), taken.end(), 0);
+        float picked_sum = 0.0f;
+        for (int64_t j = 0; j < top_k; ++j) {
+            int64_t best = -1;
+            for (int64_t e = 0; e < experts; ++e)
+                if (!taken[e] && (best < 0 || probabilities[e] > probabilities[best])) best = e;
+            taken[best] = 1;
+            chosen[r * top_k + j] = best;
+            weights[r * top_k + j] = probabilities[best];
+            picked_sum += probabilities[best];
+        }
+        if (normalize)
+            for (int64_t j = 0; j < top_k; ++j) weights[r * top_k + j] /= picked_sum;
+    }
+}
+
+// out [rows, k] (rows out_stride apart) = for each row of x [rows, k] (rows x_stride apart), the sum
+// over its top_k experts (chosen, weights: [rows, top_k]) of weight x down_e(silu(gate_e x) * up_e x).
+// gate_up_table, down_table: [experts, kLayoutWords] parts layouts of every expert of the layer. x and
+// out are bf16 when bf16, else fp32. Returns 0 for a layout without a kernel.
+extern "C" __attribute__((optimize("fp-contract=off"))) int moe_experts(
+    const int64_t *gate_up_table, const int64_t *down_table, int64_t experts, const int64_t *chosen,
+    const float *weights, int64_t rows, int64_t top_k, const void *x, int64_t x_stride, int bf16, int64_t k,
+    int64_t inter, void *out, int64_t out_stride) {
+    const int64_t entries = rows * top_k, size = bf16 ? 2 : 4;
+    if (rows <= 0) return 1;
+    static thread_local std::vector<int64_t> counts, order, used, offsets, gate_up, down;
+    static thread_local std::vector<char> gathered, results;
+    static thread_local std::vector<float> sums;
+    // The entries (row, slot) grouped by expert, experts ascending, each expert's rows in order.
+    counts.assign(static_cast<size_t>(experts) + 1, 0);
+    for (int64_t i = 0; i < entries; ++i) counts[chosen[i] + 1]++;
+    for (int64_t e = 0; e < experts; ++e) counts[e + 1] += counts[e];
+    order.resize(static_cast<size_t>(entries));
+    {
+        std::vector<int64_t> next(counts.begin(), counts.end() - 1);
+        for (int64_t i = 0; i < entries; ++i) order[next[chosen[i]]++] = i;
+    }
+    used.clear(), offsets.assign(1, 0), gate_up.clear(), down.clear();
+    for (int64_t e = 0; e < experts; ++e) {
+        if (counts[e + 1] == counts[e]) continue;
+        used.push_back(e);
+        offsets.push_back(counts[e + 1]);
+        gate_up.insert(gate_up.end(), gate_up_table + e * kLayoutWords, gate_up_table + (e + 1) * kLayoutWords);
+        down.insert(down.end(), down_table + e * kLayoutWords, down_table + (e + 1) * kLayoutWords);
+    }
+    gathered.resize(static_cast<size_t>(entries * k * size));
+    results.resize(static_cast<size_t>(entries * k * size));
+    for (int64_t i = 0; i < entries; ++i)
+        memcpy(gathered.data() + i * k * size, static_cast<const char *>(x) + order[i] / top_k * x_stride * size,
+               static_cast<size_t>(k * size));
+    if (!quant_experts(gate_up.data(), down.data(), static_cast<int64_t>(used.size()), offsets.data(),
+                       gathered.data(), bf16, k, inter, results.data(), k))
+        return 0;
+    sums.assign(static_cast<size_t>(rows * k), 0.0f);
+    for (int64_t i = 0; i < entries; ++i) {
+        const int64_t entry = order[i], row = entry / top_k;
+        const float weight = weights[entry];
+        float *sum = sums.data() + row * k;
+        if (bf16) {
+            const uint16_t *result = reinterpret_cast<const uint16_t *>(results.data()) + i * k;
+            for (int64_t c = 0; c < k; ++c) sum[c] += radixserve_vec::to_float(result[c]) * weight;
+        } else {
+            const float *result = reinterpret_cast<const float *>(results.data()) + i * k;
+            for (int64_t c = 0; c < k; ++c) sum[c] += result[c] * weight;
+        }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *sum = sums.data() + r * k;
+        if (bf16) {
+            uint16_t *row = static_cast<uint16_t *>(out) + r * out_stride;
+            for (int64_t c = 0; c < k; ++c) row[c] = radixserve_vec::float_to_bf16(sum[c]);
+        } else {
+            memcpy(static_cast<float *>(out) + r * out_stride, sum, static_cast<size_t>(k) * sizeof(float));
+        }
+    }
+    return 1;
+}

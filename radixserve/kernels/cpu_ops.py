@@ -50,6 +50,20 @@ class SharedPrefixResult:
     lse: torch.Tensor
 
 
+@dataclass(frozen=True)
+class ExpertShape:
+    """The Mixture-of-Experts layers of a fused decode loop: experts per layer, experts per token,
+    whether their weights are renormalized to sum to 1, and each expert's intermediate size."""
+
+    experts: int
+    top_k: int
+    normalize: bool
+    intermediate: int
+
+    def as_args(self) -> tuple[int, int, int, int]:
+        return self.experts, self.top_k, int(self.normalize), self.intermediate
+
+
 _Op = TypeVar("_Op", bound=Callable[..., Any])
 
 
@@ -477,6 +491,7 @@ class CpuKernels:
         shared_prefix: torch.Tensor | None,
         quantized: bool = False,
         kv_dtype: torch.dtype | None = None,
+        experts: ExpertShape | None = None,
     ) -> None:
         """Every decoder layer of a decode step, updating hidden ([B, hidden] bf16 or fp32,
         contiguous) in place. layers: [L, 9] int64 addresses (models/fused_decode.py); positions,
@@ -485,7 +500,8 @@ class CpuKernels:
         slots every request's context starts with (cascade, on prefix_attention_kernel's kernel;
         bf16 only), or None. The linears are packed by pack_linear of these kernels (bf16), or,
         when quantized, described by QuantKernels.parts_layout. kv_dtype: the pool's (None: hidden's);
-        a bf16 pool under fp32 hidden runs attention in bf16, as AttentionCall does."""
+        a bf16 pool under fp32 hidden runs attention in bf16, as AttentionCall does. experts: the
+        shape of the Mixture-of-Experts layers among them (fp32 only; None: dense MLPs only)."""
         prefix = None if shared_prefix is None else shared_prefix.to(torch.int64).contiguous()
         rows = req_rows.to(torch.int64).contiguous()
         lens = seq_lens.to(torch.int64).contiguous()
@@ -510,11 +526,13 @@ class CpuKernels:
             run is None
             or not usable
             or (prefix is not None and (prefix_kernel is None or kv_dtype != torch.bfloat16))
+            or (experts is not None and (not quantized or hidden.dtype != torch.float32))
         ):
             raise ValueError(
                 "the fused decode loop needs a native linear kernel for its weights (bf16 packed, or "
-                "quantized), a KV pool in the activations' dtype or bf16 under fp32, and a bf16 prefix "
-                "attention kernel for this head shape for a shared prefix"
+                "quantized), a KV pool in the activations' dtype or bf16 under fp32, a bf16 prefix "
+                "attention kernel for this head shape for a shared prefix, and fp32 activations over "
+                "quantized experts for Mixture-of-Experts layers"
             )
         status = run(
             linear_kind, 0 if prefix_kernel == "amx" else 1, layers.data_ptr(),
@@ -523,6 +541,7 @@ class CpuKernels:
             sin_table.data_ptr(), positions.data_ptr(),
             slots.data_ptr(), table.data_ptr(), table.stride(0), rows.data_ptr(), lens.data_ptr(),
             0 if prefix is None else len(prefix), None if prefix is None else prefix.data_ptr(),
+            *(experts.as_args() if experts is not None else (0, 0, 0, 0)),
         )  # fmt: skip
         if status != 0:
             raise RuntimeError(f"fused decode failed with status {status}: a bug in its preconditions")

@@ -88,10 +88,11 @@ SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     ),
     # linear_kind, prefix_kind, layers, num_layers, hidden, batch, hidden_size, intermediate,
     # heads, kv_heads, head_dim, eps, scale, cos, sin, positions, out_slots, req_to_token, table_stride,
-    # req_rows, seq_lens, prefix_length, prefix_slots
+    # req_rows, seq_lens, prefix_length, prefix_slots, experts, top_k, normalize, expert_intermediate
     "fused_decode": (
         ctypes.c_int,
-        [_I, _I, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _F, _P, _P, _P, _P, _P, _I, _P, _P, _I, _P],
+        [_I, _I, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _F, _P, _P, _P, _P, _P, _I, _P, _P, _I, _P]
+        + [_I, _I, _I, _I],
     ),
 }
 DTYPE_SUFFIXES = {torch.bfloat16: "bf16", torch.float32: "f32"}

@@ -4,8 +4,12 @@ A model class that can run this way declares it (`fused_decode_plan()` on the Ll
 model runner asks once at startup and takes it when everything a layer runs has a native kernel:
 bf16 on a CPU with a native linear kernel (every linear packed for the AMX matmul, or for
 csrc/bf16_linear.cpp on AVX2 / AVX-512 CPUs without AMX), or GGUF-quantized weights in bf16 or fp32
-(over a KV pool in that dtype, or in bf16 under fp32), one tensor-parallel rank, no q/k norms, a
-head shape the decode attention kernel is compiled for, and the cpu_native attention backend. The
+(over a KV pool in that dtype, or in bf16 under fp32), one tensor-parallel rank, q/k norms per head
+or none, a head shape the decode attention kernel is compiled for, and the cpu_native attention
+backend. Mixture-of-Experts layers run in it with fp32 activations, every expert held in blocks and
+no shared expert (Qwen3-MoE, Mixtral): the router, the routing and the experts on the same native
+calls as the per-layer path (models/moe.py); a step runs per layer while an expert is dense or
+while the routed experts are being counted (/start_expert_distribution_record). The
 native loop runs the same kernels in the same order as the per-layer path, so the result is bit for
 bit the same (tests/models/test_fused_decode.py); what goes is the Python
 and dispatch cost of ~15 calls per layer (figures: docs/architecture.md). A step whose requests share
@@ -22,21 +26,26 @@ import torch
 
 from radixserve.attention.base import AttentionCall
 from radixserve.attention.cpu_native import CpuDecodeMetadata
-from radixserve.kernels.cpu_ops import CpuKernels
+from radixserve.kernels.cpu_ops import CpuKernels, ExpertShape
 from radixserve.layers.linear import ParallelLinear
 from radixserve.layers.packed_weights import PackedWeight
 from radixserve.layers.quantized import QuantizedWeight
 from radixserve.layers.rotary import Rope
+from radixserve.models.moe import SparseMoE
 
 
 @dataclass
 class FusedLayer:
-    """One layer's parts the native loop reads, in its order (linears: qkv, o, gate/up, down)."""
+    """One layer's parts the native loop reads, in its order (linears: qkv, o, then a dense MLP's
+    gate/up and down; a Mixture-of-Experts layer has `experts` in their place)."""
 
     input_norm: torch.Tensor
     qkv_bias: torch.Tensor | None
     post_norm: torch.Tensor
-    linears: tuple[ParallelLinear, ParallelLinear, ParallelLinear, ParallelLinear]
+    linears: tuple[ParallelLinear, ...]
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    experts: SparseMoE | None = None
 
 
 @dataclass
@@ -57,6 +66,11 @@ class FusedDecodePlan:
     # Whether the native loop attends a shared prefix itself (a native prefix attention kernel for
     # the head shape); else such steps run per layer.
     shared_prefix: bool = False
+    # The Mixture-of-Experts layers' shape (None: dense MLPs only).
+    expert_shape: ExpertShape | None = None
+
+    def __post_init__(self) -> None:
+        self.sparse = [layer.experts for layer in self.layers if layer.experts is not None]
 
     @property
     def quantized(self) -> bool:
@@ -79,26 +93,37 @@ class FusedDecodePlan:
         return int(weight.data.data_ptr())
 
     def pointers(self, attention: AttentionCall) -> torch.Tensor:
-        """[layers, 9] int64 addresses: input norm, qkv, qkv bias (0: none), o, post-attention
-        norm, gate/up, down, K pool, V pool. Read every step: weights are repacked on updates and
-        the pool is reallocated after a release."""
+        """[layers, 14] int64 addresses (0: none): input norm, qkv, qkv bias, o, post-attention
+        norm, gate/up, down, K pool, V pool, q norm, k norm, and a Mixture-of-Experts layer's router
+        and its experts' gate/up and down layout tables. Read every step: weights are repacked on
+        updates and the pool is reallocated after a release."""
         pool = attention.kv_pool
         rows = []
         for index, layer in enumerate(self.layers):
-            qkv, o, gate_up, down = (self._address(linear) for linear in layer.linears)
+            qkv, o, *mlp = (self._address(linear) for linear in layer.linears)
+            gate_up, down = mlp if mlp else (0, 0)
             bias = 0 if layer.qkv_bias is None else layer.qkv_bias.data_ptr()
             k_pool, v_pool = pool.k_buffers[index].data_ptr(), pool.v_buffers[index].data_ptr()
             norms = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
-            rows.append([norms[0], qkv, bias, o, norms[1], gate_up, down, k_pool, v_pool])
+            qk_norms = [0 if n is None else n.data_ptr() for n in (layer.q_norm, layer.k_norm)]
+            moe = [0, 0, 0]
+            if layer.experts is not None:
+                tables = layer.experts.held.tables(layer.experts.router.shape[0])
+                assert tables is not None  # takes() checked
+                moe = [layer.experts.router.data_ptr(), tables[0].data_ptr(), tables[1].data_ptr()]
+            rows.append([norms[0], qkv, bias, o, norms[1], gate_up, down, k_pool, v_pool, *qk_norms, *moe])
         return torch.tensor(rows, dtype=torch.int64)
 
     def takes(self, attention: AttentionCall) -> bool:
         """Whether this decode step runs in the native loop (else per layer)."""
         metadata = attention.metadata
-        return (
+        prefix_ok = (
             self.shared_prefix
             or not isinstance(metadata, CpuDecodeMetadata)
             or metadata.shared_prefix is None
+        )
+        return prefix_ok and all(
+            moe.routed is None and moe.held.tables(moe.router.shape[0]) is not None for moe in self.sparse
         )
 
     def run(self, hidden: torch.Tensor, attention: AttentionCall, rope: Rope) -> torch.Tensor:
@@ -127,5 +152,6 @@ class FusedDecodePlan:
             shared_prefix=metadata.shared_prefix,
             quantized=self.quantized,
             kv_dtype=self.kv_dtype,
+            experts=self.expert_shape,
         )
         return hidden

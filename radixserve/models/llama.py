@@ -26,6 +26,7 @@ from radixserve.distributed.parallel import (
     start_send_to_next_stage,
 )
 from radixserve.forward.batch import ForwardBatch, ForwardMode
+from radixserve.kernels.cpu_ops import ExpertShape
 from radixserve.layers.activation import silu_and_mul
 from radixserve.layers.linear import (
     ColumnParallelLinear,
@@ -101,9 +102,10 @@ class Attention(nn.Module):
                 q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
             q, k = rope.rotate_(q), rope.rotate_(k)
         elif self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(qkv[:, :q_size].view(tokens, self.num_heads, self.head_dim))
-            k = self.k_norm(qkv[:, q_size : q_size + kv_size].view(tokens, self.num_kv_heads, self.head_dim))
-            q, k = rope.rotate_(q), rope.rotate_(k)
+            # Rows of one head each: the native RMSNorm's shape, as the fused decode loop runs it.
+            q = self.q_norm(qkv[:, :q_size].reshape(-1, self.head_dim)).view(tokens, self.num_heads, -1)
+            k = self.k_norm(qkv[:, q_size : q_size + kv_size].reshape(-1, self.head_dim))
+            q, k = rope.rotate_(q), rope.rotate_(k.view(tokens, self.num_kv_heads, -1))
         else:
             # Query and key heads are adjacent columns: rotate them together in one pass.
             qk = qkv[:, : q_size + kv_size].view(tokens, self.num_heads + self.num_kv_heads, self.head_dim)
@@ -358,8 +360,9 @@ class CausalLM(nn.Module):
         (Qwen3), a partial rotary factor, tensor parallelism, a head shape without a compiled decode
         attention kernel, a pool neither in the activations' dtype nor bf16 under fp32, biases on
         o_proj/down_proj, a sliding-window layer (the native attention takes no window), or a linear
-        the native kernel declined. Steps whose requests share a prefix run in it where a native
-        prefix attention kernel exists for the head shape."""
+        the native kernel declined, q/k norms over a projection's whole width (OLMoE), clipped qkv,
+        or Mixture-of-Experts layers it cannot run (models/fused_decode.py). Steps whose requests
+        share a prefix run in it where a native prefix attention kernel exists for the head shape."""
         kernels, config = self.kernels, self.config
         if config.sliding_layers:
             return None
@@ -369,20 +372,24 @@ class CausalLM(nn.Module):
         dtype = first.input_layernorm.weight.dtype
         quantized = isinstance(attention.qkv_proj.packed, QuantizedWeight)
         linear_kernel = quantized or (kernels is not None and kernels.linear_kernel is not None)
-        if kernels is None or not linear_kernel or config.qk_norm or config.rotary_dim != config.head_dim:
+        if kernels is None or not linear_kernel or config.rotary_dim != config.head_dim:
             return None
-        mlps = [layer.mlp for layer in layers]
-        if not all(isinstance(mlp, MLP) for mlp in mlps):
-            return None  # the native loop runs dense MLPs only
-        dense = cast("list[MLP]", mlps)
+        if config.qk_norm_full_width or config.clip_qkv is not None:
+            return None
+        sparse = [layer.mlp for layer in layers if isinstance(layer.mlp, SparseMoE)]
+        fusable = quantized and dtype == torch.float32 and all(self._fusable(moe) for moe in sparse)
+        if sparse and not fusable:
+            return None
+        dense = [layer.mlp for layer in layers if isinstance(layer.mlp, MLP)]
         if kv_dtype != dtype and (dtype, kv_dtype) != (torch.float32, torch.bfloat16):
             return None
         if attention.o_proj.ctx.tp_size != 1 or not kernels.handles_decode_attention(
             attention.num_heads, attention.num_kv_heads, config.head_dim, kv_dtype
         ):
             return None
-        if any(layer.self_attn.o_proj.bias is not None or mlp.down_proj.bias is not None
-               for layer, mlp in zip(layers, dense, strict=True)):  # fmt: skip
+        if any(layer.self_attn.o_proj.bias is not None for layer in layers) or any(
+            mlp.down_proj.bias is not None for mlp in dense
+        ):
             return None
         plan = FusedDecodePlan(
             kernels=kernels,
@@ -391,19 +398,18 @@ class CausalLM(nn.Module):
                     input_norm=layer.input_layernorm.weight,
                     qkv_bias=layer.self_attn.qkv_proj.bias,
                     post_norm=layer.post_attention_layernorm.weight,
-                    linears=(
-                        layer.self_attn.qkv_proj,
-                        layer.self_attn.o_proj,
-                        mlp.gate_up_proj,
-                        mlp.down_proj,
-                    ),
+                    linears=(layer.self_attn.qkv_proj, layer.self_attn.o_proj)
+                    + ((layer.mlp.gate_up_proj, layer.mlp.down_proj) if isinstance(layer.mlp, MLP) else ()),
+                    q_norm=None if layer.self_attn.q_norm is None else layer.self_attn.q_norm.weight,
+                    k_norm=None if layer.self_attn.k_norm is None else layer.self_attn.k_norm.weight,
+                    experts=layer.mlp if isinstance(layer.mlp, SparseMoE) else None,
                 )
-                for layer, mlp in zip(layers, dense, strict=True)
+                for layer in layers
             ],
             heads=attention.num_heads,
             kv_heads=attention.num_kv_heads,
             head_dim=config.head_dim,
-            intermediate=dense[0].down_proj.local_input,
+            intermediate=dense[0].down_proj.local_input if dense else 0,
             eps=first.input_layernorm.eps,
             scale=attention.scale,
             kv_dtype=kv_dtype,
@@ -411,8 +417,25 @@ class CausalLM(nn.Module):
             shared_prefix=kv_dtype == torch.bfloat16
             and kernels.prefix_attention_kernel(attention.num_heads, attention.num_kv_heads, config.head_dim)
             is not None,
+            expert_shape=ExpertShape(
+                sparse[0].router.shape[0], sparse[0].top_k, sparse[0].normalize, sparse[0].size
+            )
+            if sparse
+            else None,
         )
         return plan if plan.ready() else None
+
+    @staticmethod
+    def _fusable(moe: SparseMoE) -> bool:
+        """Whether the fused loop can run this Mixture-of-Experts layer: every expert held in
+        blocks, no shared expert, and the native router (moe.py routes fp32 rows natively)."""
+        return (
+            moe.kernels is not None
+            and moe.held.kernels is not None
+            and moe.shared_size == 0
+            and moe.router.is_contiguous()
+            and moe.held.tables(moe.router.shape[0]) is not None
+        )
 
     def resolve(self, name: str) -> WeightTarget | None:
         """Where a checkpoint tensor goes; None for tensors this model derives itself."""

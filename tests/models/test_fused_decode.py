@@ -4,13 +4,16 @@ same kernels in the same order, so every logit must be bit for bit the same."""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 import torch
 
 import radixserve.models.llama as llama
+from radixserve.attention.base import AttentionCall
 from radixserve.config.server_args import ServerArgs
 from radixserve.kernels.cpu_ops import CpuKernels
 from radixserve.protocol.messages import GenerateRequest
@@ -23,7 +26,7 @@ def _run(
 ) -> tuple[list[torch.Tensor], int, bool]:
     """Every forward's logits for two waves of requests (the first sharing a 48-token prefix, so
     decode attends it as a shared prefix; the second not), how many steps ran fused, and whether
-    the fused loop took the shared-prefix steps too (with AMX; elsewhere they run per layer)."""
+    the fused loop took the shared-prefix steps too (where a prefix attention kernel exists)."""
     calls = {"fused": 0}
     original = CpuKernels.fused_decode
 
@@ -45,10 +48,11 @@ def _run(
     forward = scheduler.executor.forward
     monkeypatch.setattr(scheduler.executor, "forward", lambda batch: _keep(forward(batch), logits))
     rng = random.Random(7)
-    prefix = [rng.randrange(200, 40000) for _ in range(48)]
+    top = min(40000, scheduler.config.vocab_size)
+    prefix = [rng.randrange(3, top) for _ in range(48)]
     for wave, shared in enumerate((prefix, [])):
         for i in range(4):
-            ids = shared + [rng.randrange(200, 40000) for _ in range(5 + 3 * i)]
+            ids = shared + [rng.randrange(3, top) for _ in range(5 + 3 * i)]
             params = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
             scheduler.add_request(GenerateRequest(f"w{wave}-{i}", ids, SamplingParams.from_dict(params)))
         while not scheduler.is_idle:
@@ -87,3 +91,45 @@ def test_fused_decode_is_bit_identical_to_the_layer_loop(
     assert len(fused) == len(plain)
     for step, (a, b) in enumerate(zip(fused, plain, strict=True)):
         assert torch.equal(a, b), f"step {step}: max |diff| {float((a - b).abs().max())}"
+
+
+# Qwen3's q/k norms, and Mixture-of-Experts layers with their experts in blocks (fp32 only): the
+# router, routing and experts on the native calls the per-layer path makes too (models/moe.py).
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "float32"])
+def test_fused_decode_runs_qk_norms_and_quantized_experts_bit_identically(
+    tiny_model_dir: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch, arch: str, kv_cache_dtype: str
+) -> None:
+    args = {"dtype": "float32", "quantization": "q8_0", "kv_cache_dtype": kv_cache_dtype}
+    fused, fused_steps, with_prefix = _run(tiny_model_dir(arch), True, monkeypatch, **args)
+    plain, plain_steps, _ = _run(tiny_model_dir(arch), False, monkeypatch, **args)
+    assert fused_steps >= 8 if with_prefix else fused_steps == 5
+    assert plain_steps == 0
+    for step, (a, b) in enumerate(zip(fused, plain, strict=True)):
+        assert torch.equal(a, b), f"step {step}: max |diff| {float((a - b).abs().max())}"
+
+
+def test_expert_layers_run_per_layer_while_recording_or_dense(tiny_model_dir: Callable[[str], Path]) -> None:
+    """The fused loop counts no routed experts and runs no dense expert: such steps go per layer."""
+    scheduler = build_scheduler(
+        ServerArgs(
+            model_path=str(tiny_model_dir("qwen3_moe")),
+            dtype="float32",
+            quantization="q8_0",
+            max_total_tokens=512,
+            log_level="warning",
+        )
+    )
+    plan = scheduler.executor.model.fused_decode  # type: ignore[attr-defined]
+    if plan is None:
+        pytest.skip("the fused decode loop needs the native kernels with a native linear kernel here")
+    decode = cast(AttentionCall, SimpleNamespace(metadata=None))
+    assert plan.takes(decode)
+    moe = plan.sparse[0]
+    moe.routed = torch.zeros(moe.router.shape[0], dtype=torch.int64)
+    assert not plan.takes(decode)
+    moe.routed = None
+    expert = moe.held.get("down_0")
+    assert expert is not None
+    expert.unpack()
+    assert not plan.takes(decode)

@@ -8,7 +8,10 @@
 // Per layer: RMSNorm; qkv = x W^T (+ bias); rotary on the q and k heads; k, v stored to the pool at
 // the new tokens' slots; attention (the prefix all requests share on AMX tiles, the rest by the
 // paged decode kernel, merged by log-sum-exp); hidden += o_proj; RMSNorm; gate/up; SiLU·mul;
-// hidden += down_proj.
+// hidden += down_proj. Qwen3's q/k norms (an RMSNorm per head) run between qkv and the rotary.
+// A Mixture-of-Experts layer (fp32 only; no shared expert) replaces gate/up, SiLU·mul and down by
+// the same native calls the per-layer path makes (moe.cpp): the router on fp32_linear, moe_route,
+// moe_experts; then hidden += their output.
 //
 // The linears run on the kernel the weights are held for (the caller says which): the AMX matmul, or
 // bf16_linear.cpp's on a CPU without AMX, for bf16 weights; quant_linear.cpp's for GGUF-quantized
@@ -58,6 +61,13 @@ void amx_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed
                      int64_t k);
 int quant_linear_parts(const int64_t *parts_layout, const void *x, int64_t x_stride, int bf16, int64_t m, int64_t k,
                        void *out, int64_t out_stride, const void *bias, const void *residual, int64_t residual_stride);
+void fp32_linear(const float *x, int64_t x_stride, const float *w, float *out, int64_t out_stride, const float *bias,
+                 int64_t m, int64_t n, int64_t k);
+void moe_route(const float *logits, int64_t rows, int64_t experts, int64_t top_k, int normalize, int64_t *chosen,
+               float *weights);
+int moe_experts(const int64_t *gate_up_table, const int64_t *down_table, int64_t experts, const int64_t *chosen,
+                const float *weights, int64_t rows, int64_t top_k, const void *x, int64_t x_stride, int bf16, int64_t k,
+                int64_t inter, void *out, int64_t out_stride);
 int prefix_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, const uint16_t *v, int64_t kv_stride,
                           const int64_t *slots, uint16_t *out, int64_t out_token, float *lse, int64_t n,
                           int64_t heads, int64_t kv_heads, int64_t dim, int64_t length, float scale,
@@ -76,7 +86,9 @@ using namespace radixserve_vec;
 enum LinearKind : int64_t { kAmx = 0, kBf16 = 1, kQuantized = 2 };
 
 // One layer's weights and its K/V pool, as pointers. A linear is a packed bf16 weight, or (kQuantized)
-// the int64 parts layout of quant_linear_parts. KV: the pool's element type.
+// the int64 parts layout of quant_linear_parts. KV: the pool's element type. q_norm, k_norm: null
+// without q/k norms. router: null for a dense MLP; else the layer is a Mixture of Experts, its
+// router [experts, hidden] fp32 and its experts' gate_up and down layouts [experts, 10] (moe.cpp).
 template <typename T, typename KV>
 struct Layer {
     const T *input_norm;
@@ -86,6 +98,9 @@ struct Layer {
     const T *post_norm;
     const void *gate_up, *down;
     KV *k_cache, *v_cache;
+    const T *q_norm, *k_norm;
+    const float *router;
+    const int64_t *gate_up_table, *down_table;
 };
 
 // n values converted to bf16, rounded as torch's .to() rounds (vec16.h), and back.
@@ -106,6 +121,9 @@ inline void convert(const uint16_t *from, float *to, int64_t n) {
 
 struct Shape {
     int64_t batch, hidden, intermediate, heads, kv_heads, head_dim;
+    // Mixture-of-Experts layers: experts, experts per token, whether their weights are
+    // renormalized, and each expert's intermediate size.
+    int64_t experts, top_k, normalize, expert_intermediate;
 };
 
 // The element type's kernels (bf16 as uint16_t, or fp32).
@@ -174,6 +192,15 @@ int run_layers(const Step &step, const Layer<T, KV> *layers, int64_t num_layers,
         prefix_lse.resize(s.kv_heads * prefix_rows);
     T *normed = workspace.data(), *qkv = normed + normed_size, *attn = qkv + qkv_size;
     T *gate_up = attn + attn_size, *act = gate_up + gate_up_size;
+    static thread_local std::vector<float> router_logits, expert_weights;
+    static thread_local std::vector<int64_t> chosen;
+    static thread_local std::vector<T> experts_out;
+    if (s.experts) {
+        router_logits.resize(static_cast<size_t>(s.batch * s.experts));
+        expert_weights.resize(static_cast<size_t>(s.batch * s.top_k));
+        chosen.resize(static_cast<size_t>(s.batch * s.top_k));
+        experts_out.resize(static_cast<size_t>(normed_size));
+    }
     // What attention reads and writes, in the pool's type: views of the above where KV is T, else
     // converted copies (q, its output, and the prefix's output).
     KV *q_kv, *attn_kv, *prefix_out;
@@ -190,6 +217,13 @@ int run_layers(const Step &step, const Layer<T, KV> *layers, int64_t num_layers,
         if (linear<T>(step, w.qkv, normed, s.hidden, qkv, qkv_width, w.qkv_bias, nullptr, 0, s.batch, qkv_width,
                       s.hidden))
             return 300;
+        if (w.q_norm) {
+            for (int64_t b = 0; b < s.batch; b++) {
+                T *row = qkv + b * qkv_width;
+                Ops<T>::rms_norm(row, s.head_dim, w.q_norm, row, s.heads, s.head_dim, step.eps);
+                Ops<T>::rms_norm(row + q_width, s.head_dim, w.k_norm, row + q_width, s.kv_heads, s.head_dim, step.eps);
+            }
+        }
         // Query and key heads are adjacent: rotated together.
         Ops<T>::rotary(qkv, qkv_width, s.batch, s.heads + s.kv_heads, s.head_dim, step.cos_table, step.sin_table,
                        step.positions);
@@ -227,6 +261,22 @@ int run_layers(const Step &step, const Layer<T, KV> *layers, int64_t num_layers,
                       q_width))
             return 300;
         Ops<T>::rms_norm(hidden, s.hidden, w.post_norm, normed, s.batch, s.hidden, step.eps);
+        if (w.router) {
+            if constexpr (std::is_same_v<T, float>) {
+                fp32_linear(normed, s.hidden, w.router, router_logits.data(), s.experts, nullptr, s.batch, s.experts,
+                            s.hidden);
+                moe_route(router_logits.data(), s.batch, s.experts, s.top_k, static_cast<int>(s.normalize),
+                          chosen.data(), expert_weights.data());
+                if (!moe_experts(w.gate_up_table, w.down_table, s.experts, chosen.data(), expert_weights.data(),
+                                 s.batch, s.top_k, normed, s.hidden, 0, s.hidden, s.expert_intermediate,
+                                 experts_out.data(), s.hidden))
+                    return 300;
+                for (int64_t i = 0; i < normed_size; i++) hidden[i] = experts_out[i] + hidden[i];
+                continue;
+            } else {
+                return 400;  // Mixture-of-Experts layers run fused in fp32 only
+            }
+        }
         if (linear<T>(step, w.gate_up, normed, s.hidden, gate_up, 2 * s.intermediate, nullptr, nullptr, 0, s.batch,
                       2 * s.intermediate, s.hidden))
             return 300;
@@ -251,13 +301,15 @@ int run_layers(const Step &step, const Layer<T, KV> *layers, int64_t num_layers,
                         const float *cos_table, const float *sin_table, const int64_t *positions,                 \
                         const int64_t *out_slots, const int64_t *req_to_token, int64_t table_stride,              \
                         const int64_t *req_rows, const int64_t *seq_lens, int64_t prefix_length,                  \
-                        const int64_t *prefix_slots) {                                                            \
+                        const int64_t *prefix_slots, int64_t experts, int64_t top_k, int64_t normalize,           \
+                        int64_t expert_intermediate) {                                                            \
         if (!amx_allowed(linear_kind, prefix_kind, prefix_length)) return 1;                                     \
         const Step step{linear_kind, prefix_kind,  eps,          scale,        cos_table, sin_table,             \
                         positions,   out_slots,    req_to_token, table_stride, req_rows,  seq_lens,              \
                         prefix_length, prefix_slots};                                                            \
         return run_layers<T, KV>(step, layers, num_layers, hidden,                                               \
-                             Shape{batch, hidden_size, intermediate, heads, kv_heads, head_dim});                \
+                             Shape{batch, hidden_size, intermediate, heads, kv_heads, head_dim, experts, top_k,  \
+                                   normalize, expert_intermediate});                                             \
     }
 
 namespace {

@@ -20,6 +20,7 @@ from radixserve.protocol.sampling_params import SamplingParams
 from radixserve.scheduler.process import build_scheduler
 from radixserve.scheduler.scheduler import Scheduler
 from tests.engine.oracle import GreedyOracle
+from tests.engine.test_smollm2_gguf import mean_error, prompt_logits
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 # Past the 512-token window: its sliding layers see the last part only, the global ones all of it.
@@ -131,3 +132,24 @@ def test_the_config_and_tokens_come_from_the_file(gemma3_gguf_path: Path, one_pa
     assert config.sliding_rope_theta == 10000.0 and config.rope_theta == 1_000_000.0
     assert config.query_pre_attn_scalar == 256 and config.tie_word_embeddings
     assert config.eos_token_ids == [1, 106]
+
+
+def test_bfloat16_logits_stay_close_to_float32(gemma3_gguf_path: Path, one_parse: None) -> None:
+    """Gemma 3 served in bf16 (dequantized) against fp32, as the SmolLM2 test holds the bf16 path:
+    its mean |logit error| over every prompt position (~160) may exceed that of torch's own bf16 ops
+    (--cpu-kernels torch) by at most 15%, and a first token fp32 decides clearly stays the same."""
+    tokenizer = load_tokenizer(resolve_model_source(gemma3_gguf_path))
+    # ~160 rows: the mean is then stable against the rounding of a few rows.
+    prompts = [tokenizer(text).input_ids for text in [*PROMPTS, LONG_PROMPT[:400]]]
+    path = str(gemma3_gguf_path)
+    exact = prompt_logits("float32", prompts, model_path=path)
+    by_torch = prompt_logits("bfloat16", prompts, cpu_kernels="torch", model_path=path)
+    rounded = prompt_logits("bfloat16", prompts, model_path=path)
+    ours, torchs = mean_error(exact, rounded), mean_error(exact, by_torch)
+    assert ours <= 1.15 * torchs, (ours, torchs)
+    decided = [
+        (a, b) for a, b in zip(exact, rounded, strict=True) if float(a[0].topk(2).values.diff().abs()) > 0.5
+    ]
+    assert decided, "no prompt with a clear first token to compare"
+    for a, b in decided:
+        assert int(b[0].argmax()) == int(a[0].argmax())

@@ -121,13 +121,17 @@ CHAT_QUESTIONS = [
 ]
 
 
-def prompt_logits(dtype: str, prompts: list[list[int]], cpu_kernels: str = "auto") -> list[torch.Tensor]:
+def prompt_logits(
+    dtype: str, prompts: list[list[int]], cpu_kernels: str = "auto", model_path: str | None = None
+) -> list[torch.Tensor]:
     """Each prompt's fp32 logits at every position of its prefill: the first answer token's row
-    first, then one row per prompt token after the first (the prompt logprobs' rows)."""
+    first, then one row per prompt token after the first (the prompt logprobs' rows). The model:
+    the packed SmolLM2 unless model_path says another."""
     # Dequantized: this holds the bf16 path to fp32, whatever the weights' format.
     args = ServerArgs(
-        dtype=dtype, cpu_kernels=cpu_kernels, quantization="none", max_total_tokens=1024, log_level="warning"
-    )
+        model_path=model_path, dtype=dtype, cpu_kernels=cpu_kernels, quantization="none",
+        max_total_tokens=1024, log_level="warning",
+    )  # fmt: skip
     scheduler = build_scheduler(args)
     logits = []
     for index, ids in enumerate(prompts):

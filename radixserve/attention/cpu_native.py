@@ -6,7 +6,9 @@ slots, all queries attend to that prefix in one GEMM-shaped call per layer (on A
 CPU has them, else a native vector kernel), the prefix's K/V kept contiguous between steps
 (PrefixStaging), and the kernel merges it in by log-sum-exp. Extend runs the cascade of
 attention/extend.py with the native merge, the native prefix kernel (AMX tiles or vector FMAs) for
-its shared part in bf16, and on AMX the native causal kernel for single requests.
+its shared part in bf16, and on AMX the native causal kernel for single requests. A sliding
+layer's decode reads each request's window from the pool (the kernel skips the positions before
+it, so no shared-prefix cascade there), its extend the masked attention of attention/extend.py.
 
 Which kernels run is decided here once, at startup, from the CPU and the model's head shape.
 """
@@ -72,11 +74,6 @@ class CpuNativeBackend(AttentionBackend):
             raise AttentionBackendUnavailable(
                 "cpu_native needs the native CPU kernels on a CPU (--cpu-kernels auto or native)"
             )
-        if spec.sliding_window is not None:
-            raise AttentionBackendUnavailable(
-                f"the native attention kernels take no sliding window (this model's sliding layers see "
-                f"{spec.sliding_window} tokens); torch_native runs it"
-            )
         if not kernels.handles_decode_attention(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.dtype):
             per_kv = spec.num_heads // max(spec.num_kv_heads, 1)
             raise AttentionBackendUnavailable(
@@ -120,12 +117,6 @@ class CpuNativeBackend(AttentionBackend):
             path = f"{loop}: {path}"
         return path
 
-    def forward(self, x: LayerInputs, metadata: AttentionMetadata) -> torch.Tensor:
-        if x.window is not None:
-            # check_available refuses such a model: a layer with a window means a caller bypassed it.
-            raise RuntimeError("cpu_native takes no sliding window (check_available refuses such models)")
-        return super().forward(x, metadata)
-
     def plan(self, batch: ForwardBatch) -> AttentionMetadata:
         if batch.mode is ForwardMode.VERIFY and self.fused_decode:
             # Every draft token is a decode query over its request's context and its own ancestors
@@ -167,7 +158,9 @@ class CpuNativeBackend(AttentionBackend):
         if isinstance(metadata, InvariantExtendMetadata):
             return self._invariant_extend(x, metadata)
         assert isinstance(metadata, ExtendMetadata)
-        return extend_attention(x.q, x.k, x.v, x.k_cache, x.v_cache, metadata.segments, x.scale, self.ops)
+        return extend_attention(
+            x.q, x.k, x.v, x.k_cache, x.v_cache, metadata.segments, x.scale, self.ops, x.window
+        )
 
     def _invariant_extend(self, x: LayerInputs, metadata: InvariantExtendMetadata) -> torch.Tensor:
         parts = []
@@ -175,7 +168,7 @@ class CpuNativeBackend(AttentionBackend):
             end = start + INVARIANT_EXTEND_ROWS
             out = self.ops.kernels.decode_attention(
                 x.q[start:end], x.k_cache, x.v_cache, metadata.table, metadata.rows[start:end],
-                metadata.lens[start:end], x.scale,
+                metadata.lens[start:end], x.scale, window=x.window,
             )  # fmt: skip
             if out is None:
                 raise RuntimeError("the native decode attention kernel declined its inputs (see the log)")
@@ -185,10 +178,12 @@ class CpuNativeBackend(AttentionBackend):
     def decode(self, x: LayerInputs, metadata: AttentionMetadata) -> torch.Tensor:
         assert isinstance(metadata, CpuDecodeMetadata)
         layout = metadata.layout
-        prefix = None if metadata.shared_prefix is None else self._shared_prefix_attention(x, metadata)
+        # A sliding layer reads each request's window alone: the shared prefix may lie outside it.
+        shared = metadata.shared_prefix is not None and x.window is None
+        prefix = self._shared_prefix_attention(x, metadata) if shared else None
         out = self.ops.kernels.decode_attention(
             x.q, x.k_cache, x.v_cache, layout.req_to_token, layout.req_pool_indices, layout.seq_lens, x.scale,
-            prefix,
+            prefix, x.window,
         )  # fmt: skip
         if out is None:
             # The shape was checked at startup; a decline here means inputs it was not built for.

@@ -222,8 +222,11 @@ class ModelRunner:
             problem = "tensor parallelism: the all-reduce splits its sums by the batch's size"
         elif self.attention is None:
             problem = "encoder (embedding) models are not covered: their layers run on torch ops"
-        elif any(isinstance(m, SparseMoE) for m in self.model.modules()):
-            problem = "Mixture-of-Experts layers run on torch matmuls whose sums depend on the row count"
+        elif any(isinstance(m, SparseMoE) and not m.row_invariant for m in self.model.modules()):
+            problem = (
+                "Mixture-of-Experts layers run on torch matmuls whose sums depend on the row count "
+                "(it holds for fp32 with every expert in GGUF blocks and no shared expert)"
+            )
         else:
             linears = [m for m in self.model.modules() if isinstance(m, (ParallelLinear, ParallelLMHead))]
             plain = [m for m in linears if m.packed is None or not m.packed.row_invariant]

@@ -248,13 +248,16 @@ class CpuKernels:
         seq_lens: torch.Tensor,
         scale: float,
         prefix: SharedPrefixResult | None = None,
+        window: int | None = None,
     ) -> torch.Tensor | None:
         """One query per request (q: [B, H, D]) over its context, read in place from the paged pool:
         request b's K/V are at slots req_to_token[req_pool_indices[b], :seq_lens[b]]. With prefix,
-        the kernel reads only the positions after it and merges its result in."""
+        the kernel reads only the positions after it and merges its result in. With a sliding
+        window w, request b attends its last w positions only (no prefix with a window)."""
         run = self._function("decode_attention", q)
         if (
             run is None
+            or (window is not None and (window < 1 or prefix is not None))
             or not _rows_of_packed_heads(q)
             or k_cache.dtype != q.dtype
             or not (k_cache.is_contiguous() and v_cache.is_contiguous())
@@ -276,7 +279,7 @@ class CpuKernels:
         status = run(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(),
                      table.stride(0), rows.data_ptr(), lens.data_ptr(), out.data_ptr(), batch, heads,
                      k_cache.shape[1], dim, scale, length, prefix_out, head_stride, row_stride,
-                     prefix_lse)  # fmt: skip
+                     prefix_lse, window or 0)  # fmt: skip
         return out if status == 0 else None
 
     @_counted

@@ -84,7 +84,7 @@ SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "merge_by_lse": (None, [_P, _I, _I, _I] * 4 + [_P, _I, _I, _I, _I]),
     "decode_attention": (
         ctypes.c_int,
-        [_P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _F, _I, _P, _I, _I, _P],
+        [_P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _F, _I, _P, _I, _I, _P, _I],
     ),
     # linear_kind, prefix_kind, layers, num_layers, hidden, batch, hidden_size, intermediate,
     # heads, kv_heads, head_dim, eps, scale, cos, sin, positions, out_slots, req_to_token, table_stride,

@@ -377,7 +377,7 @@ class CausalLM(nn.Module):
         if config.qk_norm_full_width or config.clip_qkv is not None:
             return None
         sparse = [layer.mlp for layer in layers if isinstance(layer.mlp, SparseMoE)]
-        fusable = quantized and dtype == torch.float32 and all(self._fusable(moe) for moe in sparse)
+        fusable = quantized and all(self._fusable(moe) for moe in sparse)
         if sparse and not fusable:
             return None
         dense = [layer.mlp for layer in layers if isinstance(layer.mlp, MLP)]
@@ -427,15 +427,9 @@ class CausalLM(nn.Module):
 
     @staticmethod
     def _fusable(moe: SparseMoE) -> bool:
-        """Whether the fused loop can run this Mixture-of-Experts layer: every expert held in
-        blocks, no shared expert, and the native router (moe.py routes fp32 rows natively)."""
-        return (
-            moe.kernels is not None
-            and moe.held.kernels is not None
-            and moe.shared_size == 0
-            and moe.router.is_contiguous()
-            and moe.held.tables(moe.router.shape[0]) is not None
-        )
+        """Whether the fused loop can run this Mixture-of-Experts layer: the calls it makes are
+        the row-invariant native ones (fp32, every expert in blocks, no shared expert)."""
+        return moe.row_invariant and moe.router.is_contiguous()
 
     def resolve(self, name: str) -> WeightTarget | None:
         """Where a checkpoint tensor goes; None for tensors this model derives itself."""

@@ -219,6 +219,19 @@ class SparseMoE(nn.Module):
         # This rank's slices' share of the output: the ranks' shares summed (one collective a layer).
         return all_reduce(out, self.ctx) + residual
 
+    @property
+    def row_invariant(self) -> bool:
+        """Whether a row's output never depends on the other rows of its step: fp32 rows routed on
+        the native kernels, every expert in blocks on the row-invariant quantized kernel, and no
+        shared expert (its gate runs on torch's matmul)."""
+        return (
+            self.kernels is not None
+            and self.held.kernels is not None
+            and self.router.dtype == torch.float32
+            and self.shared_size == 0
+            and self.held.tables(self.router.shape[0]) is not None
+        )
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's top-k experts (largest probability first) and their probabilities in fp32:
         natively for fp32 rows on a CPU with the quantized kernels (csrc/moe.cpp, which the fused

@@ -1,7 +1,7 @@
 """Sliding-window attention in the torch paths against a dense reference by absolute position: a
 query at position p sees the keys at positions p - window < j <= p (transformers' convention).
 Extend (with and without a cached prefix, in blocks of queries), decode (buckets, staging), tree
-verify; and the backend choice (the native kernels take no window)."""
+verify; and the native backend's decode within the window."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from radixserve.attention.base import (
-    AttentionBackendUnavailable,
     AttentionSpec,
     LayerInputs,
     TreeVerifyMetadata,
@@ -207,19 +206,31 @@ def test_tree_verify_sees_the_window_before_each_node(window: int) -> None:
         torch.testing.assert_close(out[rows], expected, atol=1e-5, rtol=1e-5)
 
 
-def test_the_native_backend_refuses_a_window_and_auto_says_why(native_kernels: CpuKernels) -> None:
-    spec = _spec(512, kernels=native_kernels)
-    choice = choose_attention_backend("auto", spec)
-    assert choice.backend is TorchNativeBackend
-    assert "take no sliding window" in choice.reason
-    with pytest.raises(AttentionBackendUnavailable, match="sliding window"):
-        choose_attention_backend("cpu_native", spec)
-    assert choose_attention_backend("auto", _spec(None, kernels=native_kernels)).backend is CpuNativeBackend
-    native = CpuNativeBackend(_spec(None, kernels=native_kernels))
-    layout = build_decode_layout(torch.arange(8).view(1, 8), torch.arange(1), torch.tensor([8]))
-    cache = torch.randn(8, KV_HEADS, DIM)
-    q = torch.randn(1, HEADS, DIM)
-    with pytest.raises(RuntimeError, match="no sliding window"):
-        native.forward(
-            LayerInputs(0, q, cache[:1], cache[:1], cache, cache, SCALE, 4), native.plan_decode(layout)
+@pytest.mark.parametrize("window", [1, 4, 16])
+def test_the_native_backend_decodes_within_the_window(native_kernels: CpuKernels, window: int) -> None:
+    """auto takes cpu_native for a model with a window. Every request shares a 40-slot prefix: the
+    full layer attends it by the cascade, the sliding layer reads each request's window alone."""
+    spec = _spec(window, kernels=native_kernels)
+    assert choose_attention_backend("auto", spec).backend is CpuNativeBackend
+    torch.manual_seed(window)
+    lengths = [45, 50, 52, 41, 44, 46]
+    k_cache, v_cache = torch.randn(400, KV_HEADS, DIM), torch.randn(400, KV_HEADS, DIM)
+    shared, fresh = torch.randperm(400)[:40], iter(torch.randperm(400)[40:].tolist())
+    table = torch.zeros(len(lengths), 100, dtype=torch.int64)
+    for row, n in enumerate(lengths):
+        table[row, :n] = torch.cat((shared, torch.tensor([next(fresh) for _ in range(n - 40)])))
+    backend = CpuNativeBackend(spec)
+    seq_lens = torch.tensor(lengths)
+    metadata = backend.plan_decode(build_decode_layout(table, torch.arange(len(lengths)), seq_lens))
+    assert metadata.shared_prefix is not None
+    q = torch.randn(len(lengths), HEADS, DIM)
+    new = table[torch.arange(len(lengths)), seq_lens - 1]
+    for layer_window in (None, window):
+        out = backend.decode(
+            LayerInputs(0, q, k_cache[new], v_cache[new], k_cache, v_cache, SCALE, layer_window), metadata
         )
+        for row, n in enumerate(lengths):
+            slots = table[row, :n]
+            expected = _dense(q[row : row + 1], k_cache[slots], v_cache[slots], torch.tensor([n - 1]),
+                              torch.arange(n), layer_window)  # fmt: skip
+            torch.testing.assert_close(out[row : row + 1], expected, atol=1e-5, rtol=1e-5)

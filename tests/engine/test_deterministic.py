@@ -8,7 +8,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from radixserve.runtime.engine import Engine
+from tests.gguf_fixture import write_gguf
 
 PREFIX = [7, 8, 9, 10, 11, 12, 13, 14] * 4  # 32 tokens every prompt starts with
 PROMPTS = [PREFIX + [20 + (i * 13) % 300] + list(range(40, 43 + (i * 7) % 37)) for i in range(32)]
@@ -42,11 +45,33 @@ def _run(engine: Engine, indices: list[int]) -> dict[int, tuple[list[int], Any]]
     }
 
 
+# Every linear of the tiny Qwen3-MoE in Q8_0 blocks, its LM head and experts included (the router and
+# norms stay F32): with fp32 activations, every matmul then runs on a row-invariant kernel.
+MOE_IN_BLOCKS = dict.fromkeys(
+    ["token_embd", "output", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"]
+    + ["ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"],
+    "Q8_0",
+)
+
+
+@pytest.mark.parametrize(
+    ("arch", "dtype"), [("llama", "bfloat16"), ("gemma3", "bfloat16"), ("qwen3_moe", "float32")]
+)
 def test_outputs_and_logprobs_do_not_depend_on_batch_cache_or_chunks(
-    tiny_model_dir: Callable[[str], Path], make_engine: Callable[..., Engine]
+    tiny_model_dir: Callable[[str], Path],
+    make_engine: Callable[..., Engine],
+    tmp_path: Path,
+    arch: str,
+    dtype: str,
 ) -> None:
-    model = tiny_model_dir("llama")
-    engine = make_engine(model, dtype="bfloat16", enable_deterministic_inference=True)
+    """Gemma 3's sliding layers (a 12-token window, prompts of 33-70 tokens) read their windows
+    through the same fixed pieces of the decode kernel, in extend as in decode; Qwen3-MoE (a GGUF
+    of Q8_0 blocks) runs its experts on the row-invariant quantized kernel, routed on the native
+    fp32 router."""
+    model = tiny_model_dir(arch)
+    if arch == "qwen3_moe":
+        model = write_gguf(model, tmp_path / "qwen3moe.gguf", MOE_IN_BLOCKS)
+    engine = make_engine(model, dtype=dtype, enable_deterministic_inference=True)
     everyone = list(range(len(PROMPTS)))
     batched = _run(engine, everyone)
     assert engine.flush_cache()
@@ -60,7 +85,7 @@ def test_outputs_and_logprobs_do_not_depend_on_batch_cache_or_chunks(
     for i in everyone:
         cached |= _run(engine, [i])
     chunked_engine = make_engine(
-        model, dtype="bfloat16", enable_deterministic_inference=True, chunked_prefill_size=16
+        model, dtype=dtype, enable_deterministic_inference=True, chunked_prefill_size=16
     )
     chunked = _run(chunked_engine, everyone[::-1])
     for i in everyone:

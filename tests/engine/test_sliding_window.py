@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from radixserve.config.server_args import InvalidArgumentError, ServerArgs
+from radixserve.config.server_args import ServerArgs
 from radixserve.executor.model_runner import ModelRunner
 from radixserve.executor.runner_config import RunnerConfig
 from radixserve.models.llama import CausalLM
@@ -35,37 +35,37 @@ def _run(
     return results
 
 
+@pytest.mark.parametrize("backend", ["auto", "torch_native"])
 @pytest.mark.parametrize("arch", WINDOWED)
 def test_a_batch_within_and_past_the_window(
     arch: str,
+    backend: str,
     tiny_model_dir: Callable[[str], Path],
     oracle: Callable[[str], GreedyOracle],
     make_engine: Callable[..., Any],
 ) -> None:
     """Prompts shorter than the window, as long, and up to 8x longer, one alone and then together;
-    decode runs every request well past the window, to the model's own context (not the window)."""
-    engine = make_engine(tiny_model_dir(arch))
+    decode runs every request well past the window, to the model's own context (not the window).
+    On cpu_native (auto: the native decode kernel reads each request's window) and torch_native."""
+    engine = make_engine(tiny_model_dir(arch), attention_backend=backend)
     assert engine.context_len == 1024  # max_position_embeddings
     prompts = random_prompts(8, [5, TINY_WINDOW - 1, TINY_WINDOW, TINY_WINDOW + 1, 30, 47, 64, 96], seed=21)
     assert_results_match(_run(engine, prompts[-1:]), prompts[-1:], oracle(arch), MAX_NEW)
     assert_results_match(_run(engine, prompts), prompts, oracle(arch), MAX_NEW)
 
 
-def test_the_runner_takes_torch_native_and_no_fused_loop(
+def test_the_runner_takes_cpu_native_and_no_fused_loop(
     tiny_model_dir: Callable[[str], Path], native_kernels: object
 ) -> None:
-    """The native kernels take no window: auto falls to torch_native and says why, cpu_native
-    asked for by name is refused with the reason; no fused decode loop, no decode cascade."""
+    """The native decode kernel takes a window: auto picks cpu_native; the fused decode loop takes
+    no window, so decode steps run layer by layer."""
     args = {"model_path": str(tiny_model_dir("gemma3")), "max_total_tokens": 256}
     runner = ModelRunner(RunnerConfig.from_server_args(ServerArgs(**args, dtype="bfloat16")))
     described = runner.describe()
-    assert described["attention_backend"] == "torch_native"
-    assert "sliding window" in described["attention_backend_reason"]
-    assert "fused" not in described["decode_path"] and "cascade" not in described["decode_path"]
-    assert runner.context_len == 1024
+    assert described["attention_backend"] == "cpu_native"
+    assert "fused" not in described["decode_path"]
+    assert runner.context_len == 1024 and runner.config.sliding_window == TINY_WINDOW
     assert isinstance(runner.model, CausalLM) and runner.model.fused_decode is None
-    with pytest.raises(InvalidArgumentError, match=r"--attention-backend cpu_native: .*sliding window"):
-        ModelRunner(RunnerConfig.from_server_args(ServerArgs(**args, attention_backend="cpu_native")))
     # A context no longer than the window masks nothing: full attention, on the native paths.
     within = ModelRunner(
         RunnerConfig.from_server_args(ServerArgs(**args, dtype="bfloat16", context_length=TINY_WINDOW))
@@ -111,24 +111,28 @@ def test_radix_hits_whose_prefix_crosses_the_window(
     assert again["output_ids"] == oracle("gemma3").continue_(follow_up, MAX_NEW)
 
 
+@pytest.mark.parametrize("backend", ["auto", "torch_native"])
 @pytest.mark.parametrize("arch", WINDOWED)
 def test_retraction_under_a_tiny_kv_pool(
     arch: str,
+    backend: str,
     tiny_model_dir: Callable[[str], Path],
     oracle: Callable[[str], GreedyOracle],
     make_engine: Callable[..., Any],
 ) -> None:
-    """Requests sent back to the queue and resumed from what the cache kept; decode staging keeps
-    each bucket's K/V between steps and the windowed layers mask it."""
+    """Requests sent back to the queue and resumed from what the cache kept; on torch_native,
+    decode staging keeps each bucket's K/V between steps and the windowed layers mask it."""
     engine = make_engine(
-        tiny_model_dir(arch), max_total_tokens=256, page_size=4, schedule_conservativeness=0.1
-    )
+        tiny_model_dir(arch), max_total_tokens=256, page_size=4, schedule_conservativeness=0.1,
+        attention_backend=backend,
+    )  # fmt: skip
     prompts = random_prompts(8, [20, 25, 30, 18, 22, 27, 31, 19], seed=25)
     max_new = 40
     assert_results_match(_run(engine, prompts, max_new), prompts, oracle(arch), max_new)
     stats = engine.get_stats()
     assert stats["retracted_reqs"] > 0
-    assert stats["decode_staging_appends"] > 0 and stats["decode_staging_refills"] > 1
+    if backend == "torch_native":
+        assert stats["decode_staging_appends"] > 0 and stats["decode_staging_refills"] > 1
 
 
 def test_output_logprobs_match_transformers(

@@ -74,7 +74,8 @@ def test_what_cannot_be_batch_invariant_is_refused_at_startup(
 def test_batch_invariant_inference_refuses_mixture_of_experts_layers(
     tiny_model_dir: Callable[[str], Path], native_kernels: object
 ) -> None:
-    """Their router (and dense experts) run on torch matmuls, which are not batch-invariant."""
+    """In bf16 their router (and dense experts) run on torch matmuls, which are not batch-invariant
+    (fp32 with every expert in blocks is: tests/engine/test_deterministic.py)."""
     moe = tiny_model_dir("qwen3_moe")
     with pytest.raises(InvalidArgumentError, match="Mixture-of-Experts layers run on torch matmuls"):
         _runner(moe, dtype="bfloat16", enable_deterministic_inference=True)

@@ -12,7 +12,7 @@ from radixserve.attention.base import AttentionSpec, LayerInputs
 from radixserve.attention.common import decode_shared_prefix, merge_by_lse
 from radixserve.attention.cpu_native import CpuNativeBackend
 from radixserve.forward.batch import build_decode_layout
-from radixserve.kernels.cpu_ops import CpuKernels, select_cpu_kernels
+from radixserve.kernels.cpu_ops import CpuKernels, SharedPrefixResult, select_cpu_kernels
 from radixserve.layers.activation import silu_and_mul
 from radixserve.layers.norm import RMSNorm
 from radixserve.layers.rotary import Rope, RotaryEmbedding
@@ -103,11 +103,13 @@ def test_ops_decline_what_they_cannot_address(kernels: CpuKernels) -> None:
     assert kernels.handles_decode_attention(9, 3, 64, torch.bfloat16)
 
 
-def reference_decode(q, k_cache, v_cache, table, rows, lens, scale):  # type: ignore[no-untyped-def]
+def reference_decode(q, k_cache, v_cache, table, rows, lens, scale, window=None):  # type: ignore[no-untyped-def]
+    """With a window w, each request attends its last w positions."""
     out = torch.empty_like(q)
     heads, kv_heads = q.shape[1], k_cache.shape[1]
     for b in range(q.shape[0]):
-        slots = table[rows[b], : lens[b]]
+        first = 0 if window is None else max(0, int(lens[b]) - window)
+        slots = table[rows[b], first : lens[b]]
         k = k_cache[slots].transpose(0, 1).float()
         v = v_cache[slots].transpose(0, 1).float()
         qq = q[b].float().view(kv_heads, heads // kv_heads, -1)
@@ -124,6 +126,8 @@ def reference_decode(q, k_cache, v_cache, table, rows, lens, scale):  # type: ig
         (8, 1, 64, [33] * 40),  # many equal requests, one K/V head
         (4, 2, 16, [5, 40, 129]),  # the tiny test models' heads
         (6, 2, 32, [70, 3]),
+        (4, 1, 256, [600, 9]),  # Gemma 3 270M / 1B
+        (8, 4, 256, [130]),  # Gemma 3 4B to 27B
     ],
 )
 def test_decode_attention_matches_sdpa(
@@ -147,6 +151,40 @@ def test_decode_attention_matches_sdpa(
     assert native is not None
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(native, expected, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fixed_pieces", [0, 16])
+def test_decode_attention_within_a_sliding_window(
+    kernels: CpuKernels, dtype: torch.dtype, fixed_pieces: int
+) -> None:
+    """A sliding layer's decode: each request reads its last `window` positions only (contexts
+    shorter than, as long as and longer than the window), also in the batch-invariant pieces; the
+    kernel refuses a window together with a shared prefix."""
+    torch.manual_seed(5)
+    heads, kv_heads, head_dim, window = 4, 2, 64, 48
+    lengths = [5, 47, 48, 49, 300, 1000]
+    k_cache = torch.randn(3000, kv_heads, head_dim, dtype=dtype)
+    v_cache = torch.randn(3000, kv_heads, head_dim, dtype=dtype)
+    table = torch.zeros(len(lengths), 1000, dtype=torch.int64)
+    for row, length in enumerate(lengths):
+        table[row, :length] = torch.randperm(3000)[:length]
+    rows, lens = torch.arange(len(lengths)), torch.tensor(lengths)
+    q = torch.randn(len(lengths), heads, head_dim, dtype=dtype)
+    scale = head_dim**-0.5
+    kernels.set_decode_fixed_pieces(fixed_pieces)
+    try:
+        native = kernels.decode_attention(q, k_cache, v_cache, table, rows, lens, scale, window=window)
+    finally:
+        kernels.set_decode_fixed_pieces(0)
+    assert native is not None
+    expected = reference_decode(q, k_cache, v_cache, table, rows, lens, scale, window)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(native, expected, rtol=tolerance, atol=tolerance)
+    prefix = SharedPrefixResult(
+        4, torch.zeros(kv_heads, len(lengths) * 2, head_dim, dtype=dtype), torch.zeros(1)
+    )
+    assert kernels.decode_attention(q, k_cache, v_cache, table, rows, lens, scale, prefix, window) is None
 
 
 def test_select_torch_loads_nothing() -> None:

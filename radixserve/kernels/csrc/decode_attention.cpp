@@ -3,7 +3,7 @@
 // Why native: a decode query reads its whole context from the pool, where a request's K/V rows lie
 // at the slots of its req_to_token row; this reads them in place (torch would gather them first)
 // and computes the G query heads that share a K/V head together, so each row is read once a step.
-// Its own file: its 64 compiled shapes make it the slowest part of the library to build, and the
+// Its own file: its 68 compiled shapes make it the slowest part of the library to build, and the
 // build compiles the files in parallel.
 //
 // Numerics: fp32 sums in one order per query, fixed by its context (and, with the batch-invariant
@@ -25,7 +25,8 @@ namespace {
 using namespace radixserve_vec;
 
 // ---- Decode attention over the paged KV pool -----------------------------------------------
-// One query token per request; its context is the KV slots req_to_token[row][0 : len). The G
+// One query token per request; its context is the KV slots req_to_token[row][0 : len), or with a
+// sliding window w its last w positions, [max(0, len - w), len) (transformers' convention). The G
 // query heads that share a K/V head are computed together, so each K/V row is read once per step.
 // Online softmax over blocks of kBlock tokens, in fp32, with exp2 on log2(e)-scaled scores.
 // A small batch splits each context into pieces, merged at the end, so that every thread works.
@@ -267,8 +268,11 @@ template <typename T, int G, int DV>
 void decode_attention(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache,
                       const int64_t *req_to_token, int64_t table_stride, const int64_t *req_rows,
                       const int64_t *lens, T *out, int64_t batch, int64_t kv_heads, float scale,
-                      SharedPrefix<T> prefix) {
+                      SharedPrefix<T> prefix, int64_t window) {
     constexpr int64_t D = DV * 16;
+    // The first position request b attends after the shared prefix: its window's start (no window
+    // comes with a shared prefix).
+    const auto first = [&](int64_t b) { return window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0; };
     const int64_t heads = kv_heads * G;
     const float q_scale = scale * 1.4426950408889634f;  // log2(e): softmax through exp2
     const int64_t items = batch * kv_heads;
@@ -278,7 +282,7 @@ void decode_attention(const T *q, int64_t q_stride, const T *k_cache, const T *v
     if (fixed > 0) {
         // Enough pieces for the longest context; shorter ones leave their last pieces empty.
         int64_t longest = 1;
-        for (int64_t b = 0; b < batch; b++) longest = std::max(longest, lens[b] - prefix.length);
+        for (int64_t b = 0; b < batch; b++) longest = std::max(longest, lens[b] - prefix.length - first(b));
         pieces = (longest + fixed - 1) / fixed;
     }
     // Per (request, K/V head, piece) and query: max, sum, then D accumulated values.
@@ -291,13 +295,13 @@ void decode_attention(const T *q, int64_t q_stride, const T *k_cache, const T *v
     for (int64_t work = 0; work < items * pieces; work++) {
         const int64_t item = work / pieces, piece = work % pieces;
         const int64_t b = item / kv_heads, head = item % kv_heads;
-        const int64_t len = lens[b] - prefix.length;
+        const int64_t skip = prefix.length + first(b), len = lens[b] - skip;
         const int64_t step = fixed > 0 ? fixed : std::max(kMinPieceTokens, (len + pieces - 1) / pieces);
         const int64_t begin = std::min(len, piece * step), end = std::min(len, begin + step);
         float *slot = partial.data() + work * G * kStride;
         float max_out[G], sum_out[G];
         attend_range<T, G, DV>(q + b * q_stride + head * G * D, k_cache, v_cache,
-                               req_to_token + req_rows[b] * table_stride + prefix.length, begin, end, kv_heads,
+                               req_to_token + req_rows[b] * table_stride + skip, begin, end, kv_heads,
                                head, q_scale, max_out, sum_out, slot + 2 * G);
         for (int g = 0; g < G; g++) {
             slot[g] = max_out[g];
@@ -339,7 +343,7 @@ void decode_attention(const T *q, int64_t q_stride, const T *k_cache, const T *v
 
 template <typename T>
 using DecodeKernel = void (*)(const T *, int64_t, const T *, const T *, const int64_t *, int64_t, const int64_t *,
-                              const int64_t *, T *, int64_t, int64_t, float, SharedPrefix<T>);
+                              const int64_t *, T *, int64_t, int64_t, float, SharedPrefix<T>, int64_t);
 
 // The compiled (query heads per K/V head, head_dim) shapes; nullptr for any other.
 template <typename T>
@@ -349,8 +353,10 @@ DecodeKernel<T> find_decode_kernel(int64_t group, int64_t head_dim) {
 #define RADIXSERVE_GROUPS(DV)                                                                   \
     RADIXSERVE_CASE(1, DV) RADIXSERVE_CASE(2, DV) RADIXSERVE_CASE(3, DV) RADIXSERVE_CASE(4, DV) \
     RADIXSERVE_CASE(5, DV) RADIXSERVE_CASE(6, DV) RADIXSERVE_CASE(7, DV) RADIXSERVE_CASE(8, DV)
-    // head_dim 16 and 32 are the tiny test models'; 64 and 128 are nearly every served model's.
+    // head_dim 16 and 32 are the tiny test models'; 64 and 128 are nearly every served model's; 256
+    // with 2 or 4 query heads per K/V head is Gemma 3's (270M and 1B: 4; 4B to 27B: 2).
     RADIXSERVE_GROUPS(1) RADIXSERVE_GROUPS(2) RADIXSERVE_GROUPS(4) RADIXSERVE_GROUPS(8)
+    RADIXSERVE_CASE(2, 16) RADIXSERVE_CASE(4, 16)
 #undef RADIXSERVE_GROUPS
 #undef RADIXSERVE_CASE
     return nullptr;
@@ -360,15 +366,16 @@ template <typename T>
 int decode_attention_dispatch(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache,
                               const int64_t *req_to_token, int64_t table_stride, const int64_t *req_rows,
                               const int64_t *lens, T *out, int64_t batch, int64_t heads, int64_t kv_heads,
-                              int64_t head_dim, float scale, SharedPrefix<T> prefix) {
+                              int64_t head_dim, float scale, SharedPrefix<T> prefix, int64_t window) {
     if (kv_heads <= 0 || heads % kv_heads) return 1;
+    if (window > 0 && prefix.length) return 4;  // a shared prefix may lie partly outside a window
     const DecodeKernel<T> kernel = find_decode_kernel<T>(heads / kv_heads, head_dim);
     if (kernel == nullptr) return 2;  // the caller uses torch
     for (int64_t b = 0; b < batch; b++) {
         if (lens[b] <= prefix.length) return 3;  // every request needs a token of its own
     }
     kernel(q, q_stride, k_cache, v_cache, req_to_token, table_stride, req_rows, lens, out, batch, kv_heads, scale,
-           prefix);
+           prefix, window);
     return 0;
 }
 
@@ -382,12 +389,12 @@ int decode_attention_dispatch(const T *q, int64_t q_stride, const T *k_cache, co
         int64_t table_stride, const int64_t *req_rows, const int64_t *lens, T *out, int64_t batch,        \
         int64_t heads, int64_t kv_heads, int64_t head_dim, float scale, int64_t prefix_length,            \
         const T *prefix_out, int64_t prefix_head_stride, int64_t prefix_row_stride,                       \
-        const float *prefix_lse) {                                                                         \
+        const float *prefix_lse, int64_t window) {                                                         \
         const SharedPrefix<T> prefix{prefix_length, prefix_out, prefix_head_stride, prefix_row_stride,    \
                                      prefix_lse};                                                          \
         return decode_attention_dispatch<T>(q, q_stride, k_cache, v_cache, req_to_token, table_stride,   \
                                             req_rows, lens, out, batch, heads, kv_heads, head_dim, scale, \
-                                            prefix);                                                      \
+                                            prefix, window);                                              \
     }
 
 RADIXSERVE_EXPORT_DECODE(uint16_t, bf16)

@@ -47,12 +47,14 @@ int decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k
                           const int64_t *req_to_token, int64_t table_stride, const int64_t *req_rows,
                           const int64_t *lens, uint16_t *out, int64_t batch, int64_t heads, int64_t kv_heads,
                           int64_t head_dim, float scale, int64_t prefix_length, const uint16_t *prefix_out,
-                          int64_t prefix_head_stride, int64_t prefix_row_stride, const float *prefix_lse);
+                          int64_t prefix_head_stride, int64_t prefix_row_stride, const float *prefix_lse,
+                          int64_t window);
 int decode_attention_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                          const int64_t *req_to_token, int64_t table_stride, const int64_t *req_rows,
                          const int64_t *lens, float *out, int64_t batch, int64_t heads, int64_t kv_heads,
                          int64_t head_dim, float scale, int64_t prefix_length, const float *prefix_out,
-                         int64_t prefix_head_stride, int64_t prefix_row_stride, const float *prefix_lse);
+                         int64_t prefix_head_stride, int64_t prefix_row_stride, const float *prefix_lse,
+                         int64_t window);
 void bf16_linear(const uint16_t *x, int64_t x_stride, const uint16_t *packed, uint16_t *out, int64_t out_stride,
                  const uint16_t *bias, const uint16_t *residual, int64_t residual_stride, int64_t m, int64_t n,
                  int64_t k);
@@ -254,7 +256,7 @@ int run_layers(const Step &step, const Layer<T, KV> *layers, int64_t num_layers,
             q_kv, q_kv_stride, w.k_cache, w.v_cache, step.req_to_token, step.table_stride, step.req_rows,
             step.seq_lens, attn_kv, s.batch, s.heads, s.kv_heads, s.head_dim, step.scale, step.prefix_length,
             step.prefix_length ? prefix_out : nullptr, prefix_rows * s.head_dim, s.head_dim,
-            step.prefix_length ? prefix_lse.data() : nullptr);
+            step.prefix_length ? prefix_lse.data() : nullptr, 0);
         if (status) return 200 + status;
         if constexpr (kConverts) convert(attn_kv, attn, attn_size);
         if (linear<T>(step, w.o, attn, q_width, hidden, s.hidden, nullptr, hidden, s.hidden, s.batch, s.hidden,

@@ -133,3 +133,4 @@ def test_expert_layers_run_per_layer_while_recording_or_dense(tiny_model_dir: Ca
     assert expert is not None
     expert.unpack()
     assert not plan.takes(decode)
+    scheduler.check_kv_invariant()

@@ -1,8 +1,8 @@
 // A Mixture-of-Experts layer's routing and the combination of its experts' outputs, around
 // quant_experts (quant_linear.cpp) for experts held in GGUF blocks (models/moe.py).
 //
-// Why native: at decode, a layer's routing and grouping were ~15 torch calls around one expert
-// call, a large share of a step of a small-active-parameter model. The per-layer path
+// Why native: at decode, a layer's routing and grouping on torch would be ~15 calls around one
+// expert call, a large share of a step of a small-active-parameter model. The per-layer path
 // (models/moe.py) and the fused decode loop (fused_decode.cpp) call these same functions, so the two
 // agree bit for bit.
 //
@@ -18,23 +18,22 @@
 #include <algorithm>
 #include <vector>
 
+#include "quant_formats.h"
 #include "vec16.h"
 
 extern "C" int quant_experts(const int64_t *gate_up, const int64_t *down, int64_t experts, const int64_t *offsets,
                              const void *x, int bf16, int64_t k, int64_t inter, void *out, int64_t hidden);
 
-namespace {
-
-constexpr int64_t kLayoutWords = 10;  // one weight's parts layout in int64s (quant_linear.cpp)
-
-}  // namespace
+using quant_formats::kLayoutWords;
 
 // chosen [rows, top_k] and weights [rows, top_k] from router logits [rows, experts] (fp32).
 extern "C" __attribute__((optimize("fp-contract=off"))) void moe_route(const float *logits, int64_t rows,
                                                                       int64_t experts, int64_t top_k, int normalize,
                                                                       int64_t *chosen, float *weights) {
-    std::vector<float> probabilities(static_cast<size_t>(experts));
-    std::vector<char> taken(static_cast<size_t>(experts));
+    static thread_local std::vector<float> probabilities;
+    static thread_local std::vector<char> taken;
+    probabilities.resize(static_cast<size_t>(experts));
+    taken.resize(static_cast<size_t>(experts));
     for (int64_t r = 0; r < rows; ++r) {
         const float *row = logits + r * experts;
         float top = row[0];
@@ -68,7 +67,7 @@ extern "C" __attribute__((optimize("fp-contract=off"))) int moe_experts(
     int64_t inter, void *out, int64_t out_stride) {
     const int64_t entries = rows * top_k, size = bf16 ? 2 : 4;
     if (rows <= 0) return 1;
-    static thread_local std::vector<int64_t> counts, order, used, offsets, gate_up, down;
+    static thread_local std::vector<int64_t> counts, next, order, used, offsets, gate_up, down;
     static thread_local std::vector<char> gathered, results;
     static thread_local std::vector<float> sums;
     // The entries (row, slot) grouped by expert, experts ascending, each expert's rows in order.
@@ -76,10 +75,8 @@ extern "C" __attribute__((optimize("fp-contract=off"))) int moe_experts(
     for (int64_t i = 0; i < entries; ++i) counts[chosen[i] + 1]++;
     for (int64_t e = 0; e < experts; ++e) counts[e + 1] += counts[e];
     order.resize(static_cast<size_t>(entries));
-    {
-        std::vector<int64_t> next(counts.begin(), counts.end() - 1);
-        for (int64_t i = 0; i < entries; ++i) order[next[chosen[i]]++] = i;
-    }
+    next.assign(counts.begin(), counts.end() - 1);
+    for (int64_t i = 0; i < entries; ++i) order[next[chosen[i]]++] = i;
     used.clear(), offsets.assign(1, 0), gate_up.clear(), down.clear();
     for (int64_t e = 0; e < experts; ++e) {
         if (counts[e + 1] == counts[e]) continue;

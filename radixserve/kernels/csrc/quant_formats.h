@@ -241,4 +241,16 @@ void dequantize_row(const uint8_t *row, int64_t k, float *out) {
     }
 }
 
+// A quantized linear's weight stacked from up to kMaxParts packed parts (the q, k and v of a layer can
+// be of different formats), as the caller lays it out in kLayoutWords int64s: part count, then each
+// part's type, rows and address (QuantKernels.parts_layout).
+constexpr int kMaxParts = 3;
+constexpr int64_t kLayoutWords = 1 + 3 * kMaxParts;
+struct QuantParts {
+    int64_t count;
+    int64_t type[kMaxParts];
+    int64_t rows[kMaxParts];
+    const uint8_t *data[kMaxParts];
+};
+
 }  // namespace quant_formats

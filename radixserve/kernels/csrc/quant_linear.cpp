@@ -431,22 +431,36 @@ extern "C" int quant_pack(int type, const uint8_t *w, int64_t n, int64_t row_byt
     return dispatch<PackOp>(type, w, n, row_bytes, k, out) ? 1 : 0;
 }
 
-// A quantized linear's weight stacked from up to kMaxParts packed parts (the q, k and v of a layer can
-// be of different formats), as the caller lays it out in int64s: part count, then each part's type,
-// rows and address.
-constexpr int kMaxParts = 3;
-struct QuantParts {
-    int64_t count;
-    int64_t type[kMaxParts];
-    int64_t rows[kMaxParts];
-    const uint8_t *data[kMaxParts];
-};
+namespace {
 
 // A run of one part's column groups [first, last), and its weight bytes.
 struct PartTask {
     int64_t part, first, last;
     double cost;
 };
+
+// Runs every item (each with a cost) once, in one parallel region (when `parallel`): each thread
+// takes one run of consecutive items of about equal cost, so that it reads one stream of weights,
+// as one matmul's static split reads them (items handed out one by one interleave the threads'
+// streams, and each restarts the prefetch).
+template <class Item, class Run>
+void run_in_runs(const std::vector<Item> &items, bool parallel, const Run &run) {
+    double total = 0.0;
+    for (const Item &item : items) total += item.cost;
+#pragma omp parallel if (parallel)
+    {
+        const double share = total / omp_get_num_threads();
+        const int thread = omp_get_thread_num();
+        double before = 0.0;
+        for (const Item &item : items) {
+            const double middle = before + item.cost / 2;
+            before += item.cost;
+            if (static_cast<int>(middle / share) == thread) run(item);
+        }
+    }
+}
+
+}  // namespace
 
 // out [m, sum of rows] (rows out_stride apart) = x W^T (+ bias) (+ residual, rows residual_stride
 // apart) for W the stacked parts: x is prepared once (in a per-thread buffer) for every part. x, out,
@@ -466,10 +480,11 @@ extern "C" int quant_linear_parts(const int64_t *parts_layout, const void *x, in
     const Activations a = Activations::in(buffer.data(), m, k);
     const int64_t size = bf16 ? 2 : 4;
     Output outputs[kMaxParts];
-    // Every part's column groups in runs of a few (tasks), all of one parallel region: each thread
-    // takes consecutive tasks of about equal bytes, so it reads one stream of weights across parts.
+    // Every part's column groups in runs of a few (tasks), all of one parallel region, so that a
+    // thread's stream of weights runs on across the parts.
     const int threads = omp_get_max_threads();
-    std::vector<PartTask> tasks;
+    static thread_local std::vector<PartTask> tasks;
+    tasks.clear();
     int64_t offset = 0, work = 0;
     for (int64_t p = 0; p < parts.count; ++p) {
         outputs[p] = Output{static_cast<char *>(out) + offset * size,
@@ -490,20 +505,11 @@ extern "C" int quant_linear_parts(const int64_t *parts_layout, const void *x, in
         offset += parts.rows[p];
         work += parts.rows[p];
     }
-    std::vector<double> before(tasks.size() + 1, 0.0);
-    for (size_t i = 0; i < tasks.size(); ++i) before[i + 1] = before[i] + tasks[i].cost;
-    const bool parallel = m * work * (k / 32) >= kParallelWork;
-#pragma omp parallel if (parallel)
-    {
-        const double share = before.back() / omp_get_num_threads();
-        const int thread = omp_get_thread_num();
-        for (size_t i = 0; i < tasks.size(); ++i) {
-            if (static_cast<int>((before[i] + tasks[i].cost / 2) / share) != thread) continue;
-            const PartTask &task = tasks[i];
-            dispatch<GroupsOp>(static_cast<int>(parts.type[task.part]), parts.data[task.part], task.first, task.last,
-                               int64_t{0}, m, &a, &outputs[task.part]);
-        }
-    }
+    // The threads read the calling thread's list (a reference to its thread_local).
+    run_in_runs(tasks, m * work * (k / 32) >= kParallelWork, [&](const PartTask &task) {
+        dispatch<GroupsOp>(static_cast<int>(parts.type[task.part]), parts.data[task.part], task.first, task.last,
+                           int64_t{0}, m, &a, &outputs[task.part]);
+    });
     return 1;
 }
 
@@ -514,8 +520,7 @@ void silu_and_mul_f32(const float *x, int64_t x_stride, float *out, int64_t rows
 
 namespace {
 
-constexpr int64_t kLayoutWords = 1 + 3 * kMaxParts;  // one weight's parts layout, in int64s
-constexpr int64_t kExpertGroups = 4;                 // column groups per work item of an expert pass
+constexpr int64_t kExpertGroups = 4;  // column groups per work item of an expert pass
 
 struct ExpertItem {
     int64_t expert, part, first, last;
@@ -557,19 +562,9 @@ bool expert_pass(const int64_t *layouts, int64_t experts, const int64_t *offsets
             }
         }
     }
-    // Each thread takes one run of consecutive items of about equal cost: one stream of weights a
-    // thread, as the single matmul reads them (interleaved items restart the prefetch at every one).
-    std::vector<double> before(items.size() + 1, 0.0);
-    for (size_t i = 0; i < items.size(); ++i) before[i + 1] = before[i] + items[i].cost;
-#pragma omp parallel
-    {
-        const double share = before.back() / omp_get_num_threads();
-        const int thread = omp_get_thread_num();
-        for (size_t i = 0; i < items.size(); ++i) {
-            if (static_cast<int>((before[i] + items[i].cost / 2) / share) != thread) continue;
-            run_expert_item(items[i], weights[items[i].expert], offsets, a, bf16, out, out_stride);
-        }
-    }
+    run_in_runs(items, true, [&](const ExpertItem &item) {
+        run_expert_item(item, weights[item.expert], offsets, a, bf16, out, out_stride);
+    });
     return true;
 }
 

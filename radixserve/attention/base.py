@@ -172,16 +172,28 @@ class AttentionBackend(ABC):
 
 
 @dataclass
+class WindowCall:
+    """Where the sliding-window layers' K/V lie in window slots (cache/swa_pool.py): the metadata
+    planned for the batch as they address it (forward/batch.py, window_view), and the window slot
+    of each new token."""
+
+    metadata: AttentionMetadata
+    out_cache_loc: torch.Tensor
+
+
+@dataclass
 class AttentionCall:
     """One forward's attention, as the model's layers see it: the new tokens' K/V go into the
     pool, then the backend attends with the metadata it planned for this batch. A pool in another
     dtype than the activations (--kv-cache-dtype) has the backend work in the pool's: q, k and v
-    are rounded to it, and the output comes back in the activations' dtype."""
+    are rounded to it, and the output comes back in the activations' dtype. window: how the
+    sliding layers find their K/V where they lie in window slots (None: by the same slots)."""
 
     backend: AttentionBackend
     metadata: AttentionMetadata
     kv_pool: KVCachePool
     out_cache_loc: torch.Tensor  # the KV slot of each new token
+    window: WindowCall | None = None
 
     def __call__(
         self,
@@ -196,7 +208,10 @@ class AttentionCall:
         activations = q.dtype
         if self.kv_pool.dtype != activations:
             q, k, v = (t.to(self.kv_pool.dtype) for t in (q, k, v))
-        self.kv_pool.write(layer_id, self.out_cache_loc, k, v)
+        metadata, slots = self.metadata, self.out_cache_loc
+        if window is not None and self.window is not None:
+            metadata, slots = self.window.metadata, self.window.out_cache_loc
+        self.kv_pool.write(layer_id, slots, k, v)
         k_cache, v_cache = self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id]
         inputs = LayerInputs(layer_id, q, k, v, k_cache, v_cache, scale, window)
-        return self.backend.forward(inputs, self.metadata).to(activations)
+        return self.backend.forward(inputs, metadata).to(activations)

@@ -139,6 +139,14 @@ class CpuNativeBackend(AttentionBackend):
             staged = self.prefix_staging.prepare(shared, layout.request_ids)
         return CpuDecodeMetadata(ForwardMode.DECODE, layout, shared, staged)
 
+    def plan_window(self, batch: ForwardBatch) -> AttentionMetadata:
+        """The metadata of the sliding-window layers over their window slots (batch: the forward's
+        window_view). Their decode reads each request's window alone, so it shares no prefix."""
+        if batch.mode is ForwardMode.DECODE:
+            assert batch.decode is not None
+            return CpuDecodeMetadata(ForwardMode.DECODE, batch.decode, None, None)
+        return self.plan(batch)
+
     def plan_extend(self, mode: ForwardMode, segments: list[ExtendSegment]) -> ExtendMetadata:
         if not self.batch_invariant:
             return ExtendMetadata(mode, segments)

@@ -74,7 +74,10 @@ class ReqToTokenPool:
 
 
 class KVCachePool:
-    """Per-layer K and V buffers, each ``[num_slots, num_kv_heads, head_dim]``."""
+    """Per-layer K and V buffers, each ``[num_slots, num_kv_heads, head_dim]``.
+
+    window_layers: layers whose K/V are held in window slots (cache/swa_pool.py) rather than in the
+    slots every layer shares; their buffers have one more row, where released positions point."""
 
     def __init__(
         self,
@@ -84,6 +87,7 @@ class KVCachePool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        window_layers: frozenset[int] = frozenset(),
     ) -> None:
         self.num_slots = num_slots
         self.num_layers = num_layers
@@ -91,14 +95,23 @@ class KVCachePool:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
+        self.window_layers = window_layers
         self.k_buffers: list[torch.Tensor] = []
         self.v_buffers: list[torch.Tensor] = []
         self.allocate()
 
     def allocate(self) -> None:
-        shape = (self.num_slots, self.num_kv_heads, self.head_dim)
-        self.k_buffers = [zeros_on_demand(shape, self.dtype, self.device) for _ in range(self.num_layers)]
-        self.v_buffers = [zeros_on_demand(shape, self.dtype, self.device) for _ in range(self.num_layers)]
+        def shape(layer: int) -> tuple[int, int, int]:
+            rows = self.num_slots + (1 if layer in self.window_layers else 0)
+            return (rows, self.num_kv_heads, self.head_dim)
+
+        layers = range(self.num_layers)
+        self.k_buffers = [zeros_on_demand(shape(i), self.dtype, self.device) for i in layers]
+        self.v_buffers = [zeros_on_demand(shape(i), self.dtype, self.device) for i in layers]
+
+    def _check_shared_slots(self, what: str) -> None:
+        if self.window_layers:
+            raise RuntimeError(f"{what} reads every layer by shared slots; window slots have their own")
 
     def release(self) -> None:
         """Frees the buffers (their contents are lost); allocate() brings them back."""
@@ -113,6 +126,7 @@ class KVCachePool:
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Every layer's K/V at slots src copied to slots dst (src read before anything is written)."""
+        self._check_shared_slots("move")
         for buffers in (self.k_buffers, self.v_buffers):
             for buffer in buffers:
                 buffer.index_copy_(0, dst, buffer.index_select(0, src))
@@ -120,6 +134,7 @@ class KVCachePool:
     def read_slots(self, slots: torch.Tensor) -> torch.Tensor:
         """Every layer's K and V at slots, as one tensor [num_layers, 2, len(slots), heads, head_dim]
         (what a lower cache tier keeps of them)."""
+        self._check_shared_slots("read_slots")
         return torch.stack(
             [
                 torch.stack((k.index_select(0, slots), v.index_select(0, slots)))
@@ -129,6 +144,7 @@ class KVCachePool:
 
     def write_slots(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
         """The inverse of read_slots: kv [num_layers, 2, len(slots), heads, head_dim] into slots."""
+        self._check_shared_slots("write_slots")
         for layer, (k, v) in enumerate(zip(self.k_buffers, self.v_buffers, strict=True)):
             k.index_copy_(0, slots, kv[layer, 0].to(self.dtype))
             v.index_copy_(0, slots, kv[layer, 1].to(self.dtype))
@@ -146,6 +162,12 @@ class KVSlotAllocator:
     address a request's KV as a list of pages, and the radix cache relies on it so
     that every tree node (whose boundaries are page aligned) owns whole pages.
     """
+
+    # The sliding window whose layers hold their K/V in window slots (cache/swa_pool.py); None here:
+    # every layer reads a token's K/V at its one slot, and the window hooks below do nothing.
+    window: int | None = None
+    # slot -> window slot (cache/swa_pool.py), what attention translates the slots by; None here.
+    window_map: torch.Tensor | None = None
 
     def __init__(self, num_slots: int, page_size: int = 1, device: torch.device | str = "cpu") -> None:
         if page_size <= 0:
@@ -260,6 +282,25 @@ class KVSlotAllocator:
             mask = torch.tensor(needs_page, dtype=torch.bool, device=self.device)
             out[mask] = self._take_pages(n_new) * ps
         return out
+
+    def release_window(self, slots: torch.Tensor) -> None:
+        """The sliding-window layers' K/V at these slots will not be read again."""
+
+    def window_available(self) -> int | None:
+        """Free window slots (None: the pool has none)."""
+        return None
+
+    def reusable_prefix_len(self, slots: torch.Tensor) -> int:
+        """How many of a cached prefix's positions (these slots) a request can continue from."""
+        return int(slots.numel())
+
+    def adopt_window(self, kept: torch.Tensor, duplicates: torch.Tensor) -> None:
+        """kept[i] (the cache's slot) takes the window K/V of duplicates[i] (a request's slot for the
+        same token, about to be freed) where kept[i] has none."""
+
+    def window_leak(self, held: torch.Tensor) -> str | None:
+        """When idle: what is wrong with the window slots, given every slot the cache holds."""
+        return None
 
     def free(self, slots: torch.Tensor) -> None:
         if slots.numel() == 0:

@@ -109,6 +109,10 @@ class PrefixCache(ABC):
         if slots.numel():
             self.allocator.free(slots)
 
+    def _held_slots(self) -> torch.Tensor:
+        """Every slot the cache holds."""
+        return self._empty()
+
     def _release_req(self, req: CacheableRequest) -> None:
         if req.req_pool_idx is not None:
             self.req_to_token_pool.free(req.req_pool_idx)
@@ -168,6 +172,9 @@ class PrefixCache(ABC):
             problems.append(f"req slots: available {req_avail} != size {req_size}")
         if protected != 0:
             problems.append(f"protected size {protected} != 0 (a lock was not released)")
+        window = self.allocator.window_leak(self._held_slots())
+        if window is not None:
+            problems.append(window)
         if problems:
             raise KVLeakError("; ".join(problems))
 
@@ -256,6 +263,13 @@ class RadixCache(PrefixCache):
     # ---- public API --------------------------------------------------------
 
     def match_prefix(self, key: Sequence[int]) -> MatchResult:
+        match = self._match(key)
+        # Where the sliding layers' K/V of some positions was released, a request can continue
+        # from an earlier length only (cache/swa_pool.py).
+        usable = self.allocator.reusable_prefix_len(match.kv_indices)
+        return match if usable == len(match) else self._match(key[:usable])
+
+    def _match(self, key: Sequence[int]) -> MatchResult:
         keys = list(key[: len(key) - len(key) % self.page_size])
         now = self._tick()
         node = self.root
@@ -406,6 +420,10 @@ class RadixCache(PrefixCache):
         # Recomputed from the tree so it cross-checks the incremental counters.
         return sum(len(n.key) for n in self._iter_nodes())
 
+    def _held_slots(self) -> torch.Tensor:
+        values = [n.value for n in self._iter_nodes()]
+        return torch.cat(values) if values else self._empty()
+
     def _path_key(self, node: TreeNode) -> list[int]:
         """The tokens from the root to the end of node."""
         parts: list[list[int]] = []
@@ -434,9 +452,11 @@ class RadixCache(PrefixCache):
             raise ValueError(f"token_ids has {len(token_ids)} tokens, fewer than kv_len {kv_len}")
         aligned = kv_len - kv_len % self.page_size
         row = self.req_to_token_pool.req_to_token[idx]
-        present = self.insert(token_ids[:aligned], row[:aligned])
+        present, last = self._insert(token_ids[:aligned], row[:aligned])
         # Slots for tokens the tree already had (e.g. another request inserted the same
         # text meanwhile) are duplicates; the tree keeps its own copy.
+        if present > cached_len:
+            self.allocator.adopt_window(self._path_value(last)[cached_len:present], row[cached_len:present])
         self._free_slots(row[cached_len:present])
         self._free_slots(row[aligned:kv_len])
         self.dec_lock_ref(req.last_node)
@@ -455,9 +475,12 @@ class RadixCache(PrefixCache):
         row = self.req_to_token_pool.req_to_token[idx]
         present, new_last = self._insert(token_ids[:aligned], row[:aligned])
         if present > cached_len:
+            kept = self._path_value(new_last)[cached_len:present]
+            # The tree's copies may have released the window K/V this request still reads.
+            self.allocator.adopt_window(kept, row[cached_len:present])
             self._free_slots(row[cached_len:present].clone())
             # Point the row at the tree's copies so attention reads the KV that survives.
-            row[cached_len:present] = self._path_value(new_last)[cached_len:present]
+            row[cached_len:present] = kept
         self.inc_lock_ref(new_last)
         self.dec_lock_ref(req.last_node)
         req.last_node = new_last

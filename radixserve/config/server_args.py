@@ -98,6 +98,9 @@ class ServerArgs:
     mem_fraction_static: float = 0.85
     max_running_requests: int | None = None
     page_size: int = 1
+    # Sliding-window layers keep their K/V in window slots, released once out of every window
+    # (cache/swa_pool.py), where the model has such layers and nothing below refuses it.
+    disable_hybrid_swa_memory: bool = False
     # Tokens of the running requests' K/V that decode attention may keep contiguous between steps,
     # on top of the pool (attention/staging.py). None: a default per device; 0: off.
     decode_staging_tokens: int | None = None
@@ -297,6 +300,21 @@ class ServerArgs:
                 raise InvalidArgumentError(f"--enable-lora does not run with {', '.join(not_with_lora)} yet")
 
     @property
+    def window_memory_refusal(self) -> str | None:
+        """Why sliding-window layers cannot keep their K/V in window slots under these flags (None:
+        they can, where the model and the runner allow it: executor/model_runner.py)."""
+        refusals = [
+            ("--disable-hybrid-swa-memory", self.disable_hybrid_swa_memory),
+            ("--page-size > 1", self.page_size > 1),
+            ("--speculative-algorithm", self.speculative_algorithm is not None),
+            ("--enable-hierarchical-cache", self.enable_hierarchical_cache),
+            ("--disaggregation-mode", self.disaggregation_mode != "null"),
+            ("--pp-size > 1", self.pp_size > 1),
+        ]
+        used = [flag for flag, on in refusals if on]
+        return None if not used else f"not with {', '.join(used)}"
+
+    @property
     def model_ranks(self) -> int:
         """The ranks of one model (replica): tp_size per pipeline stage."""
         return self.tp_size * self.pp_size
@@ -403,6 +421,12 @@ class ServerArgs:
         )
         memory.add_argument("--max-running-requests", type=int)
         memory.add_argument("--page-size", type=int)
+        memory.add_argument(
+            "--disable-hybrid-swa-memory",
+            action="store_true",
+            help="keep sliding-window layers' K/V in the slots every layer shares, for as long as "
+            "the request (by default they are released once out of every window)",
+        )
         memory.add_argument(
             "--decode-staging-tokens",
             type=int,

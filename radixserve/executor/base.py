@@ -43,6 +43,9 @@ class ExecutorInfo:
     is_embedding: bool
     # --pp-size: the scheduler keeps this many micro-batches in flight (forward_pipeline).
     pipeline_stages: int = 1
+    # The window of the sliding layers whose K/V lie in window slots (cache/swa_pool.py): the
+    # scheduler then allocates them (WindowSlotAllocator). None: every layer reads by its slots.
+    window: int | None = None
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,10 @@ from radixserve.attention.base import (
     AttentionBackendUnavailable,
     AttentionCall,
     AttentionSpec,
+    WindowCall,
 )
 from radixserve.attention.cpu_native import CpuNativeBackend
-from radixserve.attention.registry import choose_attention_backend
+from radixserve.attention.registry import BackendChoice, choose_attention_backend
 from radixserve.cache.kv_copy import HostDeviceCopier, KVCopy
 from radixserve.cache.pools import KVCachePool
 from radixserve.config.lora_args import LORA_TARGET_MODULES, lora_refs
@@ -36,7 +37,7 @@ from radixserve.executor.lora_pool import LoraPool
 from radixserve.executor.model_loading import WeightLayout, load_model
 from radixserve.executor.runner_config import RunnerConfig
 from radixserve.executor.weight_formats import keeps_quantized, quantized_kernel_name, weight_bytes
-from radixserve.forward.batch import ForwardBatch
+from radixserve.forward.batch import ForwardBatch, window_view
 from radixserve.kernels.cpu_ops import CpuKernels, select_cpu_kernels
 from radixserve.kernels.native import NativeKernelsUnavailable
 from radixserve.layers.linear import (
@@ -170,6 +171,8 @@ class ModelRunner:
         gathers_kv = choice is not None and choice.backend.gathers_kv
         capacity = kv_capacity(config, self._kv_bytes_per_slot(), self.context_len, self.device, gathers_kv)
         (self.max_total_tokens,) = min_over_ranks([capacity], parallel)
+        # The sliding-window layers whose K/V lie in window slots (cache/swa_pool.py), if any.
+        self.window_layers = self._window_layers(choice)
         self.kv_pool = KVCachePool(
             num_slots=self.max_total_tokens,
             # An encoder keeps no K/V between steps: its slots are only accounting.
@@ -178,6 +181,7 @@ class ModelRunner:
             head_dim=self.config.head_dim,
             dtype=self.kv_dtype,
             device=self.device,
+            window_layers=self.window_layers,
         )
         # The hierarchical cache's copies between this pool and host memory.
         self.kv_copier = HostDeviceCopier(self.device)
@@ -238,6 +242,35 @@ class ModelRunner:
         if problem is not None:
             raise InvalidArgumentError(f"--enable-deterministic-inference cannot hold here: {problem}")
 
+    def _window_layers(self, choice: BackendChoice | None) -> frozenset[int]:
+        """The layers whose K/V lie in window slots, released once out of every window: the
+        sliding ones, where the flags allow it (ServerArgs.window_memory_refusal) and the pool is
+        read in place on a CPU (cpu_native; other backends keep K/V between steps by slot, and on
+        CUDA the pool is reserved whole at start, so releasing saves nothing there). Logged."""
+        config = self.config
+        if not config.sliding_layers or config.sliding_window is None:
+            return frozenset()
+        refusal = self.runner_config.window_memory_refusal
+        if refusal is None and (choice is None or choice.backend is not CpuNativeBackend):
+            refusal = "the attention backend is not cpu_native"
+        if refusal is None and self.device.type != "cpu":
+            refusal = "not on a CPU"
+        layers = frozenset(config.sliding_layers)
+        if refusal is not None:
+            logger.info("sliding-window layers keep their K/V for the whole request: %s", refusal)
+            return frozenset()
+        logger.info(
+            "%d sliding-window layers hold their K/V in window slots, released %d positions behind",
+            len(layers),
+            config.sliding_window,
+        )
+        return layers
+
+    @property
+    def window(self) -> int | None:
+        """The window whose layers hold their K/V in window slots (None: none do)."""
+        return self.config.sliding_window if self.window_layers else None
+
     def _choose_decode_path(self) -> None:
         """Whether decode steps run in the fused native loop: decided when the weights are (re)loaded,
         never per step."""
@@ -265,6 +298,7 @@ class ModelRunner:
             self.device,
             self.is_embedding,
             pipeline_stages=self.parallel.pp_size,
+            window=self.window,
         )
 
     @property
@@ -293,6 +327,8 @@ class ModelRunner:
             "weight_bytes": weight_bytes(self.model, self.quantized_bytes),
             "kv_cache_bytes": self.kv_pool.num_slots * self._kv_bytes_per_slot(),
             "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
+            # The sliding-window layers whose K/V lie in window slots (cache/swa_pool.py).
+            "window_layers": len(self.window_layers),
         }
 
     def _kv_bytes_per_slot(self) -> int:
@@ -500,7 +536,12 @@ class ModelRunner:
             # The LoRA layers of this forward read which rows take which adapter's delta.
             self.lora.set_rows(batch.lora_groups, batch.num_tokens)
         metadata = self.attention.plan(batch)
-        return AttentionCall(self.attention, metadata, self.kv_pool, batch.out_cache_loc)
+        window = None
+        if batch.window_map is not None:
+            assert isinstance(self.attention, CpuNativeBackend)
+            view = window_view(batch)
+            window = WindowCall(self.attention.plan_window(view), view.out_cache_loc)
+        return AttentionCall(self.attention, metadata, self.kv_pool, batch.out_cache_loc, window)
 
     def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 logits for the batch's sample rows, then its logprob rows; and the final

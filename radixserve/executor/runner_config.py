@@ -31,6 +31,9 @@ class RunnerConfig:
     mem_fraction_static: float
     max_running_requests: int | None
     page_size: int
+    # Why sliding-window layers cannot hold their K/V in window slots under the flags (ServerArgs's
+    # property), None where they can.
+    window_memory_refusal: str | None
     decode_staging_tokens: int | None
     # --enable-lora (config/lora_args.py, executor/lora_pool.py).
     enable_lora: bool

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from enum import Enum
 
@@ -78,6 +79,9 @@ class ForwardBatch:
     verify_masks: list[torch.Tensor | None] | None = None
     # --enable-lora: each adapter slot in use and the rows of the requests using it (layers/lora.py).
     lora_groups: list[tuple[int, torch.Tensor]] | None = None
+    # With window slots (cache/swa_pool.py): slot -> window slot, by which the sliding-window
+    # layers find their K/V (the scheduler's table, read as it is when the batch runs).
+    window_map: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -94,3 +98,37 @@ def build_decode_layout(
     that never reuses a slot."""
     ids = req_pool_indices.tolist() if request_ids is None else list(request_ids)
     return DecodeLayout(req_to_token, req_pool_indices, seq_lens, ids)
+
+
+def window_view(batch: ForwardBatch) -> ForwardBatch:
+    """The batch as the sliding-window layers address it when their K/V lie in window slots: every
+    slot (new tokens', prefixes', each decode request's context) read through batch.window_map. A
+    decode layout becomes one row per request, request b's in row b."""
+    table = batch.window_map
+    assert table is not None, "a batch without window slots"
+    segments = None
+    if batch.extend is not None:
+        segments = [
+            ExtendSegment(
+                seg.q_start,
+                seg.q_len,
+                seg.prefix_len,
+                table[seg.prefix_slots],
+                None if seg.context_slots is None else table[seg.context_slots],
+            )
+            for seg in batch.extend
+        ]
+    decode = None
+    if batch.decode is not None:
+        layout = batch.decode
+        longest = int(layout.seq_lens.max()) if layout.batch_size else 0
+        rows = layout.req_to_token[layout.req_pool_indices, :longest]
+        decode = DecodeLayout(
+            table[rows],
+            torch.arange(layout.batch_size, device=rows.device),
+            layout.seq_lens,
+            layout.request_ids,
+        )
+    return dataclasses.replace(
+        batch, out_cache_loc=table[batch.out_cache_loc], extend=segments, decode=decode, window_map=None
+    )

@@ -98,6 +98,7 @@ class CpuKernels:
             for name in (
                 "rms_norm",
                 "silu_and_mul",
+                "gelu_tanh_and_mul",
                 "rotary",
                 "merge_by_lse",
                 "decode_attention",
@@ -168,20 +169,32 @@ class CpuKernels:
         return self._functions.get((name, x.dtype))
 
     @_counted
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
-        """RMSNorm of the rows of a 2-D x, normalized in fp32 and scaled in x's dtype."""
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False
+    ) -> torch.Tensor | None:
+        """RMSNorm of the rows of a 2-D x, normalized in fp32 and scaled in x's dtype; with
+        unit_offset (Gemma's), scaled by 1 + weight in fp32 and rounded once."""
         run = self._function("rms_norm", x)
         if run is None or x.dim() != 2 or x.stride(1) != 1 or weight.dtype != x.dtype:
             return None
         weight = weight.contiguous()
         out = torch.empty(x.shape, dtype=x.dtype)
-        run(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
+        run(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps,
+            int(unit_offset))  # fmt: skip
         return out
 
     @_counted
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up for x = [gate | up] on its last dimension (2-D)."""
-        run = self._function("silu_and_mul", x)
+        return self._gated("silu_and_mul", x)
+
+    @_counted
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """gelu(gate, approximate="tanh") * up for x = [gate | up] on its last dimension (2-D)."""
+        return self._gated("gelu_tanh_and_mul", x)
+
+    def _gated(self, name: str, x: torch.Tensor) -> torch.Tensor | None:
+        run = self._function(name, x)
         if run is None or x.dim() != 2 or x.stride(1) != 1 or x.shape[1] % 2:
             return None
         rows, size = x.shape[0], x.shape[1] // 2
@@ -495,23 +508,32 @@ class CpuKernels:
         quantized: bool = False,
         kv_dtype: torch.dtype | None = None,
         experts: ExpertShape | None = None,
+        local_tables: tuple[torch.Tensor, torch.Tensor] | None = None,
+        unit_offset_norms: bool = False,
+        gelu_tanh: bool = False,
+        window_slots: WindowSlots | None = None,
     ) -> None:
         """Every decoder layer of a decode step, updating hidden ([B, hidden] bf16 or fp32,
-        contiguous) in place. layers: [L, 9] int64 addresses (models/fused_decode.py); positions,
+        contiguous) in place. layers: [L, 18] int64 addresses and values (models/fused_decode.py); positions,
         out_slots, req_rows, seq_lens: per request; cos/sin tables: [positions, head_dim / 2] fp32;
         request b's context is at req_to_token[req_rows[b], :seq_lens[b]]; shared_prefix: the KV
         slots every request's context starts with (cascade, on prefix_attention_kernel's kernel;
         bf16 only), or None. The linears are packed by pack_linear of these kernels (bf16), or,
         when quantized, described by QuantKernels.parts_layout. kv_dtype: the pool's (None: hidden's);
         a bf16 pool under fp32 hidden runs attention in bf16, as AttentionCall does. experts: the
-        shape of the Mixture-of-Experts layers among them (fp32 only; None: dense MLPs only)."""
+        shape of the Mixture-of-Experts layers among them (fp32 only; None: dense MLPs only).
+        local_tables: the cos/sin tables of layers marked to turn on their own (Gemma's sliding
+        layers); unit_offset_norms: every norm scales by 1 + weight; gelu_tanh: GELU-tanh gates the
+        MLPs in place of SiLU (Gemma). window_slots: where the sliding layers' K/V lie in window
+        slots of their own (None: at the same slots as every layer's)."""
         prefix = None if shared_prefix is None else shared_prefix.to(torch.int64).contiguous()
         rows = req_rows.to(torch.int64).contiguous()
         lens = seq_lens.to(torch.int64).contiguous()
         slots = out_slots.to(torch.int64).contiguous()
         positions = positions.to(torch.int64).contiguous()
         table = req_to_token
-        if table.dtype != torch.int64 or table.stride(1) != 1:
+        window = WindowSlots(slots, table, rows) if window_slots is None else window_slots.contiguous()
+        if any(t.dtype != torch.int64 or t.stride(1) != 1 for t in (table, window.req_to_token)):
             raise ValueError("req_to_token must be int64 with contiguous rows")
         batch, size = hidden.shape
         prefix_kernel = self.prefix_attention_kernel(heads, kv_heads, head_dim)
@@ -537,17 +559,37 @@ class CpuKernels:
                 "attention kernel for this head shape for a shared prefix, and fp32 activations over "
                 "quantized experts for Mixture-of-Experts layers"
             )
+        local_cos, local_sin = (cos_table, sin_table) if local_tables is None else local_tables
+        flavor = (1 if unit_offset_norms else 0) | (2 if gelu_tanh else 0)
         status = run(
-            linear_kind, 0 if prefix_kernel == "amx" else 1, layers.data_ptr(),
+            linear_kind, 0 if prefix_kernel == "amx" else 1, flavor, layers.data_ptr(),
             layers.shape[0], hidden.data_ptr(), batch,
             size, intermediate, heads, kv_heads, head_dim, eps, scale, cos_table.data_ptr(),
-            sin_table.data_ptr(), positions.data_ptr(),
+            sin_table.data_ptr(), local_cos.data_ptr(), local_sin.data_ptr(), positions.data_ptr(),
             slots.data_ptr(), table.data_ptr(), table.stride(0), rows.data_ptr(), lens.data_ptr(),
             0 if prefix is None else len(prefix), None if prefix is None else prefix.data_ptr(),
+            window.out_slots.data_ptr(), window.req_to_token.data_ptr(), window.req_to_token.stride(0),
+            window.req_rows.data_ptr(),
             *(experts.as_args() if experts is not None else (0, 0, 0, 0)),
         )  # fmt: skip
         if status != 0:
             raise RuntimeError(f"fused decode failed with status {status}: a bug in its preconditions")
+
+
+@dataclass(frozen=True)
+class WindowSlots:
+    """A decode step's slots as the sliding layers address them where their K/V lie in window
+    slots (radixserve/cache/swa_pool.py): the new tokens', and each request's context in row
+    req_rows[b] of req_to_token."""
+
+    out_slots: torch.Tensor
+    req_to_token: torch.Tensor
+    req_rows: torch.Tensor
+
+    def contiguous(self) -> WindowSlots:
+        return WindowSlots(
+            *(t.to(torch.int64).contiguous() for t in (self.out_slots, self.req_to_token, self.req_rows))
+        )
 
 
 def _rows_of_packed_heads(x: torch.Tensor) -> bool:

@@ -1,7 +1,9 @@
-"""SiLU(gate) * up, on the native kernel where one runs."""
+"""Gated activations, SiLU(gate) * up and GELU-tanh(gate) * up, on the native kernel where one runs."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -12,9 +14,23 @@ if TYPE_CHECKING:
 
 
 def silu_and_mul(gate_up: torch.Tensor, kernels: CpuKernels | None = None) -> torch.Tensor:
-    if kernels is not None:
-        fused = kernels.silu_and_mul(gate_up)
+    return _gated(gate_up, None if kernels is None else kernels.silu_and_mul, F.silu)
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor, kernels: CpuKernels | None = None) -> torch.Tensor:
+    gelu_tanh = functools.partial(F.gelu, approximate="tanh")
+    return _gated(gate_up, None if kernels is None else kernels.gelu_tanh_and_mul, gelu_tanh)
+
+
+def _gated(
+    gate_up: torch.Tensor,
+    native: Callable[[torch.Tensor], torch.Tensor | None] | None,
+    activation: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """activation(gate) * up for gate_up = [gate | up], on the native kernel if it takes it."""
+    if native is not None:
+        fused = native(gate_up)
         if fused is not None:
             return fused
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return activation(gate) * up

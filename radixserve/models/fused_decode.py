@@ -9,7 +9,9 @@ or none, a head shape the decode attention kernel is compiled for, and the cpu_n
 backend. Mixture-of-Experts layers run in it with fp32 activations, every expert held in blocks and
 no shared expert (Qwen3-MoE, Mixtral): the router, the routing and the experts on the same native
 calls as the per-layer path (models/moe.py); a step runs per layer while an expert is dense or
-while the routed experts are being counted (/start_expert_distribution_record). The
+while the routed experts are being counted (/start_expert_distribution_record). Sliding-window
+layers run in it with their windows, and Gemma 3's layers with their own norms, GELU-tanh MLP and
+second rotary base. The
 native loop runs the same kernels in the same order as the per-layer path, so the result is bit for
 bit the same (tests/models/test_fused_decode.py); what goes is the Python
 and dispatch cost of ~15 calls per layer (figures: docs/architecture.md). A step whose requests share
@@ -26,7 +28,7 @@ import torch
 
 from radixserve.attention.base import AttentionCall
 from radixserve.attention.cpu_native import CpuDecodeMetadata
-from radixserve.kernels.cpu_ops import CpuKernels, ExpertShape
+from radixserve.kernels.cpu_ops import CpuKernels, ExpertShape, WindowSlots
 from radixserve.layers.linear import ParallelLinear
 from radixserve.layers.packed_weights import PackedWeight
 from radixserve.layers.quantized import QuantizedWeight
@@ -37,7 +39,10 @@ from radixserve.models.moe import SparseMoE
 @dataclass
 class FusedLayer:
     """One layer's parts the native loop reads, in its order (linears: qkv, o, then a dense MLP's
-    gate/up and down; a Mixture-of-Experts layer has `experts` in their place)."""
+    gate/up and down; a Mixture-of-Experts layer has `experts` in their place). post_norm is the
+    norm before the MLP; attn_out_norm and mlp_out_norm (Gemma's) norm the attention's and the
+    MLP's outputs before they join the residual stream. window: a sliding layer's; local_rope:
+    whether the layer turns on the model's second rotary tables (Gemma's sliding layers)."""
 
     input_norm: torch.Tensor
     qkv_bias: torch.Tensor | None
@@ -46,6 +51,10 @@ class FusedLayer:
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
     experts: SparseMoE | None = None
+    attn_out_norm: torch.Tensor | None = None
+    mlp_out_norm: torch.Tensor | None = None
+    window: int | None = None
+    local_rope: bool = False
 
 
 @dataclass
@@ -68,6 +77,9 @@ class FusedDecodePlan:
     shared_prefix: bool = False
     # The Mixture-of-Experts layers' shape (None: dense MLPs only).
     expert_shape: ExpertShape | None = None
+    # Gemma's: every norm scales by 1 + weight, and GELU-tanh gates the MLP in place of SiLU.
+    unit_offset_norms: bool = False
+    gelu_tanh: bool = False
 
     def __post_init__(self) -> None:
         self.sparse = [layer.experts for layer in self.layers if layer.experts is not None]
@@ -93,10 +105,11 @@ class FusedDecodePlan:
         return int(weight.data.data_ptr())
 
     def pointers(self, attention: AttentionCall) -> torch.Tensor:
-        """[layers, 14] int64 addresses (0: none): input norm, qkv, qkv bias, o, post-attention
-        norm, gate/up, down, K pool, V pool, q norm, k norm, and a Mixture-of-Experts layer's router
-        and its experts' gate/up and down layout tables. Read every step: weights are repacked on
-        updates and the pool is reallocated after a release."""
+        """[layers, 18] int64 (addresses, 0: none): input norm, qkv, qkv bias, o, post-attention
+        norm, gate/up, down, K pool, V pool, q norm, k norm, a Mixture-of-Experts layer's router and
+        its experts' gate/up and down layout tables, the attention's and the MLP's output norms;
+        then the window (0: none) and whether the layer takes the local rotary tables. Read every
+        step: weights are repacked on updates and the pool is reallocated after a release."""
         pool = attention.kv_pool
         rows = []
         for index, layer in enumerate(self.layers):
@@ -111,7 +124,10 @@ class FusedDecodePlan:
                 tables = layer.experts.held.tables(layer.experts.router.shape[0])
                 assert tables is not None  # takes() checked
                 moe = [layer.experts.router.data_ptr(), tables[0].data_ptr(), tables[1].data_ptr()]
-            rows.append([norms[0], qkv, bias, o, norms[1], gate_up, down, k_pool, v_pool, *qk_norms, *moe])
+            out_norms = [0 if n is None else n.data_ptr() for n in (layer.attn_out_norm, layer.mlp_out_norm)]
+            window = [layer.window or 0, int(layer.local_rope)]
+            row = [norms[0], qkv, bias, o, norms[1], gate_up, down, k_pool, v_pool, *qk_norms, *moe]
+            rows.append(row + out_norms + window)
         return torch.tensor(rows, dtype=torch.int64)
 
     def takes(self, attention: AttentionCall) -> bool:
@@ -126,13 +142,23 @@ class FusedDecodePlan:
             moe.routed is None and moe.held.tables(moe.router.shape[0]) is not None for moe in self.sparse
         )
 
-    def run(self, hidden: torch.Tensor, attention: AttentionCall, rope: Rope) -> torch.Tensor:
-        """hidden ([B, hidden] bf16 or fp32) after every decoder layer of a decode step."""
+    def run(
+        self, hidden: torch.Tensor, attention: AttentionCall, rope: Rope, local_rope: Rope | None = None
+    ) -> torch.Tensor:
+        """hidden ([B, hidden] bf16 or fp32) after every decoder layer of a decode step; local_rope:
+        the rotation of the layers marked local_rope."""
         metadata = attention.metadata
         if not isinstance(metadata, CpuDecodeMetadata):
             raise TypeError("the fused decode loop runs with the cpu_native attention backend only")
         layout = metadata.layout
         hidden = hidden.contiguous()
+        window = None
+        if attention.window is not None:
+            # The sliding layers' K/V in window slots (cache/swa_pool.py), as planned for them.
+            view = attention.window.metadata
+            assert isinstance(view, CpuDecodeMetadata)
+            rows = view.layout.req_pool_indices
+            window = WindowSlots(attention.window.out_cache_loc, view.layout.req_to_token, rows)
         self.kernels.fused_decode(
             self.pointers(attention),
             hidden,
@@ -153,5 +179,9 @@ class FusedDecodePlan:
             quantized=self.quantized,
             kv_dtype=self.kv_dtype,
             experts=self.expert_shape,
+            local_tables=None if local_rope is None else (local_rope.cos_table, local_rope.sin_table),
+            unit_offset_norms=self.unit_offset_norms,
+            gelu_tanh=self.gelu_tanh,
+            window_slots=window,
         )
         return hidden

@@ -17,16 +17,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from radixserve.attention.base import AttentionCall
 from radixserve.distributed.parallel import SINGLE, ParallelContext
+from radixserve.layers.activation import gelu_tanh_and_mul
 from radixserve.layers.linear import ColumnParallelLinear, RowParallelLinear
 from radixserve.layers.norm import RMSNorm
 from radixserve.layers.rotary import Rope, RotaryEmbedding
 from radixserve.models.config import ModelConfig
-from radixserve.models.fused_decode import FusedDecodePlan
+from radixserve.models.fused_decode import FusedLayer
 from radixserve.models.llama import Attention, CausalLM
 
 if TYPE_CHECKING:
@@ -35,28 +35,29 @@ if TYPE_CHECKING:
 
 class GemmaRMSNorm(RMSNorm):
     """x / rms(x) * (1 + weight), computed in fp32 and rounded to x's dtype once at the end (the
-    checkpoint's weight is the offset from 1). The native norm kernel scales in the model's dtype,
-    so this one runs on torch ops."""
-
-    def __init__(self, size: int, eps: float, kernels: CpuKernels | None = None):
-        super().__init__(size, eps, None)
+    checkpoint's weight is the offset from 1): the native norm kernel's unit_offset mode, else torch
+    ops."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            fused = self.kernels.rms_norm(x, self.weight, self.eps, unit_offset=True)
+            if fused is not None:
+                return fused
         wide = x.float()
         normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
         return (normed * (1.0 + self.weight.float())).to(x.dtype)
 
 
 class GemmaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, ctx: ParallelContext):
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, kernels: CpuKernels | None):
         super().__init__()
+        self.kernels = kernels
         size = config.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [size, size], bias=False, ctx=ctx)
         self.down_proj = RowParallelLinear(size, config.hidden_size, bias=False, ctx=ctx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        out: torch.Tensor = self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        out: torch.Tensor = self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x), self.kernels))
         return out
 
 
@@ -80,12 +81,12 @@ class Gemma3DecoderLayer(nn.Module):
         super().__init__()
         self.sliding = window is not None
         self.self_attn = Attention(config, layer_id, ctx, kernels, window, norm=GemmaRMSNorm)
-        self.mlp = GemmaMLP(config, ctx)
+        self.mlp = GemmaMLP(config, ctx, kernels)
         size, eps = config.hidden_size, config.rms_norm_eps
-        self.input_layernorm = GemmaRMSNorm(size, eps)
-        self.post_attention_layernorm = GemmaRMSNorm(size, eps)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps)
-        self.post_feedforward_layernorm = GemmaRMSNorm(size, eps)
+        self.input_layernorm = GemmaRMSNorm(size, eps, kernels)
+        self.post_attention_layernorm = GemmaRMSNorm(size, eps, kernels)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps, kernels)
+        self.post_feedforward_layernorm = GemmaRMSNorm(size, eps, kernels)
 
     def forward(self, hidden: torch.Tensor, attention: AttentionCall, ropes: GemmaRopes) -> torch.Tensor:
         rope = ropes.sliding if self.sliding else ropes.full
@@ -95,12 +96,32 @@ class Gemma3DecoderLayer(nn.Module):
         out: torch.Tensor = hidden + self.post_feedforward_layernorm(fed)
         return out
 
+    def fused_layer(self) -> FusedLayer:
+        """This layer's parts as the fused decode loop reads them (the norm before the MLP in
+        post_norm's place, the two output norms, the window and the local rotary tables)."""
+        attn = self.self_attn
+        assert attn.q_norm is not None and attn.k_norm is not None
+        return FusedLayer(
+            input_norm=self.input_layernorm.weight,
+            qkv_bias=attn.qkv_proj.bias,
+            post_norm=self.pre_feedforward_layernorm.weight,
+            linears=(attn.qkv_proj, attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj),
+            q_norm=attn.q_norm.weight,
+            k_norm=attn.k_norm.weight,
+            attn_out_norm=self.post_attention_layernorm.weight,
+            mlp_out_norm=self.post_feedforward_layernorm.weight,
+            window=attn.window,
+            local_rope=self.sliding,
+        )
+
 
 class Gemma3CausalLM(CausalLM):
     """The model's loading, pipeline stages and logits are CausalLM's; its layers, norms, embedding
     scale and rotations are Gemma's."""
 
     norm_class = GemmaRMSNorm
+    unit_offset_norms = True
+    gelu_tanh_mlp = True
 
     def __init__(
         self,
@@ -129,9 +150,8 @@ class Gemma3CausalLM(CausalLM):
             sliding=self.sliding_rotary.lookup(positions, dtype, self.kernels),
         )
 
+    def fused_ropes(self, rope: GemmaRopes) -> tuple[Rope, Rope | None]:
+        return rope.full, rope.sliding
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return super().embed(ids) * self.embed_scale
-
-    def fused_decode_plan(self, kv_dtype: torch.dtype) -> FusedDecodePlan | None:
-        """None: the fused native loop runs Llama's layer (one norm before each half, SiLU, no window)."""
-        return None

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -173,6 +173,31 @@ class DecoderLayer(nn.Module):
         out: torch.Tensor = self.mlp(self.post_attention_layernorm(hidden), residual=hidden)
         return out
 
+    def fused_layer(self) -> FusedLayer:
+        """This layer's parts as the fused decode loop reads them."""
+        attn, mlp = self.self_attn, self.mlp
+        dense = (mlp.gate_up_proj, mlp.down_proj) if isinstance(mlp, MLP) else ()
+        return FusedLayer(
+            input_norm=self.input_layernorm.weight,
+            qkv_bias=attn.qkv_proj.bias,
+            post_norm=self.post_attention_layernorm.weight,
+            linears=(attn.qkv_proj, attn.o_proj, *dense),
+            q_norm=None if attn.q_norm is None else attn.q_norm.weight,
+            k_norm=None if attn.k_norm is None else attn.k_norm.weight,
+            experts=mlp if isinstance(mlp, SparseMoE) else None,
+            window=attn.window,
+        )
+
+
+class FusableLayer(Protocol):
+    """What fused_decode_plan reads of a family's decoder layer (DecoderLayer, Gemma's)."""
+
+    self_attn: Attention
+    mlp: nn.Module
+    input_layernorm: RMSNorm
+
+    def fused_layer(self) -> FusedLayer: ...
+
 
 # checkpoint name → (our module path, shard index within a stacked layer)
 _STACKED = {
@@ -236,6 +261,10 @@ class CausalLM(nn.Module):
 
     # The final norm's class (a family with another norm overrides it, as make_layer).
     norm_class: type[RMSNorm] = RMSNorm
+    # What the fused decode loop runs of a family's layers (Gemma's): norms scaled by 1 + weight,
+    # and GELU-tanh gating the MLP in place of SiLU.
+    unit_offset_norms = False
+    gelu_tanh_mlp = False
 
     def make_layer(
         self, config: ModelConfig, local: int, index: int, ctx: ParallelContext, kernels: CpuKernels | None
@@ -249,6 +278,11 @@ class CausalLM(nn.Module):
         # The native rotary kernel turns whole heads: a partial rotary factor runs on torch ops.
         full_heads = self.config.rotary_dim == self.config.head_dim
         return self.rotary.lookup(positions, dtype, self.kernels if full_heads else None)
+
+    def fused_ropes(self, rope: Any) -> tuple[Rope, Rope | None]:
+        """rope()'s result as the fused decode loop takes it: the rotation of every layer, and that
+        of the layers marked local_rope (None: there are none)."""
+        return rope, None
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The token embeddings of ids (the first stage)."""
@@ -318,7 +352,7 @@ class CausalLM(nn.Module):
         # A verify step of chains runs fused too, when the backend planned it as decode rows.
         as_decode = batch.mode is ForwardMode.DECODE or isinstance(attention.metadata, CpuDecodeMetadata)
         if fused is not None and as_decode and fused.takes(attention):
-            return fused.run(hidden, attention, rope)
+            return fused.run(hidden, attention, *self.fused_ropes(rope))
         for layer in self.layers.values():
             hidden = layer(hidden, attention, rope)
         return hidden
@@ -356,17 +390,14 @@ class CausalLM(nn.Module):
 
     def fused_decode_plan(self, kv_dtype: torch.dtype) -> FusedDecodePlan | None:
         """This model's layers for the fused native decode loop (models/fused_decode.py) over a KV
-        pool of kv_dtype, or None where it cannot run them: no native linear kernel here, q/k norms
-        (Qwen3), a partial rotary factor, tensor parallelism, a head shape without a compiled decode
-        attention kernel, a pool neither in the activations' dtype nor bf16 under fp32, biases on
-        o_proj/down_proj, a sliding-window layer (the native attention takes no window), or a linear
-        the native kernel declined, q/k norms over a projection's whole width (OLMoE), clipped qkv,
+        pool of kv_dtype, or None where it cannot run them: no native linear kernel here, a partial
+        rotary factor, tensor parallelism, a head shape without a compiled decode attention kernel, a
+        pool neither in the activations' dtype nor bf16 under fp32, biases on o_proj/down_proj, a
+        linear the native kernel declined, q/k norms over a projection's whole width (OLMoE), clipped qkv,
         or Mixture-of-Experts layers it cannot run (models/fused_decode.py). Steps whose requests
         share a prefix run in it where a native prefix attention kernel exists for the head shape."""
         kernels, config = self.kernels, self.config
-        if config.sliding_layers:
-            return None
-        layers = cast("list[DecoderLayer]", list(self.layers.values()))
+        layers = cast("list[FusableLayer]", list(self.layers.values()))
         first = layers[0]
         attention = first.self_attn
         dtype = first.input_layernorm.weight.dtype
@@ -380,36 +411,25 @@ class CausalLM(nn.Module):
         fusable = quantized and all(self._fusable(moe) for moe in sparse)
         if sparse and not fusable:
             return None
-        dense = [layer.mlp for layer in layers if isinstance(layer.mlp, MLP)]
+        fused_layers: list[FusedLayer] = [layer.fused_layer() for layer in layers]
+        dense = [layer for layer in fused_layers if layer.experts is None]
         if kv_dtype != dtype and (dtype, kv_dtype) != (torch.float32, torch.bfloat16):
             return None
         if attention.o_proj.ctx.tp_size != 1 or not kernels.handles_decode_attention(
             attention.num_heads, attention.num_kv_heads, config.head_dim, kv_dtype
         ):
             return None
-        if any(layer.self_attn.o_proj.bias is not None for layer in layers) or any(
-            mlp.down_proj.bias is not None for mlp in dense
-        ):
+        # Biases on o_proj or a dense MLP's down_proj (linears[1] and [3]) have no place in the loop.
+        if any(linear.bias is not None for layer in fused_layers for linear in layer.linears[1::2]):
             return None
+        down = dense[0].linears[3] if dense else None
         plan = FusedDecodePlan(
             kernels=kernels,
-            layers=[
-                FusedLayer(
-                    input_norm=layer.input_layernorm.weight,
-                    qkv_bias=layer.self_attn.qkv_proj.bias,
-                    post_norm=layer.post_attention_layernorm.weight,
-                    linears=(layer.self_attn.qkv_proj, layer.self_attn.o_proj)
-                    + ((layer.mlp.gate_up_proj, layer.mlp.down_proj) if isinstance(layer.mlp, MLP) else ()),
-                    q_norm=None if layer.self_attn.q_norm is None else layer.self_attn.q_norm.weight,
-                    k_norm=None if layer.self_attn.k_norm is None else layer.self_attn.k_norm.weight,
-                    experts=layer.mlp if isinstance(layer.mlp, SparseMoE) else None,
-                )
-                for layer in layers
-            ],
+            layers=fused_layers,
             heads=attention.num_heads,
             kv_heads=attention.num_kv_heads,
             head_dim=config.head_dim,
-            intermediate=dense[0].down_proj.local_input if dense else 0,
+            intermediate=down.local_input if isinstance(down, RowParallelLinear) else 0,
             eps=first.input_layernorm.eps,
             scale=attention.scale,
             kv_dtype=kv_dtype,
@@ -422,6 +442,8 @@ class CausalLM(nn.Module):
             )
             if sparse
             else None,
+            unit_offset_norms=self.unit_offset_norms,
+            gelu_tanh=self.gelu_tanh_mlp,
         )
         return plan if plan.ready() else None
 

@@ -29,6 +29,9 @@ from radixserve.scheduler.request import Req
 
 # Admission serials (Req.admission), unique within the process.
 _admissions = itertools.count()
+# A decode step gives a request's window slots back once this many have left its window: one
+# release per request every so many steps rather than every step.
+WINDOW_RELEASE_BATCH = 16
 
 
 class KVExhaustedError(RuntimeError):
@@ -49,6 +52,28 @@ class KVContext:
         shortfall = num_slots - self.allocator.available_size()
         if shortfall > 0:
             self.tree_cache.evict(shortfall)
+
+    def release_window(self, reqs: list[Req], at_least: int = 1) -> None:
+        """With window slots (cache/swa_pool.py): each request's own positions that its next token
+        no longer sees in a window (before kv_len - window + 1) give their window slots back, where
+        at least `at_least` have piled up (a decode step releases in batches). With the radix
+        cache a prompt keeps its window K/V: a later request may continue from any of its
+        positions (a shared system prompt); the tokens a request generates give theirs back."""
+        window = self.allocator.window
+        if window is None:
+            return
+        table = self.req_to_token_pool.req_to_token
+        keeps_prompts = not self.tree_cache.disabled
+        rows: list[torch.Tensor] = []
+        for req in reqs:
+            prompt = len(req.origin_input_ids) if keeps_prompts else 0
+            start = max(req.cached_len, req.window_released, prompt)
+            end = req.kv_len - window + 1
+            if req.req_pool_idx is not None and end - start >= at_least:
+                rows.append(table[req.req_pool_idx, start:end])
+                req.window_released = end
+        if rows:
+            self.allocator.release_window(torch.cat(rows))
 
     def slots_needed_for_decode(self, reqs: list[Req]) -> int:
         page = self.allocator.page_size
@@ -78,7 +103,7 @@ def _assign_request_slot(req: Req, kv: KVContext) -> None:
     kv.req_to_token_pool.req_to_token[idx, :prefix_len] = req.prefix_slots
     req.req_pool_idx = idx
     req.admission = next(_admissions)
-    req.cached_len = req.kv_len = prefix_len
+    req.cached_len = req.kv_len = req.window_released = prefix_len
     req.last_node = req.prefix_node
     # Count only tokens this request did not compute itself earlier (before a retraction or chunk).
     req.cached_tokens += max(0, prefix_len - req.computed_len)
@@ -108,6 +133,7 @@ def build_extend_batch(reqs: list[Req], kv: KVContext) -> ForwardBatch:
     table = kv.req_to_token_pool.req_to_token
     prefix_lens = [r.kv_len for r in reqs]
     extend_lens = [r.extend_len for r in reqs]
+    kv.release_window(reqs, at_least=WINDOW_RELEASE_BATCH)
     out_cache_loc = _allocate_extend(reqs, extend_lens, kv)
 
     input_ids: list[int] = []
@@ -171,6 +197,7 @@ def build_extend_batch(reqs: list[Req], kv: KVContext) -> ForwardBatch:
         extend=segments,
         input_embeds=given_embeds or None,
         lora_groups=lora_groups(reqs, extend_lens, device),
+        window_map=kv.allocator.window_map,
     )
 
 
@@ -181,6 +208,7 @@ def build_decode_batch(reqs: list[Req], kv: KVContext) -> ForwardBatch:
     pool_indices = list_tensor(cast("list[int]", [r.req_pool_idx for r in reqs]), torch.int64, table.device)
     lens = list_tensor(seq_lens, torch.int64, table.device)
     last_locs = table[pool_indices, (lens - 1).clamp(min=0)].tolist()
+    kv.release_window(reqs, at_least=WINDOW_RELEASE_BATCH)
     kv.make_room(kv.slots_needed_for_decode(reqs))
     out_cache_loc = kv.allocator.alloc_decode(seq_lens, last_locs)
     if out_cache_loc is None:
@@ -201,6 +229,7 @@ def build_decode_batch(reqs: list[Req], kv: KVContext) -> ForwardBatch:
         sample_rows=torch.arange(len(reqs), device=device),
         decode=build_decode_layout(table, pool_indices, lens + 1, request_ids=[r.admission for r in reqs]),
         lora_groups=lora_groups(reqs, [1] * len(reqs), device),
+        window_map=kv.allocator.window_map,
     )
 
 

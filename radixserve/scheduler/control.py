@@ -175,6 +175,8 @@ def get_stats(parts: ControlParts, args: dict[str, Any]) -> Reply:
             "context_len": s.context_len,
             "available_tokens": s.kv.allocator.available_size(),
             "evictable_tokens": s.kv.tree_cache.evictable_size(),
+            # Free window slots, where sliding-window layers hold their K/V in them (cache/swa_pool.py).
+            "window_available_tokens": s.kv.allocator.window_available(),
             "token_usage": s.accounting.token_usage(),
             "num_running_reqs": len(s.queues.running),
             "num_waiting_reqs": len(s.queues.waiting),

@@ -124,6 +124,9 @@ class Req:
     admission: int = -1
     cached_len: int = 0
     kv_len: int = 0
+    # With window slots (cache/swa_pool.py): the sliding layers' K/V of this request's own
+    # positions before this one have been released.
+    window_released: int = 0
     # The scheduler passes the cache's root; a node of its own only stands in until then.
     last_node: TreeNode = field(default_factory=TreeNode)
 

@@ -123,7 +123,7 @@ class StepResults:
         for req, sampling in zip(reqs, samples, strict=True):
             if not sampling:
                 # A chunk of a long prompt: publish the computed part so later requests can share it.
-                self.tree_cache.cache_unfinished_req(req, req.cache_ids)
+                self._cache_computed(req)
                 continue
             tokens = next(sampled)
             if req.sampling_params.max_new_tokens == 0:
@@ -144,7 +144,7 @@ class StepResults:
                 publish((req, True))
                 continue
             if prefill and id(req) not in running:
-                self.tree_cache.cache_unfinished_req(req, req.cache_ids)
+                self._cache_computed(req)
                 queues.running.append(req)
             if interval == 1 or unsent_tokens(req) >= interval:
                 publish((req, False))
@@ -152,6 +152,13 @@ class StepResults:
             queues.running = [r for r in queues.running if id(r) not in finished]
         self.stats.generated_tokens += generated
         return decided
+
+    def _cache_computed(self, req: Req) -> None:
+        """The tree takes the request's computed positions; first their window slots go back where
+        the request's next token no longer sees them (cache/swa_pool.py), as the tree keeps what it
+        takes."""
+        self.kv.release_window([req])
+        self.tree_cache.cache_unfinished_req(req, req.cache_ids)
 
     def _append_token(self, req: Req, token: int) -> None:
         req.output_ids.append(token)

@@ -20,6 +20,7 @@ from typing import Any
 
 from radixserve.cache.pools import KVSlotAllocator, ReqToTokenPool
 from radixserve.cache.radix_cache import ChunkCache, PrefixCache, RadixCache
+from radixserve.cache.swa_pool import WindowSlotAllocator
 from radixserve.config.kv_events_args import parse_kv_events_config
 from radixserve.config.server_args import ServerArgs, chunked_prefill_tokens
 from radixserve.distributed.parallel import SINGLE, ParallelContext
@@ -122,7 +123,13 @@ class Scheduler:
         device = info.device
         # One spare request slot: a request being prefilled in chunks is not counted as running.
         self.req_to_token_pool = ReqToTokenPool(max_running + 1, self.context_len + args.page_size, device)
-        self.allocator = KVSlotAllocator(self.max_total_tokens, args.page_size, device)
+        # Sliding-window layers with window slots of their own (cache/swa_pool.py) where the
+        # executor holds them so.
+        self.allocator = (
+            KVSlotAllocator(self.max_total_tokens, args.page_size, device)
+            if info.window is None
+            else WindowSlotAllocator(self.max_total_tokens, info.window, device)
+        )
         events = parse_kv_events_config(args.kv_events_config, ValueError)
         self.kv_events = (
             KVEventPublisher(events, args.page_size, "GPU" if device.type == "cuda" else "CPU", dp_rank)

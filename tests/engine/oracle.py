@@ -73,6 +73,13 @@ class Collected:
     finished_reason: FinishReason | None = None
 
 
+def collect_tokens(outputs: list[object], tokens: dict[str, list[int]]) -> None:
+    """Adds each request's new tokens among a scheduler call's outputs to tokens[rid]."""
+    for out in outputs:
+        if isinstance(out, ReqOutput):
+            tokens.setdefault(out.rid, []).extend(out.new_token_ids)
+
+
 def run_scheduler(scheduler: Scheduler, request: GenerateRequest) -> Collected:
     """Drives an in-process scheduler step by step until the request finishes."""
     result = Collected()

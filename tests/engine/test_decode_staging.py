@@ -12,17 +12,10 @@ from radixserve.attention.torch_native import TorchNativeBackend
 from radixserve.config.server_args import ServerArgs
 from radixserve.protocol.messages import GenerateRequest
 from radixserve.protocol.sampling_params import SamplingParams
-from radixserve.scheduler.outputs import ReqOutput
 from radixserve.scheduler.process import build_scheduler
-from tests.engine.oracle import GREEDY, GreedyOracle, random_prompts
+from tests.engine.oracle import GREEDY, GreedyOracle, collect_tokens, random_prompts
 
 MAX_NEW = 30
-
-
-def _collect(outputs: list[object], tokens: dict[str, list[int]]) -> None:
-    for out in outputs:
-        if isinstance(out, ReqOutput):
-            tokens.setdefault(out.rid, []).extend(out.new_token_ids)
 
 
 @pytest.mark.parametrize("kv_tokens", [4096, 200])
@@ -49,24 +42,24 @@ def test_blocks_outlive_prefills_of_other_requests(
     params = {**GREEDY, "max_new_tokens": MAX_NEW}
     tokens: dict[str, list[int]] = {}
     for i, prompt in enumerate(first):
-        _collect(
+        collect_tokens(
             list(scheduler.handle(GenerateRequest(f"first{i}", prompt, SamplingParams.from_dict(params)))),
             tokens,
         )
     for _ in range(6):
-        _collect(list(scheduler.step()), tokens)
+        collect_tokens(list(scheduler.step()), tokens)
     for i, prompt in enumerate(late):
-        _collect(
+        collect_tokens(
             list(scheduler.handle(GenerateRequest(f"late{i}", prompt, SamplingParams.from_dict(params)))),
             tokens,
         )
-    _collect(list(scheduler.step()), tokens)  # the late requests' prefill
+    collect_tokens(list(scheduler.step()), tokens)  # the late requests' prefill
     appends = staging.appends
-    _collect(list(scheduler.step()), tokens)  # a decode step: the first four's block continues
+    collect_tokens(list(scheduler.step()), tokens)  # a decode step: the first four's block continues
     if kv_tokens > 1000:
         assert staging.appends > appends
     while not scheduler.is_idle:
-        _collect(list(scheduler.step()), tokens)
+        collect_tokens(list(scheduler.step()), tokens)
 
     for name, prompt in [(f"first{i}", p) for i, p in enumerate(first)] + [
         (f"late{i}", p) for i, p in enumerate(late)

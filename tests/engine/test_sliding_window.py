@@ -16,9 +16,13 @@ import torch
 from radixserve.config.server_args import ServerArgs
 from radixserve.executor.model_runner import ModelRunner
 from radixserve.executor.runner_config import RunnerConfig
+from radixserve.kernels.cpu_ops import CpuKernels
 from radixserve.models.llama import CausalLM
+from radixserve.protocol.messages import GenerateRequest
+from radixserve.protocol.sampling_params import SamplingParams
+from radixserve.scheduler.process import build_scheduler
 from tests.conftest import TINY_WINDOW
-from tests.engine.oracle import GREEDY, GreedyOracle, assert_results_match, random_prompts
+from tests.engine.oracle import GREEDY, GreedyOracle, assert_results_match, collect_tokens, random_prompts
 from tests.engine.test_logprobs import TOLERANCE, reference_logprobs
 
 WINDOWED = ["gemma3", "mistral_window"]
@@ -54,18 +58,19 @@ def test_a_batch_within_and_past_the_window(
     assert_results_match(_run(engine, prompts), prompts, oracle(arch), MAX_NEW)
 
 
-def test_the_runner_takes_cpu_native_and_no_fused_loop(
-    tiny_model_dir: Callable[[str], Path], native_kernels: object
+def test_the_runner_takes_cpu_native_and_the_fused_loop(
+    tiny_model_dir: Callable[[str], Path], native_kernels: CpuKernels
 ) -> None:
-    """The native decode kernel takes a window: auto picks cpu_native; the fused decode loop takes
-    no window, so decode steps run layer by layer."""
+    """The native decode kernel and the fused decode loop take a window: auto picks cpu_native,
+    and decode steps run in the fused loop (tests/models/test_fused_decode.py checks its numbers)."""
     args = {"model_path": str(tiny_model_dir("gemma3")), "max_total_tokens": 256}
     runner = ModelRunner(RunnerConfig.from_server_args(ServerArgs(**args, dtype="bfloat16")))
     described = runner.describe()
     assert described["attention_backend"] == "cpu_native"
-    assert "fused" not in described["decode_path"]
     assert runner.context_len == 1024 and runner.config.sliding_window == TINY_WINDOW
-    assert isinstance(runner.model, CausalLM) and runner.model.fused_decode is None
+    assert isinstance(runner.model, CausalLM)
+    if native_kernels.linear_kernel is not None:
+        assert "fused" in described["decode_path"] and runner.model.fused_decode is not None
     # A context no longer than the window masks nothing: full attention, on the native paths.
     within = ModelRunner(
         RunnerConfig.from_server_args(ServerArgs(**args, dtype="bfloat16", context_length=TINY_WINDOW))
@@ -111,21 +116,27 @@ def test_radix_hits_whose_prefix_crosses_the_window(
     assert again["output_ids"] == oracle("gemma3").continue_(follow_up, MAX_NEW)
 
 
-@pytest.mark.parametrize("backend", ["auto", "torch_native"])
-@pytest.mark.parametrize("arch", WINDOWED)
+@pytest.mark.parametrize(
+    ("arch", "backend", "page_size"),
+    [(arch, backend, 4) for arch in WINDOWED for backend in ("auto", "torch_native")]
+    + [("gemma3", "auto", 1)],
+)
 def test_retraction_under_a_tiny_kv_pool(
     arch: str,
     backend: str,
+    page_size: int,
     tiny_model_dir: Callable[[str], Path],
     oracle: Callable[[str], GreedyOracle],
     make_engine: Callable[..., Any],
 ) -> None:
     """Requests sent back to the queue and resumed from what the cache kept; on torch_native,
-    decode staging keeps each bucket's K/V between steps and the windowed layers mask it."""
+    decode staging keeps each bucket's K/V between steps and the windowed layers mask it; with
+    pages of one token, the sliding layers' K/V in window slots, released as generation goes on."""
     engine = make_engine(
-        tiny_model_dir(arch), max_total_tokens=256, page_size=4, schedule_conservativeness=0.1,
+        tiny_model_dir(arch), max_total_tokens=256, page_size=page_size, schedule_conservativeness=0.1,
         attention_backend=backend,
     )  # fmt: skip
+    assert engine.get_stats()["window_layers"] == (2 if page_size == 1 else 0)
     prompts = random_prompts(8, [20, 25, 30, 18, 22, 27, 31, 19], seed=25)
     max_new = 40
     assert_results_match(_run(engine, prompts, max_new), prompts, oracle(arch), max_new)
@@ -181,3 +192,67 @@ def test_speculative_verify_steps(
         assert_results_match(_run(engine, prompts), prompts, oracle("gemma3"), MAX_NEW)
     stats: dict[str, Any] = engine.control("get_stats").payload
     assert stats["spec_accepted_tokens"] >= len(prompts) * MAX_NEW // 2
+
+
+def test_generated_tokens_give_their_window_slots_back(
+    tiny_model_dir: Callable[[str], Path],
+    oracle: Callable[[str], GreedyOracle],
+    make_engine: Callable[..., Any],
+) -> None:
+    """Window slots (cache/swa_pool.py, the default on cpu_native): the sliding layers' K/V of a
+    generated token goes back once it left the window; the tree keeps the full layers' K/V of every
+    token and continues from a prefix only where its last window is alive: the whole conversation
+    for a follow-up, the prompt for a branch inside the released part."""
+    engine = make_engine(tiny_model_dir("gemma3"))
+    assert engine.get_stats()["window_layers"] == 2
+    prompts = random_prompts(3, [20, 30, 9], seed=31)
+    long = 80
+    results = _run(engine, prompts, long)
+    assert_results_match(results, prompts, oracle("gemma3"), long)
+    stats = engine.get_stats()
+    # Idle, the tree holds every token; of each request's generated ones, all but the last window
+    # and one release batch (scheduler/batch.py) hold no window slot.
+    released = stats["window_available_tokens"] - stats["available_tokens"]
+    assert released >= 3 * (long - TINY_WINDOW - 16)
+
+    conversation = prompts[0] + results[0]["output_ids"]
+    follow_up = conversation + [5, 6, 7]
+    (again,) = _run(engine, [follow_up])
+    assert again["meta_info"]["cached_tokens"] >= len(conversation) - 1
+    assert again["output_ids"] == oracle("gemma3").continue_(follow_up, MAX_NEW)
+
+    branch = prompts[1] + results[1]["output_ids"][:50] + [8, 9]
+    (branched,) = _run(engine, [branch])
+    assert branched["meta_info"]["cached_tokens"] == len(prompts[1])
+    assert branched["output_ids"] == oracle("gemma3").continue_(branch, MAX_NEW)
+
+
+def test_without_the_radix_cache_prompt_chunks_give_theirs_back_too(
+    tiny_model_dir: Callable[[str], Path], oracle: Callable[[str], GreedyOracle]
+) -> None:
+    """With nothing cached, a prompt's positions go back at each chunk's end as well: the window
+    slots in use stay near the windows alive, not the tokens held."""
+    scheduler = build_scheduler(
+        ServerArgs(
+            model_path=str(tiny_model_dir("mistral_window")), dtype="float32", max_total_tokens=1024,
+            disable_radix_cache=True, chunked_prefill_size=16, log_level="warning",
+        )
+    )  # fmt: skip
+    allocator = scheduler.kv.allocator
+    prompts, max_new = random_prompts(2, [70, 45], seed=32), 40
+    tokens: dict[str, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        params = SamplingParams.from_dict({**GREEDY, "max_new_tokens": max_new})
+        collect_tokens(list(scheduler.handle(GenerateRequest(f"r{i}", prompt, params))), tokens)
+    held = peak = 0
+    while not scheduler.is_idle:
+        collect_tokens(list(scheduler.step()), tokens)
+        available = allocator.window_available()
+        assert available is not None
+        held = max(held, allocator.total_slots - allocator.available_size())
+        peak = max(peak, allocator.total_slots - available)
+    for i, prompt in enumerate(prompts):
+        assert tokens[f"r{i}"] == oracle("mistral_window").continue_(prompt, max_new)
+    # Each request holds at most its window, a chunk or a release batch, and a token more.
+    assert held >= 70 + max_new - 1 and peak <= 2 * (TINY_WINDOW + 16 + 1)
+    scheduler.check_kv_invariant()

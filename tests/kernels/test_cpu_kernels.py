@@ -13,9 +13,10 @@ from radixserve.attention.common import decode_shared_prefix, merge_by_lse
 from radixserve.attention.cpu_native import CpuNativeBackend
 from radixserve.forward.batch import build_decode_layout
 from radixserve.kernels.cpu_ops import CpuKernels, SharedPrefixResult, select_cpu_kernels
-from radixserve.layers.activation import silu_and_mul
+from radixserve.layers.activation import gelu_tanh_and_mul, silu_and_mul
 from radixserve.layers.norm import RMSNorm
 from radixserve.layers.rotary import Rope, RotaryEmbedding
+from radixserve.models.gemma3 import GemmaRMSNorm
 from tests.kernels.select_in_subprocess import select_with
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -49,6 +50,45 @@ def test_rms_norm_is_bit_identical_to_torch(kernels: CpuKernels, dtype: torch.dt
     native = kernels.rms_norm(x, norm.weight, 1e-5)
     assert native is not None and native.dtype == dtype
     assert torch.equal(native, expected), f"{int((native != expected).sum())} elements differ"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("size", [640, 256, 37])
+def test_gemma_rms_norm_is_bit_identical_to_torch(kernels: CpuKernels, dtype: torch.dtype, size: int) -> None:
+    """unit_offset: Gemma's norm, scaled by 1 + weight in fp32 and rounded once (GemmaRMSNorm's torch
+    ops), over hidden rows (640) and q/k heads (256)."""
+    torch.manual_seed(0)
+    x = (torch.randn(300, size + 3) * torch.rand(300, 1) * 4).to(dtype)[:, :size]
+    norm = GemmaRMSNorm(size, 1e-6)
+    norm.weight.data = torch.randn(size, dtype=dtype)
+    expected = norm(x)  # no kernels: torch ops
+    native = kernels.rms_norm(x, norm.weight, 1e-6, unit_offset=True)
+    assert native is not None and native.dtype == dtype
+    assert torch.equal(native, expected), f"{int((native != expected).sum())} elements differ"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("size", [1536, 40])
+def test_gelu_tanh_and_mul_matches_torch(kernels: CpuKernels, dtype: torch.dtype, size: int) -> None:
+    """GELU's tanh approximation as g / (1 + exp(-2u)): the function within fp32 rounding of its
+    float64 value. (torch's 1 + tanh(u) cancels for negative gates: it is the one further off there,
+    by up to 2e-3 relative, and float64's own 1 + tanh(u) is 0 below u = -19.) In bf16, that value
+    rounded as torch rounds (the activation, then its product with up), but for rare ties and the
+    far negative tail."""
+    torch.manual_seed(1)
+    x = torch.randn(64, 2 * size, dtype=dtype) * 4
+    x[0, :6] = torch.tensor([-100.0, 100.0, 0.0, -0.0, 1e-20, -1e-20])  # exp's overflow and underflow
+    native = gelu_tanh_and_mul(x, kernels)
+    if dtype == torch.float32:
+        exact = gelu_tanh_and_mul(x.double()).float()
+        torch.testing.assert_close(native, exact, rtol=4e-6, atol=1e-6)
+    else:
+        gate, up = x.chunk(2, dim=-1)
+        activated = F.gelu(gate.double(), approximate="tanh").to(dtype)
+        expected = (activated.float() * up.float()).to(dtype)
+        torch.testing.assert_close(native, expected, rtol=8e-3, atol=1e-10)
+        visible = expected.abs() > 1e-10
+        assert mismatch_fraction(native[visible], expected[visible]) < 1e-3
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

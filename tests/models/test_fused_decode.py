@@ -62,6 +62,20 @@ def _run(
     return logits, calls["fused"], plan is not None and plan.shared_prefix
 
 
+def _assert_fused_is_the_layer_loop(
+    model_path: Path, monkeypatch: pytest.MonkeyPatch, args: dict[str, str]
+) -> None:
+    fused, fused_steps, with_prefix = _run(model_path, True, monkeypatch, **args)
+    plain, plain_steps, _ = _run(model_path, False, monkeypatch, **args)
+    # Each wave decodes 5 steps; without a prefix attention kernel the first wave's (shared prefix)
+    # run per layer.
+    assert fused_steps >= 8 if with_prefix else fused_steps == 5
+    assert plain_steps == 0
+    assert len(fused) == len(plain)
+    for step, (a, b) in enumerate(zip(fused, plain, strict=True)):
+        assert torch.equal(a, b), f"step {step}: max |diff| {float((a - b).abs().max())}"
+
+
 def _keep(result: tuple[torch.Tensor, torch.Tensor], into: list[torch.Tensor]) -> Any:
     into.append(result[0].clone())
     return result
@@ -83,14 +97,7 @@ def _keep(result: tuple[torch.Tensor, torch.Tensor], into: list[torch.Tensor]) -
 def test_fused_decode_is_bit_identical_to_the_layer_loop(
     smollm2_gguf_path: Path, monkeypatch: pytest.MonkeyPatch, args: dict[str, str]
 ) -> None:
-    fused, fused_steps, with_prefix = _run(smollm2_gguf_path, True, monkeypatch, **args)
-    plain, plain_steps, _ = _run(smollm2_gguf_path, False, monkeypatch, **args)
-    # Each wave decodes 5 steps; without AMX the first wave's (shared prefix) run per layer.
-    assert fused_steps >= 8 if with_prefix else fused_steps == 5
-    assert plain_steps == 0
-    assert len(fused) == len(plain)
-    for step, (a, b) in enumerate(zip(fused, plain, strict=True)):
-        assert torch.equal(a, b), f"step {step}: max |diff| {float((a - b).abs().max())}"
+    _assert_fused_is_the_layer_loop(smollm2_gguf_path, monkeypatch, args)
 
 
 # Qwen3's q/k norms, and Mixture-of-Experts layers with their experts in blocks (fp32 only): the
@@ -101,12 +108,26 @@ def test_fused_decode_runs_qk_norms_and_quantized_experts_bit_identically(
     tiny_model_dir: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch, arch: str, kv_cache_dtype: str
 ) -> None:
     args = {"dtype": "float32", "quantization": "q8_0", "kv_cache_dtype": kv_cache_dtype}
-    fused, fused_steps, with_prefix = _run(tiny_model_dir(arch), True, monkeypatch, **args)
-    plain, plain_steps, _ = _run(tiny_model_dir(arch), False, monkeypatch, **args)
-    assert fused_steps >= 8 if with_prefix else fused_steps == 5
-    assert plain_steps == 0
-    for step, (a, b) in enumerate(zip(fused, plain, strict=True)):
-        assert torch.equal(a, b), f"step {step}: max |diff| {float((a - b).abs().max())}"
+    _assert_fused_is_the_layer_loop(tiny_model_dir(arch), monkeypatch, args)
+
+
+# Sliding windows (every layer of mistral_window; Gemma 3's sliding layers, which also turn on their
+# own rotary base) and Gemma 3's layers: norms scaled by 1 + weight, the attention's and the MLP's
+# outputs normed before they join the residual stream, GELU-tanh. The prompts run past the window.
+@pytest.mark.parametrize(
+    ("arch", "args"),
+    [
+        ("gemma3", {"dtype": "float32", "quantization": "q8_0"}),
+        ("gemma3", {"dtype": "float32", "quantization": "q8_0", "kv_cache_dtype": "float32"}),
+        ("gemma3", {"dtype": "bfloat16"}),
+        ("mistral_window", {"dtype": "float32", "quantization": "q8_0"}),
+    ],
+    ids=["gemma3-fp32-q8-bf16-kv", "gemma3-fp32-q8-fp32-kv", "gemma3-bf16-dense", "mistral-window"],
+)
+def test_fused_decode_runs_windows_and_gemma_layers_bit_identically(
+    tiny_model_dir: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch, arch: str, args: dict[str, str]
+) -> None:
+    _assert_fused_is_the_layer_loop(tiny_model_dir(arch), monkeypatch, args)
 
 
 def test_expert_layers_run_per_layer_while_recording_or_dense(tiny_model_dir: Callable[[str], Path]) -> None:

@@ -117,9 +117,13 @@ __attribute__((optimize("fp-contract=off"))) float torch_sum_of_squares(const T 
     return total;
 }
 
+//
+// unit_offset (Gemma's RMSNorm): out = (y * (1 + weight.float())).to(T), the scale in fp32 and
+// rounded once, as Gemma's reference scales.
 template <typename T>
 __attribute__((optimize("fp-contract=off"))) void rms_norm(const T *x, int64_t x_stride, const T *weight,
-                                                           T *out, int64_t rows, int64_t size, float eps) {
+                                                           T *out, int64_t rows, int64_t size, float eps,
+                                                           bool unit_offset) {
 #pragma omp parallel for if (rows * size >= kParallelMin)
     for (int64_t r = 0; r < rows; r++) {
         const T *row = x + r * x_stride;
@@ -127,18 +131,29 @@ __attribute__((optimize("fp-contract=off"))) void rms_norm(const T *x, int64_t x
         // mean = sum / size, + eps, then rsqrt as 1 / sqrt: torch's div_, add_ and rsqrt, in fp32.
         const float inv = 1.0f / sqrtf(torch_sum_of_squares(row, size) / static_cast<float>(size) + eps);
         for (int64_t i = 0; i < size; i += kLanes) {
-            const vec normed = as_dtype(load_n(row + i, size - i) * inv, dst);
-            store_n(dst + i, load_n(weight + i, size - i) * normed, size - i);
+            const vec y = load_n(row + i, size - i) * inv;
+            if (unit_offset)
+                store_n(dst + i, y * (load_n(weight + i, size - i) + 1.0f), size - i);
+            else
+                store_n(dst + i, load_n(weight + i, size - i) * as_dtype(y, dst), size - i);
         }
     }
 }
 
-// ---- SiLU(gate) * up -----------------------------------------------------------------------
+// ---- SiLU(gate) * up, GELU-tanh(gate) * up ---------------------------------------------------
 // Reference: silu(gate) = gate / (1 + exp(-gate)) in T, then times up in T. x: [rows, 2 * size].
 
-template <typename T>
-__attribute__((optimize("fp-contract=off"))) void silu_and_mul(const T *x, int64_t x_stride, T *out,
-                                                               int64_t rows, int64_t size) {
+//
+// gelu_tanh_and_mul: GELU's tanh approximation in place of SiLU (Gemma), gelu(g) = g * (1 + tanh(u)) / 2
+// with u = sqrt(2 / pi) * (g + 0.044715 g^3), computed as g / (1 + exp(-2u)): the same function
+// without tanh's cancellation near 0. Within a few fp32 ulps of torch's, not bit for bit.
+
+enum class Gate { kSilu, kGeluTanh };
+
+template <Gate kGate, typename T>
+__attribute__((optimize("fp-contract=off"))) void gated_mul(const T *x, int64_t x_stride, T *out, int64_t rows,
+                                                            int64_t size) {
+    constexpr float kTwoSqrtTwoOverPi = 1.5957691216057308f;  // 2 * sqrt(2 / pi)
 #pragma omp parallel for if (rows * size >= kParallelMin)
     for (int64_t r = 0; r < rows; r++) {
         const T *gate = x + r * x_stride;
@@ -146,8 +161,11 @@ __attribute__((optimize("fp-contract=off"))) void silu_and_mul(const T *x, int64
         T *dst = out + r * size;
         for (int64_t i = 0; i < size; i += kLanes) {
             const vec g = load_n(gate + i, size - i);
-            const vec silu = as_dtype(g / (1.0f + exp_lanes(vec{} - g)), dst);
-            store_n(dst + i, silu * load_n(up + i, size - i), size - i);
+            vec exponent = vec{} - g;
+            if constexpr (kGate == Gate::kGeluTanh)
+                exponent = vec{} - (g + g * g * g * 0.044715f) * kTwoSqrtTwoOverPi;
+            const vec activated = as_dtype(g / (1.0f + exp_lanes(exponent)), dst);
+            store_n(dst + i, activated * load_n(up + i, size - i), size - i);
         }
     }
 }
@@ -218,11 +236,15 @@ void merge_by_lse(const T *out_a, Strides3 sa, const float *lse_a, Strides3 la, 
 
 #define RADIXSERVE_EXPORT(T, SUFFIX)                                                                     \
     extern "C" void rms_norm_##SUFFIX(const T *x, int64_t x_stride, const T *weight, T *out, int64_t rows, \
-                                       int64_t size, float eps) {                                         \
-        rms_norm<T>(x, x_stride, weight, out, rows, size, eps);                                           \
+                                       int64_t size, float eps, int64_t unit_offset) {                    \
+        rms_norm<T>(x, x_stride, weight, out, rows, size, eps, unit_offset != 0);                         \
     }                                                                                                     \
     extern "C" void silu_and_mul_##SUFFIX(const T *x, int64_t x_stride, T *out, int64_t rows, int64_t size) { \
-        silu_and_mul<T>(x, x_stride, out, rows, size);                                                    \
+        gated_mul<Gate::kSilu, T>(x, x_stride, out, rows, size);                                          \
+    }                                                                                                     \
+    extern "C" void gelu_tanh_and_mul_##SUFFIX(const T *x, int64_t x_stride, T *out, int64_t rows,         \
+                                                int64_t size) {                                           \
+        gated_mul<Gate::kGeluTanh, T>(x, x_stride, out, rows, size);                                      \
     }                                                                                                     \
     extern "C" void rotary_##SUFFIX(T *x, int64_t x_stride, int64_t rows, int64_t heads, int64_t dim,      \
                                      const float *cos_table, const float *sin_table,                      \

@@ -9,6 +9,9 @@
 // the new tokens' slots; attention (the prefix all requests share on AMX tiles, the rest by the
 // paged decode kernel, merged by log-sum-exp); hidden += o_proj; RMSNorm; gate/up; SiLU·mul;
 // hidden += down_proj. Qwen3's q/k norms (an RMSNorm per head) run between qkv and the rotary.
+// Gemma 3's layers: every norm scales by 1 + weight, the attention's and the MLP's outputs are normed
+// before they are added, GELU-tanh gates the MLP, and a sliding layer attends its window on rotary
+// tables of its own (a window also skips the shared prefix: it may lie outside the window).
 // A Mixture-of-Experts layer (fp32 only; no shared expert) replaces gate/up, SiLU·mul and down by
 // the same native calls the per-layer path makes (moe.cpp): the router on fp32_linear, moe_route,
 // moe_experts; then hidden += their output.
@@ -34,11 +37,13 @@
 
 extern "C" {
 void rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *weight, uint16_t *out, int64_t rows,
-                   int64_t size, float eps);
+                   int64_t size, float eps, int64_t unit_offset);
 void rms_norm_f32(const float *x, int64_t x_stride, const float *weight, float *out, int64_t rows, int64_t size,
-                  float eps);
+                  float eps, int64_t unit_offset);
 void silu_and_mul_bf16(const uint16_t *x, int64_t x_stride, uint16_t *out, int64_t rows, int64_t size);
 void silu_and_mul_f32(const float *x, int64_t x_stride, float *out, int64_t rows, int64_t size);
+void gelu_tanh_and_mul_bf16(const uint16_t *x, int64_t x_stride, uint16_t *out, int64_t rows, int64_t size);
+void gelu_tanh_and_mul_f32(const float *x, int64_t x_stride, float *out, int64_t rows, int64_t size);
 void rotary_bf16(uint16_t *x, int64_t x_stride, int64_t rows, int64_t heads, int64_t dim, const float *cos_table,
                  const float *sin_table, const int64_t *positions);
 void rotary_f32(float *x, int64_t x_stride, int64_t rows, int64_t heads, int64_t dim, const float *cos_table,
@@ -91,6 +96,9 @@ enum LinearKind : int64_t { kAmx = 0, kBf16 = 1, kQuantized = 2 };
 // the int64 parts layout of quant_linear_parts. KV: the pool's element type. q_norm, k_norm: null
 // without q/k norms. router: null for a dense MLP; else the layer is a Mixture of Experts, its
 // router [experts, hidden] fp32 and its experts' gate_up and down layouts [experts, 10] (moe.cpp).
+// attn_out_norm, mlp_out_norm: Gemma's norms of the attention's and the MLP's outputs before each is
+// added to the residual stream (null: added as they come). window: a sliding layer's window (0: none);
+// local_rope: whether the layer turns on the step's second rotary tables (Gemma's sliding layers).
 template <typename T, typename KV>
 struct Layer {
     const T *input_norm;
@@ -103,6 +111,8 @@ struct Layer {
     const T *q_norm, *k_norm;
     const float *router;
     const int64_t *gate_up_table, *down_table;
+    const T *attn_out_norm, *mlp_out_norm;
+    int64_t window, local_rope;
 };
 
 // n values converted to bf16, rounded as torch's .to() rounds (vec16.h), and back.
@@ -135,6 +145,7 @@ template <>
 struct Ops<uint16_t> {
     static constexpr auto rms_norm = rms_norm_bf16;
     static constexpr auto silu_and_mul = silu_and_mul_bf16;
+    static constexpr auto gelu_tanh_and_mul = gelu_tanh_and_mul_bf16;
     static constexpr auto rotary = rotary_bf16;
     static constexpr auto decode_attention = decode_attention_bf16;
 };
@@ -142,19 +153,30 @@ template <>
 struct Ops<float> {
     static constexpr auto rms_norm = rms_norm_f32;
     static constexpr auto silu_and_mul = silu_and_mul_f32;
+    static constexpr auto gelu_tanh_and_mul = gelu_tanh_and_mul_f32;
     static constexpr auto rotary = rotary_f32;
     static constexpr auto decode_attention = decode_attention_f32;
 };
 
+// The model's norms and MLP gate: kUnitOffsetNorms (Gemma) scales every RMSNorm by 1 + weight;
+// kGeluTanh gates the MLP by GELU's tanh approximation in place of SiLU.
+enum Flavor : int64_t { kUnitOffsetNorms = 1, kGeluTanh = 2 };
+
 struct Step {
-    int64_t linear_kind, prefix_kind;
+    int64_t linear_kind, prefix_kind, flavor;
     float eps, scale;
-    const float *cos_table, *sin_table;
+    const float *cos_table, *sin_table, *local_cos_table, *local_sin_table;
     const int64_t *positions, *out_slots, *req_to_token;
     int64_t table_stride;
     const int64_t *req_rows, *seq_lens;
     int64_t prefix_length;
     const int64_t *prefix_slots;
+    // Where the sliding layers' K/V lie in window slots of their own (radixserve/cache/swa_pool.py):
+    // the new tokens' window slots and each request's context as window slots, in its row of that
+    // table. Else the same as out_slots, req_to_token, table_stride and req_rows.
+    const int64_t *window_out_slots, *window_req_to_token;
+    int64_t window_table_stride;
+    const int64_t *window_req_rows;
 };
 
 template <typename T>
@@ -172,6 +194,18 @@ int linear(const Step &step, const void *w, const T *x, int64_t x_stride, T *out
         return 0;
     }
     return 1;  // packed weights are bf16 only
+}
+
+// x [rows, size] (rows x_stride apart) normed into out by weight, as the model's RMSNorm does.
+template <typename T>
+void norm(const Step &step, const T *x, int64_t x_stride, const T *weight, T *out, int64_t rows, int64_t size) {
+    Ops<T>::rms_norm(x, x_stride, weight, out, rows, size, step.eps, step.flavor & kUnitOffsetNorms);
+}
+
+// hidden += x (n values), added in fp32 and rounded once, as torch adds two tensors of T.
+template <typename T>
+__attribute__((optimize("fp-contract=off"))) void add_to(T *hidden, const T *x, int64_t n) {
+    for (int64_t i = 0; i < n; i += kLanes) store_n(hidden + i, load_n(hidden + i, n - i) + load_n(x + i, n - i), n - i);
 }
 
 template <typename T, typename KV>
@@ -215,23 +249,25 @@ int run_layers(const Step &step, const Layer<T, KV> *layers, int64_t num_layers,
 
     for (int64_t l = 0; l < num_layers; l++) {
         const Layer<T, KV> &w = layers[l];
-        Ops<T>::rms_norm(hidden, s.hidden, w.input_norm, normed, s.batch, s.hidden, step.eps);
+        norm(step, hidden, s.hidden, w.input_norm, normed, s.batch, s.hidden);
         if (linear<T>(step, w.qkv, normed, s.hidden, qkv, qkv_width, w.qkv_bias, nullptr, 0, s.batch, qkv_width,
                       s.hidden))
             return 300;
         if (w.q_norm) {
             for (int64_t b = 0; b < s.batch; b++) {
                 T *row = qkv + b * qkv_width;
-                Ops<T>::rms_norm(row, s.head_dim, w.q_norm, row, s.heads, s.head_dim, step.eps);
-                Ops<T>::rms_norm(row + q_width, s.head_dim, w.k_norm, row + q_width, s.kv_heads, s.head_dim, step.eps);
+                norm(step, row, s.head_dim, w.q_norm, row, s.heads, s.head_dim);
+                norm(step, row + q_width, s.head_dim, w.k_norm, row + q_width, s.kv_heads, s.head_dim);
             }
         }
         // Query and key heads are adjacent: rotated together.
-        Ops<T>::rotary(qkv, qkv_width, s.batch, s.heads + s.kv_heads, s.head_dim, step.cos_table, step.sin_table,
-                       step.positions);
+        Ops<T>::rotary(qkv, qkv_width, s.batch, s.heads + s.kv_heads, s.head_dim,
+                       w.local_rope ? step.local_cos_table : step.cos_table,
+                       w.local_rope ? step.local_sin_table : step.sin_table, step.positions);
+        const int64_t *out_slots = w.window ? step.window_out_slots : step.out_slots;
         for (int64_t b = 0; b < s.batch; b++) {
             const T *row = qkv + b * qkv_width;
-            KV *k_slot = w.k_cache + step.out_slots[b] * kv_width, *v_slot = w.v_cache + step.out_slots[b] * kv_width;
+            KV *k_slot = w.k_cache + out_slots[b] * kv_width, *v_slot = w.v_cache + out_slots[b] * kv_width;
             if constexpr (kConverts) {
                 convert(row, q_kv + b * q_width, q_width);
                 convert(row + q_width, k_slot, kv_width);
@@ -241,7 +277,9 @@ int run_layers(const Step &step, const Layer<T, KV> *layers, int64_t num_layers,
                 memcpy(v_slot, row + q_width + kv_width, kv_width * sizeof(T));
             }
         }
-        if (step.prefix_length) {
+        // A sliding layer reads each request's window alone: the shared prefix may lie outside it.
+        const int64_t prefix_length = w.window ? 0 : step.prefix_length;
+        if (prefix_length) {
             if constexpr (sizeof(KV) == 2) {
                 auto *prefix_attention = step.prefix_kind == 0 ? amx_prefix_attention_bf16 : prefix_attention_bf16;
                 const int status = prefix_attention(q_kv, q_kv_stride, w.k_cache, w.v_cache, kv_width, step.prefix_slots,
@@ -253,16 +291,23 @@ int run_layers(const Step &step, const Layer<T, KV> *layers, int64_t num_layers,
             }
         }
         const int status = Ops<KV>::decode_attention(
-            q_kv, q_kv_stride, w.k_cache, w.v_cache, step.req_to_token, step.table_stride, step.req_rows,
-            step.seq_lens, attn_kv, s.batch, s.heads, s.kv_heads, s.head_dim, step.scale, step.prefix_length,
-            step.prefix_length ? prefix_out : nullptr, prefix_rows * s.head_dim, s.head_dim,
-            step.prefix_length ? prefix_lse.data() : nullptr, 0);
+            q_kv, q_kv_stride, w.k_cache, w.v_cache, w.window ? step.window_req_to_token : step.req_to_token,
+            w.window ? step.window_table_stride : step.table_stride, w.window ? step.window_req_rows : step.req_rows,
+            step.seq_lens, attn_kv, s.batch, s.heads, s.kv_heads, s.head_dim, step.scale, prefix_length,
+            prefix_length ? prefix_out : nullptr, prefix_rows * s.head_dim, s.head_dim,
+            prefix_length ? prefix_lse.data() : nullptr, w.window);
         if (status) return 200 + status;
         if constexpr (kConverts) convert(attn_kv, attn, attn_size);
-        if (linear<T>(step, w.o, attn, q_width, hidden, s.hidden, nullptr, hidden, s.hidden, s.batch, s.hidden,
-                      q_width))
+        if (w.attn_out_norm) {
+            if (linear<T>(step, w.o, attn, q_width, normed, s.hidden, nullptr, nullptr, 0, s.batch, s.hidden, q_width))
+                return 300;
+            norm(step, normed, s.hidden, w.attn_out_norm, normed, s.batch, s.hidden);
+            add_to(hidden, normed, normed_size);
+        } else if (linear<T>(step, w.o, attn, q_width, hidden, s.hidden, nullptr, hidden, s.hidden, s.batch,
+                             s.hidden, q_width)) {
             return 300;
-        Ops<T>::rms_norm(hidden, s.hidden, w.post_norm, normed, s.batch, s.hidden, step.eps);
+        }
+        norm(step, hidden, s.hidden, w.post_norm, normed, s.batch, s.hidden);
         if (w.router) {
             if constexpr (std::is_same_v<T, float>) {
                 fp32_linear(normed, s.hidden, w.router, router_logits.data(), s.experts, nullptr, s.batch, s.experts,
@@ -282,10 +327,18 @@ int run_layers(const Step &step, const Layer<T, KV> *layers, int64_t num_layers,
         if (linear<T>(step, w.gate_up, normed, s.hidden, gate_up, 2 * s.intermediate, nullptr, nullptr, 0, s.batch,
                       2 * s.intermediate, s.hidden))
             return 300;
-        Ops<T>::silu_and_mul(gate_up, 2 * s.intermediate, act, s.batch, s.intermediate);
-        if (linear<T>(step, w.down, act, s.intermediate, hidden, s.hidden, nullptr, hidden, s.hidden, s.batch,
-                      s.hidden, s.intermediate))
+        auto *gate = step.flavor & kGeluTanh ? Ops<T>::gelu_tanh_and_mul : Ops<T>::silu_and_mul;
+        gate(gate_up, 2 * s.intermediate, act, s.batch, s.intermediate);
+        if (w.mlp_out_norm) {
+            if (linear<T>(step, w.down, act, s.intermediate, normed, s.hidden, nullptr, nullptr, 0, s.batch, s.hidden,
+                          s.intermediate))
+                return 300;
+            norm(step, normed, s.hidden, w.mlp_out_norm, normed, s.batch, s.hidden);
+            add_to(hidden, normed, normed_size);
+        } else if (linear<T>(step, w.down, act, s.intermediate, hidden, s.hidden, nullptr, hidden, s.hidden, s.batch,
+                             s.hidden, s.intermediate)) {
             return 300;
+        }
     }
     return 0;
 }
@@ -293,22 +346,27 @@ int run_layers(const Step &step, const Layer<T, KV> *layers, int64_t num_layers,
 }  // namespace
 
 // hidden [batch, hidden] is the residual stream, updated in place. linear_kind: 0 the AMX matmul, 1
-// bf16_linear, 2 quant_linear_parts; prefix_kind: 0 the AMX prefix
-// attention, 1 the vector one. Returns 0; 1 for AMX asked of a build without it; or the failing
+// bf16_linear, 2 quant_linear_parts; prefix_kind: 0 the AMX prefix attention, 1 the vector one;
+// flavor: Flavor's bits; local_cos/sin_table: the rotary tables of layers with local_rope. Returns 0; 1 for AMX asked of a build without it; or the failing
 // kernel's status (the caller checked every condition first, so any is a bug).
 #define RADIXSERVE_FUSED_DECODE(NAME, T, KV)                                                                       \
-    extern "C" int NAME(int64_t linear_kind, int64_t prefix_kind, const Layer<T, KV> *layers,                      \
+    extern "C" int NAME(int64_t linear_kind, int64_t prefix_kind, int64_t flavor, const Layer<T, KV> *layers,     \
                         int64_t num_layers, T *hidden, int64_t batch, int64_t hidden_size, int64_t intermediate,  \
                         int64_t heads, int64_t kv_heads, int64_t head_dim, float eps, float scale,                \
-                        const float *cos_table, const float *sin_table, const int64_t *positions,                 \
+                        const float *cos_table, const float *sin_table, const float *local_cos_table,             \
+                        const float *local_sin_table, const int64_t *positions,                                   \
                         const int64_t *out_slots, const int64_t *req_to_token, int64_t table_stride,              \
                         const int64_t *req_rows, const int64_t *seq_lens, int64_t prefix_length,                  \
-                        const int64_t *prefix_slots, int64_t experts, int64_t top_k, int64_t normalize,           \
+                        const int64_t *prefix_slots, const int64_t *window_out_slots,                             \
+                        const int64_t *window_req_to_token, int64_t window_table_stride,                          \
+                        const int64_t *window_req_rows, int64_t experts, int64_t top_k, int64_t normalize,        \
                         int64_t expert_intermediate) {                                                            \
         if (!amx_allowed(linear_kind, prefix_kind, prefix_length)) return 1;                                     \
-        const Step step{linear_kind, prefix_kind,  eps,          scale,        cos_table, sin_table,             \
-                        positions,   out_slots,    req_to_token, table_stride, req_rows,  seq_lens,              \
-                        prefix_length, prefix_slots};                                                            \
+        const Step step{linear_kind,  prefix_kind,     flavor,          eps,          scale,                   \
+                        cos_table,    sin_table,       local_cos_table, local_sin_table, positions,             \
+                        out_slots,    req_to_token,    table_stride,    req_rows,        seq_lens,              \
+                        prefix_length, prefix_slots, window_out_slots, window_req_to_token,                     \
+                        window_table_stride, window_req_rows};                                                  \
         return run_layers<T, KV>(step, layers, num_layers, hidden,                                               \
                              Shape{batch, hidden_size, intermediate, heads, kv_heads, head_dim, experts, top_k,  \
                                    normalize, expert_intermediate});                                             \

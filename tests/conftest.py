@@ -57,7 +57,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 TINY_ARCHS: tuple[str, ...] = (
     "llama", "qwen2", "qwen3", "mistral", "phi3", "phi3_longrope", "phi3_partial", "qwen3_yarn",
-    "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gemma3", "mistral_window",
+    "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gemma3", "mistral_window", "llama_dynamic",
 )  # fmt: skip
 
 # The tiny models' sliding window (gemma3's sliding layers, every layer of mistral_window): prompts
@@ -201,6 +201,12 @@ def _hf_config(arch: str, vocab_size: int, eos_id: int) -> Any:
             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
             query_pre_attn_scalar=24, tie_word_embeddings=True, pad_token_id=eos_id,
         )  # fmt: skip
+    if arch == "llama_dynamic":
+        # Dynamic NTK scaling from a 20-token context, served to 160: a prompt of 17 decodes past
+        # it, far enough that the plain rotation would pick other tokens.
+        rope = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 8.0}
+        shapes = {**common, "max_position_embeddings": 20}
+        return LlamaConfig(**shapes, tie_word_embeddings=False, rope_parameters=rope)
     if arch == "qwen3_yarn":
         rope = {
             "rope_type": "yarn",

@@ -29,6 +29,8 @@ class RotaryEmbedding(nn.Module):
         attention_factor = 1.0
         if kind == "longrope":
             freqs, attention_factor = _longrope_freqs(positions, base**exponents, scaling or {})
+        elif kind == "dynamic":
+            freqs = _dynamic_ntk_freqs(positions, exponents, base, head_dim, scaling or {})
         else:
             if kind == "yarn":
                 inv_freq, attention_factor = _yarn(inv_freq, base**exponents, head_dim, base, scaling or {})
@@ -112,7 +114,8 @@ def _apply_rope_scaling(inv_freq: torch.Tensor, scaling: dict[str, Any] | None) 
         in_band = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(in_band, blended, scaled)
     raise ValueError(
-        f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3, yarn, longrope)"
+        f"rope scaling type {kind!r} is not supported "
+        "(supported: default, linear, llama3, yarn, longrope, dynamic)"
     )
 
 
@@ -175,3 +178,22 @@ def _longrope_freqs(
     if attention is None:
         attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
     return freqs, float(attention)
+
+
+def _dynamic_ntk_freqs(
+    positions: torch.Tensor, exponents: torch.Tensor, base: float, head_dim: int, scaling: dict[str, Any]
+) -> torch.Tensor:
+    """Dynamic NTK scaling: within the original context the plain rotation; past it, position p
+    turns on the base NTK-scaled for a sequence of p + 1 tokens,
+    base * (factor * (p + 1) / original - (factor - 1)) ** (dim / (dim - 2)). That is what
+    transformers gives a token it computes alone at that position (a decode step, the cached keys
+    keeping their own rotations); its prefill of a prompt longer than the original context turns
+    the whole prompt on that prompt's length's base, which a KV cache shared across lengths cannot
+    follow. The two agree on every sequence within the original context, and on tokens generated
+    one by one past it."""
+    original = int(scaling["original_max_position_embeddings"])
+    factor = float(scaling["factor"])
+    within = torch.outer(positions[:original], 1.0 / (base**exponents))
+    beyond = positions[original:]
+    bases = base * ((factor * (beyond + 1) / original) - (factor - 1)) ** (head_dim / (head_dim - 2))
+    return torch.cat([within, beyond[:, None] * (1.0 / (bases[:, None] ** exponents))])

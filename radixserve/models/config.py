@@ -18,6 +18,7 @@ from radixserve.models.config_fields import (
     parse_sliding_window,
     partial_rotary_factor,
     required_int,
+    served_positions,
 )
 from radixserve.models.errors import ModelLoadError, UnsupportedModelError
 
@@ -340,7 +341,7 @@ class ModelConfig:
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             rope_scaling=scaling,
-            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            max_position_embeddings=served_positions(int(d.get("max_position_embeddings", 2048)), scaling),
             # All four HF config classes default to untied when the key is absent.
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=attention_bias,

@@ -59,7 +59,18 @@ def parse_rope(
         for key in keys:
             if out.get(key) is None and d.get(key) is not None:
                 out[key] = int(d[key])
+    if rope_type == "dynamic":
+        # transformers scales past the config's max_position_embeddings, whatever else it names.
+        out["original_max_position_embeddings"] = int(d.get("max_position_embeddings", 2048))
     return float(theta), out
+
+
+def served_positions(max_position_embeddings: int, scaling: Mapping[str, Any] | None) -> int:
+    """The context a model is served to: its max_position_embeddings, times the factor of dynamic
+    NTK scaling (whose config names the length it scales from, as vLLM and SGLang serve it)."""
+    if scaling is not None and scaling.get("rope_type") == "dynamic":
+        return int(max_position_embeddings * float(scaling["factor"]))
+    return max_position_embeddings
 
 
 _LAYER_TYPES = frozenset({"sliding_attention", "full_attention"})

@@ -21,8 +21,8 @@ def _run(engine: Any, prompts: list[list[int]], max_new: int = MAX_NEW) -> list[
 
 
 # RoPE variants (layers/rotary.py): YaRN, LongRoPE within its original context, a partial rotary
-# factor (Phi-4-mini's).
-SCALED_ARCHS = ["qwen3_yarn", "phi3_longrope", "phi3_partial"]
+# factor (Phi-4-mini's), dynamic NTK decoding past its original context.
+SCALED_ARCHS = ["qwen3_yarn", "phi3_longrope", "phi3_partial", "llama_dynamic"]
 # Mixture of Experts (models/moe.py).
 MOE_ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
 

@@ -72,6 +72,33 @@ def test_longrope_uses_the_short_factors_within_the_original_context_and_the_lon
     torch.testing.assert_close(rotary.sin[original:], long_sin[original:], rtol=1e-6, atol=1e-6)
 
 
+def test_dynamic_ntk_turns_each_position_as_transformers_decodes_it() -> None:
+    """Within the original context the plain rotation; past it, position p on the base transformers
+    computes for a sequence of p + 1 tokens (its decode step at p, seq_len a tensor as there)."""
+    original = 128
+    config = Qwen2Config(
+        hidden_size=HEAD_DIM * 4, num_attention_heads=4, num_key_value_heads=4,
+        max_position_embeddings=original,
+        rope_parameters={"rope_type": "dynamic", "rope_theta": THETA, "factor": 4.0},
+    )  # fmt: skip
+    parsed = ModelConfig.from_hf_dict(config.to_dict())
+    assert parsed.max_position_embeddings == 4 * original  # served to the scaled context
+    rotary = RotaryEmbedding(parsed.head_dim, POSITIONS, parsed.rope_theta, parsed.rope_scaling)
+    cos, sin = transformers_tables(config, "dynamic")  # at init: the original context's base
+    assert torch.equal(rotary.cos[:original], cos[:original]) and torch.equal(
+        rotary.sin[:original], sin[:original]
+    )
+    for position in (original, original + 1, 300, POSITIONS - 1):
+        inv_freq, _ = ROPE_INIT_FUNCTIONS["dynamic"](config, torch.device("cpu"), torch.tensor(position + 1))
+        angles = position * inv_freq.float()
+        # The bases are computed for every position at once, whose pow may round an ulp apart
+        # from transformers' one at a time: within two ulps of the angle.
+        tolerance = 1e-6 + 2.4e-7 * position
+        torch.testing.assert_close(rotary.cos[position], angles.cos(), rtol=0, atol=tolerance)
+        torch.testing.assert_close(rotary.sin[position], angles.sin(), rtol=0, atol=tolerance)
+    assert not torch.allclose(rotary.cos[original:], cos[original:])
+
+
 def test_an_unknown_scaling_is_refused_by_name() -> None:
-    with pytest.raises(ValueError, match="rope scaling type 'dynamic' is not supported"):
-        RotaryEmbedding(HEAD_DIM, POSITIONS, THETA, {"rope_type": "dynamic", "factor": 2.0})
+    with pytest.raises(ValueError, match="rope scaling type 'ntk_by_parts' is not supported"):
+        RotaryEmbedding(HEAD_DIM, POSITIONS, THETA, {"rope_type": "ntk_by_parts", "factor": 2.0})

@@ -206,11 +206,15 @@ class CpuKernels:
     def rotary_(
         self, x: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor
     ) -> bool:
-        """Rotates x ([tokens, heads, dim], half-split layout) in place; False if it did not."""
+        """Rotates x ([tokens, heads, dim], half-split layout) in place; False if it did not. The
+        tables' width (rotary_dim / 2) may cover fewer dimensions than a head (a partial rotary
+        factor): each head's first rotary_dim turn."""
         run = self._function("rotary", x)
+        rotary_dim = 2 * cos_table.shape[-1]
         if (
             run is None
             or not _rows_of_packed_heads(x)
+            or rotary_dim > x.shape[-1]
             or positions.dtype != torch.int64
             or not positions.is_contiguous()
             or cos_table.dtype != torch.float32
@@ -218,8 +222,8 @@ class CpuKernels:
         ):
             return False
         tokens, heads, dim = x.shape
-        run(x.data_ptr(), x.stride(0), tokens, heads, dim, cos_table.data_ptr(), sin_table.data_ptr(),
-            positions.data_ptr())  # fmt: skip
+        run(x.data_ptr(), x.stride(0), tokens, heads, dim, rotary_dim, cos_table.data_ptr(),
+            sin_table.data_ptr(), positions.data_ptr())  # fmt: skip
         return True
 
     @_counted
@@ -515,7 +519,8 @@ class CpuKernels:
     ) -> None:
         """Every decoder layer of a decode step, updating hidden ([B, hidden] bf16 or fp32,
         contiguous) in place. layers: [L, 18] int64 addresses and values (models/fused_decode.py); positions,
-        out_slots, req_rows, seq_lens: per request; cos/sin tables: [positions, head_dim / 2] fp32;
+        out_slots, req_rows, seq_lens: per request; cos/sin tables: [positions, rotary_dim / 2] fp32
+        (rotary_dim below head_dim under a partial rotary factor);
         request b's context is at req_to_token[req_rows[b], :seq_lens[b]]; shared_prefix: the KV
         slots every request's context starts with (cascade, on prefix_attention_kernel's kernel;
         bf16 only), or None. The linears are packed by pack_linear of these kernels (bf16), or,
@@ -563,9 +568,9 @@ class CpuKernels:
         flavor = (1 if unit_offset_norms else 0) | (2 if gelu_tanh else 0)
         status = run(
             linear_kind, 0 if prefix_kernel == "amx" else 1, flavor, layers.data_ptr(),
-            layers.shape[0], hidden.data_ptr(), batch,
-            size, intermediate, heads, kv_heads, head_dim, eps, scale, cos_table.data_ptr(),
-            sin_table.data_ptr(), local_cos.data_ptr(), local_sin.data_ptr(), positions.data_ptr(),
+            layers.shape[0], hidden.data_ptr(), batch, size, intermediate, heads, kv_heads, head_dim,
+            2 * cos_table.shape[1], eps, scale, cos_table.data_ptr(), sin_table.data_ptr(),
+            local_cos.data_ptr(), local_sin.data_ptr(), positions.data_ptr(),
             slots.data_ptr(), table.data_ptr(), table.stride(0), rows.data_ptr(), lens.data_ptr(),
             0 if prefix is None else len(prefix), None if prefix is None else prefix.data_ptr(),
             window.out_slots.data_ptr(), window.req_to_token.data_ptr(), window.req_to_token.stride(0),

@@ -80,7 +80,7 @@ SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "rms_norm": (None, [_P, _I, _P, _P, _I, _I, _F, _I]),
     "silu_and_mul": (None, [_P, _I, _P, _I, _I]),
     "gelu_tanh_and_mul": (None, [_P, _I, _P, _I, _I]),
-    "rotary": (None, [_P, _I, _I, _I, _I, _P, _P, _P]),
+    "rotary": (None, [_P, _I, _I, _I, _I, _I, _P, _P, _P]),
     # per part: its output and 3 leading strides, its lse and 3 strides; then out, n, a, b, dim
     "merge_by_lse": (None, [_P, _I, _I, _I] * 4 + [_P, _I, _I, _I, _I]),
     "decode_attention": (
@@ -88,13 +88,13 @@ SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
         [_P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _F, _I, _P, _I, _I, _P, _I],
     ),
     # linear_kind, prefix_kind, flavor, layers, num_layers, hidden, batch, hidden_size, intermediate,
-    # heads, kv_heads, head_dim, eps, scale, cos, sin, local cos, local sin, positions, out_slots,
+    # heads, kv_heads, head_dim, rotary_dim, eps, scale, cos, sin, local cos, local sin, positions, out_slots,
     # req_to_token, table_stride, req_rows, seq_lens, prefix_length, prefix_slots, the sliding
     # layers' out_slots, req_to_token, table_stride and req_rows, experts, top_k, normalize,
     # expert_intermediate
     "fused_decode": (
         ctypes.c_int,
-        [_I, _I, _I, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _F, _P, _P, _P, _P, _P, _P, _P, _I, _P, _P]
+        [_I, _I, _I, _P, _I, _P, _I, _I, _I, _I, _I, _I, _I, _F, _F, _P, _P, _P, _P, _P, _P, _P, _I, _P, _P]
         + [_I, _P, _P, _P, _I, _P, _I, _I, _I, _I],
     ),
 }

@@ -70,19 +70,18 @@ class Rope:
     def rotate_(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, head_dim] (query heads, key heads, or both stacked), rotated. The native
         kernel rotates x in place; the torch path returns a new tensor. Where the tables cover
-        fewer dimensions than a head (a partial rotary factor), only the leading ones turn, on the
-        torch path (the model passes no kernels then).
+        fewer dimensions than a head (a partial rotary factor), only the leading ones turn.
 
         (x1, x2) → (x1·cos − x2·sin, x2·cos + x1·sin) in four passes over x instead of seven, and
         bit for bit the same: the sign sits in the table, and a + (−b) rounds as a − b."""
-        rotary = 2 * self.cos_table.shape[1]
-        if rotary < x.shape[-1]:
-            turned = self._turn(x[..., :rotary])
-            return torch.cat((turned, x[..., rotary:]), dim=-1)
         if self.kernels is not None and self.kernels.rotary_(
             x, self.cos_table, self.sin_table, self.positions
         ):
             return x
+        rotary = 2 * self.cos_table.shape[1]
+        if rotary < x.shape[-1]:
+            turned = self._turn(x[..., :rotary])
+            return torch.cat((turned, x[..., rotary:]), dim=-1)
         return self._turn(x)
 
     def _turn(self, x: torch.Tensor) -> torch.Tensor:

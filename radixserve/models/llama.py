@@ -275,9 +275,7 @@ class CausalLM(nn.Module):
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> Any:
         """The rotation of one forward's positions that each layer takes."""
-        # The native rotary kernel turns whole heads: a partial rotary factor runs on torch ops.
-        full_heads = self.config.rotary_dim == self.config.head_dim
-        return self.rotary.lookup(positions, dtype, self.kernels if full_heads else None)
+        return self.rotary.lookup(positions, dtype, self.kernels)
 
     def fused_ropes(self, rope: Any) -> tuple[Rope, Rope | None]:
         """rope()'s result as the fused decode loop takes it: the rotation of every layer, and that
@@ -390,8 +388,8 @@ class CausalLM(nn.Module):
 
     def fused_decode_plan(self, kv_dtype: torch.dtype) -> FusedDecodePlan | None:
         """This model's layers for the fused native decode loop (models/fused_decode.py) over a KV
-        pool of kv_dtype, or None where it cannot run them: no native linear kernel here, a partial
-        rotary factor, tensor parallelism, a head shape without a compiled decode attention kernel, a
+        pool of kv_dtype, or None where it cannot run them: no native linear kernel here, tensor
+        parallelism, a head shape without a compiled decode attention kernel, a
         pool neither in the activations' dtype nor bf16 under fp32, biases on o_proj/down_proj, a
         linear the native kernel declined, q/k norms over a projection's whole width (OLMoE), clipped qkv,
         or Mixture-of-Experts layers it cannot run (models/fused_decode.py). Steps whose requests
@@ -403,7 +401,7 @@ class CausalLM(nn.Module):
         dtype = first.input_layernorm.weight.dtype
         quantized = isinstance(attention.qkv_proj.packed, QuantizedWeight)
         linear_kernel = quantized or (kernels is not None and kernels.linear_kernel is not None)
-        if kernels is None or not linear_kernel or config.rotary_dim != config.head_dim:
+        if kernels is None or not linear_kernel:
             return None
         if config.qk_norm_full_width or config.clip_qkv is not None:
             return None

@@ -114,6 +114,7 @@ def test_fused_decode_runs_qk_norms_and_quantized_experts_bit_identically(
 # Sliding windows (every layer of mistral_window; Gemma 3's sliding layers, which also turn on their
 # own rotary base) and Gemma 3's layers: norms scaled by 1 + weight, the attention's and the MLP's
 # outputs normed before they join the residual stream, GELU-tanh. The prompts run past the window.
+# And a partial rotary factor (Phi-4-mini's): each head's leading dimensions turn.
 @pytest.mark.parametrize(
     ("arch", "args"),
     [
@@ -121,10 +122,17 @@ def test_fused_decode_runs_qk_norms_and_quantized_experts_bit_identically(
         ("gemma3", {"dtype": "float32", "quantization": "q8_0", "kv_cache_dtype": "float32"}),
         ("gemma3", {"dtype": "bfloat16"}),
         ("mistral_window", {"dtype": "float32", "quantization": "q8_0"}),
+        ("phi3_partial", {"dtype": "float32", "quantization": "q8_0"}),
     ],
-    ids=["gemma3-fp32-q8-bf16-kv", "gemma3-fp32-q8-fp32-kv", "gemma3-bf16-dense", "mistral-window"],
+    ids=[
+        "gemma3-fp32-q8-bf16-kv",
+        "gemma3-fp32-q8-fp32-kv",
+        "gemma3-bf16-dense",
+        "mistral-window",
+        "phi3-partial",
+    ],
 )
-def test_fused_decode_runs_windows_and_gemma_layers_bit_identically(
+def test_fused_decode_runs_windows_gemma_layers_and_partial_rotary_bit_identically(
     tiny_model_dir: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch, arch: str, args: dict[str, str]
 ) -> None:
     _assert_fused_is_the_layer_loop(tiny_model_dir(arch), monkeypatch, args)

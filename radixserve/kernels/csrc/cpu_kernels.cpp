@@ -172,13 +172,15 @@ __attribute__((optimize("fp-contract=off"))) void gated_mul(const T *x, int64_t 
 
 // ---- Rotary embedding, half-split ("neox") layout, in place --------------------------------
 // Reference, all in T: (x1, x2) -> (x1*cos + x2*(-sin), x2*cos + x1*sin), with cos and sin
-// rounded to T first. x: [rows, heads, dim] rows apart by x_stride; tables: [positions, dim / 2].
+// rounded to T first. x: [rows, heads, dim] rows apart by x_stride; tables: [positions,
+// rotary_dim / 2]. A partial rotary factor (rotary_dim < dim) turns each head's first rotary_dim
+// dimensions (x1, x2 their halves) and leaves the rest.
 
 template <typename T>
 __attribute__((optimize("fp-contract=off"))) void rotary(T *x, int64_t x_stride, int64_t rows, int64_t heads,
-                                                         int64_t dim, const float *cos_table,
+                                                         int64_t dim, int64_t rotary_dim, const float *cos_table,
                                                          const float *sin_table, const int64_t *positions) {
-    const int64_t half = dim / 2;
+    const int64_t half = rotary_dim / 2;
 #pragma omp parallel for if (rows * heads * dim >= kParallelMin)
     for (int64_t r = 0; r < rows; r++) {
         const float *cos_row = cos_table + positions[r] * half;
@@ -247,9 +249,9 @@ void merge_by_lse(const T *out_a, Strides3 sa, const float *lse_a, Strides3 la, 
         gated_mul<Gate::kGeluTanh, T>(x, x_stride, out, rows, size);                                      \
     }                                                                                                     \
     extern "C" void rotary_##SUFFIX(T *x, int64_t x_stride, int64_t rows, int64_t heads, int64_t dim,      \
-                                     const float *cos_table, const float *sin_table,                      \
+                                     int64_t rotary_dim, const float *cos_table, const float *sin_table,  \
                                      const int64_t *positions) {                                          \
-        rotary<T>(x, x_stride, rows, heads, dim, cos_table, sin_table, positions);                        \
+        rotary<T>(x, x_stride, rows, heads, dim, rotary_dim, cos_table, sin_table, positions);            \
     }
 
 RADIXSERVE_EXPORT(uint16_t, bf16)

@@ -44,10 +44,10 @@ void silu_and_mul_bf16(const uint16_t *x, int64_t x_stride, uint16_t *out, int64
 void silu_and_mul_f32(const float *x, int64_t x_stride, float *out, int64_t rows, int64_t size);
 void gelu_tanh_and_mul_bf16(const uint16_t *x, int64_t x_stride, uint16_t *out, int64_t rows, int64_t size);
 void gelu_tanh_and_mul_f32(const float *x, int64_t x_stride, float *out, int64_t rows, int64_t size);
-void rotary_bf16(uint16_t *x, int64_t x_stride, int64_t rows, int64_t heads, int64_t dim, const float *cos_table,
-                 const float *sin_table, const int64_t *positions);
-void rotary_f32(float *x, int64_t x_stride, int64_t rows, int64_t heads, int64_t dim, const float *cos_table,
-                const float *sin_table, const int64_t *positions);
+void rotary_bf16(uint16_t *x, int64_t x_stride, int64_t rows, int64_t heads, int64_t dim, int64_t rotary_dim,
+                 const float *cos_table, const float *sin_table, const int64_t *positions);
+void rotary_f32(float *x, int64_t x_stride, int64_t rows, int64_t heads, int64_t dim, int64_t rotary_dim,
+                const float *cos_table, const float *sin_table, const int64_t *positions);
 int decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                           const int64_t *req_to_token, int64_t table_stride, const int64_t *req_rows,
                           const int64_t *lens, uint16_t *out, int64_t batch, int64_t heads, int64_t kv_heads,
@@ -132,7 +132,9 @@ inline void convert(const uint16_t *from, float *to, int64_t n) {
 }
 
 struct Shape {
-    int64_t batch, hidden, intermediate, heads, kv_heads, head_dim;
+    // rotary_dim: the dimensions of each head the rotary turns (fewer than head_dim under a partial
+    // rotary factor).
+    int64_t batch, hidden, intermediate, heads, kv_heads, head_dim, rotary_dim;
     // Mixture-of-Experts layers: experts, experts per token, whether their weights are
     // renormalized, and each expert's intermediate size.
     int64_t experts, top_k, normalize, expert_intermediate;
@@ -261,7 +263,7 @@ int run_layers(const Step &step, const Layer<T, KV> *layers, int64_t num_layers,
             }
         }
         // Query and key heads are adjacent: rotated together.
-        Ops<T>::rotary(qkv, qkv_width, s.batch, s.heads + s.kv_heads, s.head_dim,
+        Ops<T>::rotary(qkv, qkv_width, s.batch, s.heads + s.kv_heads, s.head_dim, s.rotary_dim,
                        w.local_rope ? step.local_cos_table : step.cos_table,
                        w.local_rope ? step.local_sin_table : step.sin_table, step.positions);
         const int64_t *out_slots = w.window ? step.window_out_slots : step.out_slots;
@@ -352,7 +354,8 @@ int run_layers(const Step &step, const Layer<T, KV> *layers, int64_t num_layers,
 #define RADIXSERVE_FUSED_DECODE(NAME, T, KV)                                                                       \
     extern "C" int NAME(int64_t linear_kind, int64_t prefix_kind, int64_t flavor, const Layer<T, KV> *layers,     \
                         int64_t num_layers, T *hidden, int64_t batch, int64_t hidden_size, int64_t intermediate,  \
-                        int64_t heads, int64_t kv_heads, int64_t head_dim, float eps, float scale,                \
+                        int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t rotary_dim, float eps,         \
+                        float scale,                                                                              \
                         const float *cos_table, const float *sin_table, const float *local_cos_table,             \
                         const float *local_sin_table, const int64_t *positions,                                   \
                         const int64_t *out_slots, const int64_t *req_to_token, int64_t table_stride,              \
@@ -368,8 +371,8 @@ int run_layers(const Step &step, const Layer<T, KV> *layers, int64_t num_layers,
                         prefix_length, prefix_slots, window_out_slots, window_req_to_token,                     \
                         window_table_stride, window_req_rows};                                                  \
         return run_layers<T, KV>(step, layers, num_layers, hidden,                                               \
-                             Shape{batch, hidden_size, intermediate, heads, kv_heads, head_dim, experts, top_k,  \
-                                   normalize, expert_intermediate});                                             \
+                             Shape{batch, hidden_size, intermediate, heads, kv_heads, head_dim, rotary_dim,      \
+                                   experts, top_k, normalize, expert_intermediate});                             \
     }
 
 namespace {

@@ -171,7 +171,7 @@ def _hf_config(arch: str, vocab_size: int, eos_id: int) -> Any:
         # Every layer sparse; 6 experts, 2 a token, not renormalized; a gated shared expert.
         return Qwen2MoeConfig(
             **common, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
-            shared_expert_intermediate_size=48, tie_word_embeddings=False, use_sliding_window=False,
+            shared_expert_intermediate_size=64, tie_word_embeddings=False, use_sliding_window=False,
         )  # fmt: skip
     if arch == "mixtral":
         # Every layer sparse: 4 experts of intermediate_size, 2 a token (renormalized).

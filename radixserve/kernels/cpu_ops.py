@@ -53,15 +53,17 @@ class SharedPrefixResult:
 @dataclass(frozen=True)
 class ExpertShape:
     """The Mixture-of-Experts layers of a fused decode loop: experts per layer, experts per token,
-    whether their weights are renormalized to sum to 1, and each expert's intermediate size."""
+    whether their weights are renormalized to sum to 1, each expert's intermediate size, and the
+    shared expert's (0: none)."""
 
     experts: int
     top_k: int
     normalize: bool
     intermediate: int
+    shared_intermediate: int = 0
 
-    def as_args(self) -> tuple[int, int, int, int]:
-        return self.experts, self.top_k, int(self.normalize), self.intermediate
+    def as_args(self) -> tuple[int, int, int, int, int]:
+        return self.experts, self.top_k, int(self.normalize), self.intermediate, self.shared_intermediate
 
 
 _Op = TypeVar("_Op", bound=Callable[..., Any])
@@ -575,7 +577,7 @@ class CpuKernels:
             0 if prefix is None else len(prefix), None if prefix is None else prefix.data_ptr(),
             window.out_slots.data_ptr(), window.req_to_token.data_ptr(), window.req_to_token.stride(0),
             window.req_rows.data_ptr(),
-            *(experts.as_args() if experts is not None else (0, 0, 0, 0)),
+            *(experts.as_args() if experts is not None else (0, 0, 0, 0, 0)),
         )  # fmt: skip
         if status != 0:
             raise RuntimeError(f"fused decode failed with status {status}: a bug in its preconditions")

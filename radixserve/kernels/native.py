@@ -91,11 +91,11 @@ SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     # heads, kv_heads, head_dim, rotary_dim, eps, scale, cos, sin, local cos, local sin, positions, out_slots,
     # req_to_token, table_stride, req_rows, seq_lens, prefix_length, prefix_slots, the sliding
     # layers' out_slots, req_to_token, table_stride and req_rows, experts, top_k, normalize,
-    # expert_intermediate
+    # expert_intermediate, shared_intermediate
     "fused_decode": (
         ctypes.c_int,
         [_I, _I, _I, _P, _I, _P, _I, _I, _I, _I, _I, _I, _I, _F, _F, _P, _P, _P, _P, _P, _P, _P, _I, _P, _P]
-        + [_I, _P, _P, _P, _I, _P, _I, _I, _I, _I],
+        + [_I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I],
     ),
 }
 DTYPE_SUFFIXES = {torch.bfloat16: "bf16", torch.float32: "f32"}
@@ -137,9 +137,11 @@ PLAIN_SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "quant_dequantize_rows": (ctypes.c_int, [ctypes.c_int, _P, _I, _P, _I, _I, _P]),
     # A Mixture-of-Experts layer (csrc/moe.cpp): routing (logits, rows, experts, top_k, normalize,
     # chosen, weights), and its experts held in blocks (gate_up table, down table, experts, chosen,
-    # weights, rows, top_k, x, x_stride, bf16, k, inter, out, out_stride)
+    # weights, rows, top_k, x, x_stride, bf16, k, inter, out, out_stride), and a shared expert held in
+    # blocks (gate_up layout, down layout, gate, x, x_stride, rows, k, inter, out, out_stride)
     "moe_route": (None, [_P, _I, _I, _I, ctypes.c_int, _P, _P]),
     "moe_experts": (ctypes.c_int, [_P, _P, _I, _P, _P, _I, _I, _P, _I, ctypes.c_int, _I, _I, _P, _I]),
+    "moe_shared_expert": (ctypes.c_int, [_P, _P, _P, _P, _I, _I, _I, _I, _P, _I]),
 }
 
 

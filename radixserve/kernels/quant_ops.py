@@ -30,6 +30,7 @@ class QuantKernels:
         self._pack = library.quant_pack
         self._moe_route = library.moe_route
         self._moe_experts = library.moe_experts
+        self._moe_shared_expert = library.moe_shared_expert
 
     @property
     def available(self) -> bool:
@@ -141,6 +142,39 @@ class QuantKernels:
         )  # fmt: skip
         if not done:
             raise ValueError("a part of these experts has no kernel in this build")
+        return out
+
+    def moe_shared_(
+        self,
+        layouts: tuple[torch.Tensor, torch.Tensor],
+        gate: torch.Tensor,
+        x: torch.Tensor,
+        out: torch.Tensor,
+        inter: int,
+    ) -> torch.Tensor:
+        """out [rows, K] (fp32, contiguous) += sigmoid(gate . x) * down(silu(gate_up x)) per row of x:
+        a shared expert (Qwen2-MoE's) whose gate_up (inter gate rows, then inter up rows) and down
+        are held in blocks (their parts_layout()s), gate [1, K] fp32 (csrc/moe.cpp). In place."""
+        if x.dtype != torch.float32 or out.dtype != torch.float32 or not out.is_contiguous():
+            raise ValueError("a shared expert runs natively on fp32 rows into a contiguous fp32 output")
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        gate_up, down = (t.contiguous() for t in layouts)
+        gate = gate.float().contiguous()
+        rows, k = x.shape
+        if not self._moe_shared_expert(
+            gate_up.data_ptr(),
+            down.data_ptr(),
+            gate.data_ptr(),
+            x.data_ptr(),
+            x.stride(0),
+            rows,
+            k,
+            inter,
+            out.data_ptr(),
+            k,
+        ):
+            raise ValueError("a part of this shared expert has no kernel in this build")
         return out
 
     def rows(self, type_id: int, weight: torch.Tensor, ids: torch.Tensor, cols: int) -> torch.Tensor:

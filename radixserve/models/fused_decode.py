@@ -6,10 +6,11 @@ bf16 on a CPU with a native linear kernel (every linear packed for the AMX matmu
 csrc/bf16_linear.cpp on AVX2 / AVX-512 CPUs without AMX), or GGUF-quantized weights in bf16 or fp32
 (over a KV pool in that dtype, or in bf16 under fp32), one tensor-parallel rank, q/k norms per head
 or none, a head shape the decode attention kernel is compiled for, and the cpu_native attention
-backend. Mixture-of-Experts layers run in it with fp32 activations, every expert held in blocks and
-no shared expert (Qwen3-MoE, Mixtral): the router, the routing and the experts on the same native
-calls as the per-layer path (models/moe.py); a step runs per layer while an expert is dense or
-while the routed experts are being counted (/start_expert_distribution_record). Sliding-window
+backend. Mixture-of-Experts layers run in it with fp32 activations and every expert held in blocks,
+a shared one too (Qwen3-MoE, Mixtral, Qwen2-MoE): the router, the routing, the experts and the
+shared expert on the same native calls as the per-layer path (models/moe.py); a step runs per
+layer while an expert is dense or while the routed experts are being counted
+(/start_expert_distribution_record). Sliding-window
 layers run in it with their windows, and Gemma 3's layers with their own norms, GELU-tanh MLP and
 second rotary base. The
 native loop runs the same kernels in the same order as the per-layer path, so the result is bit for
@@ -105,11 +106,12 @@ class FusedDecodePlan:
         return int(weight.data.data_ptr())
 
     def pointers(self, attention: AttentionCall) -> torch.Tensor:
-        """[layers, 18] int64 (addresses, 0: none): input norm, qkv, qkv bias, o, post-attention
+        """[layers, 21] int64 (addresses, 0: none): input norm, qkv, qkv bias, o, post-attention
         norm, gate/up, down, K pool, V pool, q norm, k norm, a Mixture-of-Experts layer's router and
         its experts' gate/up and down layout tables, the attention's and the MLP's output norms;
-        then the window (0: none) and whether the layer takes the local rotary tables. Read every
-        step: weights are repacked on updates and the pool is reallocated after a release."""
+        the window (0: none) and whether the layer takes the local rotary tables; a shared expert's
+        gate/up and down layouts and its gate. Read every step: weights are repacked on updates and
+        the pool is reallocated after a release."""
         pool = attention.kv_pool
         rows = []
         for index, layer in enumerate(self.layers):
@@ -119,15 +121,19 @@ class FusedDecodePlan:
             k_pool, v_pool = pool.k_buffers[index].data_ptr(), pool.v_buffers[index].data_ptr()
             norms = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
             qk_norms = [0 if n is None else n.data_ptr() for n in (layer.q_norm, layer.k_norm)]
-            moe = [0, 0, 0]
+            moe, shared = [0, 0, 0], [0, 0, 0]
             if layer.experts is not None:
                 tables = layer.experts.held.tables(layer.experts.router.shape[0])
                 assert tables is not None  # takes() checked
                 moe = [layer.experts.router.data_ptr(), tables[0].data_ptr(), tables[1].data_ptr()]
+                layouts = layer.experts.held.shared_layouts()
+                if layouts is not None:
+                    gate = layer.experts.shared_gate
+                    shared = [layouts[0].data_ptr(), layouts[1].data_ptr(), gate.data_ptr()]
             out_norms = [0 if n is None else n.data_ptr() for n in (layer.attn_out_norm, layer.mlp_out_norm)]
             window = [layer.window or 0, int(layer.local_rope)]
             row = [norms[0], qkv, bias, o, norms[1], gate_up, down, k_pool, v_pool, *qk_norms, *moe]
-            rows.append(row + out_norms + window)
+            rows.append(row + out_norms + window + shared)
         return torch.tensor(rows, dtype=torch.int64)
 
     def takes(self, attention: AttentionCall) -> bool:
@@ -138,9 +144,7 @@ class FusedDecodePlan:
             or not isinstance(metadata, CpuDecodeMetadata)
             or metadata.shared_prefix is None
         )
-        return prefix_ok and all(
-            moe.routed is None and moe.held.tables(moe.router.shape[0]) is not None for moe in self.sparse
-        )
+        return prefix_ok and all(moe.routed is None and moe.row_invariant for moe in self.sparse)
 
     def run(
         self, hidden: torch.Tensor, attention: AttentionCall, rope: Rope, local_rope: Rope | None = None

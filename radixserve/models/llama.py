@@ -435,21 +435,21 @@ class CausalLM(nn.Module):
             shared_prefix=kv_dtype == torch.bfloat16
             and kernels.prefix_attention_kernel(attention.num_heads, attention.num_kv_heads, config.head_dim)
             is not None,
-            expert_shape=ExpertShape(
-                sparse[0].router.shape[0], sparse[0].top_k, sparse[0].normalize, sparse[0].size
-            )
-            if sparse
-            else None,
+            expert_shape=self._expert_shape(sparse[0]) if sparse else None,
             unit_offset_norms=self.unit_offset_norms,
             gelu_tanh=self.gelu_tanh_mlp,
         )
         return plan if plan.ready() else None
 
     @staticmethod
+    def _expert_shape(moe: SparseMoE) -> ExpertShape:
+        return ExpertShape(moe.router.shape[0], moe.top_k, moe.normalize, moe.size, moe.shared_size)
+
+    @staticmethod
     def _fusable(moe: SparseMoE) -> bool:
         """Whether the fused loop can run this Mixture-of-Experts layer: the calls it makes are
-        the row-invariant native ones (fp32, every expert in blocks, no shared expert)."""
-        return moe.row_invariant and moe.router.is_contiguous()
+        the row-invariant native ones (fp32, every expert in blocks, a shared one too)."""
+        return moe.row_invariant and moe.router.is_contiguous() and moe.shared_gate.is_contiguous()
 
     def resolve(self, name: str) -> WeightTarget | None:
         """Where a checkpoint tensor goes; None for tensors this model derives itself."""

@@ -211,24 +211,34 @@ class SparseMoE(nn.Module):
         else:
             out = self._experts_one_by_one(x, chosen, weights)
         if self.shared_size:
-            gate_up, down = held.get("shared_gate_up"), held.get("shared_down")
-            up = F.linear(x, self.shared_gate_up) if gate_up is None else gate_up(x)
-            hidden = silu_and_mul(up, self.kernels)
-            shared = F.linear(hidden, self.shared_down) if down is None else down(hidden)
-            out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * shared
+            out = self._add_shared_expert(x, out)
         # This rank's slices' share of the output: the ranks' shares summed (one collective a layer).
         return all_reduce(out, self.ctx) + residual
+
+    def _add_shared_expert(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out plus the shared expert's output scaled by sigmoid(shared_gate . x): in one native
+        call for fp32 rows with it held in blocks (csrc/moe.cpp, which the fused decode loop calls
+        too), else on torch ops."""
+        held = self.held
+        layouts = held.shared_layouts()
+        if layouts is not None and held.kernels is not None and x.dtype == torch.float32:
+            return held.kernels.moe_shared_(layouts, self.shared_gate, x, out.contiguous(), self.shared_size)
+        gate_up, down = held.get("shared_gate_up"), held.get("shared_down")
+        up = F.linear(x, self.shared_gate_up) if gate_up is None else gate_up(x)
+        hidden = silu_and_mul(up, self.kernels)
+        shared = F.linear(hidden, self.shared_down) if down is None else down(hidden)
+        return out + torch.sigmoid(F.linear(x, self.shared_gate)) * shared
 
     @property
     def row_invariant(self) -> bool:
         """Whether a row's output never depends on the other rows of its step: fp32 rows routed on
-        the native kernels, every expert in blocks on the row-invariant quantized kernel, and no
-        shared expert (its gate runs on torch's matmul)."""
+        the native kernels, every expert (a shared one too) in blocks on the row-invariant
+        quantized kernel."""
         return (
             self.kernels is not None
             and self.held.kernels is not None
             and self.router.dtype == torch.float32
-            and self.shared_size == 0
+            and (self.shared_size == 0 or self.held.shared_layouts() is not None)
             and self.held.tables(self.router.shape[0]) is not None
         )
 

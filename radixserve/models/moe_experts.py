@@ -79,6 +79,16 @@ class ExpertStore(nn.Module):
             self._tables_generation = QuantizedWeight.generation
         return self._tables
 
+    def shared_layouts(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The kernel's layouts of the shared expert's gate_up and down when both are held in blocks
+        (QuantKernels.moe_shared_ runs it); None otherwise."""
+        gate_up, down = self.get("shared_gate_up"), self.get("shared_down")
+        if gate_up is None or down is None:
+            return None
+        if isinstance(gate_up.packed, QuantizedWeight) and isinstance(down.packed, QuantizedWeight):
+            return gate_up.packed.layout, down.packed.layout
+        return None
+
     def _read_tables(self, experts: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         stacked: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         for expert in range(experts):

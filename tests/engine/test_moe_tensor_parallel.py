@@ -142,7 +142,7 @@ def test_each_rank_holds_its_slice_and_the_slices_sum_to_the_layer(
 
 def test_intermediate_sizes_that_do_not_split_are_refused(tiny_model_dir: Callable[[str], Path]) -> None:
     config = load_model_config(ModelSource("hf_dir", tiny_model_dir("qwen2_moe")))
-    assert (config.moe_intermediate_size, config.shared_expert_intermediate_size) == (32, 48)
+    assert (config.moe_intermediate_size, config.shared_expert_intermediate_size) == (32, 64)
     with pytest.raises(ShardingError, match=r"experts' intermediate size \(32\) .* --tp-size \(3\)"):
         SparseMoE(config, ParallelContext(0, 3), None)
     uneven = dataclasses.replace(config, shared_expert_intermediate_size=50)

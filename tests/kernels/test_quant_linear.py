@@ -191,3 +191,30 @@ def test_moe_route_is_softmax_then_top_k(quant: QuantKernels, normalize: bool) -
         expected = expected / expected.sum(dim=-1, keepdim=True)
     assert torch.equal(chosen, expected_chosen)
     torch.testing.assert_close(weights, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_a_shared_expert_adds_its_gated_output_row_by_row(
+    quant: QuantKernels, native_kernels: CpuKernels
+) -> None:
+    """QuantKernels.moe_shared_ (Qwen2-MoE's shared expert): each row gains sigmoid(gate . x) times
+    down(silu(gate_up x)), the projections those its rows give alone, the gate within fp32 rounding
+    of torch's."""
+    hidden, inter = 256, 256
+    gate_up = QuantizedWeight(
+        [random_quantized("Q4_K", inter, hidden, 1), random_quantized("Q8_0", inter, hidden, 2)], quant
+    )
+    down = QuantizedWeight([random_quantized("Q6_K", hidden, inter, 3)], quant)
+    generator = torch.Generator().manual_seed(4)
+    x = torch.randn(7, hidden, generator=generator)
+    gate = torch.randn(1, hidden, generator=generator) * 0.1
+    before = torch.randn(7, hidden, generator=generator)
+    got = quant.moe_shared_((gate_up.layout, down.layout), gate, x, before.clone(), inter)
+    for row in range(len(x)):
+        activated = native_kernels.silu_and_mul(gate_up.matmul(x[row : row + 1]))
+        assert activated is not None
+        shared = down.matmul(activated)[0]
+        scale = torch.sigmoid(x[row] @ gate[0])
+        torch.testing.assert_close(got[row], before[row] + scale * shared, rtol=1e-5, atol=1e-5)
+    # Row-invariant: a row alone gets the same bits.
+    alone = quant.moe_shared_((gate_up.layout, down.layout), gate, x[3:4], before[3:4].clone(), inter)
+    assert torch.equal(alone[0], got[3])

@@ -12,9 +12,9 @@
 // Gemma 3's layers: every norm scales by 1 + weight, the attention's and the MLP's outputs are normed
 // before they are added, GELU-tanh gates the MLP, and a sliding layer attends its window on rotary
 // tables of its own (a window also skips the shared prefix: it may lie outside the window).
-// A Mixture-of-Experts layer (fp32 only; no shared expert) replaces gate/up, SiLU·mul and down by
-// the same native calls the per-layer path makes (moe.cpp): the router on fp32_linear, moe_route,
-// moe_experts; then hidden += their output.
+// A Mixture-of-Experts layer (fp32 only) replaces gate/up, SiLU·mul and down by the same native
+// calls the per-layer path makes (moe.cpp): the router on fp32_linear, moe_route, moe_experts, and
+// a shared expert's moe_shared_expert; then hidden += their output.
 //
 // The linears run on the kernel the weights are held for (the caller says which): the AMX matmul, or
 // bf16_linear.cpp's on a CPU without AMX, for bf16 weights; quant_linear.cpp's for GGUF-quantized
@@ -75,6 +75,8 @@ void moe_route(const float *logits, int64_t rows, int64_t experts, int64_t top_k
 int moe_experts(const int64_t *gate_up_table, const int64_t *down_table, int64_t experts, const int64_t *chosen,
                 const float *weights, int64_t rows, int64_t top_k, const void *x, int64_t x_stride, int bf16, int64_t k,
                 int64_t inter, void *out, int64_t out_stride);
+int moe_shared_expert(const int64_t *gate_up, const int64_t *down, const float *gate, const float *x, int64_t x_stride,
+                      int64_t rows, int64_t k, int64_t inter, float *out, int64_t out_stride);
 int prefix_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, const uint16_t *v, int64_t kv_stride,
                           const int64_t *slots, uint16_t *out, int64_t out_token, float *lse, int64_t n,
                           int64_t heads, int64_t kv_heads, int64_t dim, int64_t length, float scale,
@@ -99,6 +101,8 @@ enum LinearKind : int64_t { kAmx = 0, kBf16 = 1, kQuantized = 2 };
 // attn_out_norm, mlp_out_norm: Gemma's norms of the attention's and the MLP's outputs before each is
 // added to the residual stream (null: added as they come). window: a sliding layer's window (0: none);
 // local_rope: whether the layer turns on the step's second rotary tables (Gemma's sliding layers).
+// shared_gate_up, shared_down, shared_gate: a Mixture-of-Experts layer's shared expert (Qwen2-MoE's;
+// null: none), its projections' parts layouts and its gate [hidden] fp32 (moe.cpp).
 template <typename T, typename KV>
 struct Layer {
     const T *input_norm;
@@ -113,6 +117,8 @@ struct Layer {
     const int64_t *gate_up_table, *down_table;
     const T *attn_out_norm, *mlp_out_norm;
     int64_t window, local_rope;
+    const int64_t *shared_gate_up, *shared_down;
+    const float *shared_gate;
 };
 
 // n values converted to bf16, rounded as torch's .to() rounds (vec16.h), and back.
@@ -136,8 +142,8 @@ struct Shape {
     // rotary factor).
     int64_t batch, hidden, intermediate, heads, kv_heads, head_dim, rotary_dim;
     // Mixture-of-Experts layers: experts, experts per token, whether their weights are
-    // renormalized, and each expert's intermediate size.
-    int64_t experts, top_k, normalize, expert_intermediate;
+    // renormalized, each expert's intermediate size, and the shared expert's.
+    int64_t experts, top_k, normalize, expert_intermediate, shared_intermediate;
 };
 
 // The element type's kernels (bf16 as uint16_t, or fp32).
@@ -320,6 +326,10 @@ int run_layers(const Step &step, const Layer<T, KV> *layers, int64_t num_layers,
                                  s.batch, s.top_k, normed, s.hidden, 0, s.hidden, s.expert_intermediate,
                                  experts_out.data(), s.hidden))
                     return 300;
+                if (w.shared_gate_up &&
+                    !moe_shared_expert(w.shared_gate_up, w.shared_down, w.shared_gate, normed, s.hidden, s.batch,
+                                       s.hidden, s.shared_intermediate, experts_out.data(), s.hidden))
+                    return 300;
                 for (int64_t i = 0; i < normed_size; i++) hidden[i] = experts_out[i] + hidden[i];
                 continue;
             } else {
@@ -363,7 +373,7 @@ int run_layers(const Step &step, const Layer<T, KV> *layers, int64_t num_layers,
                         const int64_t *prefix_slots, const int64_t *window_out_slots,                             \
                         const int64_t *window_req_to_token, int64_t window_table_stride,                          \
                         const int64_t *window_req_rows, int64_t experts, int64_t top_k, int64_t normalize,        \
-                        int64_t expert_intermediate) {                                                            \
+                        int64_t expert_intermediate, int64_t shared_intermediate) {                               \
         if (!amx_allowed(linear_kind, prefix_kind, prefix_length)) return 1;                                     \
         const Step step{linear_kind,  prefix_kind,     flavor,          eps,          scale,                   \
                         cos_table,    sin_table,       local_cos_table, local_sin_table, positions,             \
@@ -372,7 +382,7 @@ int run_layers(const Step &step, const Layer<T, KV> *layers, int64_t num_layers,
                         window_table_stride, window_req_rows};                                                  \
         return run_layers<T, KV>(step, layers, num_layers, hidden,                                               \
                              Shape{batch, hidden_size, intermediate, heads, kv_heads, head_dim, rotary_dim,      \
-                                   experts, top_k, normalize, expert_intermediate});                             \
+                                   experts, top_k, normalize, expert_intermediate, shared_intermediate});        \
     }
 
 namespace {

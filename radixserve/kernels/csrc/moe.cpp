@@ -9,7 +9,8 @@
 // Numerics: the router's softmax in fp32 (max subtracted, expf, summed in expert order); the top k
 // picked largest first, the lower expert first on a tie; renormalized (when asked) by their sum in
 // that order. A row's output is its experts' outputs times their weights, added in fp32 in ascending
-// expert order from zero, then rounded once to the activations' dtype.
+// expert order from zero, then rounded once to the activations' dtype. A shared expert (Qwen2-MoE's)
+// adds sigmoid(w_gate . x) times its output to that, in fp32 (moe_shared_expert).
 
 #include <math.h>
 #include <stdint.h>
@@ -23,6 +24,12 @@
 
 extern "C" int quant_experts(const int64_t *gate_up, const int64_t *down, int64_t experts, const int64_t *offsets,
                              const void *x, int bf16, int64_t k, int64_t inter, void *out, int64_t hidden);
+extern "C" int quant_linear_parts(const int64_t *parts_layout, const void *x, int64_t x_stride, int bf16, int64_t m,
+                                  int64_t k, void *out, int64_t out_stride, const void *bias, const void *residual,
+                                  int64_t residual_stride);
+extern "C" void silu_and_mul_f32(const float *x, int64_t x_stride, float *out, int64_t rows, int64_t size);
+extern "C" void fp32_linear(const float *x, int64_t x_stride, const float *w, float *out, int64_t out_stride,
+                            const float *bias, int64_t m, int64_t n, int64_t k);
 
 using quant_formats::kLayoutWords;
 
@@ -114,6 +121,34 @@ extern "C" __attribute__((optimize("fp-contract=off"))) int moe_experts(
         } else {
             memcpy(static_cast<float *>(out) + r * out_stride, sum, static_cast<size_t>(k) * sizeof(float));
         }
+    }
+    return 1;
+}
+
+// out [rows, k] (rows out_stride apart) += sigmoid(gate . x_r) * down(silu(gate_up x_r)) for each row of
+// x [rows, k] (fp32, rows x_stride apart): a shared expert every token takes, its gate_up (inter gate
+// rows, then inter up rows) and down held in blocks (parts layouts), gate [k] fp32. The projections
+// on quant_linear_parts and silu_and_mul, the gate on fp32_linear, sigmoid as 1 / (1 + e^-g).
+// Returns 0 for a layout without a kernel.
+extern "C" __attribute__((optimize("fp-contract=off"))) int moe_shared_expert(
+    const int64_t *gate_up, const int64_t *down, const float *gate, const float *x, int64_t x_stride,
+    int64_t rows, int64_t k, int64_t inter, float *out, int64_t out_stride) {
+    if (rows <= 0) return 1;
+    static thread_local std::vector<float> up, activated, shared, logits;
+    up.resize(static_cast<size_t>(rows * 2 * inter));
+    activated.resize(static_cast<size_t>(rows * inter));
+    shared.resize(static_cast<size_t>(rows * k));
+    logits.resize(static_cast<size_t>(rows));
+    if (!quant_linear_parts(gate_up, x, x_stride, 0, rows, k, up.data(), 2 * inter, nullptr, nullptr, 0)) return 0;
+    silu_and_mul_f32(up.data(), 2 * inter, activated.data(), rows, inter);
+    if (!quant_linear_parts(down, activated.data(), inter, 0, rows, inter, shared.data(), k, nullptr, nullptr, 0))
+        return 0;
+    fp32_linear(x, x_stride, gate, logits.data(), 1, nullptr, rows, 1, k);
+    for (int64_t r = 0; r < rows; ++r) {
+        const float weight = 1.0f / (1.0f + expf(-logits[r]));
+        float *row = out + r * out_stride;
+        const float *add = shared.data() + r * k;
+        for (int64_t i = 0; i < k; ++i) row[i] = row[i] + weight * add[i];
     }
     return 1;
 }

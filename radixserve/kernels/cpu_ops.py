@@ -518,6 +518,8 @@ class CpuKernels:
         unit_offset_norms: bool = False,
         gelu_tanh: bool = False,
         window_slots: WindowSlots | None = None,
+        full_width_qk_norms: bool = False,
+        clip: float | None = None,
     ) -> None:
         """Every decoder layer of a decode step, updating hidden ([B, hidden] bf16 or fp32,
         contiguous) in place. layers: [L, 18] int64 addresses and values (models/fused_decode.py); positions,
@@ -532,7 +534,9 @@ class CpuKernels:
         local_tables: the cos/sin tables of layers marked to turn on their own (Gemma's sliding
         layers); unit_offset_norms: every norm scales by 1 + weight; gelu_tanh: GELU-tanh gates the
         MLPs in place of SiLU (Gemma). window_slots: where the sliding layers' K/V lie in window
-        slots of their own (None: at the same slots as every layer's)."""
+        slots of their own (None: at the same slots as every layer's). full_width_qk_norms: q and k
+        normed each over its whole projection (OLMoE's); clip: q, k and v clamped to [-clip, clip]
+        after that (fp32 only)."""
         prefix = None if shared_prefix is None else shared_prefix.to(torch.int64).contiguous()
         rows = req_rows.to(torch.int64).contiguous()
         lens = seq_lens.to(torch.int64).contiguous()
@@ -559,6 +563,7 @@ class CpuKernels:
             or not usable
             or (prefix is not None and (prefix_kernel is None or kv_dtype != torch.bfloat16))
             or (experts is not None and (not quantized or hidden.dtype != torch.float32))
+            or (clip is not None and hidden.dtype != torch.float32)
         ):
             raise ValueError(
                 "the fused decode loop needs a native linear kernel for its weights (bf16 packed, or "
@@ -567,11 +572,12 @@ class CpuKernels:
                 "quantized experts for Mixture-of-Experts layers"
             )
         local_cos, local_sin = (cos_table, sin_table) if local_tables is None else local_tables
-        flavor = (1 if unit_offset_norms else 0) | (2 if gelu_tanh else 0)
+        flavor = (1 if unit_offset_norms else 0) | (2 if gelu_tanh else 0) | (4 if full_width_qk_norms else 0)
         status = run(
             linear_kind, 0 if prefix_kernel == "amx" else 1, flavor, layers.data_ptr(),
             layers.shape[0], hidden.data_ptr(), batch, size, intermediate, heads, kv_heads, head_dim,
-            2 * cos_table.shape[1], eps, scale, cos_table.data_ptr(), sin_table.data_ptr(),
+            2 * cos_table.shape[1], eps, scale, 0.0 if clip is None else clip, cos_table.data_ptr(),
+            sin_table.data_ptr(),
             local_cos.data_ptr(), local_sin.data_ptr(), positions.data_ptr(),
             slots.data_ptr(), table.data_ptr(), table.stride(0), rows.data_ptr(), lens.data_ptr(),
             0 if prefix is None else len(prefix), None if prefix is None else prefix.data_ptr(),

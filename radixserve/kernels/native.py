@@ -88,14 +88,14 @@ SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
         [_P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _F, _I, _P, _I, _I, _P, _I],
     ),
     # linear_kind, prefix_kind, flavor, layers, num_layers, hidden, batch, hidden_size, intermediate,
-    # heads, kv_heads, head_dim, rotary_dim, eps, scale, cos, sin, local cos, local sin, positions, out_slots,
-    # req_to_token, table_stride, req_rows, seq_lens, prefix_length, prefix_slots, the sliding
-    # layers' out_slots, req_to_token, table_stride and req_rows, experts, top_k, normalize,
-    # expert_intermediate, shared_intermediate
+    # heads, kv_heads, head_dim, rotary_dim, eps, scale, clip, cos, sin, local cos, local sin,
+    # positions, out_slots, req_to_token, table_stride, req_rows, seq_lens, prefix_length,
+    # prefix_slots, the sliding layers' out_slots, req_to_token, table_stride and req_rows, experts,
+    # top_k, normalize, expert_intermediate, shared_intermediate
     "fused_decode": (
         ctypes.c_int,
-        [_I, _I, _I, _P, _I, _P, _I, _I, _I, _I, _I, _I, _I, _F, _F, _P, _P, _P, _P, _P, _P, _P, _I, _P, _P]
-        + [_I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I],
+        [_I, _I, _I, _P, _I, _P, _I, _I, _I, _I, _I, _I, _I, _F, _F, _F, _P, _P, _P, _P, _P, _P, _P]
+        + [_I, _P, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I],
     ),
 }
 DTYPE_SUFFIXES = {torch.bfloat16: "bf16", torch.float32: "f32"}

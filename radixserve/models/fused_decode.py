@@ -4,10 +4,11 @@ A model class that can run this way declares it (`fused_decode_plan()` on the Ll
 model runner asks once at startup and takes it when everything a layer runs has a native kernel:
 bf16 on a CPU with a native linear kernel (every linear packed for the AMX matmul, or for
 csrc/bf16_linear.cpp on AVX2 / AVX-512 CPUs without AMX), or GGUF-quantized weights in bf16 or fp32
-(over a KV pool in that dtype, or in bf16 under fp32), one tensor-parallel rank, q/k norms per head
-or none, a head shape the decode attention kernel is compiled for, and the cpu_native attention
-backend. Mixture-of-Experts layers run in it with fp32 activations and every expert held in blocks,
-a shared one too (Qwen3-MoE, Mixtral, Qwen2-MoE): the router, the routing, the experts and the
+(over a KV pool in that dtype, or in bf16 under fp32), one tensor-parallel rank, q/k norms per head,
+over each projection's width with OLMoE's clip_qkv (fp32), or none, a head shape the decode
+attention kernel is compiled for, and the cpu_native attention backend. Mixture-of-Experts layers
+run in it with fp32 activations and every expert held in blocks, a shared one too (Qwen3-MoE,
+Mixtral, OLMoE, Qwen2-MoE): the router, the routing, the experts and the
 shared expert on the same native calls as the per-layer path (models/moe.py); a step runs per
 layer while an expert is dense or while the routed experts are being counted
 (/start_expert_distribution_record). Sliding-window
@@ -81,6 +82,9 @@ class FusedDecodePlan:
     # Gemma's: every norm scales by 1 + weight, and GELU-tanh gates the MLP in place of SiLU.
     unit_offset_norms: bool = False
     gelu_tanh: bool = False
+    # OLMoE's: q and k normed over their whole projections, then q, k and v clamped to [-clip, clip].
+    full_width_qk_norms: bool = False
+    clip: float | None = None
 
     def __post_init__(self) -> None:
         self.sparse = [layer.experts for layer in self.layers if layer.experts is not None]
@@ -187,5 +191,7 @@ class FusedDecodePlan:
             unit_offset_norms=self.unit_offset_norms,
             gelu_tanh=self.gelu_tanh,
             window_slots=window,
+            full_width_qk_norms=self.full_width_qk_norms,
+            clip=self.clip,
         )
         return hidden

@@ -391,8 +391,8 @@ class CausalLM(nn.Module):
         pool of kv_dtype, or None where it cannot run them: no native linear kernel here, tensor
         parallelism, a head shape without a compiled decode attention kernel, a
         pool neither in the activations' dtype nor bf16 under fp32, biases on o_proj/down_proj, a
-        linear the native kernel declined, q/k norms over a projection's whole width (OLMoE), clipped qkv,
-        or Mixture-of-Experts layers it cannot run (models/fused_decode.py). Steps whose requests
+        linear the native kernel declined, clipped qkv other than OLMoE's in fp32, or
+        Mixture-of-Experts layers it cannot run (models/fused_decode.py). Steps whose requests
         share a prefix run in it where a native prefix attention kernel exists for the head shape."""
         kernels, config = self.kernels, self.config
         layers = cast("list[FusableLayer]", list(self.layers.values()))
@@ -403,8 +403,8 @@ class CausalLM(nn.Module):
         linear_kernel = quantized or (kernels is not None and kernels.linear_kernel is not None)
         if kernels is None or not linear_kernel:
             return None
-        if config.qk_norm_full_width or config.clip_qkv is not None:
-            return None
+        if config.clip_qkv is not None and not (config.qk_norm_full_width and dtype == torch.float32):
+            return None  # the layer clamps only after full-width norms (OLMoE's), natively in fp32
         sparse = [layer.mlp for layer in layers if isinstance(layer.mlp, SparseMoE)]
         fusable = quantized and all(self._fusable(moe) for moe in sparse)
         if sparse and not fusable:
@@ -438,6 +438,8 @@ class CausalLM(nn.Module):
             expert_shape=self._expert_shape(sparse[0]) if sparse else None,
             unit_offset_norms=self.unit_offset_norms,
             gelu_tanh=self.gelu_tanh_mlp,
+            full_width_qk_norms=config.qk_norm_full_width,
+            clip=config.clip_qkv,
         )
         return plan if plan.ready() else None
 

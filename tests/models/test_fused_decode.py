@@ -100,10 +100,10 @@ def test_fused_decode_is_bit_identical_to_the_layer_loop(
     _assert_fused_is_the_layer_loop(smollm2_gguf_path, monkeypatch, args)
 
 
-# Qwen3's q/k norms, and Mixture-of-Experts layers with their experts in blocks (fp32 only), Qwen2-MoE's
-# shared expert too: the router, routing and experts on the native calls the per-layer path makes
-# too (models/moe.py).
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "mixtral", "qwen2_moe"])
+# Qwen3's q/k norms (OLMoE's over each projection's width, then clip_qkv), and Mixture-of-Experts
+# layers with their experts in blocks (fp32 only), Qwen2-MoE's shared expert too: the router,
+# routing and experts on the native calls the per-layer path makes too (models/moe.py).
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "mixtral", "qwen2_moe", "olmoe"])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "float32"])
 def test_fused_decode_runs_qk_norms_and_quantized_experts_bit_identically(
     tiny_model_dir: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch, arch: str, kv_cache_dtype: str

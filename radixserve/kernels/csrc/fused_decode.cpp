@@ -5,7 +5,8 @@
 // docs/architecture.md). This runs the same kernels in the same order, so its results are bit for
 // bit those of the per-layer path (radixserve/models/llama.py); only the calls between them are gone.
 //
-// Per layer: RMSNorm; qkv = x W^T (+ bias); rotary on the q and k heads; k, v stored to the pool at
+// Per layer: RMSNorm; qkv = x W^T (+ bias); (OLMoE: q and k normed over their whole width, then q,
+// k and v clamped to [-clip, clip]); rotary on the q and k heads; k, v stored to the pool at
 // the new tokens' slots; attention (the prefix all requests share on AMX tiles, the rest by the
 // paged decode kernel, merged by log-sum-exp); hidden += o_proj; RMSNorm; gate/up; SiLU·mul;
 // hidden += down_proj. Qwen3's q/k norms (an RMSNorm per head) run between qkv and the rotary.
@@ -29,6 +30,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <algorithm>
 #include <type_traits>
 #include <vector>
 
@@ -167,12 +169,14 @@ struct Ops<float> {
 };
 
 // The model's norms and MLP gate: kUnitOffsetNorms (Gemma) scales every RMSNorm by 1 + weight;
-// kGeluTanh gates the MLP by GELU's tanh approximation in place of SiLU.
-enum Flavor : int64_t { kUnitOffsetNorms = 1, kGeluTanh = 2 };
+// kGeluTanh gates the MLP by GELU's tanh approximation in place of SiLU; kFullWidthQkNorms (OLMoE)
+// norms q and k each over its whole projection rather than per head.
+enum Flavor : int64_t { kUnitOffsetNorms = 1, kGeluTanh = 2, kFullWidthQkNorms = 4 };
 
 struct Step {
     int64_t linear_kind, prefix_kind, flavor;
-    float eps, scale;
+    // clip: q, k and v clamped to [-clip, clip] after their norms (OLMoE's clip_qkv); 0: none.
+    float eps, scale, clip;
     const float *cos_table, *sin_table, *local_cos_table, *local_sin_table;
     const int64_t *positions, *out_slots, *req_to_token;
     int64_t table_stride;
@@ -264,8 +268,20 @@ int run_layers(const Step &step, const Layer<T, KV> *layers, int64_t num_layers,
         if (w.q_norm) {
             for (int64_t b = 0; b < s.batch; b++) {
                 T *row = qkv + b * qkv_width;
-                norm(step, row, s.head_dim, w.q_norm, row, s.heads, s.head_dim);
-                norm(step, row + q_width, s.head_dim, w.k_norm, row + q_width, s.kv_heads, s.head_dim);
+                if (step.flavor & kFullWidthQkNorms) {
+                    norm(step, row, q_width, w.q_norm, row, 1, q_width);
+                    norm(step, row + q_width, kv_width, w.k_norm, row + q_width, 1, kv_width);
+                } else {
+                    norm(step, row, s.head_dim, w.q_norm, row, s.heads, s.head_dim);
+                    norm(step, row + q_width, s.head_dim, w.k_norm, row + q_width, s.kv_heads, s.head_dim);
+                }
+            }
+        }
+        if (step.clip > 0) {
+            if constexpr (std::is_same_v<T, float>) {
+                for (int64_t i = 0; i < qkv_size; i++) qkv[i] = std::min(std::max(qkv[i], -step.clip), step.clip);
+            } else {
+                return 500;  // clipped qkv runs fused in fp32 only
             }
         }
         // Query and key heads are adjacent: rotated together.
@@ -365,7 +381,7 @@ int run_layers(const Step &step, const Layer<T, KV> *layers, int64_t num_layers,
     extern "C" int NAME(int64_t linear_kind, int64_t prefix_kind, int64_t flavor, const Layer<T, KV> *layers,     \
                         int64_t num_layers, T *hidden, int64_t batch, int64_t hidden_size, int64_t intermediate,  \
                         int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t rotary_dim, float eps,         \
-                        float scale,                                                                              \
+                        float scale, float clip,                                                                  \
                         const float *cos_table, const float *sin_table, const float *local_cos_table,             \
                         const float *local_sin_table, const int64_t *positions,                                   \
                         const int64_t *out_slots, const int64_t *req_to_token, int64_t table_stride,              \
@@ -375,7 +391,7 @@ int run_layers(const Step &step, const Layer<T, KV> *layers, int64_t num_layers,
                         const int64_t *window_req_rows, int64_t experts, int64_t top_k, int64_t normalize,        \
                         int64_t expert_intermediate, int64_t shared_intermediate) {                               \
         if (!amx_allowed(linear_kind, prefix_kind, prefix_length)) return 1;                                     \
-        const Step step{linear_kind,  prefix_kind,     flavor,          eps,          scale,                   \
+        const Step step{linear_kind,  prefix_kind,     flavor,          eps,          scale,        clip,      \
                         cos_table,    sin_table,       local_cos_table, local_sin_table, positions,             \
                         out_slots,    req_to_token,    table_stride,    req_rows,        seq_lens,              \
                         prefix_length, prefix_slots, window_out_slots, window_req_to_token,                     \

@@ -455,7 +455,8 @@ class RadixCache(PrefixCache):
         present, last = self._insert(token_ids[:aligned], row[:aligned])
         # Slots for tokens the tree already had (e.g. another request inserted the same
         # text meanwhile) are duplicates; the tree keeps its own copy.
-        if present > cached_len:
+        if present > cached_len and self.allocator.window is not None:
+            # The tree's copies may have released the window K/V the request's duplicates hold.
             self.allocator.adopt_window(self._path_value(last)[cached_len:present], row[cached_len:present])
         self._free_slots(row[cached_len:present])
         self._free_slots(row[aligned:kv_len])

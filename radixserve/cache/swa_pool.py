@@ -32,10 +32,13 @@ __all__ = ["WindowSlotAllocator"]
 class WindowSlotAllocator(KVSlotAllocator):
     """Slots, each with a window slot while its sliding layers' K/V is alive (page size 1)."""
 
+    window: int
+    window_map: torch.Tensor
+
     def __init__(self, num_slots: int, window: int, device: torch.device | str = "cpu") -> None:
         if window <= 0:
             raise ValueError(f"window must be positive, got {window}")
-        self.window = self._window = window
+        self.window = window
         # The spare row of the sliding layers' buffers, where a released position points (with
         # page size 1 the allocator's total is num_slots).
         self.released = num_slots
@@ -44,10 +47,10 @@ class WindowSlotAllocator(KVSlotAllocator):
     def clear(self) -> None:
         super().clear()
         total, device = self.total_slots, self.device
-        self._map = torch.full((total,), self.released, dtype=torch.int64, device=device)
-        self.window_map = self._map  # what batches carry to the executor
+        # What batches carry to the executor.
+        self.window_map = torch.full((total,), self.released, dtype=torch.int64, device=device)
         # A stack of free window slots: [0, _free_count) are free, the top is reused first.
-        self._window_free = torch.arange(total - 1, -1, -1, dtype=torch.int64, device=device)
+        self.window_free = torch.arange(total - 1, -1, -1, dtype=torch.int64, device=device)
         self._free_count = self.total_slots
 
     def window_available(self) -> int:
@@ -58,7 +61,7 @@ class WindowSlotAllocator(KVSlotAllocator):
         # A slot just allocated has no window slot, and there are as many of each.
         assert n <= self._free_count, "more slots than window slots: the allocator's counts are off"
         self._free_count -= n
-        self._map[slots] = self._window_free[self._free_count : self._free_count + n].flip(0)
+        self.window_map[slots] = self.window_free[self._free_count : self._free_count + n].flip(0)
         return slots
 
     def alloc_extend(
@@ -75,15 +78,15 @@ class WindowSlotAllocator(KVSlotAllocator):
         if slots.numel() == 0:
             return
         slots = slots.reshape(-1).to(device=self.device, dtype=torch.int64)
-        held = self._map[slots]
+        held = self.window_map[slots]
         held = held[held != self.released]
         n = int(held.numel())
         if n:
             if torch.unique(held).numel() != n:
                 raise ValueError("double release: duplicate slots in one release_window() call")
-            self._window_free[self._free_count : self._free_count + n] = held
+            self.window_free[self._free_count : self._free_count + n] = held
             self._free_count += n
-        self._map[slots] = self.released
+        self.window_map[slots] = self.released
 
     def free(self, slots: torch.Tensor) -> None:
         self.release_window(slots)
@@ -93,13 +96,13 @@ class WindowSlotAllocator(KVSlotAllocator):
         """The longest length L <= len(slots) whose positions [L - W + 1, L) all have their window
         K/V: what a request continuing at position L reads of the sliding layers."""
         count = int(slots.numel())
-        dead = self._map[slots.to(device=self.device, dtype=torch.int64)] == self.released
+        dead = self.window_map[slots.to(device=self.device, dtype=torch.int64)] == self.released
         if count == 0 or not bool(dead.any()):
             return count
         dead_before = torch.zeros(count + 1, dtype=torch.int64, device=self.device)
         dead_before[1:] = dead.cumsum(0)
         lengths = torch.arange(count + 1, device=self.device)
-        window_start = (lengths - self._window + 1).clamp(min=0)
+        window_start = (lengths - self.window + 1).clamp(min=0)
         usable = (dead_before - dead_before[window_start]) == 0
         return int(usable.nonzero()[-1])
 
@@ -108,14 +111,14 @@ class WindowSlotAllocator(KVSlotAllocator):
             return
         kept = kept.to(device=self.device, dtype=torch.int64)
         duplicates = duplicates.to(device=self.device, dtype=torch.int64)
-        take = (self._map[kept] == self.released) & (self._map[duplicates] != self.released)
+        take = (self.window_map[kept] == self.released) & (self.window_map[duplicates] != self.released)
         if bool(take.any()):
-            self._map[kept[take]] = self._map[duplicates[take]]
-            self._map[duplicates[take]] = self.released
+            self.window_map[kept[take]] = self.window_map[duplicates[take]]
+            self.window_map[duplicates[take]] = self.released
 
     def window_leak(self, held: torch.Tensor) -> str | None:
-        live = int((self._map[held.to(device=self.device, dtype=torch.int64)] != self.released).sum())
-        mapped = int((self._map != self.released).sum())
+        live = int((self.window_map[held.to(device=self.device, dtype=torch.int64)] != self.released).sum())
+        mapped = int((self.window_map != self.released).sum())
         if live + self._free_count != self.total_slots or mapped != live:
             return (
                 f"window slots: free {self._free_count} + held by the cache {live} != total "

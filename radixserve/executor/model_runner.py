@@ -229,7 +229,7 @@ class ModelRunner:
         elif any(isinstance(m, SparseMoE) and not m.row_invariant for m in self.model.modules()):
             problem = (
                 "Mixture-of-Experts layers run on torch matmuls whose sums depend on the row count "
-                "(it holds for fp32 with every expert in GGUF blocks and no shared expert)"
+                "(it holds for fp32 with every expert, a shared one too, in GGUF blocks)"
             )
         else:
             linears = [m for m in self.model.modules() if isinstance(m, (ParallelLinear, ParallelLMHead))]

@@ -11,6 +11,7 @@ for each op and input signature.
 from __future__ import annotations
 
 import ctypes
+import enum
 import functools
 import logging
 from collections import Counter
@@ -64,6 +65,16 @@ class ExpertShape:
 
     def as_args(self) -> tuple[int, int, int, int, int]:
         return self.experts, self.top_k, int(self.normalize), self.intermediate, self.shared_intermediate
+
+
+class FusedFlavor(enum.IntFlag):
+    """What a model's layers run in the fused decode loop besides Llama's (fused_decode.cpp, Flavor):
+    norms scaled by 1 + weight and GELU-tanh (Gemma's), q/k norms over whole projections (OLMoE's)."""
+
+    LLAMA = 0
+    UNIT_OFFSET_NORMS = 1
+    GELU_TANH = 2
+    FULL_WIDTH_QK_NORMS = 4
 
 
 _Op = TypeVar("_Op", bound=Callable[..., Any])
@@ -515,14 +526,12 @@ class CpuKernels:
         kv_dtype: torch.dtype | None = None,
         experts: ExpertShape | None = None,
         local_tables: tuple[torch.Tensor, torch.Tensor] | None = None,
-        unit_offset_norms: bool = False,
-        gelu_tanh: bool = False,
+        flavor: FusedFlavor = FusedFlavor.LLAMA,
         window_slots: WindowSlots | None = None,
-        full_width_qk_norms: bool = False,
         clip: float | None = None,
     ) -> None:
         """Every decoder layer of a decode step, updating hidden ([B, hidden] bf16 or fp32,
-        contiguous) in place. layers: [L, 18] int64 addresses and values (models/fused_decode.py); positions,
+        contiguous) in place. layers: [L, 21] int64 addresses and values (models/fused_decode.py); positions,
         out_slots, req_rows, seq_lens: per request; cos/sin tables: [positions, rotary_dim / 2] fp32
         (rotary_dim below head_dim under a partial rotary factor);
         request b's context is at req_to_token[req_rows[b], :seq_lens[b]]; shared_prefix: the KV
@@ -532,11 +541,9 @@ class CpuKernels:
         a bf16 pool under fp32 hidden runs attention in bf16, as AttentionCall does. experts: the
         shape of the Mixture-of-Experts layers among them (fp32 only; None: dense MLPs only).
         local_tables: the cos/sin tables of layers marked to turn on their own (Gemma's sliding
-        layers); unit_offset_norms: every norm scales by 1 + weight; gelu_tanh: GELU-tanh gates the
-        MLPs in place of SiLU (Gemma). window_slots: where the sliding layers' K/V lie in window
-        slots of their own (None: at the same slots as every layer's). full_width_qk_norms: q and k
-        normed each over its whole projection (OLMoE's); clip: q, k and v clamped to [-clip, clip]
-        after that (fp32 only)."""
+        layers); flavor: what the layers run besides Llama's (FusedFlavor). window_slots: where the
+        sliding layers' K/V lie in window slots of their own (None: at the same slots as every
+        layer's). clip: q, k and v clamped to [-clip, clip] after their norms (OLMoE's; fp32 only)."""
         prefix = None if shared_prefix is None else shared_prefix.to(torch.int64).contiguous()
         rows = req_rows.to(torch.int64).contiguous()
         lens = seq_lens.to(torch.int64).contiguous()
@@ -572,13 +579,11 @@ class CpuKernels:
                 "quantized experts for Mixture-of-Experts layers"
             )
         local_cos, local_sin = (cos_table, sin_table) if local_tables is None else local_tables
-        flavor = (1 if unit_offset_norms else 0) | (2 if gelu_tanh else 0) | (4 if full_width_qk_norms else 0)
         status = run(
-            linear_kind, 0 if prefix_kernel == "amx" else 1, flavor, layers.data_ptr(),
+            linear_kind, 0 if prefix_kernel == "amx" else 1, int(flavor), layers.data_ptr(),
             layers.shape[0], hidden.data_ptr(), batch, size, intermediate, heads, kv_heads, head_dim,
             2 * cos_table.shape[1], eps, scale, 0.0 if clip is None else clip, cos_table.data_ptr(),
-            sin_table.data_ptr(),
-            local_cos.data_ptr(), local_sin.data_ptr(), positions.data_ptr(),
+            sin_table.data_ptr(), local_cos.data_ptr(), local_sin.data_ptr(), positions.data_ptr(),
             slots.data_ptr(), table.data_ptr(), table.stride(0), rows.data_ptr(), lens.data_ptr(),
             0 if prefix is None else len(prefix), None if prefix is None else prefix.data_ptr(),
             window.out_slots.data_ptr(), window.req_to_token.data_ptr(), window.req_to_token.stride(0),

@@ -15,6 +15,9 @@ if TYPE_CHECKING:
 
 
 class RMSNorm(nn.Module):
+    # Whether the native kernel scales by 1 + weight (Gemma's norm, whose reference() says so too).
+    unit_offset = False
+
     def __init__(self, size: int, eps: float, kernels: CpuKernels | None = None):
         super().__init__()
         self.eps = eps
@@ -26,9 +29,13 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:
-            fused = self.kernels.rms_norm(x, self.weight, self.eps)
+            fused = self.kernels.rms_norm(x, self.weight, self.eps, self.unit_offset)
             if fused is not None:
                 return fused
+        return self.reference(x)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The norm on torch ops."""
         # Normalize in fp32, round, then scale in the model dtype, as the reference implementation
         # does, so that bf16 outputs track transformers'. (F.rms_norm straight on bf16 is about as
         # accurate against fp32, but breaks knife-edge ties differently.)

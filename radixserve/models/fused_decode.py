@@ -8,18 +8,16 @@ csrc/bf16_linear.cpp on AVX2 / AVX-512 CPUs without AMX), or GGUF-quantized weig
 over each projection's width with OLMoE's clip_qkv (fp32), or none, a head shape the decode
 attention kernel is compiled for, and the cpu_native attention backend. Mixture-of-Experts layers
 run in it with fp32 activations and every expert held in blocks, a shared one too (Qwen3-MoE,
-Mixtral, OLMoE, Qwen2-MoE): the router, the routing, the experts and the
-shared expert on the same native calls as the per-layer path (models/moe.py); a step runs per
-layer while an expert is dense or while the routed experts are being counted
-(/start_expert_distribution_record). Sliding-window
+Mixtral, OLMoE, Qwen2-MoE): the router, the routing, the experts and the shared expert on the same
+native calls as the per-layer path (models/moe.py); a step runs per layer while an expert is dense
+or while the routed experts are being counted (/start_expert_distribution_record). Sliding-window
 layers run in it with their windows, and Gemma 3's layers with their own norms, GELU-tanh MLP and
-second rotary base. The
-native loop runs the same kernels in the same order as the per-layer path, so the result is bit for
-bit the same (tests/models/test_fused_decode.py); what goes is the Python
-and dispatch cost of ~15 calls per layer (figures: docs/architecture.md). A step whose requests share
-a prefix runs here too where a native prefix attention kernel exists for the head shape (AMX tiles,
-else vector FMAs: csrc/prefix_attention.cpp); else it runs per layer, its shared part on torch's
-flash attention, which no native kernel reproduces bit for bit.
+second rotary base. The native loop runs the same kernels in the same order as the per-layer path,
+so the result is bit for bit the same (tests/models/test_fused_decode.py); what goes is the Python
+and dispatch cost of ~15 calls per layer (figures: docs/architecture.md). A step whose requests
+share a prefix runs here too where a native prefix attention kernel exists for the head shape (AMX
+tiles, else vector FMAs: csrc/prefix_attention.cpp); else it runs per layer, its shared part on
+torch's flash attention, which no native kernel reproduces bit for bit.
 """
 
 from __future__ import annotations
@@ -30,7 +28,7 @@ import torch
 
 from radixserve.attention.base import AttentionCall
 from radixserve.attention.cpu_native import CpuDecodeMetadata
-from radixserve.kernels.cpu_ops import CpuKernels, ExpertShape, WindowSlots
+from radixserve.kernels.cpu_ops import CpuKernels, ExpertShape, FusedFlavor, WindowSlots
 from radixserve.layers.linear import ParallelLinear
 from radixserve.layers.packed_weights import PackedWeight
 from radixserve.layers.quantized import QuantizedWeight
@@ -79,11 +77,9 @@ class FusedDecodePlan:
     shared_prefix: bool = False
     # The Mixture-of-Experts layers' shape (None: dense MLPs only).
     expert_shape: ExpertShape | None = None
-    # Gemma's: every norm scales by 1 + weight, and GELU-tanh gates the MLP in place of SiLU.
-    unit_offset_norms: bool = False
-    gelu_tanh: bool = False
-    # OLMoE's: q and k normed over their whole projections, then q, k and v clamped to [-clip, clip].
-    full_width_qk_norms: bool = False
+    # What the layers run besides Llama's (Gemma's norms and GELU-tanh, OLMoE's full-width q/k
+    # norms), and OLMoE's clip_qkv.
+    flavor: FusedFlavor = FusedFlavor.LLAMA
     clip: float | None = None
 
     def __post_init__(self) -> None:
@@ -188,10 +184,8 @@ class FusedDecodePlan:
             kv_dtype=self.kv_dtype,
             experts=self.expert_shape,
             local_tables=None if local_rope is None else (local_rope.cos_table, local_rope.sin_table),
-            unit_offset_norms=self.unit_offset_norms,
-            gelu_tanh=self.gelu_tanh,
+            flavor=self.flavor,
             window_slots=window,
-            full_width_qk_norms=self.full_width_qk_norms,
             clip=self.clip,
         )
         return hidden

@@ -21,6 +21,7 @@ from torch import nn
 
 from radixserve.attention.base import AttentionCall
 from radixserve.distributed.parallel import SINGLE, ParallelContext
+from radixserve.kernels.cpu_ops import FusedFlavor
 from radixserve.layers.activation import gelu_tanh_and_mul
 from radixserve.layers.linear import ColumnParallelLinear, RowParallelLinear
 from radixserve.layers.norm import RMSNorm
@@ -38,11 +39,9 @@ class GemmaRMSNorm(RMSNorm):
     checkpoint's weight is the offset from 1): the native norm kernel's unit_offset mode, else torch
     ops."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels is not None:
-            fused = self.kernels.rms_norm(x, self.weight, self.eps, unit_offset=True)
-            if fused is not None:
-                return fused
+    unit_offset = True
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
         wide = x.float()
         normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
         return (normed * (1.0 + self.weight.float())).to(x.dtype)
@@ -120,8 +119,7 @@ class Gemma3CausalLM(CausalLM):
     scale and rotations are Gemma's."""
 
     norm_class = GemmaRMSNorm
-    unit_offset_norms = True
-    gelu_tanh_mlp = True
+    fused_flavor = FusedFlavor.UNIT_OFFSET_NORMS | FusedFlavor.GELU_TANH
 
     def __init__(
         self,

@@ -26,7 +26,7 @@ from radixserve.distributed.parallel import (
     start_send_to_next_stage,
 )
 from radixserve.forward.batch import ForwardBatch, ForwardMode
-from radixserve.kernels.cpu_ops import ExpertShape
+from radixserve.kernels.cpu_ops import ExpertShape, FusedFlavor
 from radixserve.layers.activation import silu_and_mul
 from radixserve.layers.linear import (
     ColumnParallelLinear,
@@ -261,10 +261,9 @@ class CausalLM(nn.Module):
 
     # The final norm's class (a family with another norm overrides it, as make_layer).
     norm_class: type[RMSNorm] = RMSNorm
-    # What the fused decode loop runs of a family's layers (Gemma's): norms scaled by 1 + weight,
-    # and GELU-tanh gating the MLP in place of SiLU.
-    unit_offset_norms = False
-    gelu_tanh_mlp = False
+    # What the fused decode loop runs of a family's layers besides Llama's (Gemma's: norms scaled by
+    # 1 + weight, GELU-tanh gating the MLP in place of SiLU).
+    fused_flavor = FusedFlavor.LLAMA
 
     def make_layer(
         self, config: ModelConfig, local: int, index: int, ctx: ParallelContext, kernels: CpuKernels | None
@@ -436,9 +435,8 @@ class CausalLM(nn.Module):
             and kernels.prefix_attention_kernel(attention.num_heads, attention.num_kv_heads, config.head_dim)
             is not None,
             expert_shape=self._expert_shape(sparse[0]) if sparse else None,
-            unit_offset_norms=self.unit_offset_norms,
-            gelu_tanh=self.gelu_tanh_mlp,
-            full_width_qk_norms=config.qk_norm_full_width,
+            flavor=self.fused_flavor
+            | (FusedFlavor.FULL_WIDTH_QK_NORMS if config.qk_norm_full_width else FusedFlavor.LLAMA),
             clip=config.clip_qkv,
         )
         return plan if plan.ready() else None

@@ -283,8 +283,15 @@ class KVSlotAllocator:
             out[mask] = self._take_pages(n_new) * ps
         return out
 
-    def release_window(self, slots: torch.Tensor) -> None:
-        """The sliding-window layers' K/V at these slots will not be read again."""
+    def release_window(self, slots: torch.Tensor) -> int:
+        """The sliding-window layers' K/V at these slots will not be read again; how many window
+        slots that gave back."""
+        return 0
+
+    def window_excess(self) -> int:
+        """Window slots the cache should give back, its prefixes' least recently used first: the
+        use over the window budget and some slack below it (0: within it, or no window slots)."""
+        return 0
 
     def window_available(self) -> int | None:
         """Free window slots (None: the pool has none)."""

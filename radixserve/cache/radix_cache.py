@@ -462,6 +462,7 @@ class RadixCache(PrefixCache):
         self._free_slots(row[aligned:kv_len])
         self.dec_lock_ref(req.last_node)
         self._release_req(req)
+        self._trim_windows()
 
     def cache_unfinished_req(self, req: CacheableRequest, token_ids: Sequence[int]) -> None:
         idx = req.req_pool_idx
@@ -486,6 +487,22 @@ class RadixCache(PrefixCache):
         self.dec_lock_ref(req.last_node)
         req.last_node = new_last
         req.cached_len = aligned
+        self._trim_windows()
+
+    def _trim_windows(self) -> None:
+        """Over the window budget (cache/swa_pool.py), the window K/V of the least recently used
+        unlocked nodes goes back, down to the allocator's margin below the budget. Such a node keeps
+        its full layers' K/V, and a request continues from it only where its last window is alive
+        (reusable_prefix_len). A locked node is on a running request's path, which may read it."""
+        excess = self.allocator.window_excess()
+        if excess <= 0:
+            return
+        unlocked = [n for n in self._iter_nodes() if n.lock_ref == 0]
+        unlocked.sort(key=lambda n: (n.last_access_time, n.node_id))
+        for node in unlocked:
+            excess -= self.allocator.release_window(node.value)
+            if excess <= 0:
+                return
 
 
 class ChunkCache(PrefixCache):

@@ -15,6 +15,12 @@ first, so the memory the sliding layers touch stays that of the windows alive, n
 served. There are as many window slots as slots (a slot has at most one), so a slot allocation
 never waits on them: the scheduler's budget is the slots' alone.
 
+What bounds the memory the sliding layers touch is the window budget (--swa-full-tokens-ratio of
+the slots): while more window slots are in use, the radix cache gives back the window K/V of its
+least recently used unlocked prefixes (`window_excess`, RadixCache._trim_windows). A running
+request's own window K/V is never taken, so the budget bounds what the cache keeps, and a request
+never waits on it.
+
 A cached prefix whose window K/V was partly released (a finished request's early positions) still
 serves its full layers, but a request can continue from it only at a length whose last W - 1
 positions are alive (`reusable_prefix_len`), and the radix tree matches no further.
@@ -28,6 +34,9 @@ from radixserve.cache.pools import KVSlotAllocator
 
 __all__ = ["WindowSlotAllocator"]
 
+# Over its budget, the cache gives window slots back down to budget - budget / this.
+WINDOW_TRIM_MARGIN = 8
+
 
 class WindowSlotAllocator(KVSlotAllocator):
     """Slots, each with a window slot while its sliding layers' K/V is alive (page size 1)."""
@@ -35,10 +44,16 @@ class WindowSlotAllocator(KVSlotAllocator):
     window: int
     window_map: torch.Tensor
 
-    def __init__(self, num_slots: int, window: int, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, num_slots: int, window: int, device: torch.device | str = "cpu", budget: int | None = None
+    ) -> None:
         if window <= 0:
             raise ValueError(f"window must be positive, got {window}")
         self.window = window
+        # Window slots in use past which the cache gives its prefixes' window K/V back.
+        self.budget = num_slots if budget is None else budget
+        if self.budget <= 0:
+            raise ValueError(f"window budget must be positive, got {budget}")
         # The spare row of the sliding layers' buffers, where a released position points (with
         # page size 1 the allocator's total is num_slots).
         self.released = num_slots
@@ -74,9 +89,17 @@ class WindowSlotAllocator(KVSlotAllocator):
         slots = super().alloc_decode(seq_lens, last_locs)
         return None if slots is None else self._give_window_slots(slots)
 
-    def release_window(self, slots: torch.Tensor) -> None:
+    def window_excess(self) -> int:
+        in_use = self.total_slots - self._free_count
+        if in_use <= self.budget:
+            return 0
+        # Down to a margin below the budget, so that the cache's walk for it is not taken again
+        # for every request that finishes next.
+        return in_use - (self.budget - self.budget // WINDOW_TRIM_MARGIN)
+
+    def release_window(self, slots: torch.Tensor) -> int:
         if slots.numel() == 0:
-            return
+            return 0
         slots = slots.reshape(-1).to(device=self.device, dtype=torch.int64)
         held = self.window_map[slots]
         held = held[held != self.released]
@@ -87,6 +110,7 @@ class WindowSlotAllocator(KVSlotAllocator):
             self.window_free[self._free_count : self._free_count + n] = held
             self._free_count += n
         self.window_map[slots] = self.released
+        return n
 
     def free(self, slots: torch.Tensor) -> None:
         self.release_window(slots)

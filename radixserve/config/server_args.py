@@ -101,6 +101,9 @@ class ServerArgs:
     # Sliding-window layers keep their K/V in window slots, released once out of every window
     # (cache/swa_pool.py), where the model has such layers and nothing below refuses it.
     disable_hybrid_swa_memory: bool = False
+    # Window slots in use (those tokens' sliding-layer K/V) past which the radix cache gives back
+    # its least recently used prefixes' window K/V, as a fraction of the pool's tokens.
+    swa_full_tokens_ratio: float = 0.8
     # Tokens of the running requests' K/V that decode attention may keep contiguous between steps,
     # on top of the pool (attention/staging.py). None: a default per device; 0: off.
     decode_staging_tokens: int | None = None
@@ -242,6 +245,8 @@ class ServerArgs:
             raise InvalidArgumentError("--max-total-tokens must hold at least one page")
         if not 0.0 < self.mem_fraction_static <= 1.0:
             raise InvalidArgumentError("--mem-fraction-static must be in (0, 1]")
+        if not 0.0 < self.swa_full_tokens_ratio <= 1.0:
+            raise InvalidArgumentError("--swa-full-tokens-ratio must be in (0, 1]")
         if self.max_running_requests is not None and self.max_running_requests < 1:
             raise InvalidArgumentError("--max-running-requests must be >= 1")
         if self.decode_staging_tokens is not None and self.decode_staging_tokens < 0:
@@ -426,6 +431,13 @@ class ServerArgs:
             action="store_true",
             help="keep sliding-window layers' K/V in the slots every layer shares, for as long as "
             "the request (by default they are released once out of every window)",
+        )
+        memory.add_argument(
+            "--swa-full-tokens-ratio",
+            type=float,
+            help="sliding-window layers' K/V tokens kept, as a fraction of the KV cache's tokens: "
+            "past it the radix cache drops its least recently used prefixes' window K/V (running "
+            "requests keep theirs; default 0.8)",
         )
         memory.add_argument(
             "--decode-staging-tokens",

@@ -23,6 +23,7 @@ from radixserve.layers.packed_weights import WeightPacking
 from radixserve.layers.quantized import WeightTensor
 from radixserve.models.bert import Encoder
 from radixserve.models.config import ModelConfig
+from radixserve.models.heap import release_freed_heap
 from radixserve.models.llama import CausalLM
 from radixserve.models.loader import iter_weights, quantize_linears
 from radixserve.models.registry import build_model
@@ -94,6 +95,7 @@ def load_model(
         assert layout.kernels is not None
         use_native_fp32_linears(model, layout.kernels)
     release_gguf_readers()  # the weights keep the file's mapping; its parsed metadata can go
+    release_freed_heap()  # what converting and packing the weights freed
     return LoadedModel(model.eval(), vision, quantized_bytes)
 
 

@@ -11,6 +11,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from radixserve.models.heap import release_freed_heap
+
 logger = logging.getLogger("radixserve")
 
 
@@ -40,6 +42,7 @@ def fast_decoder(tokenizer_dir: str) -> TokenizersDecoder | None:
         from tokenizers import Tokenizer
 
         tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+        release_freed_heap()  # the parse of tokenizer.json: transient, and larger than the tokenizer
     except Exception as exc:  # OSError, bad JSON, or what the tokenizers library raises (Exception)
         logger.debug("no tokenizers-only decoder for %s: %s", path, exc)
         return None

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from radixserve.config.server_args import InvalidArgumentError
 from radixserve.models.config import ModelLoadError
+from radixserve.models.heap import release_freed_heap
 from radixserve.models.source import ModelSource, gguf_metadata
 from radixserve.paths import cache_dir
 
@@ -45,6 +46,7 @@ def load_tokenizer_dir(path: str | Path) -> PreTrainedTokenizerBase:
 
         tokenizer_class = AutoTokenizer
     tokenizer: PreTrainedTokenizerBase = tokenizer_class.from_pretrained(str(path), local_files_only=True)
+    release_freed_heap()  # the parse of tokenizer.json: transient, and larger than the tokenizer
     return tokenizer
 
 
@@ -75,6 +77,7 @@ def load_tokenizer(src: ModelSource) -> PreTrainedTokenizerBase:
         if template:
             tokenizer.chat_template = template
     _save_tokenizer(tokenizer, saved)
+    release_freed_heap()
     return tokenizer
 
 

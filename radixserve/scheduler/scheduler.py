@@ -128,7 +128,12 @@ class Scheduler:
         self.allocator = (
             KVSlotAllocator(self.max_total_tokens, args.page_size, device)
             if info.window is None
-            else WindowSlotAllocator(self.max_total_tokens, info.window, device)
+            else WindowSlotAllocator(
+                self.max_total_tokens,
+                info.window,
+                device,
+                budget=max(1, int(self.max_total_tokens * args.swa_full_tokens_ratio)),
+            )
         )
         events = parse_kv_events_config(args.kv_events_config, ValueError)
         self.kv_events = (

@@ -86,3 +86,45 @@ def test_the_cache_adopts_a_duplicate_s_window_and_matches_only_reusable_prefixe
     cache.evict(64)
     cache.check_invariant()
     assert alloc.window_available() == 64
+
+
+def test_over_its_budget_the_cache_gives_back_its_least_recently_used_window_kv() -> None:
+    alloc = WindowSlotAllocator(64, window=4, budget=24)
+    pool = ReqToTokenPool(4, 64)
+    cache = RadixCache(pool, alloc)
+
+    def finish(tokens: list[int]) -> torch.Tensor:
+        req = FakeReq(last_node=cache.root, req_pool_idx=pool.alloc(), kv_len=len(tokens))
+        assert req.req_pool_idx is not None
+        own = _slots(alloc, len(tokens))
+        pool.req_to_token[req.req_pool_idx, : len(tokens)] = own
+        cache.cache_finished_req(req, tokens)
+        return own
+
+    oldest = finish(list(range(100, 110)))
+    middle = finish(list(range(200, 210)))
+    assert alloc.window_excess() == 0 and alloc.window_available() == 44  # 20 in use: within 24
+
+    # A running request's chunk, locked in the tree: its window K/V is never taken.
+    running = FakeReq(last_node=cache.root, req_pool_idx=pool.alloc(), kv_len=10)
+    assert running.req_pool_idx is not None
+    own = _slots(alloc, 10)
+    pool.req_to_token[running.req_pool_idx, :10] = own
+    cache.cache_unfinished_req(running, list(range(300, 310)))
+
+    # 30 in use, past 24: down to 21 (budget - budget / 8), the least recently used node first,
+    # whole nodes, skipping the locked one.
+    assert (alloc.window_map[oldest] == alloc.released).all()
+    assert (alloc.window_map[middle] != alloc.released).all()
+    assert (alloc.window_map[own] != alloc.released).all()
+    assert alloc.window_available() == 44
+    # Its full layers' K/V is still cached, but nothing continues from it: its last window is gone.
+    assert len(cache.match_prefix(list(range(100, 110)))) == 0
+    assert len(cache.match_prefix(list(range(200, 210)))) == 10
+
+    cache.cache_finished_req(running, list(range(300, 310)))
+    newest = finish(list(range(400, 410)))  # 30 again: the middle one goes now, the running one's stays
+    assert (alloc.window_map[middle] == alloc.released).all()
+    assert (alloc.window_map[torch.cat([own, newest])] != alloc.released).all()
+    cache.check_invariant()
+    assert alloc.available_size() + cache.evictable_size() == 64

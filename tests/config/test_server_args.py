@@ -60,3 +60,15 @@ def test_the_command_lines_defaults_are_the_dataclass_fields() -> None:
     parsed = vars(parser.parse_args([]))
     assert all(parsed[name] == value for name, value in ServerArgs.defaults().items())
     assert ServerArgs.from_cli_args(parser.parse_args(["--kv-cache-dtype", "bf16"])).kv_cache_dtype == "bf16"
+
+
+def test_swa_full_tokens_ratio_parses_and_is_checked() -> None:
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    flags = ["--model-path", "m", "--swa-full-tokens-ratio", "0.25"]
+    args = ServerArgs.from_cli_args(parser.parse_args(flags))
+    assert args.swa_full_tokens_ratio == 0.25
+    assert ServerArgs(model_path="m").swa_full_tokens_ratio == 0.8  # SGLang's default
+    for bad in (0.0, 1.5):
+        with pytest.raises(InvalidArgumentError, match=r"--swa-full-tokens-ratio must be in \(0, 1\]"):
+            ServerArgs(model_path="m", swa_full_tokens_ratio=bad)

@@ -256,3 +256,29 @@ def test_without_the_radix_cache_prompt_chunks_give_theirs_back_too(
     # Each request holds at most its window, a chunk or a release batch, and a token more.
     assert held >= 70 + max_new - 1 and peak <= 2 * (TINY_WINDOW + 16 + 1)
     scheduler.check_kv_invariant()
+
+
+def test_the_cache_keeps_window_kv_within_its_budget(
+    tiny_model_dir: Callable[[str], Path],
+    oracle: Callable[[str], GreedyOracle],
+    make_engine: Callable[..., Any],
+) -> None:
+    """--swa-full-tokens-ratio: the window slots the cache's prompts hold stay within the budget,
+    the least recently used prompts' going first; a prompt whose window K/V went is recomputed
+    (its full layers' K/V alone cannot serve it), and every output equals transformers."""
+    total, ratio = 1024, 0.1
+    engine = make_engine(tiny_model_dir("gemma3"), max_total_tokens=total, swa_full_tokens_ratio=ratio)
+    budget = int(total * ratio)
+    prompts = random_prompts(5, [40] * 5, seed=33)
+    for prompt in prompts:
+        (result,) = _run(engine, [prompt], 8)
+        assert result["output_ids"] == oracle("gemma3").continue_(prompt, 8)
+        stats = engine.get_stats()
+        assert total - stats["window_available_tokens"] <= budget
+    # Every prompt's full layers' K/V is cached still.
+    assert engine.get_stats()["evictable_tokens"] >= 5 * 40
+    (latest,) = _run(engine, [prompts[-1]], 8)
+    assert latest["meta_info"]["cached_tokens"] >= 40 - 1
+    (first,) = _run(engine, [prompts[0]], 8)
+    assert first["meta_info"]["cached_tokens"] == 0
+    assert first["output_ids"] == oracle("gemma3").continue_(prompts[0], 8)

@@ -187,10 +187,18 @@ inline void unpack_steps(const uint8_t *q, int t, Ints &lo, Ints &hi) {
     }
 }
 
-template <class F>
-inline void prefetch(const uint8_t *p) {
-    for (int64_t line = 0; line < group_block_bytes<F>(); line += 64)
-        _mm_prefetch(reinterpret_cast<const char *>(p + line), _MM_HINT_T0);
+// Independent integer sums per column and half, added at the sub-block's end (exact in int32, so the
+// bits do not change): vpdpwssd accumulates in place, so a tile of one row and one group would
+// otherwise run a sub-block's 16 products one after another, each waiting out the last's latency.
+// vpmaddwd's sums are separate adds, off that path.
+constexpr int sum_chains(int sums_per_tile) {
+    return RADIXSERVE_QUANT_ISA == 4 && sums_per_tile < 4 ? 4 / sums_per_tile : 1;
+}
+
+// Bytes [first, end) of a packed block, kPrefetchBytes ahead.
+inline void prefetch(const uint8_t *block, int64_t first, int64_t end) {
+    for (int64_t line = first; line < end; line += 64)
+        _mm_prefetch(reinterpret_cast<const char *>(block + kPrefetchBytes + line), _MM_HINT_T0);
 }
 
 // Rows [row, row + MR) x groups [g, g + NG) (16 NG columns) into result.
@@ -205,10 +213,17 @@ inline void tile(const uint8_t *packed, int64_t stride, int64_t g, int64_t row, 
         const uint8_t *h[NG];
         for (int j = 0; j < NG; ++j) {
             h[j] = packed + (g + j) * stride + blk * group_block_bytes<F>();
-            // The hardware prefetcher alone runs too little ahead of a decode step's stream.
-            prefetch<F>(h[j] + kPrefetchBytes);
+            // The hardware prefetcher alone runs too little ahead of a decode step's stream. One row
+            // asks for a sub-block's lines at a time (below): a K-quant's block is 2 KB, and all its
+            // lines asked for at once fill the load queue while the sub-blocks wait. A tile of more
+            // rows reads from memory only in its first pass over a group, and asks once a block.
+            if constexpr (MR > 1) prefetch(h[j], 0, group_block_bytes<F>());
         }
         for (int sub = 0; sub < F::kSubs; ++sub) {
+            if constexpr (MR == 1) {
+                for (int j = 0; j < NG; ++j)
+                    prefetch(h[j], sub == 0 ? 0 : F::kHeader + sub * sub_bytes<F>(), F::kHeader + (sub + 1) * sub_bytes<F>());
+            }
             const int64_t ab = blk * F::kSubs + sub;  // the activation block
             SubScales s[NG];
             for (int j = 0; j < NG; ++j) s[j] = sub_scales<F>(h[j], sub);
@@ -218,30 +233,38 @@ inline void tile(const uint8_t *packed, int64_t stride, int64_t g, int64_t row, 
             // scale (half the accumulator registers of two, so a tile holds more rows), one per half
             // for Q6_K, whose halves have scales of their own.
             constexpr int kSums = F::kSplit ? 2 : 1;
-            Ints sum[MR][NG][kSums];
+            constexpr int kChains = sum_chains(MR * NG * kSums);
+            Ints sum[MR][NG][kSums][kChains];
             for (int r = 0; r < MR; ++r) {
                 const int32_t *sums = a.row_sums(row + r) + 2 * ab;
                 for (int j = 0; j < NG; ++j) {
                     if constexpr (F::kSplit) {
-                        sum[r][j][0] = set_i32(-F::kIntOffset * sums[0]);
-                        sum[r][j][1] = set_i32(-F::kIntOffset * sums[1]);
+                        sum[r][j][0][0] = set_i32(-F::kIntOffset * sums[0]);
+                        sum[r][j][1][0] = set_i32(-F::kIntOffset * sums[1]);
                     } else {
-                        sum[r][j][0] = set_i32(-F::kIntOffset * (sums[0] + sums[1]));
+                        sum[r][j][0][0] = set_i32(-F::kIntOffset * (sums[0] + sums[1]));
                     }
+                    for (int h = 0; h < kSums; ++h)
+                        for (int c = 1; c < kChains; ++c) sum[r][j][h][c] = set_i32(0);
                 }
             }
             for (int t = 0; t < 8; ++t) {
+                const int c = t % kChains;
                 Ints wl[NG], wh[NG];
                 for (int j = 0; j < NG; ++j) unpack_steps<F>(q[j], t, wl[j], wh[j]);
                 for (int r = 0; r < MR; ++r) {
                     const int16_t *x = a.row_values(row + r) + 32 * ab + 2 * t;
                     const Ints pl = pair_at(x), ph = pair_at(x + 16);
                     for (int j = 0; j < NG; ++j) {
-                        sum[r][j][0] = dot(sum[r][j][0], wl[j], pl);
-                        sum[r][j][kSums - 1] = dot(sum[r][j][kSums - 1], wh[j], ph);
+                        sum[r][j][0][c] = dot(sum[r][j][0][c], wl[j], pl);
+                        sum[r][j][kSums - 1][c] = dot(sum[r][j][kSums - 1][c], wh[j], ph);
                     }
                 }
             }
+            for (int r = 0; r < MR; ++r)
+                for (int j = 0; j < NG; ++j)
+                    for (int h = 0; h < kSums; ++h)
+                        for (int c = 1; c < kChains; ++c) sum[r][j][h][0] = add_i32(sum[r][j][h][0], sum[r][j][h][c]);
             for (int r = 0; r < MR; ++r) {
                 const float scale = a.row_scales(row + r)[ab];
                 const Floats dx = set_f(scale);
@@ -249,8 +272,8 @@ inline void tile(const uint8_t *packed, int64_t stride, int64_t g, int64_t row, 
                 // The activations' sum, which a format's minimum multiplies.
                 const Floats total = set_f(F::kMinimum ? scale * static_cast<float>(sums[0] + sums[1]) : 0.0f);
                 for (int j = 0; j < NG; ++j) {
-                    acc[r][j] = fma(to_float(sum[r][j][0]), mul(s[j].lo, dx), acc[r][j]);
-                    if constexpr (F::kSplit) acc[r][j] = fma(to_float(sum[r][j][1]), mul(s[j].hi, dx), acc[r][j]);
+                    acc[r][j] = fma(to_float(sum[r][j][0][0]), mul(s[j].lo, dx), acc[r][j]);
+                    if constexpr (F::kSplit) acc[r][j] = fma(to_float(sum[r][j][1][0]), mul(s[j].hi, dx), acc[r][j]);
                     if constexpr (F::kMinimum) acc[r][j] = fma(s[j].offset, total, acc[r][j]);
                 }
             }

@@ -46,6 +46,10 @@ def image_digest(shape: list[int], pixel_values: bytes) -> str:
     return hashlib.sha256(repr(list(shape)).encode() + pixel_values).hexdigest()
 
 
+# Tokens between a non-streaming request's outputs (GenerateRequest.stream; SGLang's figure).
+NON_STREAM_OUTPUT_INTERVAL = 50
+
+
 @dataclass
 class GenerateRequest:
     rid: str
@@ -80,6 +84,11 @@ class GenerateRequest:
     images: list[ImageInput] | None = None
     # SGLang's `priority` (None: the default, 0); used under --enable-priority-scheduling.
     priority: int | None = None
+    # Whether the caller reads the output as it comes. One that waits for the whole answer (a
+    # non-streaming call) is sent its first token, then every NON_STREAM_OUTPUT_INTERVAL tokens and
+    # the end, rather than every --stream-interval: fewer messages for the processes beside the
+    # model's on a small machine.
+    stream: bool = True
 
 
 @dataclass

@@ -475,6 +475,7 @@ class Engine(EngineControl):
         inboxes: list[queue.Queue[TextOutput | ControlResult]] = []
         started = time.perf_counter()
         for req in reqs:
+            req.stream = False  # nothing reads its output before it finishes
             box: queue.Queue[TextOutput | ControlResult] = queue.Queue()
             inboxes.append(box)
             self.submit(req, box.put)

@@ -80,6 +80,7 @@ class ReqFactory:
             return_hidden_states=msg.return_hidden_states,
             logit_processor=processor,
             priority=msg.priority or 0,
+            stream=msg.stream,
         )
         if self.lora is not None:
             self.lora.attach(req, msg.lora_path)

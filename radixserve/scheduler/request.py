@@ -115,6 +115,8 @@ class Req:
     finished_reason: FinishReason | None = None
     # The request's `priority` (0 when it gave none); only --enable-priority-scheduling reads it.
     priority: int = 0
+    # Whether its caller reads its output as it comes (GenerateRequest.stream).
+    stream: bool = True
 
     # KV ownership (see cache/radix_cache.py): positions [0, cached_len) belong to the radix tree
     # and are locked through last_node; [cached_len, kv_len) belong to this request.

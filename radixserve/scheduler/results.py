@@ -18,7 +18,7 @@ import torch
 
 from radixserve.config.server_args import ServerArgs
 from radixserve.executor.base import Executor, KVSlots
-from radixserve.protocol.messages import FinishReason, ReqOutput
+from radixserve.protocol.messages import NON_STREAM_OUTPUT_INTERVAL, FinishReason, ReqOutput
 from radixserve.scheduler.batch import KVContext
 from radixserve.scheduler.disaggregation.prefill import PrefillHandoffs
 from radixserve.scheduler.grammar_queue import GrammarQueue
@@ -146,7 +146,10 @@ class StepResults:
             if prefill and id(req) not in running:
                 self._cache_computed(req)
                 queues.running.append(req)
-            if interval == 1 or unsent_tokens(req) >= interval:
+            if req.stream:
+                if interval == 1 or unsent_tokens(req) >= interval:
+                    publish((req, False))
+            elif unsent_tokens(req) >= NON_STREAM_OUTPUT_INTERVAL or len(req.output_ids) == 1:
                 publish((req, False))
         if finished:
             queues.running = [r for r in queues.running if id(r) not in finished]

@@ -105,7 +105,8 @@ async def collect(
     engine: Engine, reqs: list[GenerateRequest], request: Request, leaders: list[int | None] | None = None
 ) -> list[GenerateOutput]:
     """The final state of every request; aborts them all if the client disconnects meanwhile."""
-
+    for req in reqs:
+        req.stream = False  # nothing reads its output before it finishes
     merged = merged_stream(engine, reqs, leaders)
 
     async def consume() -> list[GenerateOutput]:

@@ -11,7 +11,12 @@ import pytest
 import torch
 
 from radixserve.config.server_args import ServerArgs
-from radixserve.protocol.messages import ControlRequest, ControlResult, GenerateRequest
+from radixserve.protocol.messages import (
+    NON_STREAM_OUTPUT_INTERVAL,
+    ControlRequest,
+    ControlResult,
+    GenerateRequest,
+)
 from radixserve.protocol.sampling_params import InvalidRequestError, SamplingParams
 from radixserve.scheduler.process import build_scheduler
 from tests.engine.oracle import GREEDY, GreedyOracle, random_prompts, run_scheduler
@@ -241,3 +246,26 @@ def test_stream_interval_batches_tokens_per_output(
 
     # Every 4 tokens, and the rest at the end.
     assert asyncio.run(run()) == [4, 8, 10]
+
+
+def test_a_non_streaming_request_is_sent_its_first_token_then_every_50(
+    tiny_model_dir: Callable[[str], Path], make_engine: Callable[..., Any]
+) -> None:
+    """GenerateRequest.stream false (a non-streaming call; Engine.generate's): the first token (its
+    time to first token stays true), then every NON_STREAM_OUTPUT_INTERVAL tokens, and the end,
+    whatever --stream-interval says; a streaming one keeps the interval."""
+    engine = make_engine(tiny_model_dir("llama"))
+
+    async def sizes(stream: bool) -> list[int]:
+        req = engine.requests.build([5, 6, 7], {**GREEDY, "max_new_tokens": 120, "ignore_eos": True})
+        req.stream = stream
+        return [len(state.output_ids) async for state in engine.stream(req)]
+
+    assert NON_STREAM_OUTPUT_INTERVAL == 50
+    assert asyncio.run(sizes(False)) == [1, 51, 101, 120]
+    assert asyncio.run(sizes(True)) == list(range(1, 121))
+    # Engine.generate reads only the end: its output is the same either way.
+    result = engine.generate(
+        input_ids=[5, 6, 7], sampling_params={**GREEDY, "max_new_tokens": 120, "ignore_eos": True}
+    )
+    assert isinstance(result, dict) and len(result["output_ids"]) == 120

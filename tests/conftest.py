@@ -57,7 +57,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 TINY_ARCHS: tuple[str, ...] = (
     "llama", "qwen2", "qwen3", "mistral", "phi3", "phi3_longrope", "phi3_partial", "qwen3_yarn",
-    "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gemma3", "mistral_window", "llama_dynamic",
+    "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "olmoe_unclipped", "gemma3", "mistral_window",
+    "llama_dynamic",
 )  # fmt: skip
 
 # The tiny models' sliding window (gemma3's sliding layers, every layer of mistral_window): prompts
@@ -179,12 +180,14 @@ def _hf_config(arch: str, vocab_size: int, eos_id: int) -> Any:
             **common, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
             sliding_window=None,
         )  # fmt: skip
-    if arch == "olmoe":
+    if arch in ("olmoe", "olmoe_unclipped"):
         # Every layer sparse (8 experts, 2 a token); q/k norms over the whole projection; q, k, v
-        # clamped to [-2, 2].
+        # clamped to [-2, 2]. Unclipped, with OLMoE's own norm epsilon: what llama.cpp's converter
+        # writes of an OLMoE (tests/gguf_fixture.py), which has no place for a clip.
+        clip, eps = (2.0, common["rms_norm_eps"]) if arch == "olmoe" else (None, 1e-5)
         return OlmoeConfig(
-            **{**common, "intermediate_size": 32}, num_experts=8, num_experts_per_tok=2, clip_qkv=2.0,
-            tie_word_embeddings=False, pad_token_id=eos_id,
+            **{**common, "intermediate_size": 32, "rms_norm_eps": eps}, num_experts=8,
+            num_experts_per_tok=2, clip_qkv=clip, tie_word_embeddings=False, pad_token_id=eos_id,
         )  # fmt: skip
     if arch == "mistral_window":
         # Every layer slides.

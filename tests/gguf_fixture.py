@@ -33,6 +33,7 @@ _ARCH = {
     "phi3": "phi3",
     "qwen2_moe": "qwen2moe",
     "qwen3_moe": "qwen3moe",
+    "olmoe": "olmoe",
 }
 # Formats a tensor may be written in (gguf's own quantizer rounds them, as llama.cpp's does).
 FORMATS = ("F32", "Q8_0", "Q4_0")
@@ -115,6 +116,9 @@ def _write_hparams(writer: Any, arch: str, hp: dict[str, Any]) -> None:
     writer.add_head_count(heads)
     writer.add_head_count_kv(int(hp.get("num_key_value_heads") or heads))
     writer.add_rope_freq_base(float(hp["rope_theta"]))
+    # The converter writes OLMoE's epsilon, 1e-5, whatever the config says, and no clip_qkv.
+    if arch == "olmoe" and (hp.get("clip_qkv") or float(hp["rms_norm_eps"]) != 1e-5):
+        raise ValueError("llama.cpp's olmoe file holds no clip_qkv and an epsilon of 1e-5")
     writer.add_layer_norm_rms_eps(float(hp["rms_norm_eps"]))
     if arch == "phi3":
         # Phi-3's converter states the rotary width in dimensions (of hidden / heads, not head_dim),

@@ -75,13 +75,14 @@ _GGUF_ARCH_TO_HF: dict[str, str] = {
     "phi3": "Phi3ForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
 # llama.cpp writes Mixtral as arch "llama" with experts ({arch}.expert_count > 0).
 _GGUF_LLAMA_WITH_EXPERTS = "MixtralForCausalLM"
 # Whether a token's chosen experts' probabilities are renormalized, where the file does not say
 # ({arch}.expert_weights_norm, which these converters do not write): llama.cpp builds it into
 # each architecture, and transformers' GGUF config defaults agree (Qwen3-MoE: true).
-_GGUF_NORM_TOPK_PROB = {"qwen2moe": False, "qwen3moe": True, "llama": True}
+_GGUF_NORM_TOPK_PROB = {"qwen2moe": False, "qwen3moe": True, "olmoe": False, "llama": True}
 # gguf's ExpertGatingFuncType: the router's probabilities as a softmax (the only one served).
 _GGUF_GATING_SOFTMAX = 1
 # llama.cpp's Gemma 3: every sixth layer global, the others sliding over a rotary base of their own;
@@ -428,6 +429,9 @@ def _gguf_config(reader: GGUFReader) -> ModelConfig:
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        # OLMoE's q/k norms span each projection's whole width. Its converter writes no clip_qkv,
+        # and llama.cpp clamps none: a file is served unclamped, as llama.cpp serves it.
+        qk_norm_full_width=arch == "olmoe",
         sliding_window=int(window) if sliding_layers else None,
         sliding_layers=sliding_layers,
         eos_token_ids=eos,

@@ -25,6 +25,8 @@ logger = logging.getLogger("radixserve")
 # The class names a saved fast tokenizer's config gives (transformers 5 and 4): such a directory
 # needs nothing of the model's config to load.
 _FAST_TOKENIZER_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
+# GGUF architectures radixserve serves whose model config transformers' GGUF import does not read.
+_GGUF_ARCHS_TRANSFORMERS_LACKS = frozenset({"olmoe"})
 
 
 def load_tokenizer_dir(path: str | Path) -> PreTrainedTokenizerBase:
@@ -64,9 +66,12 @@ def load_tokenizer(src: ModelSource) -> PreTrainedTokenizerBase:
             except (OSError, ValueError) as exc:
                 logger.warning("replacing the unusable saved tokenizer at %s (%s)", saved, exc)
                 shutil.rmtree(saved, ignore_errors=True)
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-        tokenizer = AutoTokenizer.from_pretrained(
+        # AutoTokenizer reads the file's model config first, which transformers cannot for some
+        # architectures; the fast tokenizer itself comes from the tokenizer.ggml.* fields alone.
+        by_fields_only = gguf_metadata(src.path, "general.architecture") in _GGUF_ARCHS_TRANSFORMERS_LACKS
+        tokenizer = (PreTrainedTokenizerFast if by_fields_only else AutoTokenizer).from_pretrained(
             str(src.path.parent), gguf_file=src.path.name, local_files_only=True
         )
     except (OSError, ValueError) as exc:

@@ -1,4 +1,4 @@
-"""Phi-3, Qwen2-MoE, Qwen3-MoE and Mixtral from GGUF files laid out as llama.cpp's converter lays
+"""Phi-3, Qwen2-MoE, Qwen3-MoE, Mixtral and OLMoE from GGUF files laid out as llama.cpp's converter lays
 them out (tests/gguf_fixture.py): Phi-3's fused qkv and gate/up, LongRoPE factors and partial
 rotary; each sparse layer's experts stacked per projection, its router, Qwen2-MoE's shared
 expert; Mixtral as arch "llama" with experts and q/k rows interleaved. Served, the greedy tokens
@@ -30,10 +30,10 @@ MAX_NEW = 12
 LENGTHS = [3, 10, 33, 51]
 # Against the fp32 oracle the KV cache is fp32 too (quantized weights default to a bf16 one).
 EXACT_KV = "float32"
-FAMILIES = ["phi3", "phi3_longrope", "phi3_partial", "qwen2_moe", "qwen3_moe", "mixtral"]
-# transformers reads a Mixtral GGUF (arch "llama" with experts) as a dense Llama, so it cannot
-# check the writer there.
-TRANSFORMERS_READS = [arch for arch in FAMILIES if arch != "mixtral"]
+FAMILIES = ["phi3", "phi3_longrope", "phi3_partial", "qwen2_moe", "qwen3_moe", "mixtral", "olmoe_unclipped"]
+# transformers reads a Mixtral GGUF (arch "llama" with experts) as a dense Llama, and no olmoe
+# file at all, so it cannot check the writer there.
+TRANSFORMERS_READS = [arch for arch in FAMILIES if arch not in ("mixtral", "olmoe_unclipped")]
 # Quantized files: Phi-3's fused tensors (Q8_0) and its down projection (Q4_0); Mixtral's stacked
 # experts (Q8_0) and its attention's q, k (rows interleaved) and v (Q4_0).
 PHI3_FORMATS = {"attn_qkv": "Q8_0", "ffn_up": "Q8_0", "ffn_down": "Q4_0"}

@@ -495,8 +495,8 @@ class RadixCache(PrefixCache):
         its full layers' K/V, and a request continues from it only where its last window is alive
         (reusable_prefix_len). A locked node is on a running request's path, which may read it."""
         excess = self.allocator.window_excess()
-        if excess <= 0:
-            return
+        if excess <= 0 or self._evictable == 0:
+            return  # within the budget, or every node is on a running request's path
         unlocked = [n for n in self._iter_nodes() if n.lock_ref == 0]
         unlocked.sort(key=lambda n: (n.last_access_time, n.node_id))
         for node in unlocked:
